@@ -1,0 +1,219 @@
+"""The Vision Transformer (Dosovitskiy et al. 2020), with timm's parameter names.
+
+Reading order: patch embedding -> attention -> MLP -> block -> model. Shapes use
+B batch, N tokens, D embed dim, nh heads, hd head dim, gh x gw the patch grid.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+
+from .config import ViTConfig
+
+
+class PatchEmbed(nn.Module):
+    """Cut the image into non-overlapping p x p patches and project each one to D dimensions.
+
+    A Conv2d with kernel = stride = p is exactly the seeds' "flatten each patch, then nn.Linear":
+    each output position sees one patch and nothing else, and the kernel is that linear map's
+    weight reshaped to (D, C, p, p). The conv just does the cut and the matmul in one fused call.
+    """
+
+    def __init__(self, config: ViTConfig):
+        super().__init__()
+        self.img_size = config.img_size
+        self.proj = nn.Conv2d(
+            config.in_chans, config.embed_dim, kernel_size=config.patch_size, stride=config.patch_size
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if tuple(x.shape[-2:]) != self.img_size:
+            height, width = self.img_size
+            raise ValueError(
+                f"input is {x.shape[-2]}x{x.shape[-1]} pixels but the model expects {height}x{width}"
+            )
+        x = self.proj(x)  # (B, D, gh, gw)
+        return rearrange(x, "b d gh gw -> b (gh gw) d")
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention.
+
+    Runs fused (``F.scaled_dot_product_attention``) unless ``fused_attn`` is switched off: then
+    the softmax is computed explicitly by ``self.attend``, its own module, so that a forward hook
+    can observe the (B, nh, N, N) attention weights and gradients can flow through them.
+    With ``observe_attention`` the fused output is kept and the weights are computed beside it
+    for hooks only, so that watching a model never changes its logits, not even by rounding.
+    """
+
+    def __init__(self, config: ViTConfig):
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.head_dim = config.head_dim
+        self.scale = self.head_dim**-0.5
+        self.fused_attn = True
+        self.observe_attention = False
+        self.qkv = nn.Linear(config.embed_dim, config.embed_dim * 3, bias=config.qkv_bias)
+        self.attend = nn.Softmax(dim=-1)
+        self.attn_drop = nn.Dropout(config.attn_drop_rate)
+        self.proj = nn.Linear(config.embed_dim, config.embed_dim)
+        self.proj_drop = nn.Dropout(config.drop_rate)
+
+    def _scores(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        # Scale before the softmax (scaling after it, as some tutorials do, is a bug).
+        return (q * self.scale) @ k.transpose(-2, -1)  # (B, nh, N, N)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        qkv = rearrange(self.qkv(x), "b n (qkv nh hd) -> qkv b nh n hd", qkv=3, nh=self.num_heads)
+        q, k, v = qkv.unbind(0)  # (B, nh, N, hd) each
+        if self.fused_attn:
+            x = F.scaled_dot_product_attention(
+                q, k, v, dropout_p=self.attn_drop.p if self.training else 0.0
+            )
+            if self.observe_attention:
+                self.attend(self._scores(q, k))
+        else:
+            attn = self.attend(self._scores(q, k))  # (B, nh, N, N)
+            x = self.attn_drop(attn) @ v  # (B, nh, N, hd)
+        x = rearrange(x, "b nh n hd -> b n (nh hd)")
+        return self.proj_drop(self.proj(x))
+
+
+class Mlp(nn.Module):
+    def __init__(self, config: ViTConfig):
+        super().__init__()
+        hidden = int(config.embed_dim * config.mlp_ratio)
+        self.fc1 = nn.Linear(config.embed_dim, hidden)
+        self.act = nn.GELU()
+        self.drop1 = nn.Dropout(config.drop_rate)
+        self.fc2 = nn.Linear(hidden, config.embed_dim)
+        self.drop2 = nn.Dropout(config.drop_rate)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop2(self.fc2(self.drop1(self.act(self.fc1(x)))))
+
+
+class LayerScale(nn.Module):
+    """Per-channel learned scale of a residual branch (CaiT, DeiT III, DINOv2)."""
+
+    def __init__(self, dim: int, init_values: float):
+        super().__init__()
+        self.gamma = nn.Parameter(init_values * torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gamma
+
+
+class DropPath(nn.Module):
+    """Stochastic depth: drop a sample's whole residual branch with probability ``drop_prob``."""
+
+    def __init__(self, drop_prob: float):
+        super().__init__()
+        self.drop_prob = drop_prob
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.drop_prob == 0.0:
+            return x
+        keep = 1.0 - self.drop_prob
+        mask = x.new_empty((x.shape[0],) + (1,) * (x.ndim - 1)).bernoulli_(keep)
+        return x * mask / keep
+
+
+class Block(nn.Module):
+    """Pre-norm transformer encoder block: x + Attn(LN(x)), then x + MLP(LN(x))."""
+
+    def __init__(self, config: ViTConfig, drop_path: float = 0.0):
+        super().__init__()
+        dim, eps = config.embed_dim, config.layer_norm_eps
+        layer_scale = (
+            (lambda: LayerScale(dim, config.init_values))
+            if config.init_values is not None
+            else nn.Identity
+        )
+        self.norm1 = nn.LayerNorm(dim, eps=eps)
+        self.attn = Attention(config)
+        self.ls1 = layer_scale()
+        self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+        self.norm2 = nn.LayerNorm(dim, eps=eps)
+        self.mlp = Mlp(config)
+        self.ls2 = layer_scale()
+        self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x))))
+        return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
+
+
+class ViT(nn.Module):
+    """Vision Transformer. ``model(x)`` takes (B, C, H, W) normalized images, returns logits."""
+
+    def __init__(self, config: ViTConfig):
+        super().__init__()
+        self.config = config
+        dim = config.embed_dim
+        self.num_prefix_tokens = config.num_prefix_tokens
+        self.patch_embed = PatchEmbed(config)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, dim)) if config.class_token else None
+        self.reg_token = (
+            nn.Parameter(torch.zeros(1, config.reg_tokens, dim)) if config.reg_tokens else None
+        )
+        embed_len = config.num_patches + (0 if config.no_embed_class else self.num_prefix_tokens)
+        self.pos_embed = nn.Parameter(torch.zeros(1, embed_len, dim))
+        self.pos_drop = nn.Dropout(config.drop_rate)
+        drop_paths = torch.linspace(0, config.drop_path_rate, config.depth).tolist()
+        self.blocks = nn.Sequential(*(Block(config, rate) for rate in drop_paths))
+        use_fc_norm = config.use_fc_norm
+        self.norm = nn.Identity() if use_fc_norm else nn.LayerNorm(dim, eps=config.layer_norm_eps)
+        self.fc_norm = nn.LayerNorm(dim, eps=config.layer_norm_eps) if use_fc_norm else nn.Identity()
+        self.head_drop = nn.Dropout(config.drop_rate)
+        self.head = nn.Linear(dim, config.num_classes) if config.num_classes else nn.Identity()
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        nn.init.trunc_normal_(self.pos_embed, std=0.02)
+        for token in (self.cls_token, self.reg_token):
+            if token is not None:
+                nn.init.normal_(token, std=1e-6)
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.trunc_normal_(module.weight, std=0.02)
+                nn.init.zeros_(module.bias) if module.bias is not None else None
+        if isinstance(self.head, nn.Linear):
+            # A zero head starts training at uniform predictions (timm, big_vision).
+            nn.init.zeros_(self.head.weight)
+
+    def _pos_embed(self, x: torch.Tensor) -> torch.Tensor:
+        """Add position embeddings and prepend [class token, register tokens] to (B, gh*gw, D)."""
+        prefix = [
+            token.expand(x.shape[0], -1, -1)
+            for token in (self.cls_token, self.reg_token)
+            if token is not None
+        ]
+        if self.config.no_embed_class:
+            x = x + self.pos_embed
+            x = torch.cat(prefix + [x], dim=1) if prefix else x
+        else:
+            x = torch.cat(prefix + [x], dim=1) if prefix else x
+            x = x + self.pos_embed
+        return self.pos_drop(x)  # (B, N, D)
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.patch_embed(x)  # (B, gh*gw, D)
+        x = self._pos_embed(x)  # (B, N, D)
+        x = self.blocks(x)
+        return self.norm(x)
+
+    def pool(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, N, D) tokens -> (B, D): the class token, or the mean of the patch tokens."""
+        if self.config.global_pool == "mean":
+            return x[:, self.num_prefix_tokens :].mean(dim=1)
+        return x[:, 0]
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        x = self.head_drop(self.fc_norm(self.pool(x)))
+        return x if pre_logits else self.head(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_head(self.forward_features(x))
