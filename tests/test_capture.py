@@ -1,0 +1,99 @@
+"""capture() records the forward pass faithfully and leaves the model as it found it."""
+import pytest
+import torch
+from einops import rearrange
+
+import vit_explorer as vx
+from vit_explorer.capture import record_attention
+
+from helpers import VARIANTS, randomize, tiny_config
+
+
+def explicit_attention(model: vx.ViT, tokens: torch.Tensor, layer: int) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d)) written out from a block's input, as the ViT paper defines it."""
+    block = model.blocks[layer]
+    qkv = block.attn.qkv(block.norm1(tokens))  # (B, N, 3D)
+    q, k, _ = rearrange(qkv, "b n (qkv h d) -> qkv b h n d", qkv=3, h=model.config.num_heads)
+    return torch.softmax(q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5, dim=-1)
+
+
+@pytest.mark.parametrize("changes", VARIANTS.values(), ids=VARIANTS.keys())
+@pytest.mark.parametrize("batch", [1, 3])
+def test_capture_shapes_and_invariants(changes, batch):
+    model = randomize(vx.ViT(tiny_config(**changes)))
+    config = model.config
+    x = torch.randn(batch, 3, *config.img_size)
+    with torch.no_grad():
+        logits = model(x)
+    cap = vx.capture(model, x)
+
+    gh, gw = config.grid_size
+    n, p = config.num_tokens, config.patch_size
+    assert torch.equal(cap.logits, logits)  # watching does not change the result, not even by rounding
+    assert cap.attentions.shape == (batch, config.depth, config.num_heads, n, n)
+    assert cap.attentions.dtype == torch.float32 and cap.attentions.device.type == "cpu"
+    torch.testing.assert_close(cap.attentions.sum(-1), torch.ones(batch, config.depth, config.num_heads, n))
+    assert cap.tokens.shape == (batch, config.depth + 1, n, config.embed_dim)
+    assert cap.patches.shape == (batch, gh, gw, 3, p, p)
+    assert cap.patch_embeddings.shape == (batch, gh * gw, config.embed_dim)
+    assert cap.grid_size == (gh, gw) and cap.num_prefix_tokens == config.num_prefix_tokens
+
+    with torch.no_grad():
+        # The recorded pieces fit together: patches -> embeddings, tokens -> attention -> logits.
+        image = rearrange(cap.patches, "b gh gw c p1 p2 -> b c (gh p1) (gw p2)")
+        torch.testing.assert_close(image, x)
+        torch.testing.assert_close(cap.patch_embeddings, model.patch_embed(x))
+        torch.testing.assert_close(cap.tokens[:, 0], model._pos_embed(model.patch_embed(x)))
+        for layer in range(config.depth):
+            torch.testing.assert_close(
+                cap.attentions[:, layer], explicit_attention(model, cap.tokens[:, layer], layer)
+            )
+            torch.testing.assert_close(cap.tokens[:, layer + 1], model.blocks[layer](cap.tokens[:, layer]))
+        final = model.forward_head(model.norm(cap.tokens[:, -1]))
+        torch.testing.assert_close(final, logits)
+
+
+def test_capture_of_some_layers_matches_the_full_capture():
+    model = randomize(vx.ViT(tiny_config(depth=4)))
+    x = torch.randn(2, 3, 16, 16)
+    full = vx.capture(model, x)
+    some = vx.capture(model, x, layers=[3, 1, -1])
+    assert some.layers == (1, 3)
+    torch.testing.assert_close(some.attentions, full.attentions[:, [1, 3]])
+    torch.testing.assert_close(some.tokens, full.tokens)
+    with pytest.raises(ValueError, match=r"layers \[7\] do not exist; the model has layers 0..3"):
+        vx.capture(model, x, layers=[7])
+
+
+def hook_count(model: torch.nn.Module) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+def attention_switches(model: vx.ViT) -> list[tuple[bool, bool]]:
+    return [(block.attn.fused_attn, block.attn.observe_attention) for block in model.blocks]
+
+
+def test_capture_leaves_the_model_as_it_was_even_on_error():
+    model = randomize(vx.ViT(tiny_config()))
+    model.train()
+    switches = attention_switches(model)
+    vx.capture(model, torch.randn(1, 3, 16, 16))
+    assert model.training and hook_count(model) == 0 and attention_switches(model) == switches
+    with pytest.raises(ValueError, match="expects 16x16"):
+        vx.capture(model, torch.randn(1, 3, 8, 8))
+    assert model.training and hook_count(model) == 0 and attention_switches(model) == switches
+
+
+def test_capture_accepts_a_single_unbatched_image():
+    model = randomize(vx.ViT(tiny_config()))
+    assert vx.capture(model, torch.randn(3, 16, 16)).logits.shape == (1, 5)
+
+
+def test_recorded_attention_carries_gradients_and_drives_the_output():
+    model = randomize(vx.ViT(tiny_config()))
+    x = torch.randn(2, 3, 16, 16)
+    with record_attention(model, [0, 1], keep_graph=True) as recorded:
+        model(x)[:, 2].sum().backward()
+    assert all(recorded[layer].grad is not None for layer in (0, 1))
+    assert recorded[1].grad.abs().sum() > 0
+    assert hook_count(model) == 0 and all(block.attn.fused_attn for block in model.blocks)

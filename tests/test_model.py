@@ -1,0 +1,89 @@
+"""The model agrees with timm's VisionTransformer, and its two attention paths agree."""
+import pytest
+import timm
+import torch
+
+import vit_explorer as vx
+
+from helpers import VARIANTS, randomize, timm_twin, tiny_config
+
+@pytest.mark.parametrize("changes", VARIANTS.values(), ids=VARIANTS.keys())
+def test_matches_timm_with_the_same_weights(changes):
+    config = tiny_config(**changes)
+    model = randomize(vx.ViT(config))
+    reference = timm_twin(config)
+    reference.load_state_dict(model.state_dict(), strict=True)  # same parameter names
+    x = torch.randn(3, 3, *config.img_size)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), reference(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("changes", VARIANTS.values(), ids=VARIANTS.keys())
+def test_fused_and_explicit_attention_agree(changes):
+    model = randomize(vx.ViT(tiny_config(**changes)))
+    x = torch.randn(2, 3, *model.config.img_size)
+    with torch.no_grad():
+        fused = model(x)
+        for block in model.blocks:
+            block.attn.fused_attn = False
+        explicit = model(x)
+    torch.testing.assert_close(fused, explicit, rtol=1e-5, atol=1e-5)
+
+
+def test_patch_embedding_is_a_linear_map_of_flattened_patches():
+    model = randomize(vx.ViT(tiny_config()))
+    x = torch.randn(2, 3, 16, 16)
+    proj = model.patch_embed.proj
+    patches = x.unfold(2, 4, 4).unfold(3, 4, 4)  # (B, C, gh, gw, p, p)
+    flat = patches.permute(0, 2, 3, 1, 4, 5).reshape(2, 16, 3 * 4 * 4)  # (B, gh*gw, C*p*p)
+    linear = flat @ proj.weight.reshape(32, -1).T + proj.bias
+    with torch.no_grad():
+        torch.testing.assert_close(model.patch_embed(x), linear, rtol=1e-5, atol=1e-5)
+
+
+def test_wrong_input_size_is_a_clear_error():
+    model = vx.ViT(tiny_config())
+    with pytest.raises(ValueError, match="input is 20x16 pixels but the model expects 16x16"):
+        model(torch.randn(1, 3, 20, 16))
+
+
+def test_dropout_is_inactive_in_eval_and_active_in_train():
+    model = randomize(vx.ViT(tiny_config(drop_rate=0.5, attn_drop_rate=0.5, drop_path_rate=0.5)))
+    x = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), model(x))
+        model.train()
+        assert not torch.allclose(model(x), model(x))
+
+
+def test_timm_named_model_loads_directly():
+    reference = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=3)
+    config = vx.ViTConfig(num_classes=3, embed_dim=192, depth=12, num_heads=3)
+    vx.ViT(config).load_state_dict(reference.state_dict(), strict=True)
+
+
+def test_config_json_round_trip():
+    config = tiny_config(image_size=(16, 32), class_names=("a", "b", "c", "d", "e"), reg_tokens=1)
+    again = vx.ViTConfig.from_json(config.to_json())
+    assert again == config
+    assert again.grid_size == (4, 8) and again.num_tokens == 2 + 32
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(image_size=18), "not divisible by patch size"),
+        (dict(num_heads=5), "not divisible by num_heads"),
+        (dict(global_pool="max"), "global_pool must be"),
+        (dict(class_token=False), "needs class_token=True"),
+        (dict(class_names=("a",)), "1 class names given for 5 classes"),
+    ],
+)
+def test_bad_config_is_a_clear_error(changes, message):
+    with pytest.raises(ValueError, match=message):
+        tiny_config(**changes)
+
+
+def test_unknown_config_field_is_named():
+    with pytest.raises(ValueError, match="unknown ViTConfig fields: colour"):
+        vx.ViTConfig.from_dict({"colour": "red"})
