@@ -39,13 +39,11 @@ def _to_cpu(tensor: torch.Tensor) -> torch.Tensor:
 
 @contextmanager
 def record_attention(model: ViT, layers: Iterable[int], keep_graph: bool = False):
-    """Collect the attention weights of the given layers during the forward passes inside.
+    """Switch the given layers to explicit attention and collect their softmax outputs.
 
-    Yields a dict layer -> (B, nh, N, N) tensor. By default the layers keep their fused
-    attention and compute the weights beside it (the logits stay bit-identical) and the dict
-    holds detached float32 CPU copies. With ``keep_graph`` the layers switch to the explicit
-    path, so the output depends on the recorded weights, which stay on the autograd graph and
-    retain their gradients, as gradient-weighted attribution needs.
+    Yields a dict layer -> (B, nh, N, N) tensor filled during the forward passes inside. With
+    ``keep_graph`` the tensors stay on the autograd graph (and retain their gradients), as
+    gradient-weighted attribution needs; otherwise they are detached float32 CPU copies.
     """
     recorded: dict[int, torch.Tensor] = {}
     with ExitStack() as stack:
@@ -59,9 +57,8 @@ def record_attention(model: ViT, layers: Iterable[int], keep_graph: bool = False
                 else:
                     recorded[index] = _to_cpu(output)
 
-            switch = "fused_attn" if keep_graph else "observe_attention"
-            stack.callback(setattr, attention, switch, getattr(attention, switch))
-            setattr(attention, switch, not keep_graph)
+            stack.callback(setattr, attention, "fused_attn", attention.fused_attn)
+            attention.fused_attn = False
             stack.callback(attention.attend.register_forward_hook(save).remove)
         yield recorded
 
@@ -81,7 +78,8 @@ def capture(model: ViT, images: torch.Tensor, layers: Sequence[int] | None = Non
     """Run ``model`` on normalized ``images`` (B, C, H, W) in eval mode without gradients.
 
     ``layers`` limits which layers' attention is kept (all by default) to save memory; tokens
-    are always kept for every layer. The logits equal ``model(images)`` in eval mode.
+    are always kept for every layer. The logits equal ``model(images)`` in eval mode up to
+    float rounding (the captured layers run the explicit attention path).
     """
     config = model.config
     indices = _layer_indices(layers, config.depth)

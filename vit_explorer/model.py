@@ -41,11 +41,10 @@ class PatchEmbed(nn.Module):
 class Attention(nn.Module):
     """Multi-head self-attention.
 
-    Runs fused (``F.scaled_dot_product_attention``) unless ``fused_attn`` is switched off: then
-    the softmax is computed explicitly by ``self.attend``, its own module, so that a forward hook
-    can observe the (B, nh, N, N) attention weights and gradients can flow through them.
-    With ``observe_attention`` the fused output is kept and the weights are computed beside it
-    for hooks only, so that watching a model never changes its logits, not even by rounding.
+    Runs fused (``F.scaled_dot_product_attention``) unless ``fused_attn`` is switched off, as
+    :func:`vit_explorer.capture` does: then the softmax is computed explicitly by ``self.attend``,
+    its own module, so that a forward hook can observe the (B, nh, N, N) attention weights and
+    gradients can flow through them. The two paths agree to float rounding.
     """
 
     def __init__(self, config: ViTConfig):
@@ -54,16 +53,11 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.scale = self.head_dim**-0.5
         self.fused_attn = True
-        self.observe_attention = False
         self.qkv = nn.Linear(config.embed_dim, config.embed_dim * 3, bias=config.qkv_bias)
         self.attend = nn.Softmax(dim=-1)
         self.attn_drop = nn.Dropout(config.attn_drop_rate)
         self.proj = nn.Linear(config.embed_dim, config.embed_dim)
         self.proj_drop = nn.Dropout(config.drop_rate)
-
-    def _scores(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-        # Scale before the softmax (scaling after it, as some tutorials do, is a bug).
-        return (q * self.scale) @ k.transpose(-2, -1)  # (B, nh, N, N)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qkv = rearrange(self.qkv(x), "b n (qkv nh hd) -> qkv b nh n hd", qkv=3, nh=self.num_heads)
@@ -72,10 +66,9 @@ class Attention(nn.Module):
             x = F.scaled_dot_product_attention(
                 q, k, v, dropout_p=self.attn_drop.p if self.training else 0.0
             )
-            if self.observe_attention:
-                self.attend(self._scores(q, k))
         else:
-            attn = self.attend(self._scores(q, k))  # (B, nh, N, N)
+            # Scale before the softmax (scaling after it, as some tutorials do, is a bug).
+            attn = self.attend((q * self.scale) @ k.transpose(-2, -1))  # (B, nh, N, N)
             x = self.attn_drop(attn) @ v  # (B, nh, N, hd)
         x = rearrange(x, "b nh n hd -> b n (nh hd)")
         return self.proj_drop(self.proj(x))

@@ -1,0 +1,83 @@
+"""Inference speed against timm's fused ViT, measured in the same run.
+
+Prints, for ViT-B/16 and ViT-Ti/16 at 224 px, batch 1, on the CPU (or --device):
+  forward ratio  = our plain forward / timm's forward          (goal <= 1.05)
+  capture ratio  = vx.capture (every layer and head) / timm's   (goal <= 1.15)
+Timings are interleaved round by round so that load from other processes hits all three alike;
+the ratio of medians is reported.
+
+    python -m bench.inference [--rounds 15] [--device cpu]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import timm
+import torch
+
+import vit_explorer as vx
+
+MODELS = {
+    "ViT-B/16": ("vit_base_patch16_224", dict(embed_dim=768, depth=12, num_heads=12)),
+    "ViT-Ti/16": ("vit_tiny_patch16_224", dict(embed_dim=192, depth=12, num_heads=3)),
+}
+
+
+def seconds(fn, device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def bench(name: str, rounds: int, device: torch.device) -> dict[str, float]:
+    timm_name, dims = MODELS[name]
+    reference = timm.create_model(timm_name, pretrained=False).eval().to(device)
+    ours = vx.ViT(vx.ViTConfig(image_size=224, patch_size=16, num_classes=1000, **dims))
+    ours.load_state_dict(reference.state_dict())
+    ours.eval().to(device)
+    x = torch.randn(1, 3, 224, 224, device=device)
+
+    def timm_forward():
+        with torch.inference_mode():
+            reference(x)
+
+    def our_forward():
+        with torch.inference_mode():
+            ours(x)
+
+    def our_capture():
+        vx.capture(ours, x)
+
+    candidates = {"timm": timm_forward, "forward": our_forward, "capture": our_capture}
+    for fn in candidates.values():  # warm-up: allocator, kernels, lazy init
+        fn(), fn()
+    times = {key: [] for key in candidates}
+    for _ in range(rounds):
+        for key, fn in candidates.items():
+            times[key].append(seconds(fn, device))
+    return {key: statistics.median(values) for key, values in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    print(f"torch {torch.__version__}, timm {timm.__version__}, device {device}, "
+          f"{torch.get_num_threads()} threads, batch 1, 224x224, median of {args.rounds} rounds")
+    print(f"{'model':<10} {'timm ms':>8} {'ours ms':>8} {'capture ms':>10} {'forward ratio':>14} {'capture ratio':>14}")
+    for name in MODELS:
+        t = bench(name, args.rounds, device)
+        print(f"{name:<10} {t['timm'] * 1e3:8.1f} {t['forward'] * 1e3:8.1f} {t['capture'] * 1e3:10.1f} "
+              f"{t['forward'] / t['timm']:13.3f}x {t['capture'] / t['timm']:13.3f}x")
+
+
+if __name__ == "__main__":
+    main()
