@@ -219,8 +219,8 @@ def _from_huggingface(state: dict[str, torch.Tensor], hf_config: dict) -> tuple[
         (r"^embeddings\.cls_token$", "cls_token"),
         (r"^embeddings\.position_embeddings$", "pos_embed"),
         (r"^embeddings\.patch_embeddings\.projection\.", "patch_embed.proj."),
-        (r"^encoder\.layer\.(\d+)\.", r"blocks.\1."),
-        (r"\.attention\.output\.dense\.", ".attn.proj."),
+        (r"^(encoder\.layer|layers)\.(\d+)\.", r"blocks.\2."),
+        (r"\.attention\.(output\.dense|o_proj)\.", ".attn.proj."),
         (r"\.layernorm_before\.", ".norm1."),
         (r"\.layernorm_after\.", ".norm2."),
         (r"\.intermediate\.dense\.", ".mlp.fc1."),
@@ -232,18 +232,23 @@ def _from_huggingface(state: dict[str, torch.Tensor], hf_config: dict) -> tuple[
     for key, value in state.items():
         if key.startswith("pooler.") or key == "embeddings.mask_token":
             continue  # ViTModel's pooler and the masked-image-modelling token never reach the logits
-        found = re.match(r"^encoder\.layer\.(\d+)\.attention\.attention\.(query|key|value)\.(weight|bias)$", key)
+        # Files keep the transformers 4 names; transformers 5 modules call them q/k/v/o_proj.
+        found = re.match(
+            r"^(?:encoder\.layer|layers)\.(\d+)\.attention\.(?:attention\.)?(query|key|value|q_proj|k_proj|v_proj)\."
+            r"(weight|bias)$",
+            key,
+        )
         if found:
             block, role, kind = found.groups()
-            separate_qkv.setdefault(f"blocks.{block}.attn.qkv.{kind}", {})[role] = value
+            separate_qkv.setdefault(f"blocks.{block}.attn.qkv.{kind}", {})[role[0]] = value
             continue
         for pattern, replacement in renames:
             key = re.sub(pattern, replacement, key)
         converted[key] = value
     for key, parts in separate_qkv.items():
-        if set(parts) != {"query", "key", "value"}:
+        if set(parts) != {"q", "k", "v"}:
             raise CheckpointError(f"the Hugging Face checkpoint lacks part of {key} (has {sorted(parts)})")
-        converted[key] = torch.cat([parts["query"], parts["key"], parts["value"]], dim=0)  # (3D, ...)
+        converted[key] = torch.cat([parts["q"], parts["k"], parts["v"]], dim=0)  # (3D, ...)
 
     known: dict = {"layer_norm_eps": float(hf_config.get("layer_norm_eps", 1e-12))}
     if "num_attention_heads" in hf_config:

@@ -1,0 +1,373 @@
+"""Checkpoints: round trips, parity with timm / torchvision / Hugging Face, refusals, resizing."""
+from __future__ import annotations
+
+import os
+import pickle
+import urllib.error
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import vit_explorer as vx
+from vit_explorer import weights as vw
+
+torch.set_grad_enabled(False)
+
+
+def _randomize(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Random values everywhere: zero-initialised heads and tokens would hide mapping mistakes."""
+    generator = torch.Generator().manual_seed(seed)
+    for parameter in module.parameters():
+        parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.2)
+    return module.eval()
+
+
+def _images(size: int = 32, batch: int = 2, channels: int = 3) -> torch.Tensor:
+    return torch.randn(batch, channels, size, size, generator=torch.Generator().manual_seed(1))
+
+
+def _tiny(**changes) -> vx.ViT:
+    fields = dict(image_size=32, patch_size=8, num_classes=3, embed_dim=32, depth=2, num_heads=2)
+    return _randomize(vx.ViT(vx.ViTConfig(**{**fields, **changes})))
+
+
+# ----------------------------------------------------------------------------- project files
+
+
+def test_project_round_trip_is_identical(tmp_path):
+    model = _tiny(class_names=("cat", "dog", "owl"), reg_tokens=1, init_values=0.1)
+    path = tmp_path / "run.safetensors"
+    vx.save_model(model, path, metadata={"epochs": "7", "accuracy": "0.91"})
+
+    loaded = vx.load_model(path)
+    assert loaded.config == model.config
+    assert not loaded.training
+    assert loaded.state_dict().keys() == model.state_dict().keys()
+    for key, value in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value), key
+    assert torch.equal(loaded(_images()), model(_images()))
+    assert vw.load_metadata(path) == {"epochs": "7", "accuracy": "0.91"}
+    assert os.listdir(tmp_path) == ["run.safetensors"]  # no temporary file left behind
+
+
+def test_save_is_atomic_when_writing_fails(tmp_path, monkeypatch):
+    path = tmp_path / "run.safetensors"
+    vx.save_model(_tiny(), path)
+    before = path.read_bytes()
+
+    def crash(*args, **kwargs):
+        raise KeyboardInterrupt  # e.g. Ctrl-C in the middle of writing
+
+    monkeypatch.setattr(vw, "save_file", crash)
+    with pytest.raises(KeyboardInterrupt):
+        vx.save_model(_tiny(depth=1), path)
+    assert path.read_bytes() == before
+    assert os.listdir(tmp_path) == ["run.safetensors"]
+
+
+def test_save_rejects_non_string_metadata(tmp_path):
+    with pytest.raises(ValueError, match="strings to strings"):
+        vx.save_model(_tiny(), tmp_path / "m.safetensors", metadata={"epochs": 3})
+
+
+def test_overrides_and_resize_on_load(tmp_path):
+    path = tmp_path / "run.safetensors"
+    vx.save_model(_tiny(), path)
+    larger = vx.load_model(path, image_size=64)
+    assert larger.config.grid_size == (8, 8)
+    assert larger(_images(64)).shape == (2, 3)
+    assert vx.load_model(path, patch_size=4).config.grid_size == (8, 8)
+    with pytest.raises(vx.CheckpointError, match="unexpected keyword|nonsense"):
+        vx.load_model(path, nonsense=1)
+    with pytest.raises(ValueError, match="not divisible by num_heads"):
+        vx.load_model(path, num_heads=5)
+
+
+# ----------------------------------------------------------------------------- torchvision
+
+
+def _torchvision_vit(**changes):
+    from torchvision.models.vision_transformer import VisionTransformer
+
+    fields = dict(image_size=32, patch_size=8, num_layers=2, num_heads=2, hidden_dim=64, mlp_dim=128, num_classes=5)
+    return _randomize(VisionTransformer(**{**fields, **changes}))
+
+
+@pytest.mark.parametrize("wrap", [None, "model"])
+def test_torchvision_parity(tmp_path, wrap):
+    reference = _torchvision_vit()
+    state = reference.state_dict()
+    path = tmp_path / "checkpoint.pth"
+    torch.save({wrap: state} if wrap else state, path)
+
+    model = vx.load_model(path, num_heads=2)
+    assert model.config.mean == vx.config.IMAGENET_MEAN
+    assert model.config.layer_norm_eps == 1e-6
+    x = _images()
+    torch.testing.assert_close(model(x), reference(x), atol=1e-5, rtol=1e-5)
+
+
+def test_torchvision_legacy_mlp_names(tmp_path):
+    reference = _torchvision_vit()
+    state = {
+        key.replace("mlp.0.", "mlp.linear_1.").replace("mlp.3.", "mlp.linear_2."): value
+        for key, value in reference.state_dict().items()
+    }
+    torch.save(state, tmp_path / "old.pth")
+    x = _images()
+    torch.testing.assert_close(vx.load_model(tmp_path / "old.pth", num_heads=2)(x), reference(x), atol=1e-5, rtol=1e-5)
+
+
+def test_torchvision_pre_logits_is_refused(tmp_path):
+    torch.save(_torchvision_vit(representation_size=16).state_dict(), tmp_path / "pre.pth")
+    with pytest.raises(vx.CheckpointError, match="pre-logits"):
+        vx.load_model(tmp_path / "pre.pth")
+
+
+def test_load_pretrained_converts_torchvision_weights(monkeypatch):
+    import torchvision.models._api as api
+
+    # A narrow stand-in for the ImageNet weights: the real ones need the internet.
+    fake = _torchvision_vit(image_size=224, patch_size=16, num_layers=1, hidden_dim=64, num_heads=1, num_classes=1000)
+    monkeypatch.setattr(api, "load_state_dict_from_url", lambda url, *a, **k: fake.state_dict())
+    model = vx.load_pretrained("vit_b_16")
+    assert model.config.img_size == (224, 224) and model.config.patch_size == 16
+    assert model.config.class_names[:2] == ("tench", "goldfish")
+    assert model.config.mean == vx.config.IMAGENET_MEAN
+    x = torch.randn(1, 3, 224, 224)
+    torch.testing.assert_close(model(x), fake(x), atol=1e-5, rtol=1e-5)
+
+
+def test_load_pretrained_offline_is_a_clear_error(monkeypatch):
+    import torchvision.models._api as api
+
+    def offline(*args, **kwargs):
+        raise urllib.error.URLError("Name or service not known")
+
+    monkeypatch.setattr(api, "load_state_dict_from_url", offline)
+    with pytest.raises(vx.CheckpointError, match=r"could not download .* \(no internet\?\)"):
+        vx.load_pretrained()
+    with pytest.raises(vx.CheckpointError, match="unknown torchvision ViT"):
+        vx.load_pretrained("resnet50")
+
+
+# ----------------------------------------------------------------------------- timm
+
+TIMM_VARIANTS = {
+    "class token": {},
+    "mean pool, no class token": dict(class_token=False, global_pool="avg"),
+    "registers, no_embed_class": dict(reg_tokens=2, no_embed_class=True),
+    "registers with position embedding": dict(reg_tokens=3),
+    "layer scale": dict(init_values=1e-5),
+    "class token + fc_norm mean pool": dict(global_pool="avg"),
+    "no qkv bias, mlp ratio 3": dict(qkv_bias=False, mlp_ratio=3.0),
+    "headless": dict(num_classes=0),
+}
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".pth"])
+@pytest.mark.parametrize("variant", list(TIMM_VARIANTS))
+def test_timm_parity(tmp_path, variant, suffix):
+    from timm.models.vision_transformer import VisionTransformer
+
+    fields = dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=2, num_classes=5)
+    reference = _randomize(VisionTransformer(**{**fields, **TIMM_VARIANTS[variant]}))
+    path = tmp_path / f"timm{suffix}"
+    if suffix == ".safetensors":
+        save_file({key: value.contiguous() for key, value in reference.state_dict().items()}, path)
+    else:
+        torch.save({"state_dict": reference.state_dict(), "epoch": 3}, path)
+
+    model = vx.load_model(path, num_heads=2)
+    assert model.config.num_prefix_tokens == reference.num_prefix_tokens
+    assert model.config.mean == (0.5, 0.5, 0.5)
+    x = _images()
+    torch.testing.assert_close(model.forward_features(x), reference.forward_features(x), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(model(x), reference(x), atol=1e-5, rtol=1e-5)
+
+
+def test_timm_non_square_grid_needs_image_size(tmp_path):
+    from timm.models.vision_transformer import VisionTransformer
+
+    reference = _randomize(VisionTransformer(img_size=(16, 24), patch_size=8, embed_dim=64, depth=1, num_heads=1))
+    torch.save(reference.state_dict(), tmp_path / "wide.pth")
+    with pytest.raises(vx.CheckpointError, match=r"pass image_size=\(height, width\)"):
+        vx.load_model(tmp_path / "wide.pth")
+    model = vx.load_model(tmp_path / "wide.pth", image_size=(16, 24))
+    x = torch.randn(1, 3, 16, 24)
+    torch.testing.assert_close(model(x), reference(x), atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- Hugging Face
+
+
+def _hf_config(**changes):
+    from transformers import ViTConfig as HFViTConfig
+
+    fields = dict(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
+        image_size=32, patch_size=8, num_labels=3, id2label={0: "ant", 1: "bee", 2: "cow"},
+        label2id={"ant": 0, "bee": 1, "cow": 2},
+    )
+    return HFViTConfig(**{**fields, **changes})
+
+
+@pytest.mark.parametrize("layout", ["save_pretrained", "pytorch_model.bin", "state_dict.pth"])
+def test_huggingface_classifier_parity(tmp_path, layout):
+    from safetensors.torch import load_file
+    from transformers import ViTForImageClassification
+
+    reference = _randomize(ViTForImageClassification(_hf_config()))
+    reference.save_pretrained(tmp_path)
+    if layout == "pytorch_model.bin":  # the older Hub format, same names as the safetensors file
+        torch.save(load_file(tmp_path / "model.safetensors"), tmp_path / layout)
+        (tmp_path / "model.safetensors").unlink()
+    elif layout == "state_dict.pth":  # the module's own names (q/k/v_proj since transformers 5)
+        torch.save(reference.state_dict(), tmp_path / layout)
+
+    # Heads, eps, sizes and labels come from config.json.
+    model = vx.load_model(tmp_path if layout == "save_pretrained" else tmp_path / layout)
+    assert model.config.num_heads == 2
+    assert model.config.layer_norm_eps == 1e-12
+    assert model.config.class_names == ("ant", "bee", "cow")
+    x = _images()
+    torch.testing.assert_close(model(x), reference(pixel_values=x).logits, atol=1e-5, rtol=1e-5)
+    if layout != "state_dict.pth":
+        torch.testing.assert_close(vx.load_model(tmp_path)(x), model(x))
+
+
+def test_huggingface_backbone_parity(tmp_path):
+    from transformers import ViTModel
+
+    reference = _randomize(ViTModel(_hf_config(num_labels=2, id2label=None, label2id=None, qkv_bias=False)))
+    reference.save_pretrained(tmp_path)
+
+    model = vx.load_model(tmp_path)
+    assert model.config.num_classes == 0
+    x = _images()
+    expected = reference(pixel_values=x).last_hidden_state
+    torch.testing.assert_close(model.forward_features(x), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_huggingface_file_without_config_is_refused(tmp_path):
+    from transformers import ViTModel
+
+    ViTModel(_hf_config()).save_pretrained(tmp_path)
+    (tmp_path / "config.json").unlink()
+    with pytest.raises(vx.CheckpointError, match="no config.json"):
+        vx.load_model(tmp_path / "model.safetensors")
+
+
+# ----------------------------------------------------------------------------- bad files
+
+
+class _RunsCode:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("writer", ["torch.save", "pickle.dump"])
+def test_pickle_with_code_is_refused_and_not_run(tmp_path, writer):
+    marker = tmp_path / "pwned"
+    path = tmp_path / "evil.pth"
+    payload = {"state_dict": _tiny().state_dict(), "trap": _RunsCode(marker)}
+    if writer == "torch.save":
+        torch.save(payload, path)
+    else:
+        path.write_bytes(pickle.dumps(_RunsCode(marker), protocol=2))
+    with pytest.raises(vx.CheckpointError, match="refused: it contains code"):
+        vx.load_model(path)
+    assert not marker.exists()
+
+
+def test_unreadable_files_are_clear_errors(tmp_path):
+    good = tmp_path / "good.pth"
+    torch.save(_tiny().state_dict(), good)
+    truncated = tmp_path / "checkpoint.pth"
+    truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    with pytest.raises(vx.CheckpointError, match="checkpoint.pth is truncated or not a PyTorch/safetensors file"):
+        vx.load_model(truncated)
+
+    safetensors_file = tmp_path / "cut.safetensors"
+    vx.save_model(_tiny(), safetensors_file)
+    safetensors_file.write_bytes(safetensors_file.read_bytes()[:-100])
+    with pytest.raises(vx.CheckpointError, match="cut.safetensors is truncated"):
+        vx.load_model(safetensors_file)
+
+    (tmp_path / "empty.pth").write_bytes(b"")
+    with pytest.raises(vx.CheckpointError, match="empty.pth is empty"):
+        vx.load_model(tmp_path / "empty.pth")
+    (tmp_path / "notes.pth").write_text("these are not weights")
+    with pytest.raises(vx.CheckpointError, match="looks like a text file"):
+        vx.load_model(tmp_path / "notes.pth")
+    (tmp_path / "photo.pth").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(64))
+    with pytest.raises(vx.CheckpointError, match="looks like a PNG image"):
+        vx.load_model(tmp_path / "photo.pth")
+    with pytest.raises(vx.CheckpointError, match="does not exist"):
+        vx.load_model(tmp_path / "missing.safetensors")
+
+
+def test_state_dict_that_is_not_a_vit_is_refused(tmp_path):
+    import torchvision
+
+    torch.save(torchvision.models.resnet18(num_classes=2).state_dict(), tmp_path / "resnet.pth")
+    with pytest.raises(vx.CheckpointError, match="not a ViT checkpoint"):
+        vx.load_model(tmp_path / "resnet.pth")
+
+    state = _tiny().state_dict()
+    state["blocks.0.attn.q_norm.weight"] = torch.ones(16)  # a timm feature our ViT lacks
+    torch.save(state, tmp_path / "qknorm.pth")
+    with pytest.raises(vx.CheckpointError, match="parameters our ViT does not have: blocks.0.attn.q_norm"):
+        vx.load_model(tmp_path / "qknorm.pth", num_heads=2)
+
+
+# ----------------------------------------------------------------------------- resizing
+
+
+def test_pi_resize_preserves_patch_embeddings_of_upsampled_input():
+    model = _tiny(image_size=16, patch_size=4)
+    resized = vx.resize_model(model, patch_size=8, image_size=32)  # same 4x4 grid, bigger patches
+    x = _images(16)
+    upsampled = vw.resize_patches(x, 4, 8)
+    torch.testing.assert_close(resized.patch_embed(upsampled), model.patch_embed(x), atol=1e-5, rtol=1e-5)
+    # The grid is unchanged, so the whole network agrees too.
+    torch.testing.assert_close(resized(upsampled), model(x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("new_patch", [6, 12, 3])
+def test_pi_resize_matches_timm_reference(new_patch):
+    from timm.layers import resample_patch_embed
+
+    kernel = torch.randn(8, 3, 8, 8, generator=torch.Generator().manual_seed(2))
+    expected = resample_patch_embed(kernel, [new_patch, new_patch], interpolation="bilinear", antialias=True)
+    torch.testing.assert_close(vw.resample_patch_embed(kernel, new_patch), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_pos_embed_resample_keeps_prefix_and_matches_timm():
+    from timm.layers import resample_abs_pos_embed
+
+    pos_embed = torch.randn(1, 2 + 16, 8, generator=torch.Generator().manual_seed(3))
+    resampled = vw.resample_pos_embed(pos_embed, (4, 4), (6, 3), num_prefix_tokens=2)
+    assert resampled.shape == (1, 2 + 18, 8)
+    assert torch.equal(resampled[:, :2], pos_embed[:, :2])
+    expected = resample_abs_pos_embed(pos_embed, [6, 3], [4, 4], num_prefix_tokens=2)
+    torch.testing.assert_close(resampled, expected)
+    assert vw.resample_pos_embed(pos_embed, (4, 4), (4, 4), 2) is pos_embed
+
+
+def test_resize_model_leaves_the_original_untouched():
+    model = _tiny(reg_tokens=1, no_embed_class=True)
+    before = {key: value.clone() for key, value in model.state_dict().items()}
+    resized = vx.resize_model(model, image_size=48)
+    assert resized is not model and resized.config.grid_size == (6, 6)
+    assert resized.pos_embed.shape == (1, 36, 32)  # no_embed_class: patches only
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    same = vx.resize_model(model)
+    assert torch.equal(same(_images()), model(_images()))
+    with pytest.raises(ValueError, match="not divisible by patch size"):
+        vx.resize_model(model, patch_size=5)
