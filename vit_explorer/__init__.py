@@ -1,5 +1,5 @@
 """vit_explorer: define, train and dissect Vision Transformers."""
-from . import analysis
+from . import analysis, figures
 from .capture import Capture, capture
 from .config import ViTConfig
 from .images import InvalidImageError, load_image, preprocess

@@ -1,0 +1,221 @@
+"""Figure builders: each builds from small inputs, has a title, and carries the data it shows."""
+import numpy as np
+import plotly.graph_objects as go
+import pytest
+import torch
+
+from vit_explorer import figures
+
+GRID = (2, 3)  # non-square on purpose
+IMAGE = np.random.default_rng(0).integers(0, 256, size=(8, 12, 3), dtype=np.uint8)
+
+
+def title_of(fig: go.Figure) -> str:
+    assert isinstance(fig, go.Figure)
+    fig.to_json()  # validates against the plotly schema
+    assert fig.layout.title.text, "every figure says what it shows"
+    return fig.layout.title.text
+
+
+def traces(fig, kind):
+    return [trace for trace in fig.data if trace.type == kind]
+
+
+def test_image_with_grid_draws_grid_lines_and_the_highlighted_patch():
+    fig = figures.image_with_grid(IMAGE, GRID, highlight=(1, 2))
+    assert "2 x 3" in title_of(fig) and "patch 5" in title_of(fig)
+    assert np.array_equal(traces(fig, "image")[0].z, IMAGE)
+    lines = [s for s in fig.layout.shapes if s.type == "line"]
+    assert len(lines) == (2 - 1) + (3 - 1)
+    (rect,) = [s for s in fig.layout.shapes if s.type == "rect"]
+    # Patch (1, 2) of 4-pixel patches spans pixels 8..11 x 4..7 (edges at -0.5).
+    assert (rect.x0, rect.x1, rect.y0, rect.y1) == (7.5, 11.5, 3.5, 7.5)
+    assert fig.layout.yaxis.scaleanchor == "x" and fig.layout.yaxis.autorange == "reversed"
+    hover = traces(fig, "heatmap")[0]
+    assert np.array_equal(hover.customdata[1, 2], [5, 1, 2])
+    with pytest.raises(ValueError, match="outside the 2x3 grid"):
+        figures.image_with_grid(IMAGE, GRID, highlight=6)
+
+
+def test_float_images_are_converted_to_uint8():
+    fig = figures.image_with_grid(IMAGE / 255.0, GRID)
+    assert np.array_equal(traces(fig, "image")[0].z, IMAGE)
+    with pytest.raises(ValueError, match=r"\(H, W, 3\)"):
+        figures.image_with_grid(np.zeros((8, 12, 4)), GRID)
+
+
+def test_patch_sequence_lays_patches_out_in_token_order():
+    patches = torch.rand(2, 3, 3, 4, 4)
+    fig = figures.patch_sequence(patches, max_patches=5, per_row=4)
+    assert "first 5 of 6" in title_of(fig)
+    mosaic = traces(fig, "image")[0].z
+    gap = 1
+    assert mosaic.shape == (2 * 4 + gap, 4 * 4 + 3 * gap, 3)
+    # Token 4 = patch (1, 1) starts the second row of the mosaic.
+    expected = np.round(patches[1, 1].permute(1, 2, 0).numpy() * 255).astype(np.uint8)
+    assert np.array_equal(mosaic[5:9, 0:4], expected)
+    slots = traces(fig, "heatmap")[0].z
+    assert list(slots[0]) == [0, 1, 2, 3] and slots[1][0] == 4 and np.isnan(slots[1][1])
+
+
+def test_token_pca_image_stretches_the_colours_over_the_image():
+    colors = np.random.default_rng(1).random((2, 3, 3))
+    fig = figures.token_pca_image(colors, IMAGE)
+    title_of(fig)
+    original, pca = traces(fig, "image")
+    assert np.array_equal(original.z, IMAGE)
+    assert np.array_equal(pca.z, np.round(colors * 255).astype(np.uint8))
+    assert (pca.dx, pca.dy) == (4.0, 4.0)
+
+
+def test_position_similarity_grid_tiles_each_patch_map():
+    similarity = np.random.default_rng(2).uniform(-1, 1, size=(2, 3, 2, 3))
+    fig = figures.position_similarity_grid(similarity)
+    title_of(fig)
+    heatmap = traces(fig, "heatmap")[0]
+    mosaic = np.array(heatmap.z, dtype=float)
+    assert mosaic.shape == (2 * 2 + 1, 3 * 3 + 2)
+    # The tile of patch (1, 2) starts at row 1 * (2 + 1), column 2 * (3 + 1).
+    assert np.allclose(mosaic[3:5, 8:11], similarity[1, 2])
+    assert np.isnan(mosaic[2]).all()
+    assert (heatmap.zmin, heatmap.zmax, heatmap.zmid) == (-1, 1, 0)
+    assert "RdBu" in str(heatmap.colorscale) or heatmap.colorscale[0][1] != heatmap.colorscale[-1][1]
+    assert list(heatmap.customdata[3, 8]) == [1, 2, 0, 0]
+
+
+def test_embedding_filters_figure_shows_every_filter():
+    filters = np.random.default_rng(3).random((9, 4, 4, 3))
+    fig = figures.embedding_filters_figure(filters, columns=7)
+    assert "9" in title_of(fig)
+    mosaic = traces(fig, "image")[0].z
+    assert mosaic.shape == (2 * 4 + 1, 7 * 4 + 6, 3)
+    assert np.array_equal(mosaic[5:9, 5:9], np.round(filters[8] * 255).astype(np.uint8))
+
+
+def test_attention_overlay_puts_one_cell_on_each_patch():
+    attention_map = np.arange(6.0).reshape(GRID) / 15
+    fig = figures.attention_overlay(IMAGE, attention_map, opacity=0.4, title="Rollout")
+    assert title_of(fig) == "Rollout"
+    heatmap = traces(fig, "heatmap")[0]
+    assert np.array_equal(heatmap.z, attention_map)
+    assert heatmap.opacity == 0.4
+    # 12 x 8 pixels, 3 x 2 cells: centres of the first cell at (1.5, 1.5), then every 4 px.
+    assert (heatmap.x0, heatmap.dx, heatmap.y0, heatmap.dy) == (1.5, 4.0, 1.5, 4.0)
+    assert "patch %{customdata[0]}" in heatmap.hovertemplate and "%{z" in heatmap.hovertemplate
+    with pytest.raises(ValueError, match=r"\(gh, gw\)"):
+        figures.attention_overlay(IMAGE, attention_map.ravel())
+
+
+def test_attention_heads_grid_has_a_panel_per_head_on_a_shared_scale():
+    maps = np.random.default_rng(4).random((5, *GRID))
+    fig = figures.attention_heads_grid(IMAGE, maps, opacity=0.5, layer=3)
+    assert "layer 3" in title_of(fig)
+    heatmaps = traces(fig, "heatmap")
+    assert len(heatmaps) == 5 and len(traces(fig, "image")) == 5
+    for head, heatmap in enumerate(heatmaps):
+        assert np.array_equal(heatmap.z, maps[head])
+        assert heatmap.coloraxis == "coloraxis"
+    assert fig.layout.coloraxis.cmax == pytest.approx(maps.max())
+    assert [a.text for a in fig.layout.annotations] == [f"head {h}" for h in range(5)]
+    # Every panel keeps the image's aspect ratio.
+    assert fig.layout.yaxis5.scaleanchor == "x5"
+
+
+def test_attention_matrix_labels_tokens():
+    attention = torch.softmax(torch.randn(8, 8), dim=-1)
+    fig = figures.attention_matrix(attention, num_prefix_tokens=2, title="Layer 0, head 1")
+    assert title_of(fig) == "Layer 0, head 1"
+    heatmap = traces(fig, "heatmap")[0]
+    assert np.allclose(heatmap.z, attention.numpy())
+    assert list(heatmap.customdata[1, 2]) == ["reg 1", "patch 0"]
+    assert list(heatmap.customdata[0, 0]) == ["CLS", "CLS"]
+    assert len(fig.layout.shapes) == 2
+    assert figures.token_labels(3, 1, class_token=False) == ["reg 1", "patch 0", "patch 1"]
+
+
+def test_layer_head_figures_carry_the_values():
+    values = np.arange(6.0).reshape(3, 2)
+    heatmap_fig = figures.layer_head_heatmap(values, "Entropy per head", "nats", layers=[1, 4, 7])
+    assert title_of(heatmap_fig) == "Entropy per head"
+    heatmap = traces(heatmap_fig, "heatmap")[0]
+    assert np.array_equal(heatmap.z, values) and list(heatmap.y) == [1, 4, 7]
+    assert heatmap.colorbar.title.text == "nats"
+    scatter_fig = figures.layer_head_scatter(values, "Mean attention distance", "pixels")
+    title_of(scatter_fig)
+    heads = [t for t in scatter_fig.data if t.name.startswith("head")]
+    assert [list(t.y) for t in heads] == [[0, 2, 4], [1, 3, 5]]
+    (mean,) = [t for t in scatter_fig.data if t.name == "mean over heads"]
+    assert list(mean.y) == [0.5, 2.5, 4.5]
+    with pytest.raises(ValueError, match="2 layer labels for 3 layers"):
+        figures.layer_head_heatmap(values, "t", "c", layers=[0, 1])
+
+
+def test_logit_lens_figure_shows_the_most_probable_classes():
+    probs = torch.softmax(torch.randn(4, 12), dim=-1)
+    names = [f"n{i}" for i in range(12)]
+    fig = figures.logit_lens_figure(probs, names, max_classes=3)
+    title_of(fig)
+    heatmap = traces(fig, "heatmap")[0]
+    best = torch.argsort(probs[-1], descending=True)[:3]
+    assert list(heatmap.x) == [names[i] for i in best]
+    assert np.allclose(heatmap.z, probs[:, best].numpy())
+    assert list(heatmap.y) == ["embeddings", "after block 0", "after block 1", "after block 2"]
+
+
+def test_topk_bar_orders_classes():
+    probs = np.array([0.1, 0.6, 0.05, 0.25])
+    fig = figures.topk_bar(probs, ["a", "b", "c", "d"], k=3)
+    assert "Top-3" in title_of(fig)
+    bar = traces(fig, "bar")[0]
+    assert list(bar.y) == ["b", "d", "a"] and np.allclose(bar.x, [0.6, 0.25, 0.1])
+    with pytest.raises(ValueError, match="3 class names for 4 classes"):
+        figures.topk_bar(probs, ["a", "b", "c"])
+
+
+def test_token_norms_figure_maps_patch_norms():
+    norms = np.arange(8.0)
+    fig = figures.token_norms_figure(norms, GRID, num_prefix_tokens=2, layer=5)
+    assert "after block 5" in title_of(fig)
+    heatmap = traces(fig, "heatmap")[0]
+    assert np.array_equal(heatmap.z, np.arange(2.0, 8.0).reshape(GRID))
+    bar = traces(fig, "bar")[0]
+    assert np.array_equal(bar.y, norms) and list(bar.customdata[:3]) == ["CLS", "reg 1", "patch 0"]
+    with pytest.raises(ValueError, match="7 norms"):
+        figures.token_norms_figure(norms[:7], GRID, 2)
+
+
+def test_training_curves_plot_steps_and_epochs():
+    steps = [dict(step=s, total_steps=4, epoch=(s - 1) // 2, loss=1.0 / s, accuracy=s / 4,
+                  lr=0.1 * s, images_per_s=10.0) for s in range(1, 5)]
+    epochs = [dict(epoch=e, epochs=2, train_loss=0.5, train_accuracy=0.5, test_loss=0.9 - e / 10,
+                   test_accuracy=0.3 + e / 10, seconds=1.0) for e in range(2)]
+    fig = figures.training_curves({"steps": steps, "epochs": epochs})
+    assert "step 4 of 4" in title_of(fig) and "40.0%" in title_of(fig)
+    by_name = {(t.name, t.xaxis): t for t in fig.data}
+    assert list(by_name["train (per step)", "x"].y) == [1.0, 0.5, 1 / 3, 0.25]
+    assert list(by_name["learning rate", "x3"].y) == pytest.approx([0.1, 0.2, 0.3, 0.4])
+    test_accuracy = by_name["test (per epoch)", "x2"]
+    # Each epoch's test result sits at the last step of that epoch.
+    assert list(test_accuracy.x) == [2, 4] and list(test_accuracy.y) == [0.3, 0.4]
+
+
+@pytest.mark.parametrize("history", [None, {}, {"steps": [], "epochs": []}])
+def test_training_curves_of_an_empty_history_are_an_empty_valid_figure(history):
+    fig = figures.training_curves(history)
+    assert "nothing logged" in title_of(fig)
+    assert all(len(trace.x or ()) == 0 for trace in fig.data)
+
+
+def test_write_figures_as_html_shares_one_plotly_js(tmp_path):
+    figs = {"a": figures.topk_bar(np.array([0.2, 0.8])), "b": figures.training_curves(None)}
+    paths = figures.write_figures(figs, tmp_path / "out", image_format="html")
+    assert [p.name for p in paths] == ["a.html", "b.html"]
+    assert all(p.read_text().count("plotly.min.js") == 1 for p in paths)
+    assert (tmp_path / "out" / "plotly.min.js").is_file()
+
+
+def test_find_browser_honours_browser_path(monkeypatch, tmp_path):
+    monkeypatch.setenv("BROWSER_PATH", str(tmp_path / "missing-chrome"))
+    assert figures.find_browser() is None
+    with pytest.raises(figures.FigureExportError, match="needs Chrome or Chromium"):
+        figures.write_figures({"a": figures.training_curves(None)}, tmp_path, image_format="png")
