@@ -78,7 +78,7 @@ def test_overrides_and_resize_on_load(tmp_path):
     assert larger.config.grid_size == (8, 8)
     assert larger(_images(64)).shape == (2, 3)
     assert vx.load_model(path, patch_size=4).config.grid_size == (8, 8)
-    with pytest.raises(vx.CheckpointError, match="unexpected keyword|nonsense"):
+    with pytest.raises(vx.CheckpointError, match="unknown ViTConfig field.*nonsense"):
         vx.load_model(path, nonsense=1)
     with pytest.raises(ValueError, match="not divisible by num_heads"):
         vx.load_model(path, num_heads=5)
@@ -279,7 +279,7 @@ def test_pickle_with_code_is_refused_and_not_run(tmp_path, writer):
         torch.save(payload, path)
     else:
         path.write_bytes(pickle.dumps(_RunsCode(marker), protocol=2))
-    with pytest.raises(vx.CheckpointError, match="refused: it contains code"):
+    with pytest.raises(vx.CheckpointError, match=r"refused: it contains code .*\.system\)"):
         vx.load_model(path)
     assert not marker.exists()
 
@@ -315,7 +315,7 @@ def test_state_dict_that_is_not_a_vit_is_refused(tmp_path):
     import torchvision
 
     torch.save(torchvision.models.resnet18(num_classes=2).state_dict(), tmp_path / "resnet.pth")
-    with pytest.raises(vx.CheckpointError, match="not a ViT checkpoint"):
+    with pytest.raises(vx.CheckpointError, match="resnet.pth is not a ViT checkpoint"):
         vx.load_model(tmp_path / "resnet.pth")
 
     state = _tiny().state_dict()
