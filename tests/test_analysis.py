@@ -456,3 +456,20 @@ def test_token_norms_and_top_k_by_hand():
     assert [name for name, _ in batch[1]] == ["class 2", "class 1", "class 0"]
     with pytest.raises(AnalysisError, match="2 class names for 3 classes"):
         analysis.top_k(logits, ["cat", "dog"])
+
+
+def test_denormalize_and_display_image_invert_preprocess():
+    config = vx.ViTConfig(image_size=(4, 6), patch_size=2, mean=(0.5, 0.4, 0.3), std=(0.2, 0.25, 0.5))
+    pixels = torch.randint(0, 256, (4, 6, 3), dtype=torch.uint8)
+    from PIL import Image
+
+    x = vx.preprocess(Image.fromarray(pixels.numpy()), config)
+    assert (analysis.display_image(x, config) == pixels.numpy()).all()
+    assert torch.allclose(analysis.denormalize(x, config)[0], pixels.permute(2, 0, 1) / 255, atol=1e-6)
+    patches = rearrange(x, "b c (gh p) (gw q) -> b gh gw c p q", p=2, q=2)
+    assert torch.allclose(
+        analysis.denormalize(patches, config)[0, 1, 2], pixels[2:4, 4:6].permute(2, 0, 1) / 255,
+        atol=1e-6,
+    )
+    with pytest.raises(AnalysisError, match="batch of 2"):
+        analysis.display_image(torch.cat([x, x]), config)

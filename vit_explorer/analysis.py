@@ -10,11 +10,13 @@ import math
 from collections.abc import Sequence
 from contextlib import ExitStack
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from einops import rearrange, reduce
 
 from .capture import Capture, record_attention
+from .config import ViTConfig
 from .model import ViT
 
 HEAD_FUSIONS = ("mean", "max", "min")
@@ -35,6 +37,32 @@ def _has_class_token(num_prefix_tokens: int, class_token: bool | None) -> bool:
     # A capture only knows how many prefix tokens there are; registers without a class token
     # (timm's *_reg*_gap models) need class_token=False from model.config.class_token.
     return num_prefix_tokens > 0 if class_token is None else class_token
+
+
+# --- model inputs back to pixels ---------------------------------------------------------------
+
+
+def denormalize(pixels: torch.Tensor, config: ViTConfig) -> torch.Tensor:
+    """Undo the model's input normalisation: (..., C, h, w) -> pixels in [0, 1].
+
+    Works for images (B, C, H, W) and for ``Capture.patches`` (B, gh, gw, C, p, p) alike.
+    """
+    mean = torch.tensor(config.mean, dtype=torch.float32)[:, None, None]  # (C, 1, 1)
+    std = torch.tensor(config.std, dtype=torch.float32)[:, None, None]
+    return (pixels.detach().float().cpu() * std + mean).clamp(0.0, 1.0)
+
+
+def display_image(x: torch.Tensor, config: ViTConfig) -> np.ndarray:
+    """The image the model actually sees, (H, W, 3) uint8, from one normalised input (C, H, W)
+    or (1, C, H, W); one-channel inputs are repeated to grey RGB."""
+    if x.ndim == 4:
+        if x.shape[0] != 1:
+            raise AnalysisError(f"display_image takes one image, not a batch of {x.shape[0]}")
+        x = x[0]
+    pixels = rearrange(denormalize(x, config), "c h w -> h w c")
+    if pixels.shape[-1] == 1:
+        pixels = pixels.expand(-1, -1, 3)
+    return (pixels * 255).round().to(torch.uint8).numpy()
 
 
 # --- attention rollout and class-specific attribution -------------------------------------

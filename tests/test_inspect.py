@@ -1,0 +1,131 @@
+"""python -m vit_explorer inspect: figures and capture.npz for a real photo, from our checkpoints
+and torchvision's, as PNG (when a browser exists) or HTML; bad input is one line and exit 2."""
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torchvision
+
+import vit_explorer as vx
+from vit_explorer import cli, figures
+
+PHOTO = Path(__file__).resolve().parents[1] / "assets" / "samples" / "chelsea.png"
+FIGURES = [
+    "input_grid", "attention_rollout", "attribution", "mean_attention_distance",
+    "attention_entropy", "position_similarity", "embedding_filters", "token_pca", "logit_lens",
+    "top5",
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    """A random ViT with a non-square grid (4 x 6) and a register token."""
+    torch.manual_seed(0)
+    config = vx.ViTConfig(image_size=(32, 48), patch_size=8, num_classes=4, embed_dim=32, depth=3,
+                          num_heads=2, reg_tokens=1, class_names=("cat", "dog", "cup", "car"))
+    model = vx.ViT(config)
+    torch.nn.init.normal_(model.head.weight)
+    path = tmp_path_factory.mktemp("weights") / "tiny.safetensors"
+    vx.save_model(model, path)
+    return path, model
+
+
+def expected_input(model):
+    return vx.preprocess(vx.load_image(PHOTO), model.config)
+
+
+def check_capture(npz_path, model, logits=None):
+    config = model.config
+    grid_h, grid_w = config.grid_size
+    tokens = config.num_tokens
+    with np.load(npz_path) as data:
+        assert data["attentions"].shape == (1, config.depth, config.num_heads, tokens, tokens)
+        assert data["tokens"].shape == (1, config.depth + 1, tokens, config.embed_dim)
+        assert data["patches"].shape == (1, grid_h, grid_w, 3, config.patch_size, config.patch_size)
+        assert data["patch_embeddings"].shape == (1, grid_h * grid_w, config.embed_dim)
+        assert data["rollout"].shape == (1, tokens, tokens)
+        assert np.allclose(data["rollout"].sum(axis=-1), 1.0, atol=1e-5)
+        assert data["attribution"].shape == (1, grid_h, grid_w)
+        assert tuple(data["grid_size"]) == (grid_h, grid_w)
+        assert int(data["num_prefix_tokens"]) == config.num_prefix_tokens
+        assert data["logits"].shape == (1, config.num_classes)
+        reference = model(expected_input(model)) if logits is None else logits
+        assert np.allclose(data["logits"], reference.detach().numpy(), atol=1e-4)
+
+
+def test_inspect_falls_back_to_html_without_a_browser(tiny_checkpoint, tmp_path, monkeypatch, capsys):
+    path, model = tiny_checkpoint
+    monkeypatch.setattr(figures, "find_browser", lambda: None)
+    out = tmp_path / "out"
+    code = cli.main(["inspect", str(PHOTO), "--weights", str(path), "--out", str(out),
+                     "--layer", "1"])
+    captured = capsys.readouterr()
+    assert code == 0
+    notes = captured.err.strip().splitlines()
+    assert len(notes) == 1 and "HTML" in notes[0]
+    for name in FIGURES + ["attention_heads_layer1"]:
+        assert (out / f"{name}.html").is_file(), name
+        assert f"{name}.html" in captured.out
+    assert not list(out.glob("*.png"))
+    assert (out / "plotly.min.js").is_file()
+    assert "predicted" in captured.out and "capture.npz" in captured.out
+    check_capture(out / "capture.npz", model)
+
+
+def test_inspect_reads_a_torchvision_checkpoint(tmp_path, capsys):
+    torch.manual_seed(1)
+    reference = torchvision.models.VisionTransformer(
+        image_size=32, patch_size=8, num_layers=2, num_heads=1, hidden_dim=64, mlp_dim=128,
+        num_classes=3,
+    ).eval()
+    torch.nn.init.normal_(reference.heads.head.weight)
+    path = tmp_path / "torchvision_vit.pth"
+    torch.save(reference.state_dict(), path)
+    out = tmp_path / "out"
+    code = cli.main(["inspect", str(PHOTO), "--weights", str(path), "--out", str(out),
+                     "--format", "html"])
+    assert code == 0, capsys.readouterr().err
+    model = vx.load_model(path)
+    for name in FIGURES + ["attention_heads_layer1"]:
+        assert (out / f"{name}.html").is_file(), name
+    with torch.no_grad():
+        logits = reference(expected_input(model))
+    check_capture(out / "capture.npz", model, logits)
+
+
+@pytest.mark.skipif(figures.find_browser() is None, reason="no Chrome/Chromium for PNG export")
+def test_inspect_writes_png_with_a_browser(tiny_checkpoint, tmp_path, capsys):
+    path, model = tiny_checkpoint
+    out = tmp_path / "out"
+    assert cli.main(["inspect", str(PHOTO), "--weights", str(path), "--out", str(out)]) == 0
+    assert capsys.readouterr().err == ""
+    for name in FIGURES + ["attention_heads_layer2"]:
+        assert (out / f"{name}.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n"), name
+    check_capture(out / "capture.npz", model)
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["missing.png"], "does not exist"),
+        ([__file__], "test_inspect.py"),
+        ([str(PHOTO), "--layer", "3"], "layers 0..2"),
+        ([str(PHOTO), "--device", "tpu"], "unknown device"),
+    ],
+)
+def test_inspect_bad_input_is_one_line_and_exit_2(tiny_checkpoint, tmp_path, capsys, arguments,
+                                                  message):
+    path, _ = tiny_checkpoint
+    code = cli.main(["inspect", *arguments, "--weights", str(path), "--out", str(tmp_path)])
+    error = capsys.readouterr().err
+    assert code == 2
+    assert error.startswith("error: ") and error.count("\n") == 1 and message in error
+
+
+def test_inspect_bad_weights_is_one_line_and_exit_2(tmp_path, capsys):
+    bad = tmp_path / "weights.pth"
+    bad.write_text("not a checkpoint")
+    code = cli.main(["inspect", str(PHOTO), "--weights", str(bad), "--out", str(tmp_path)])
+    error = capsys.readouterr().err
+    assert code == 2 and error.startswith("error: ") and error.count("\n") == 1
