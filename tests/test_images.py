@@ -1,4 +1,5 @@
-"""load_image turns any readable upload into RGB (or a one-line error); preprocess feeds the model."""
+"""load_image: any readable upload -> RGB, else a one-line error; preprocess feeds the model."""
+
 from __future__ import annotations
 
 import io
@@ -26,7 +27,9 @@ def _png_header_only(width: int, height: int) -> bytes:
     """A PNG whose header claims width x height pixels and that has no pixel data at all."""
 
     def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+        return (
+            struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+        )
 
     header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)  # 8-bit RGB
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IEND", b"")
@@ -47,7 +50,12 @@ def test_bytes_paths_and_file_objects_give_the_same_image(tmp_path):
     upload = io.BytesIO(data)
     upload.read()  # Streamlit's UploadedFile may already have been read once
 
-    images = [vx.load_image(data), vx.load_image(path), vx.load_image(str(path)), vx.load_image(upload)]
+    images = [
+        vx.load_image(data),
+        vx.load_image(path),
+        vx.load_image(str(path)),
+        vx.load_image(upload),
+    ]
     for image in images:
         assert image.mode == "RGB" and image.size == (64, 48)
         assert np.array_equal(np.asarray(image), np.asarray(_noise()))
@@ -70,7 +78,9 @@ def test_alpha_is_composited_on_white():
     assert np.allclose(np.asarray(image)[0, 0], (255, 127, 127), atol=1)
     assert tuple(np.asarray(image)[3, 3]) == (255, 255, 255)
 
-    gray_alpha = Image.fromarray(np.dstack([np.zeros((4, 4)), np.full((4, 4), 0)]).astype(np.uint8), "LA")
+    gray_alpha = Image.fromarray(
+        np.dstack([np.zeros((4, 4)), np.full((4, 4), 0)]).astype(np.uint8), "LA"
+    )
     assert tuple(np.asarray(vx.load_image(_encode(gray_alpha)))[0, 0]) == (255, 255, 255)
 
 
@@ -161,7 +171,10 @@ def _zip_bytes() -> bytes:
         (b"", "is empty"),
         (b"just some notes\nand more", "looks like a text file"),
         (b"%PDF-1.7\n%\xe2\xe3\xcf\xd3\n1 0 obj", "looks like a PDF"),
-        (b'<?xml version="1.0"?><svg xmlns="http://www.w3.org/2000/svg"></svg>', "looks like an SVG"),
+        (
+            b'<?xml version="1.0"?><svg xmlns="http://www.w3.org/2000/svg"></svg>',
+            "looks like an SVG",
+        ),
         (b"<!DOCTYPE html><html><body>hi</body></html>", "looks like an HTML page"),
         (_zip_bytes(), "looks like a zip archive"),
         (bytes(range(256)) * 4, "not an image PIL can read"),
@@ -181,7 +194,9 @@ def test_non_images_are_one_line_errors(data, kind):
 def test_preprocess_matches_torchvision_resize_and_normalize():
     from torchvision import transforms
 
-    config = vx.ViTConfig(image_size=(32, 48), patch_size=8, mean=(0.4, 0.5, 0.6), std=(0.2, 0.25, 0.3))
+    config = vx.ViTConfig(
+        image_size=(32, 48), patch_size=8, mean=(0.4, 0.5, 0.6), std=(0.2, 0.25, 0.3)
+    )
     image = _noise(100, 70)
     reference = transforms.Compose(
         [
@@ -214,4 +229,7 @@ def test_preprocess_grayscale_and_odd_modes():
     x = vx.preprocess(transparent, vx.ViTConfig(image_size=8, patch_size=4))
     torch.testing.assert_close(x, torch.ones(1, 3, 8, 8))  # white after compositing
     with pytest.raises(ValueError, match="1 or 3 input channels"):
-        vx.preprocess(transparent, vx.ViTConfig(image_size=8, patch_size=4, in_chans=2, mean=(0, 0), std=(1, 1)))
+        vx.preprocess(
+            transparent,
+            vx.ViTConfig(image_size=8, patch_size=4, in_chans=2, mean=(0, 0), std=(1, 1)),
+        )

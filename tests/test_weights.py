@@ -1,4 +1,5 @@
 """Checkpoints: round trips, parity with timm / torchvision / Hugging Face, refusals, resizing."""
+
 from __future__ import annotations
 
 import os
@@ -90,7 +91,15 @@ def test_overrides_and_resize_on_load(tmp_path):
 def _torchvision_vit(**changes):
     from torchvision.models.vision_transformer import VisionTransformer
 
-    fields = dict(image_size=32, patch_size=8, num_layers=2, num_heads=2, hidden_dim=64, mlp_dim=128, num_classes=5)
+    fields = dict(
+        image_size=32,
+        patch_size=8,
+        num_layers=2,
+        num_heads=2,
+        hidden_dim=64,
+        mlp_dim=128,
+        num_classes=5,
+    )
     return _randomize(VisionTransformer(**{**fields, **changes}))
 
 
@@ -116,7 +125,9 @@ def test_torchvision_legacy_mlp_names(tmp_path):
     }
     torch.save(state, tmp_path / "old.pth")
     x = _images()
-    torch.testing.assert_close(vx.load_model(tmp_path / "old.pth", num_heads=2)(x), reference(x), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        vx.load_model(tmp_path / "old.pth", num_heads=2)(x), reference(x), atol=1e-5, rtol=1e-5
+    )
 
 
 def test_torchvision_pre_logits_is_refused(tmp_path):
@@ -129,7 +140,9 @@ def test_load_pretrained_converts_torchvision_weights(monkeypatch):
     import torchvision.models._api as api
 
     # A narrow stand-in for the ImageNet weights: the real ones need the internet.
-    fake = _torchvision_vit(image_size=224, patch_size=16, num_layers=1, hidden_dim=64, num_heads=1, num_classes=1000)
+    fake = _torchvision_vit(
+        image_size=224, patch_size=16, num_layers=1, hidden_dim=64, num_heads=1, num_classes=1000
+    )
     monkeypatch.setattr(api, "load_state_dict_from_url", lambda url, *a, **k: fake.state_dict())
     model = vx.load_pretrained("vit_b_16")
     assert model.config.img_size == (224, 224) and model.config.patch_size == 16
@@ -183,14 +196,18 @@ def test_timm_parity(tmp_path, variant, suffix):
     assert model.config.num_prefix_tokens == reference.num_prefix_tokens
     assert model.config.mean == (0.5, 0.5, 0.5)
     x = _images()
-    torch.testing.assert_close(model.forward_features(x), reference.forward_features(x), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        model.forward_features(x), reference.forward_features(x), atol=1e-5, rtol=1e-5
+    )
     torch.testing.assert_close(model(x), reference(x), atol=1e-5, rtol=1e-5)
 
 
 def test_timm_non_square_grid_needs_image_size(tmp_path):
     from timm.models.vision_transformer import VisionTransformer
 
-    reference = _randomize(VisionTransformer(img_size=(16, 24), patch_size=8, embed_dim=64, depth=1, num_heads=1))
+    reference = _randomize(
+        VisionTransformer(img_size=(16, 24), patch_size=8, embed_dim=64, depth=1, num_heads=1)
+    )
     torch.save(reference.state_dict(), tmp_path / "wide.pth")
     with pytest.raises(vx.CheckpointError, match=r"pass image_size=\(height, width\)"):
         vx.load_model(tmp_path / "wide.pth")
@@ -206,8 +223,14 @@ def _hf_config(**changes):
     from transformers import ViTConfig as HFViTConfig
 
     fields = dict(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
-        image_size=32, patch_size=8, num_labels=3, id2label={0: "ant", 1: "bee", 2: "cow"},
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=128,
+        image_size=32,
+        patch_size=8,
+        num_labels=3,
+        id2label={0: "ant", 1: "bee", 2: "cow"},
         label2id={"ant": 0, "bee": 1, "cow": 2},
     )
     return HFViTConfig(**{**fields, **changes})
@@ -240,7 +263,9 @@ def test_huggingface_classifier_parity(tmp_path, layout):
 def test_huggingface_backbone_parity(tmp_path):
     from transformers import ViTModel
 
-    reference = _randomize(ViTModel(_hf_config(num_labels=2, id2label=None, label2id=None, qkv_bias=False)))
+    reference = _randomize(
+        ViTModel(_hf_config(num_labels=2, id2label=None, label2id=None, qkv_bias=False))
+    )
     reference.save_pretrained(tmp_path)
 
     model = vx.load_model(tmp_path)
@@ -255,8 +280,10 @@ def test_huggingface_file_without_config_is_refused(tmp_path):
 
     ViTModel(_hf_config()).save_pretrained(tmp_path)
     (tmp_path / "config.json").unlink()
-    with pytest.raises(vx.CheckpointError, match="no config.json"):
+    with pytest.raises(vx.CheckpointError, match="model.safetensors has no Hugging Face config"):
         vx.load_model(tmp_path / "model.safetensors")
+    with pytest.raises(vx.CheckpointError, match="is a folder but not a Hugging Face model"):
+        vx.load_model(tmp_path)
 
 
 # ----------------------------------------------------------------------------- bad files
@@ -289,7 +316,9 @@ def test_unreadable_files_are_clear_errors(tmp_path):
     torch.save(_tiny().state_dict(), good)
     truncated = tmp_path / "checkpoint.pth"
     truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
-    with pytest.raises(vx.CheckpointError, match="checkpoint.pth is truncated or not a PyTorch/safetensors file"):
+    with pytest.raises(
+        vx.CheckpointError, match="checkpoint.pth is truncated or not a PyTorch/safetensors file"
+    ):
         vx.load_model(truncated)
 
     safetensors_file = tmp_path / "cut.safetensors"
@@ -321,7 +350,9 @@ def test_state_dict_that_is_not_a_vit_is_refused(tmp_path):
     state = _tiny().state_dict()
     state["blocks.0.attn.q_norm.weight"] = torch.ones(16)  # a timm feature our ViT lacks
     torch.save(state, tmp_path / "qknorm.pth")
-    with pytest.raises(vx.CheckpointError, match="parameters our ViT does not have: blocks.0.attn.q_norm"):
+    with pytest.raises(
+        vx.CheckpointError, match="parameters our ViT does not have: blocks.0.attn.q_norm"
+    ):
         vx.load_model(tmp_path / "qknorm.pth", num_heads=2)
 
 
@@ -333,7 +364,9 @@ def test_pi_resize_preserves_patch_embeddings_of_upsampled_input():
     resized = vx.resize_model(model, patch_size=8, image_size=32)  # same 4x4 grid, bigger patches
     x = _images(16)
     upsampled = vw.resize_patches(x, 4, 8)
-    torch.testing.assert_close(resized.patch_embed(upsampled), model.patch_embed(x), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        resized.patch_embed(upsampled), model.patch_embed(x), atol=1e-5, rtol=1e-5
+    )
     # The grid is unchanged, so the whole network agrees too.
     torch.testing.assert_close(resized(upsampled), model(x), atol=1e-5, rtol=1e-5)
 
@@ -343,8 +376,12 @@ def test_pi_resize_matches_timm_reference(new_patch):
     from timm.layers import resample_patch_embed
 
     kernel = torch.randn(8, 3, 8, 8, generator=torch.Generator().manual_seed(2))
-    expected = resample_patch_embed(kernel, [new_patch, new_patch], interpolation="bilinear", antialias=True)
-    torch.testing.assert_close(vw.resample_patch_embed(kernel, new_patch), expected, atol=1e-4, rtol=1e-4)
+    expected = resample_patch_embed(
+        kernel, [new_patch, new_patch], interpolation="bilinear", antialias=True
+    )
+    torch.testing.assert_close(
+        vw.resample_patch_embed(kernel, new_patch), expected, atol=1e-4, rtol=1e-4
+    )
 
 
 def test_pos_embed_resample_keeps_prefix_and_matches_timm():

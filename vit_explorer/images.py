@@ -1,4 +1,5 @@
 """Images in: any upload PIL can read -> an RGB PIL image -> a normalized model input tensor."""
+
 from __future__ import annotations
 
 import io
@@ -24,7 +25,7 @@ class InvalidImageError(ValueError):
 def _read_bytes(source: bytes | str | os.PathLike | BinaryIO) -> tuple[bytes, str]:
     """(contents, a name for messages) of bytes, a path or a binary file-like object."""
     if isinstance(source, (bytes, bytearray, memoryview)):
-        return bytes(source), "the image"
+        return bytes(source), "this file"
     if isinstance(source, (str, os.PathLike)):
         path = Path(source)
         if not path.is_file():
@@ -36,7 +37,7 @@ def _read_bytes(source: bytes | str | os.PathLike | BinaryIO) -> tuple[bytes, st
         data = source.read()
         if not isinstance(data, (bytes, bytearray)):
             raise InvalidImageError("the upload must be opened in binary mode")
-        return bytes(data), getattr(source, "name", None) or "the image"
+        return bytes(data), getattr(source, "name", None) or "this file"
     raise InvalidImageError(f"cannot read an image from a {type(source).__name__}")
 
 
@@ -132,7 +133,9 @@ def load_image(source: bytes | str | os.PathLike | BinaryIO) -> Image.Image:
 def preprocess(image: Image.Image, config: ViTConfig) -> torch.Tensor:
     """(1, C, H, W) model input: the whole image resized (no crop) and normalized like training."""
     if config.in_chans not in (1, 3):
-        raise ValueError(f"images can feed models with 1 or 3 input channels, not {config.in_chans}")
+        raise ValueError(
+            f"images can feed models with 1 or 3 input channels, not {config.in_chans}"
+        )
     image = to_rgb(image)
     if config.in_chans == 1:
         image = image.convert("L")

@@ -1,10 +1,12 @@
-"""Checkpoints: our own safetensors files, timm / torchvision / Hugging Face ViT imports, and resizing.
+"""Checkpoints: our safetensors files, timm / torchvision / Hugging Face ViT imports, resizing.
 
 Every format is converted to our (timm-named) state dict first; the config is then inferred from
 the tensor shapes alone, so one code path builds and checks the model whatever the source was.
 """
+
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -43,12 +45,18 @@ def save_model(model: ViT, path: str | os.PathLike, metadata: dict[str, str] | N
     :func:`load_metadata`. The file appears atomically: a crash leaves the old file or none.
     """
     extra = dict(metadata or {})
-    bad = [key for key, value in extra.items() if not isinstance(key, str) or not isinstance(value, str)]
+    bad = [
+        key
+        for key, value in extra.items()
+        if not isinstance(key, str) or not isinstance(value, str)
+    ]
     if bad:
         raise ValueError(f"checkpoint metadata must map strings to strings (bad entries: {bad})")
     if CONFIG_KEY in extra or "format" in extra:
         raise ValueError(f"metadata keys {CONFIG_KEY!r} and 'format' are reserved")
-    tensors = {name: value.detach().cpu().contiguous() for name, value in model.state_dict().items()}
+    tensors = {
+        name: value.detach().cpu().contiguous() for name, value in model.state_dict().items()
+    }
     header = {"format": "pt", CONFIG_KEY: model.config.to_json(), **extra}
 
     path = Path(path)
@@ -87,7 +95,9 @@ def _safetensors_header(path: Path) -> dict[str, str]:
         with safe_open(str(path), framework="pt") as file:
             return dict(file.metadata() or {})
     except SafetensorError as error:
-        raise CheckpointError(f"{path.name} is truncated or not a valid safetensors file ({error})") from None
+        raise CheckpointError(
+            f"{path.name} is truncated or not a valid safetensors file ({error})"
+        ) from None
 
 
 def _describe(start: bytes) -> str:
@@ -113,8 +123,6 @@ def _read_tensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """(state dict, safetensors metadata) of a file, or a CheckpointError saying what is wrong."""
     if not path.exists():
         raise CheckpointError(f"checkpoint {path} does not exist")
-    if path.is_dir():
-        raise CheckpointError(f"{path} is a folder without a Hugging Face config.json")
     if path.stat().st_size == 0:
         raise CheckpointError(f"{path.name} is empty")
 
@@ -123,41 +131,57 @@ def _read_tensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         try:
             return load_file(str(path), device="cpu"), metadata
         except SafetensorError as error:
-            raise CheckpointError(f"{path.name} is truncated or not a valid safetensors file ({error})") from None
+            raise CheckpointError(
+                f"{path.name} is truncated or not a valid safetensors file ({error})"
+            ) from None
 
     with open(path, "rb") as file:
         start = file.read(16)
     # torch.save writes a zip archive (or, before torch 1.6, a raw pickle starting with 0x80).
     if not (start.startswith(b"PK\x03\x04") or start.startswith(b"\x80")):
         raise CheckpointError(
-            f"{path.name} is not a PyTorch/safetensors checkpoint (it looks like {_describe(start)})"
+            f"{path.name} is not a PyTorch/safetensors checkpoint "
+            f"(it looks like {_describe(start)})"
         )
     try:
         # weights_only: a pickle may only rebuild tensors and containers, never call code.
         loaded = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
         if "Weights only load failed" in str(error):
-            found = re.search(r"(Unsupported global|Unsupported operand)[^\n.]*", str(error))
-            detail = f" ({found.group(0)})" if found else ""
+            found = re.search(r"GLOBAL ([\w.]+)", str(error))
+            detail = f" ({found.group(1)})" if found else ""
             raise CheckpointError(
                 f"loading {path.name} was refused: it contains code or Python objects other than "
                 f"tensors, which could run arbitrary commands{detail}"
             ) from None
-        raise CheckpointError(f"{path.name} is truncated or not a PyTorch/safetensors file") from None
+        raise CheckpointError(
+            f"{path.name} is truncated or not a PyTorch/safetensors file"
+        ) from None
     except (RuntimeError, EOFError, OSError, ValueError):
-        raise CheckpointError(f"{path.name} is truncated or not a PyTorch/safetensors file") from None
+        raise CheckpointError(
+            f"{path.name} is truncated or not a PyTorch/safetensors file"
+        ) from None
     return _unwrap(loaded, path.name), {}
 
 
 def _unwrap(loaded: object, name: str) -> dict[str, torch.Tensor]:
     """The tensor dict inside a training checkpoint ({"state_dict": ...}, {"model": ...}, DDP)."""
     while isinstance(loaded, Mapping):
-        inner = next((loaded[key] for key in ("state_dict", "model") if isinstance(loaded.get(key), Mapping)), None)
+        inner = next(
+            (
+                loaded[key]
+                for key in ("state_dict", "model")
+                if isinstance(loaded.get(key), Mapping)
+            ),
+            None,
+        )
         if inner is None:
             break
         loaded = inner
     if not isinstance(loaded, Mapping):
-        raise CheckpointError(f"{name} holds a {type(loaded).__name__}, not a state dict of tensors")
+        raise CheckpointError(
+            f"{name} holds a {type(loaded).__name__}, not a state dict of tensors"
+        )
     tensors = {str(key): value for key, value in loaded.items() if isinstance(value, torch.Tensor)}
     if not tensors:
         raise CheckpointError(f"{name} contains no tensors")
@@ -181,7 +205,8 @@ def _from_torchvision(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.T
         raise CheckpointError("torchvision ViTs with a convolutional stem are not supported")
     if "heads.pre_logits.weight" in state:
         raise CheckpointError(
-            "this torchvision ViT has a pre-logits layer (representation_size), which our ViT does not have"
+            "this torchvision ViT has a pre-logits layer (representation_size), "
+            "which our ViT does not have"
         )
     renames = [
         (r"^conv_proj\.", "patch_embed.proj."),
@@ -205,13 +230,19 @@ def _from_torchvision(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.T
     return converted, {"mean": IMAGENET_MEAN, "std": IMAGENET_STD}
 
 
-def _from_huggingface(state: dict[str, torch.Tensor], hf_config: dict) -> tuple[dict[str, torch.Tensor], dict]:
+def _from_huggingface(
+    state: dict[str, torch.Tensor], hf_config: dict
+) -> tuple[dict[str, torch.Tensor], dict]:
     model_type = hf_config.get("model_type", "vit")
     if model_type != "vit":
-        raise CheckpointError(f"Hugging Face model type {model_type!r} is not supported, only 'vit'")
+        raise CheckpointError(
+            f"Hugging Face model type {model_type!r} is not supported, only 'vit'"
+        )
     activation = hf_config.get("hidden_act", "gelu")
     if activation != "gelu":
-        raise CheckpointError(f"Hugging Face activation {activation!r} is not supported, only 'gelu'")
+        raise CheckpointError(
+            f"Hugging Face activation {activation!r} is not supported, only 'gelu'"
+        )
 
     state = {key.removeprefix("vit."): value for key, value in state.items()}
     converted: dict[str, torch.Tensor] = {}
@@ -231,7 +262,7 @@ def _from_huggingface(state: dict[str, torch.Tensor], hf_config: dict) -> tuple[
     separate_qkv: dict[str, dict[str, torch.Tensor]] = {}
     for key, value in state.items():
         if key.startswith("pooler.") or key == "embeddings.mask_token":
-            continue  # ViTModel's pooler and the masked-image-modelling token never reach the logits
+            continue  # ViTModel's pooler and the masked-image-modelling token never reach logits
         # Files keep the transformers 4 names; transformers 5 modules call them q/k/v/o_proj.
         found = re.match(
             r"^(?:encoder\.layer|layers)\.(\d+)\.attention\.(?:attention\.)?(query|key|value|q_proj|k_proj|v_proj)\."
@@ -247,7 +278,9 @@ def _from_huggingface(state: dict[str, torch.Tensor], hf_config: dict) -> tuple[
         converted[key] = value
     for key, parts in separate_qkv.items():
         if set(parts) != {"q", "k", "v"}:
-            raise CheckpointError(f"the Hugging Face checkpoint lacks part of {key} (has {sorted(parts)})")
+            raise CheckpointError(
+                f"the Hugging Face checkpoint lacks part of {key} (has {sorted(parts)})"
+            )
         converted[key] = torch.cat([parts["q"], parts["k"], parts["v"]], dim=0)  # (3D, ...)
 
     known: dict = {"layer_norm_eps": float(hf_config.get("layer_norm_eps", 1e-12))}
@@ -267,36 +300,34 @@ def _from_huggingface(state: dict[str, torch.Tensor], hf_config: dict) -> tuple[
     return converted, known
 
 
-def _read_huggingface(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
-    """Weights and config.json (+ preprocessor_config.json) of an HF folder or a file inside one."""
-    folder = path if path.is_dir() else path.parent
+def _huggingface_config(folder: Path, name: str) -> dict:
+    """config.json of a Hugging Face model folder, with preprocessor_config.json's mean/std."""
     config_path = folder / "config.json"
     if not config_path.exists():
-        raise CheckpointError(f"{path} looks like a Hugging Face ViT but has no config.json beside it")
+        raise CheckpointError(f"{name} has no Hugging Face config.json beside its weights")
     try:
         hf_config = json.loads(config_path.read_text())
         preprocessor = folder / "preprocessor_config.json"
         if preprocessor.exists():
             hf_config = {**json.loads(preprocessor.read_text()), **hf_config}
     except json.JSONDecodeError as error:
-        raise CheckpointError(f"{config_path.name} in {folder} is not valid JSON ({error})") from None
+        raise CheckpointError(f"a config file in {folder} is not valid JSON ({error})") from None
+    return hf_config
 
-    if path.is_dir():
-        files = [folder / name for name in HF_WEIGHT_FILES if (folder / name).exists()]
-        if not files:
-            index = next((folder / name for name in HF_SHARD_INDEXES if (folder / name).exists()), None)
-            if index is None:
-                raise CheckpointError(f"{folder} has no {' or '.join(HF_WEIGHT_FILES)}")
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            files = [folder / shard for shard in shards]
-        else:
-            files = files[:1]  # prefer safetensors when both exist
-    else:
-        files = [path]
+
+def _huggingface_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """The weights of a Hugging Face model folder: one file (safetensors first) or shards."""
+    files = [folder / name for name in HF_WEIGHT_FILES if (folder / name).exists()][:1]
+    if not files:
+        index = next((folder / name for name in HF_SHARD_INDEXES if (folder / name).exists()), None)
+        if index is None:
+            raise CheckpointError(f"{folder} has no {' or '.join(HF_WEIGHT_FILES)}")
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [folder / shard for shard in shards]
     state: dict[str, torch.Tensor] = {}
     for file in files:
         state.update(_read_tensors(file)[0])
-    return state, hf_config
+    return state
 
 
 def _is_huggingface(state: Mapping[str, torch.Tensor]) -> bool:
@@ -308,6 +339,8 @@ def _is_huggingface(state: Mapping[str, torch.Tensor]) -> bool:
 
 def _grid_for(num_positions: int, image_size, patch_size: int) -> tuple[int, int] | None:
     """The patch grid for ``num_positions`` positions: the requested image's grid, else a square."""
+    if num_positions < 1:
+        return None
     if image_size is not None:
         grid = ViTConfig(image_size=image_size, patch_size=patch_size, num_classes=0).grid_size
         return grid if grid[0] * grid[1] == num_positions else None
@@ -315,21 +348,33 @@ def _grid_for(num_positions: int, image_size, patch_size: int) -> tuple[int, int
     return (side, side) if side * side == num_positions else None
 
 
-def _infer_config(state: dict[str, torch.Tensor], known: dict, requested: dict) -> ViTConfig:
+def _infer_config(
+    state: dict[str, torch.Tensor], known: dict, requested: dict, name: str
+) -> ViTConfig:
     """A ViTConfig from the tensor shapes, ``known`` source facts and the caller's overrides."""
     if "patch_embed.proj.weight" not in state or "blocks.0.attn.qkv.weight" not in state:
         sample = ", ".join(sorted(state)[:6])
-        raise CheckpointError(f"this is not a ViT checkpoint we can read (found keys like {sample})")
+        raise CheckpointError(
+            f"{name} is not a ViT checkpoint we can read (found keys like {sample})"
+        )
     patch_weight = state["patch_embed.proj.weight"]  # (D, C, p, p)
     embed_dim, in_chans, patch_h, patch_w = patch_weight.shape
     if patch_h != patch_w:
-        raise CheckpointError(f"non-square patches ({patch_h}x{patch_w}) are not supported")
-    depth = 1 + max(int(key.split(".")[1]) for key in state if re.match(r"^blocks\.\d+\.attn\.qkv\.weight$", key))
+        raise CheckpointError(
+            f"{name} has non-square patches ({patch_h}x{patch_w}), which we do not support"
+        )
+    depth = 1 + max(
+        int(key.split(".")[1])
+        for key in state
+        if re.match(r"^blocks\.\d+\.attn\.qkv\.weight$", key)
+    )
     class_token = "cls_token" in state
     reg_tokens = state["reg_token"].shape[1] if "reg_token" in state else 0
     num_prefix = int(class_token) + reg_tokens
     if "norm.weight" not in state and "fc_norm.weight" not in state:
-        raise CheckpointError("this ViT has no final norm (neither norm nor fc_norm), which our ViT needs")
+        raise CheckpointError(
+            f"{name} has no final norm (neither norm nor fc_norm), which our ViT needs"
+        )
     mean_pool = "fc_norm.weight" in state or not class_token
 
     fields: dict = {
@@ -353,38 +398,41 @@ def _infer_config(state: dict[str, torch.Tensor], known: dict, requested: dict) 
         **requested,
         "patch_size": patch_h,  # always the kernel's; other sizes go through resize_model
     }
-    # Position embeddings cover the grid, plus the prefix tokens unless no_embed_class.
-    num_positions = state["pos_embed"].shape[1] if "pos_embed" in state else None
-    image_size, patch_size = fields.get("image_size"), fields["patch_size"]
-    if num_positions is None:
-        raise CheckpointError("this ViT has no absolute position embedding (pos_embed), which our ViT needs")
-    options = [(False, num_positions - num_prefix), (True, num_positions)] if num_prefix else [(False, num_positions)]
-    if "no_embed_class" in known or "no_embed_class" in requested:
-        options = [option for option in options if option[0] == fields["no_embed_class"]]
-    for no_embed_class, num_patches in options:
-        grid = _grid_for(num_patches, image_size, patch_size) if num_patches > 0 else None
-        if grid is not None:
-            break
-    else:
+    if "pos_embed" not in state:
         raise CheckpointError(
-            f"cannot tell the image size from {num_positions} position embeddings; "
-            "pass image_size=(height, width) to load_model"
+            f"{name} has no absolute position embedding (pos_embed), which our ViT needs"
         )
-    fields["no_embed_class"] = no_embed_class
-    fields["image_size"] = image_size if image_size is not None else grid[0] * patch_size
-    try:
-        return ViTConfig(**fields)
-    except TypeError as error:  # an override that is not a ViTConfig field
-        raise CheckpointError(f"cannot build the ViT: {error}") from None
+    # Position embeddings cover the patch grid, plus the prefix tokens unless no_embed_class;
+    # timm's default layout (prefix tokens included) is tried first.
+    num_positions = state["pos_embed"].shape[1]
+    image_size, patch_size = fields.get("image_size"), fields["patch_size"]
+    layouts = [False, True] if num_prefix else [False]
+    if "no_embed_class" in known or "no_embed_class" in requested:
+        layouts = [fields["no_embed_class"]]
+    for no_embed_class in layouts:
+        num_patches = num_positions - (0 if no_embed_class else num_prefix)
+        grid = _grid_for(num_patches, image_size, patch_size)
+        if grid is not None:
+            fields["no_embed_class"] = no_embed_class
+            fields["image_size"] = image_size if image_size is not None else grid[0] * patch_size
+            return ViTConfig(**fields)
+    raise CheckpointError(
+        f"cannot tell the image size of {name} from its {num_positions} position embeddings; "
+        "pass image_size=(height, width) to load_model"
+    )
 
 
 def _build(state: dict[str, torch.Tensor], config: ViTConfig, name: str) -> ViT:
     model = ViT(config)
-    state = {key: value.float() if value.is_floating_point() else value for key, value in state.items()}
+    state = {
+        key: value.float() if value.is_floating_point() else value for key, value in state.items()
+    }
     result = model.load_state_dict(state, strict=False)
     problems = []
     if result.unexpected_keys:
-        problems.append(f"parameters our ViT does not have: {', '.join(result.unexpected_keys[:5])}")
+        problems.append(
+            f"parameters our ViT does not have: {', '.join(result.unexpected_keys[:5])}"
+        )
     if result.missing_keys:
         problems.append(f"missing parameters: {', '.join(result.missing_keys[:5])}")
     if problems:
@@ -396,19 +444,22 @@ def _model_from_state(
     state: dict[str, torch.Tensor], known: dict, overrides: dict, name: str
 ) -> ViT:
     """Build from the native geometry; a different image/patch size asked for is then resampled."""
+    unknown = sorted(set(overrides) - {field.name for field in dataclasses.fields(ViTConfig)})
+    if unknown:
+        raise CheckpointError(f"unknown ViTConfig field(s) to override: {', '.join(unknown)}")
     kernel = state.get("patch_embed.proj.weight")
     rest = {key: value for key, value in overrides.items() if key != "patch_size"}
     geometry = {}
     if kernel is not None and overrides.get("patch_size", kernel.shape[-1]) != kernel.shape[-1]:
         geometry["patch_size"] = overrides["patch_size"]
     try:
-        config = _infer_config(state, known, rest)
+        config = _infer_config(state, known, rest, name)
     except CheckpointError:
         if "image_size" not in rest:
             raise
         # The weights were trained for another size: build that one, then resample it.
         geometry["image_size"] = rest.pop("image_size")
-        config = _infer_config(state, known, rest)
+        config = _infer_config(state, known, rest, name)
     try:
         model = _build(state, config, name)
     except RuntimeError as error:  # shape mismatches, e.g. an override that contradicts the weights
@@ -428,8 +479,12 @@ def load_model(path: str | os.PathLike, **overrides) -> ViT:
     """
     path = Path(path)
     if path.is_dir():
-        state, hf_config = _read_huggingface(path)
-        converted, known = _from_huggingface(state, hf_config)
+        if not (path / "config.json").exists():
+            raise CheckpointError(
+                f"{path} is a folder but not a Hugging Face model (no config.json)"
+            )
+        hf_config = _huggingface_config(path, path.name)
+        converted, known = _from_huggingface(_huggingface_weights(path), hf_config)
         return _model_from_state(converted, known, overrides, path.name)
 
     state, metadata = _read_tensors(path)
@@ -440,7 +495,7 @@ def load_model(path: str | os.PathLike, **overrides) -> ViT:
             raise CheckpointError(f"{path.name} has an unreadable config ({error})") from None
         return _model_from_state(state, saved.to_dict(), overrides, path.name)
     if _is_huggingface(state):
-        state, hf_config = _read_huggingface(path)
+        hf_config = _huggingface_config(path.parent, path.name)
         converted, known = _from_huggingface(state, hf_config)
     elif "conv_proj.weight" in state or "encoder.pos_embedding" in state:
         converted, known = _from_torchvision(state)
@@ -454,7 +509,9 @@ def load_pretrained(name: str = "vit_b_16") -> ViT:
     import torchvision.models
 
     if name not in TORCHVISION_VITS:
-        raise CheckpointError(f"unknown torchvision ViT {name!r}; choose one of {', '.join(TORCHVISION_VITS)}")
+        raise CheckpointError(
+            f"unknown torchvision ViT {name!r}; choose one of {', '.join(TORCHVISION_VITS)}"
+        )
     weights = torchvision.models.get_model_weights(name).DEFAULT
     try:
         state = weights.get_state_dict(progress=False, check_hash=True)
@@ -464,7 +521,9 @@ def load_pretrained(name: str = "vit_b_16") -> ViT:
             f"could not download the {name} weights from {weights.url} (no internet?): {reason}"
         ) from None
     converted, known = _from_torchvision(state)
-    known.update(image_size=weights.meta["min_size"][0], class_names=tuple(weights.meta["categories"]))
+    known.update(
+        image_size=weights.meta["min_size"][0], class_names=tuple(weights.meta["categories"])
+    )
     return _model_from_state(converted, known, {}, name)
 
 
@@ -475,13 +534,17 @@ def _resize_matrix(old_size: tuple[int, int], new_size: tuple[int, int]) -> torc
     """(old_h*old_w, new_h*new_w): row i is the bilinear resize of the i-th one-hot old patch."""
     basis = torch.eye(old_size[0] * old_size[1], dtype=torch.float64)
     basis = rearrange(basis, "n (h w) -> n 1 h w", h=old_size[0])
-    resized = F.interpolate(basis, size=new_size, mode="bilinear", align_corners=False, antialias=True)
+    resized = F.interpolate(
+        basis, size=new_size, mode="bilinear", align_corners=False, antialias=True
+    )
     return rearrange(resized, "n 1 h w -> n (h w)")
 
 
 def resize_patches(x: torch.Tensor, old_patch: int, new_patch: int) -> torch.Tensor:
-    """Resize every p x p patch of (B, C, H, W) images on its own with the matrix used by PI-resize."""
-    patches = rearrange(x.double(), "b c (gh ph) (gw pw) -> b c gh gw (ph pw)", ph=old_patch, pw=old_patch)
+    """Resize each p x p patch of (B, C, H, W) images on its own, as PI-resize's matrix does."""
+    patches = rearrange(
+        x.double(), "b c (gh ph) (gw pw) -> b c gh gw (ph pw)", ph=old_patch, pw=old_patch
+    )
     resized = patches @ _resize_matrix((old_patch, old_patch), (new_patch, new_patch))
     return rearrange(resized, "b c gh gw (ph pw) -> b c (gh ph) (gw pw)", ph=new_patch).to(x.dtype)
 
@@ -502,7 +565,10 @@ def resample_patch_embed(weight: torch.Tensor, new_patch: int) -> torch.Tensor:
 
 
 def resample_pos_embed(
-    pos_embed: torch.Tensor, old_grid: tuple[int, int], new_grid: tuple[int, int], num_prefix_tokens: int
+    pos_embed: torch.Tensor,
+    old_grid: tuple[int, int],
+    new_grid: tuple[int, int],
+    num_prefix_tokens: int,
 ) -> torch.Tensor:
     """Bicubically resample (1, prefix + gh*gw, D) position embeddings to a new grid.
 
@@ -512,7 +578,9 @@ def resample_pos_embed(
         return pos_embed
     prefix, grid = pos_embed[:, :num_prefix_tokens], pos_embed[:, num_prefix_tokens:]
     grid = rearrange(grid.float(), "1 (gh gw) d -> 1 d gh gw", gh=old_grid[0])
-    grid = F.interpolate(grid, size=tuple(new_grid), mode="bicubic", align_corners=False, antialias=True)
+    grid = F.interpolate(
+        grid, size=tuple(new_grid), mode="bicubic", align_corners=False, antialias=True
+    )
     grid = rearrange(grid, "1 d gh gw -> 1 (gh gw) d").to(pos_embed.dtype)
     return torch.cat([prefix, grid], dim=1)
 
@@ -526,9 +594,13 @@ def resize_model(model: ViT, patch_size: int | None = None, image_size=None) -> 
     )
     state = {key: value.detach().clone() for key, value in model.state_dict().items()}
     if new.patch_size != old.patch_size:
-        state["patch_embed.proj.weight"] = resample_patch_embed(state["patch_embed.proj.weight"], new.patch_size)
+        state["patch_embed.proj.weight"] = resample_patch_embed(
+            state["patch_embed.proj.weight"], new.patch_size
+        )
     prefix = 0 if old.no_embed_class else old.num_prefix_tokens
-    state["pos_embed"] = resample_pos_embed(state["pos_embed"], old.grid_size, new.grid_size, prefix)
+    state["pos_embed"] = resample_pos_embed(
+        state["pos_embed"], old.grid_size, new.grid_size, prefix
+    )
 
     parameter = next(model.parameters())
     resized = ViT(new).to(device=parameter.device, dtype=parameter.dtype)
