@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import urllib.error
@@ -254,6 +255,7 @@ def test_huggingface_classifier_parity(tmp_path, layout):
     assert model.config.num_heads == 2
     assert model.config.layer_norm_eps == 1e-12
     assert model.config.class_names == ("ant", "bee", "cow")
+    assert model.config.mean == (0.5, 0.5, 0.5)  # ViT's processor default, not in config.json
     x = _images()
     torch.testing.assert_close(model(x), reference(pixel_values=x).logits, atol=1e-5, rtol=1e-5)
     if layout != "state_dict.pth":
@@ -267,9 +269,14 @@ def test_huggingface_backbone_parity(tmp_path):
         ViTModel(_hf_config(num_labels=2, id2label=None, label2id=None, qkv_bias=False))
     )
     reference.save_pretrained(tmp_path)
+    preprocessor = {"image_mean": [0.485, 0.456, 0.406], "image_std": [0.229, 0.224, 0.225]}
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(preprocessor))
 
     model = vx.load_model(tmp_path)
     assert model.config.num_classes == 0
+    assert (
+        model.config.mean == vx.config.IMAGENET_MEAN and model.config.std == vx.config.IMAGENET_STD
+    )
     x = _images()
     expected = reference(pixel_values=x).last_hidden_state
     torch.testing.assert_close(model.forward_features(x), expected, atol=1e-5, rtol=1e-5)

@@ -81,6 +81,8 @@ def to_rgb(image: Image.Image) -> Image.Image:
     """Any PIL mode as RGB; transparency is composited on white."""
     if image.mode in ("I", "I;16", "I;16L", "I;16B", "I;16N", "F"):
         image = _to_8bit(image)
+    elif image.mode == "La":  # premultiplied alpha converts to nothing but LA
+        image = image.convert("LA")
     has_alpha = image.mode in ("RGBA", "LA", "PA", "RGBa", "La") or (
         image.mode == "P" and "transparency" in image.info
     )
@@ -127,7 +129,12 @@ def load_image(source: bytes | str | os.PathLike | BinaryIO) -> Image.Image:
             image = ImageOps.exif_transpose(image)
         except (OSError, ValueError, SyntaxError, EOFError) as error:
             raise InvalidImageError(f"{name} is truncated or corrupt ({error})") from None
-    return to_rgb(image)
+    try:
+        return to_rgb(image)
+    except ValueError:
+        raise InvalidImageError(
+            f"{name} uses the pixel mode {image.mode}, which cannot be converted to RGB"
+        ) from None
 
 
 def preprocess(image: Image.Image, config: ViTConfig) -> torch.Tensor:
