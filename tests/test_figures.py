@@ -1,8 +1,12 @@
 """Figure builders: each builds from small inputs, has a title, and carries the data it shows."""
+import base64
+import io
+
 import numpy as np
 import plotly.graph_objects as go
 import pytest
 import torch
+from PIL import Image
 
 from vit_explorer import figures
 
@@ -21,10 +25,17 @@ def traces(fig, kind):
     return [trace for trace in fig.data if trace.type == kind]
 
 
+def pixels(image_trace) -> np.ndarray:
+    """The (H, W, 3) pixels of an image trace's PNG source."""
+    header, data = image_trace.source.split(",", 1)
+    assert header == "data:image/png;base64"
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(data))).convert("RGB"))
+
+
 def test_image_with_grid_draws_grid_lines_and_the_highlighted_patch():
     fig = figures.image_with_grid(IMAGE, GRID, highlight=(1, 2))
     assert "2 x 3" in title_of(fig) and "patch 5" in title_of(fig)
-    assert np.array_equal(traces(fig, "image")[0].z, IMAGE)
+    assert np.array_equal(pixels(traces(fig, "image")[0]), IMAGE)
     lines = [s for s in fig.layout.shapes if s.type == "line"]
     assert len(lines) == (2 - 1) + (3 - 1)
     (rect,) = [s for s in fig.layout.shapes if s.type == "rect"]
@@ -39,7 +50,7 @@ def test_image_with_grid_draws_grid_lines_and_the_highlighted_patch():
 
 def test_float_images_are_converted_to_uint8():
     fig = figures.image_with_grid(IMAGE / 255.0, GRID)
-    assert np.array_equal(traces(fig, "image")[0].z, IMAGE)
+    assert np.array_equal(pixels(traces(fig, "image")[0]), IMAGE)
     with pytest.raises(ValueError, match=r"\(H, W, 3\)"):
         figures.image_with_grid(np.zeros((8, 12, 4)), GRID)
 
@@ -48,7 +59,7 @@ def test_patch_sequence_lays_patches_out_in_token_order():
     patches = torch.rand(2, 3, 3, 4, 4)
     fig = figures.patch_sequence(patches, max_patches=5, per_row=4)
     assert "first 5 of 6" in title_of(fig)
-    mosaic = traces(fig, "image")[0].z
+    mosaic = pixels(traces(fig, "image")[0])
     gap = 1
     assert mosaic.shape == (2 * 4 + gap, 4 * 4 + 3 * gap, 3)
     # Token 4 = patch (1, 1) starts the second row of the mosaic.
@@ -63,8 +74,8 @@ def test_token_pca_image_stretches_the_colours_over_the_image():
     fig = figures.token_pca_image(colors, IMAGE)
     title_of(fig)
     original, pca = traces(fig, "image")
-    assert np.array_equal(original.z, IMAGE)
-    assert np.array_equal(pca.z, np.round(colors * 255).astype(np.uint8))
+    assert np.array_equal(pixels(original), IMAGE)
+    assert np.array_equal(pixels(pca), np.round(colors * 255).astype(np.uint8))
     assert (pca.dx, pca.dy) == (4.0, 4.0)
 
 
@@ -87,7 +98,7 @@ def test_embedding_filters_figure_shows_every_filter():
     filters = np.random.default_rng(3).random((9, 4, 4, 3))
     fig = figures.embedding_filters_figure(filters, columns=7)
     assert "9" in title_of(fig)
-    mosaic = traces(fig, "image")[0].z
+    mosaic = pixels(traces(fig, "image")[0])
     assert mosaic.shape == (2 * 4 + 1, 7 * 4 + 6, 3)
     assert np.array_equal(mosaic[5:9, 5:9], np.round(filters[8] * 255).astype(np.uint8))
 
@@ -127,8 +138,7 @@ def test_attention_matrix_labels_tokens():
     assert title_of(fig) == "Layer 0, head 1"
     heatmap = traces(fig, "heatmap")[0]
     assert np.allclose(heatmap.z, attention.numpy())
-    assert list(heatmap.customdata[1, 2]) == ["reg 1", "patch 0"]
-    assert list(heatmap.customdata[0, 0]) == ["CLS", "CLS"]
+    assert list(heatmap.x) == list(heatmap.y) == ["CLS", "reg 1"] + [f"patch {i}" for i in range(6)]
     assert len(fig.layout.shapes) == 2
     assert figures.token_labels(3, 1, class_token=False) == ["reg 1", "patch 0", "patch 1"]
 
