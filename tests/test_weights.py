@@ -415,3 +415,12 @@ def test_resize_model_leaves_the_original_untouched():
     assert torch.equal(same(_images()), model(_images()))
     with pytest.raises(ValueError, match="not divisible by patch size"):
         vx.resize_model(model, patch_size=5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_resize_model_on_the_gpu_matches_the_cpu():
+    on_cpu = vx.resize_model(_tiny(), patch_size=4, image_size=48)
+    on_gpu = vx.resize_model(_tiny().cuda(), patch_size=4, image_size=48)
+    assert on_gpu.pos_embed.device.type == "cuda"
+    for key, value in on_cpu.state_dict().items():
+        torch.testing.assert_close(on_gpu.state_dict()[key].cpu(), value, atol=1e-5, rtol=1e-5)

@@ -530,9 +530,11 @@ def load_pretrained(name: str = "vit_b_16") -> ViT:
 # ----------------------------------------------------------------------------- resizing
 
 
-def _resize_matrix(old_size: tuple[int, int], new_size: tuple[int, int]) -> torch.Tensor:
+def _resize_matrix(
+    old_size: tuple[int, int], new_size: tuple[int, int], device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """(old_h*old_w, new_h*new_w): row i is the bilinear resize of the i-th one-hot old patch."""
-    basis = torch.eye(old_size[0] * old_size[1], dtype=torch.float64)
+    basis = torch.eye(old_size[0] * old_size[1], dtype=torch.float64, device=device)
     basis = rearrange(basis, "n (h w) -> n 1 h w", h=old_size[0])
     resized = F.interpolate(
         basis, size=new_size, mode="bilinear", align_corners=False, antialias=True
@@ -545,7 +547,7 @@ def resize_patches(x: torch.Tensor, old_patch: int, new_patch: int) -> torch.Ten
     patches = rearrange(
         x.double(), "b c (gh ph) (gw pw) -> b c gh gw (ph pw)", ph=old_patch, pw=old_patch
     )
-    resized = patches @ _resize_matrix((old_patch, old_patch), (new_patch, new_patch))
+    resized = patches @ _resize_matrix((old_patch, old_patch), (new_patch, new_patch), x.device)
     return rearrange(resized, "b c gh gw (ph pw) -> b c (gh ph) (gw pw)", ph=new_patch).to(x.dtype)
 
 
@@ -557,7 +559,7 @@ def resample_patch_embed(weight: torch.Tensor, new_patch: int) -> torch.Tensor:
     very embedding the original patch got. Exact when upsampling, best possible when shrinking.
     """
     old_patch = weight.shape[-1]
-    resize_t = _resize_matrix((old_patch, old_patch), (new_patch, new_patch))  # B^T (old, new)
+    resize_t = _resize_matrix((old_patch, old_patch), (new_patch, new_patch), weight.device)
     kernels = rearrange(weight.double(), "d c ph pw -> (ph pw) (d c)")
     resampled = torch.linalg.pinv(resize_t) @ kernels  # (new*new, D*C)
     resampled = rearrange(resampled, "(ph pw) (d c) -> d c ph pw", ph=new_patch, c=weight.shape[1])
