@@ -473,3 +473,19 @@ def test_denormalize_and_display_image_invert_preprocess():
     )
     with pytest.raises(AnalysisError, match="batch of 2"):
         analysis.display_image(torch.cat([x, x]), config)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_model_gives_the_cpu_results():
+    model = tiny_model(reg_tokens=1)
+    x = torch.randn(2, 3, 8, 12)
+    expected_attribution = analysis.attribution(model, x, 1)
+    expected_lens = analysis.logit_lens(model, vx.capture(model, x))
+    model.cuda()
+    assert torch.allclose(analysis.attribution(model, x, 1), expected_attribution, atol=1e-4)
+    capture = vx.capture(model, x)
+    assert torch.allclose(analysis.logit_lens(model, capture), expected_lens, atol=1e-4)
+    rollout = analysis.attention_rollout(capture.attentions.cuda(), discard_ratio=0.5)
+    assert rollout.is_cuda and torch.allclose(rollout.sum(-1), torch.ones(2, 8, device="cuda"))
+    distance = analysis.mean_attention_distance(capture.attentions.cuda(), (2, 3), 4, 2)
+    assert torch.allclose(distance.cpu(), analysis.mean_attention_distance(capture.attentions, (2, 3), 4, 2))

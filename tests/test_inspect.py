@@ -129,3 +129,12 @@ def test_inspect_bad_weights_is_one_line_and_exit_2(tmp_path, capsys):
     code = cli.main(["inspect", str(PHOTO), "--weights", str(bad), "--out", str(tmp_path)])
     error = capsys.readouterr().err
     assert code == 2 and error.startswith("error: ") and error.count("\n") == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_inspect_on_cuda(tiny_checkpoint, tmp_path):
+    path, model = tiny_checkpoint
+    out = tmp_path / "out"
+    assert cli.main(["inspect", str(PHOTO), "--weights", str(path), "--out", str(out),
+                     "--format", "html", "--device", "cuda"]) == 0
+    check_capture(out / "capture.npz", model)
