@@ -229,3 +229,23 @@ def test_find_browser_honours_browser_path(monkeypatch, tmp_path):
     assert figures.find_browser() is None
     with pytest.raises(figures.FigureExportError, match="needs Chrome or Chromium"):
         figures.write_figures({"a": figures.training_curves(None)}, tmp_path, image_format="png")
+
+
+def test_input_image_shows_the_image_with_its_aspect():
+    fig = figures.input_image(IMAGE, "Model input: 12x8 pixels")
+    assert title_of(fig) == "Model input: 12x8 pixels"
+    assert np.array_equal(pixels(traces(fig, "image")[0]), IMAGE)
+    assert fig.layout.yaxis.scaleanchor == "x"
+
+
+def test_token_matrix_has_a_row_per_token():
+    tokens = torch.randn(5, 4)
+    fig = figures.token_matrix(tokens, 1, "Tokens entering layer 0")
+    assert title_of(fig) == "Tokens entering layer 0"
+    heatmap = traces(fig, "heatmap")[0]
+    assert np.allclose(heatmap.z, tokens.numpy()) and heatmap.zmid == 0
+    assert list(heatmap.y) == ["CLS", "patch 0", "patch 1", "patch 2", "patch 3"]
+    no_class = figures.token_matrix(tokens, 1, "t", class_token=False)
+    assert traces(no_class, "heatmap")[0].y[0] == "reg 1"
+    with pytest.raises(ValueError, match=r"\(N, D\)"):
+        figures.token_matrix(tokens[0], 0)

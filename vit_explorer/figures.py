@@ -161,6 +161,15 @@ def _title(text: str) -> dict:
 # --- the image and its patches -----------------------------------------------------------------
 
 
+def input_image(image, title: str = "Model input") -> go.Figure:
+    """The image alone, at its true aspect ratio; hover gives pixel coordinates and colour."""
+    image = _rgb_uint8(image)
+    fig = go.Figure(_image_trace(image))
+    _image_axes(fig)
+    fig.update_layout(title=_title(title), margin=MARGIN)
+    return fig
+
+
 def image_with_grid(
     image, grid_size: tuple[int, int], highlight: int | tuple[int, int] | None = None
 ) -> go.Figure:
@@ -434,6 +443,29 @@ def attention_matrix(
         title="query token", autorange="reversed", scaleanchor="x", constrain="domain",
         showgrid=False, type="category",
     )
+    fig.update_layout(title=_title(title), margin=MARGIN)
+    return fig
+
+
+def token_matrix(
+    tokens, num_prefix_tokens: int, title: str = "Tokens", class_token: bool = True
+) -> go.Figure:
+    """Token vectors (N, D) as a heatmap: one row per token, one column per embedding dimension,
+    on a diverging scale centred on 0."""
+    tokens = _float_array(tokens)
+    if tokens.ndim != 2:
+        raise ValueError(f"tokens must be (N, D), not {tokens.shape}")
+    count, dim = tokens.shape
+    labels = token_labels(count, num_prefix_tokens, class_token)
+    fig = go.Figure(
+        go.Heatmap(
+            z=tokens, y=labels, colorscale=SIMILARITY_SCALE, zmid=0,
+            hovertemplate="%{y}, dimension %{x}<br>value %{z:.4g}<extra></extra>",
+            colorbar=dict(title="value"),
+        )
+    )
+    fig.update_xaxes(title=f"embedding dimension (of {dim})")
+    fig.update_yaxes(title=f"token (of {count})", autorange="reversed", type="category")
     fig.update_layout(title=_title(title), margin=MARGIN)
     return fig
 
@@ -713,3 +745,86 @@ def write_figures(
             f"{browser} could not render the figures: {type(error).__name__}: {error}"
         ) from error
     return paths
+
+
+# --- app-specific figures ---
+
+
+def input_image(image, title: str) -> go.Figure:
+    """An image at its true pixel size with each pixel's RGB value on hover."""
+    image = _rgb_uint8(image)
+    fig = go.Figure(_image_trace(image))
+    _image_axes(fig)
+    fig.update_layout(title=_title(title), margin=MARGIN)
+    return fig
+
+
+def patch_picker(image, grid_size: tuple[int, int], selected: int | None = None) -> go.Figure:
+    """:func:`image_with_grid` that reports a click on any patch as a selected point.
+
+    Heatmap cells cannot be selected in Streamlit (streamlit#8760), so an invisible marker sits
+    on every patch centre and ``hoverdistance=-1`` lets a click anywhere pick the nearest one;
+    the point's customdata is [patch index, row, col].
+    """
+    fig = image_with_grid(image, grid_size, highlight=selected)
+    height, width = _rgb_uint8(image).shape[:2]
+    grid_h, grid_w = grid_size
+    positions = _patch_positions(grid_size).reshape(-1, 3)
+    fig.add_trace(
+        go.Scatter(
+            x=(positions[:, 2] + 0.5) * width / grid_w - 0.5,
+            y=(positions[:, 1] + 0.5) * height / grid_h - 0.5,
+            mode="markers", customdata=positions, showlegend=False,
+            marker=dict(size=max(4, min(30, 360 // max(grid_h, grid_w))), color="rgba(0,0,0,0)"),
+            selected=dict(marker=dict(color="rgba(0,229,255,0.5)")),
+            unselected=dict(marker=dict(opacity=0)),
+            hovertemplate="patch %{customdata[0]} (row %{customdata[1]}, col %{customdata[2]})"
+            "<br>click to make it the query<extra></extra>",
+        )
+    )
+    fig.update_layout(hovermode="closest", hoverdistance=-1, clickmode="event+select", dragmode=False)
+    return fig
+
+
+def token_matrix(tokens, num_prefix_tokens: int, title: str, class_token: bool = True,
+                 max_tokens: int = 256, max_dims: int = 128) -> go.Figure:
+    """A sequence of token vectors (N, D) as a heatmap: one row per token, one column per
+    dimension; large sequences show their first ``max_tokens`` rows and ``max_dims`` columns."""
+    tokens = _float_array(tokens)
+    if tokens.ndim != 2:
+        raise ValueError(f"tokens must be (N, D), not {tokens.shape}")
+    count, dims = tokens.shape
+    shown = tokens[:max_tokens, :max_dims]
+    labels = token_labels(count, num_prefix_tokens, class_token)[: shown.shape[0]]
+    limit = float(np.abs(shown).max()) or 1.0
+    fig = go.Figure(
+        go.Heatmap(
+            z=shown, y=labels, colorscale=SIMILARITY_SCALE, zmin=-limit, zmax=limit,
+            hovertemplate="%{y}, dimension %{x}<br>value %{z:.4g}<extra></extra>",
+            colorbar=dict(title="value"),
+        )
+    )
+    fig.update_xaxes(title="embedding dimension")
+    fig.update_yaxes(title="token", autorange="reversed", type="category", showticklabels=count <= 40)
+    cut = "" if shown.shape == tokens.shape else f" (first {shown.shape[0]} x {shown.shape[1]} shown)"
+    fig.update_layout(title=_title(f"{title}: {count} x {dims}{cut}"), margin=MARGIN)
+    return fig
+
+
+def patch_size_predictions(rows: Sequence[Mapping], current: int) -> go.Figure:
+    """Top-1 probability of the model resized to each patch size, labelled with the class;
+    rows as ``ui.predictions_by_patch_size`` gives them; ``current`` is highlighted."""
+    labels = [f"p={row['patch size']} ({row['grid']})" for row in rows]
+    fig = go.Figure(
+        go.Bar(
+            x=labels, y=[row["probability"] for row in rows],
+            text=[row["prediction"] for row in rows], textposition="auto",
+            marker_color=["#e45756" if row["patch size"] == current else "#4c78a8" for row in rows],
+            customdata=[[row["prediction"], row["tokens"]] for row in rows],
+            hovertemplate="%{x}, %{customdata[1]} tokens<br>%{customdata[0]}: %{y:.3f}<extra></extra>",
+        )
+    )
+    fig.update_xaxes(title="patch size (grid)", type="category")
+    fig.update_yaxes(title="top-1 probability", range=[0, 1])
+    fig.update_layout(title=_title("The same weights at every patch size (current in red)"), margin=MARGIN)
+    return fig
