@@ -241,11 +241,14 @@ def test_input_image_shows_the_image_with_its_aspect():
 def test_token_matrix_has_a_row_per_token():
     tokens = torch.randn(5, 4)
     fig = figures.token_matrix(tokens, 1, "Tokens entering layer 0")
-    assert title_of(fig) == "Tokens entering layer 0"
+    assert title_of(fig) == "Tokens entering layer 0: 5 x 4"
     heatmap = traces(fig, "heatmap")[0]
-    assert np.allclose(heatmap.z, tokens.numpy()) and heatmap.zmid == 0
+    assert np.allclose(heatmap.z, tokens.numpy())
+    assert heatmap.zmin == -heatmap.zmax == pytest.approx(-float(tokens.abs().max()))
+    cut = figures.token_matrix(torch.randn(300, 200), 1, "Big", max_tokens=256, max_dims=128)
+    assert np.shape(traces(cut, "heatmap")[0].z) == (256, 128) and "first 256 x 128" in title_of(cut)
     assert list(heatmap.y) == ["CLS", "patch 0", "patch 1", "patch 2", "patch 3"]
     no_class = figures.token_matrix(tokens, 1, "t", class_token=False)
     assert traces(no_class, "heatmap")[0].y[0] == "reg 1"
     with pytest.raises(ValueError, match=r"\(N, D\)"):
-        figures.token_matrix(tokens[0], 0)
+        figures.token_matrix(tokens[0], 0, "t")

@@ -161,15 +161,6 @@ def _title(text: str) -> dict:
 # --- the image and its patches -----------------------------------------------------------------
 
 
-def input_image(image, title: str = "Model input") -> go.Figure:
-    """The image alone, at its true aspect ratio; hover gives pixel coordinates and colour."""
-    image = _rgb_uint8(image)
-    fig = go.Figure(_image_trace(image))
-    _image_axes(fig)
-    fig.update_layout(title=_title(title), margin=MARGIN)
-    return fig
-
-
 def image_with_grid(
     image, grid_size: tuple[int, int], highlight: int | tuple[int, int] | None = None
 ) -> go.Figure:
@@ -443,29 +434,6 @@ def attention_matrix(
         title="query token", autorange="reversed", scaleanchor="x", constrain="domain",
         showgrid=False, type="category",
     )
-    fig.update_layout(title=_title(title), margin=MARGIN)
-    return fig
-
-
-def token_matrix(
-    tokens, num_prefix_tokens: int, title: str = "Tokens", class_token: bool = True
-) -> go.Figure:
-    """Token vectors (N, D) as a heatmap: one row per token, one column per embedding dimension,
-    on a diverging scale centred on 0."""
-    tokens = _float_array(tokens)
-    if tokens.ndim != 2:
-        raise ValueError(f"tokens must be (N, D), not {tokens.shape}")
-    count, dim = tokens.shape
-    labels = token_labels(count, num_prefix_tokens, class_token)
-    fig = go.Figure(
-        go.Heatmap(
-            z=tokens, y=labels, colorscale=SIMILARITY_SCALE, zmid=0,
-            hovertemplate="%{y}, dimension %{x}<br>value %{z:.4g}<extra></extra>",
-            colorbar=dict(title="value"),
-        )
-    )
-    fig.update_xaxes(title=f"embedding dimension (of {dim})")
-    fig.update_yaxes(title=f"token (of {count})", autorange="reversed", type="category")
     fig.update_layout(title=_title(title), margin=MARGIN)
     return fig
 
