@@ -195,18 +195,19 @@ def test_token_norms_figure_maps_patch_norms():
 
 
 def test_training_curves_plot_steps_and_epochs():
-    steps = [dict(step=s, total_steps=4, epoch=(s - 1) // 2, loss=1.0 / s, accuracy=s / 4,
-                  lr=0.1 * s, images_per_s=10.0) for s in range(1, 5)]
+    # As vit_explorer.train logs them: steps every so often (not at epoch ends), epochs from 1.
+    steps = [dict(step=s, total_steps=6, epoch=(s - 1) // 3 + 1, loss=1.0 / s, accuracy=s / 4,
+                  lr=0.1 * s, images_per_s=10.0) for s in (1, 2, 4, 5)]
     epochs = [dict(epoch=e, epochs=2, train_loss=0.5, train_accuracy=0.5, test_loss=0.9 - e / 10,
-                   test_accuracy=0.3 + e / 10, seconds=1.0) for e in range(2)]
+                   test_accuracy=0.2 + e / 10, seconds=1.0) for e in (1, 2)]
     fig = figures.training_curves({"steps": steps, "epochs": epochs})
-    assert "step 4 of 4" in title_of(fig) and "40.0%" in title_of(fig)
+    assert "step 5 of 6" in title_of(fig) and "40.0%" in title_of(fig)
     by_name = {(t.name, t.xaxis): t for t in fig.data}
-    assert list(by_name["train (per step)", "x"].y) == [1.0, 0.5, 1 / 3, 0.25]
-    assert list(by_name["learning rate", "x3"].y) == pytest.approx([0.1, 0.2, 0.3, 0.4])
+    assert list(by_name["train (per step)", "x"].y) == [1.0, 0.5, 0.25, 0.2]
+    assert list(by_name["learning rate", "x3"].y) == pytest.approx([0.1, 0.2, 0.4, 0.5])
     test_accuracy = by_name["test (per epoch)", "x2"]
-    # Each epoch's test result sits at the last step of that epoch.
-    assert list(test_accuracy.x) == [2, 4] and list(test_accuracy.y) == [0.3, 0.4]
+    # Each epoch's test result sits where that epoch ended: steps 3 and 6.
+    assert list(test_accuracy.x) == [3, 6] and list(test_accuracy.y) == pytest.approx([0.3, 0.4])
 
 
 @pytest.mark.parametrize("history", [None, {}, {"steps": [], "epochs": []}])

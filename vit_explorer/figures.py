@@ -606,11 +606,18 @@ def token_norms_figure(
 
 
 def _epoch_steps(history: Mapping) -> list[float]:
-    """x position (a step) of each epoch summary: the last step logged in that epoch."""
-    last_step: dict = {}
-    for record in history.get("steps", []):
-        last_step[record["epoch"]] = record["step"]
-    return [last_step.get(record["epoch"], record["epoch"]) for record in history.get("epochs", [])]
+    """x position (a step) of each epoch summary: where that epoch ended.
+
+    Epochs (1-based, as ``vit_explorer.train`` counts them) have equal step counts, so epoch e of
+    E ends at step e * total_steps / E; without step records, the epoch number itself.
+    """
+    steps = history.get("steps", [])
+    if not steps:
+        return [record["epoch"] for record in history.get("epochs", [])]
+    total_steps = steps[-1]["total_steps"]
+    return [
+        record["epoch"] * total_steps / record["epochs"] for record in history.get("epochs", [])
+    ]
 
 
 def training_curves(history: Mapping | None) -> go.Figure:
