@@ -1,0 +1,121 @@
+"""ViT Explorer: `streamlit run app.py`.
+
+The entry page: page config, the sidebar every page shares (which model, which image) and the
+navigation. The pages in pages/ draw; vit_explorer computes; vit_explorer.ui caches.
+"""
+import streamlit as st
+
+from vit_explorer import ui
+
+st.set_page_config(page_title="ViT Explorer", page_icon=":material/grid_view:", layout="wide")
+ui.init_state()
+state = st.session_state
+
+pages = [
+    st.Page("pages/pipeline.py", title="Pipeline", icon=":material/route:", default=True),
+    st.Page("pages/patches.py", title="Patches", icon=":material/grid_on:"),
+    st.Page("pages/attention.py", title="Attention", icon=":material/visibility:"),
+    st.Page("pages/train.py", title="Train", icon=":material/model_training:"),
+]
+page = st.navigation(pages)
+model_error = ui.apply_requested_model()
+
+
+def _on_model_picked() -> None:
+    ui.request_model(state["model_picker"])
+
+
+def _on_image_picked() -> None:
+    state["image_key"] = state["image_picker"]
+
+
+def _fresh_upload(widget_key: str, signature: str) -> bool:
+    """True the first time a given upload is seen, so each upload is processed once."""
+    seen = state.get(f"seen:{widget_key}")
+    state[f"seen:{widget_key}"] = signature
+    return seen != signature
+
+
+with st.sidebar:
+    st.header("Model")
+    model_slot = st.container()
+    with st.expander("Load a checkpoint"):
+        checkpoint_files = st.file_uploader(
+            "Checkpoint: this project's .safetensors, a timm or torchvision state dict, or a"
+            " Hugging Face ViT (config.json plus its weights)",
+            type=["safetensors", "pth", "pt", "bin", "json"],
+            accept_multiple_files=True,
+            key="checkpoint_upload",
+        )
+        if checkpoint_files:
+            signature = ",".join(file.file_id for file in checkpoint_files)
+            if _fresh_upload("checkpoint_upload", signature):
+                with st.spinner("Reading the checkpoint ..."):
+                    state["checkpoint_error"] = ui.add_checkpoint_upload(checkpoint_files)
+            if state.get("checkpoint_error"):
+                st.error(state["checkpoint_error"])
+
+    with model_slot:
+        options = ui.model_options()
+        state["model_picker"] = state["model_key"]
+        st.selectbox(
+            "Model", list(options), format_func=options.get, key="model_picker",
+            on_change=_on_model_picked,
+            help="The ImageNet ViT-B/16 downloads once (330 MB); the shipped model works offline.",
+        )
+        if model_error:
+            st.error(model_error)
+        try:
+            selection = ui.selection()
+        except (ValueError, OSError) as error:
+            selection = None
+            st.error(f"The model could not be loaded: {error}")
+        if selection is not None:
+            base = selection.base_model.config
+            resized = (
+                f" (resized from patch {base.patch_size})"
+                if base.patch_size != selection.patch_size else ""
+            )
+            st.caption(f"{ui.describe(selection.config)}{resized}.")
+            st.caption(f"{ui.parameter_count(selection.model):,} parameters.")
+            with st.expander("Full config"):
+                st.json(selection.config.to_dict(), expanded=False)
+
+    st.header("Image")
+    image_slot = st.container()
+    image_file = st.file_uploader(
+        "Upload an image", type=None, key="image_upload",
+        help="Any picture PIL can read: PNG, JPEG, WebP, GIF (first frame), TIFF, BMP ...",
+    )
+    if image_file is not None:
+        if _fresh_upload("image_upload", image_file.file_id):
+            state["image_error"] = ui.add_image_upload(image_file)
+        if state.get("image_error"):
+            st.error(state["image_error"])
+
+    if selection is not None:
+        with image_slot:
+            image_options = ui.sample_image_options(selection.config.img_size)
+            image_options.update({key: label for key, (label, _) in state["uploaded_images"].items()})
+            state["image_picker"] = state["image_key"]
+            st.selectbox(
+                "Image", list(image_options), format_func=image_options.get, key="image_picker",
+                on_change=_on_image_picked,
+            )
+            selection = ui.selection()
+            width, height = selection.image.size
+            st.image(selection.image, caption=f"{width}x{height} px as given", width=160)
+
+    active = ui.active_runs()
+
+    @st.fragment(run_every=2.0 if active else None)
+    def training_status() -> None:
+        for run_id, run in ui.active_runs().items():
+            st.progress(run.progress, text=f"Training {run_id}: {run.progress:.0%}")
+
+    training_status()
+
+if selection is None and page.title != "Train":
+    st.info("Choose another model in the sidebar, or train one on the Train page.")
+    st.stop()
+page.run()

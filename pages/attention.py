@@ -1,0 +1,127 @@
+"""Attention: where every head of every layer looks, from the class token or a clicked patch."""
+import streamlit as st
+
+from vit_explorer import analysis, figures, ui
+
+selection = ui.selection()
+config = selection.config
+result = selection.capture()
+image = selection.display_image()
+state = st.session_state
+depth, heads = config.depth, config.num_heads
+grid_h, grid_w = result.grid_size
+num_patches, prefix = grid_h * grid_w, result.num_prefix_tokens
+
+CLASS_QUERY = -1  # the class token (or, without one, the mean over the patch queries)
+queries = ([CLASS_QUERY] if config.class_token else []) + list(range(num_patches))
+centre = (grid_h // 2) * grid_w + grid_w // 2
+
+
+def query_label(query: int) -> str:
+    if query == CLASS_QUERY:
+        return "class token"
+    row, col = divmod(query, grid_w)
+    return f"patch {query} (row {row}, col {col})"
+
+
+def step_layer(delta: int) -> None:
+    ui.set_kept("layer", min(max(state["layer"] + delta, 0), depth - 1))
+
+
+def pick_clicked_patch() -> None:
+    points = state["patch_click"].selection.points
+    if points:
+        ui.set_kept("query", int(points[0]["customdata"][0]))
+
+
+st.title("Attention")
+st.write(
+    "In every layer each token builds its next version from a weighted mix of all tokens; the"
+    " weights are its attention, one set per head. Pick a query token (the class token, or click"
+    " any patch) and step through the layers: early heads look near the query, later heads"
+    " gather from the whole object."
+)
+
+layer_widget = ui.keep("layer", depth - 1, lambda layer: 0 <= layer < depth)
+query_widget = ui.keep("query", queries[0] if config.class_token else centre, lambda q: q in queries)
+previous, slider, following = st.columns([1, 8, 1], vertical_alignment="bottom")
+previous.button("Previous", on_click=step_layer, args=(-1,), disabled=state["layer"] == 0,
+                icon=":material/chevron_left:", width="stretch")
+layer = slider.slider("Layer", 0, depth - 1, **layer_widget)
+following.button("Next", on_click=step_layer, args=(1,), disabled=state["layer"] == depth - 1,
+                 icon=":material/chevron_right:", width="stretch")
+
+controls, picker = st.columns([2, 1])
+with controls:
+    query = st.selectbox("Query token", queries, format_func=query_label, **query_widget)
+    opacity = st.slider("Overlay opacity", 0.0, 1.0, **ui.keep("opacity", 0.6))
+    st.caption(
+        "The class token has no patch of its own; what it attends to is what the classifier"
+        " reads. A patch query shows which patches that patch draws information from."
+        if config.class_token
+        else "This model has no class token, so the query is always a patch."
+    )
+with picker:
+    st.plotly_chart(
+        figures.patch_picker(image, result.grid_size, None if query == CLASS_QUERY else query),
+        key="patch_click", on_select=pick_clicked_patch, selection_mode="points",
+    )
+    st.caption("Click a patch to make it the query.")
+
+query_arg = None if query == CLASS_QUERY else query
+maps = analysis.head_maps(result, layer, query_arg, class_token=config.class_token)  # (H, gh, gw)
+st.plotly_chart(
+    figures.attention_heads_grid(image, maps, opacity=opacity, layer=layer, query=query_label(query))
+)
+
+st.subheader("One head's full attention matrix")
+st.write(
+    "All queries at once: row i is how token i spreads its attention over the keys (each row"
+    " sums to 1). Bright columns are tokens that everyone reads; a bright diagonal is a head"
+    " that mostly keeps each token to itself."
+)
+head = st.selectbox("Head", list(range(heads)), **ui.keep("head", 0, lambda h: 0 <= h < heads))
+st.plotly_chart(
+    figures.attention_matrix(
+        result.attentions[0, layer, head], prefix,
+        title=f"Layer {layer}, head {head}: {result.num_tokens} x {result.num_tokens} attention",
+        class_token=config.class_token,
+    )
+)
+
+st.subheader("Attention rollout")
+st.write(
+    "One layer's attention only says what mixes in that layer. Rollout (Abnar & Zuidema 2020)"
+    " multiplies the layers' attention, with the residual connection counted in, to estimate how"
+    " much each input patch reaches the query at the end. Discarding the weakest weights sharpens"
+    " the map."
+)
+fusion_column, discard_column = st.columns(2)
+fusion = fusion_column.selectbox(
+    "Combine heads by", analysis.HEAD_FUSIONS, **ui.keep("fusion", "mean", lambda f: f in analysis.HEAD_FUSIONS)
+)
+discard = discard_column.slider("Discard the weakest share of weights", 0.0, 0.95, step=0.05, **ui.keep("discard", 0.0))
+rollout = analysis.attention_rollout(
+    result.attentions, head_fusion=fusion, discard_ratio=discard, num_prefix_tokens=prefix
+)  # (1, N, N)
+rollout_map = analysis.query_map(rollout[0], result.grid_size, prefix, query_arg, class_token=config.class_token)
+st.plotly_chart(
+    figures.attention_overlay(
+        image, rollout_map, opacity=opacity,
+        title=f"Rollout through all {depth} layers, query: {query_label(query)}", value_name="rollout",
+    )
+)
+
+st.subheader("How far and how focused each head looks")
+st.write(
+    "Mean attention distance (ViT paper, Fig. 7): the average pixel distance between a patch and"
+    " the patches it attends to. Entropy: near 0 when a head looks at one token, log N when it"
+    " spreads evenly. Early layers mix local and global heads; late layers are mostly global."
+)
+distance_column, entropy_column = st.columns(2)
+distances = analysis.mean_attention_distance(result.attentions, result.grid_size, config.patch_size, prefix)
+distance_column.plotly_chart(
+    figures.layer_head_scatter(distances, "Mean attention distance per head", "distance (pixels)")
+)
+entropy = analysis.attention_entropy(result.attentions)[0]  # (L, H)
+entropy_column.plotly_chart(figures.layer_head_heatmap(entropy, "Attention entropy per head", "entropy (nats)"))

@@ -1,0 +1,85 @@
+"""Patches: how the image becomes a sequence, and what the embedding layers learned."""
+import streamlit as st
+
+from vit_explorer import analysis, figures, ui
+
+base = ui.selection().base_model.config
+options = ui.patch_size_options(base)
+
+st.title("Patches")
+st.write(
+    "A ViT never sees pixels one by one: it sees patches. The patch size sets how many tokens the"
+    " transformer handles (and attention costs grow with their square) and how fine the details"
+    " it can tell apart are. The same weights can run at another patch size: the patch"
+    " embedding is resampled (FlexiViT's PI-resize) and the position embeddings interpolated."
+)
+st.select_slider(
+    "Patch size", options=options, format_func=lambda patch: f"{patch} px",
+    help=f"This model was trained with {base.patch_size} px patches; other sizes resample its weights.",
+    **ui.keep("patch_size", base.patch_size, lambda patch: patch in options),
+)
+selection = ui.selection()
+config = selection.config
+result = selection.capture()
+image = selection.display_image()
+grid_h, grid_w = result.grid_size
+
+left, right = st.columns(2)
+with left:
+    st.plotly_chart(figures.image_with_grid(image, result.grid_size))
+    st.caption(
+        f"{grid_h} x {grid_w} = {grid_h * grid_w} patches of {config.patch_size} x"
+        f" {config.patch_size} pixels, plus {config.num_prefix_tokens} prefix token(s):"
+        f" {config.num_tokens} tokens in all."
+    )
+with right:
+    rows = ui.predictions_by_patch_size(
+        selection.model_key, selection.image_key, selection.base_model, selection.image
+    )
+    st.plotly_chart(figures.patch_size_predictions(rows, config.patch_size))
+    st.caption(
+        "A model is most sure of itself at the patch size it was trained with; far from it the"
+        " resampled weights see the world at the wrong scale."
+    )
+
+st.subheader("The patch sequence")
+st.write(
+    "The transformer reads the patches in this order, row by row. Each becomes one token; the grid"
+    " layout is only remembered through the position embeddings."
+)
+st.plotly_chart(figures.patch_sequence(analysis.denormalize(result.patches[0], config)))
+
+st.subheader("Token PCA")
+st.write(
+    "Each patch token is a long vector; projecting all of them on their three main directions"
+    " and reading those as red, green and blue shows which patches the model considers alike."
+    " Early on colours follow the pixels; deeper they follow what the patches are part of."
+)
+depth = config.depth
+stage = st.slider(
+    "Tokens after this many layers (0: the patch embeddings)", 0, depth,
+    **ui.keep("pca_stage", depth, lambda stage: 0 <= stage <= depth),
+)
+tokens = (
+    result.patch_embeddings[0]
+    if stage == 0
+    else result.tokens[0, stage, result.num_prefix_tokens :]  # (gh*gw, D) output of block stage-1
+)
+st.plotly_chart(figures.token_pca_image(analysis.token_pca(tokens, result.grid_size), image))
+
+left, right = st.columns(2)
+with left:
+    st.subheader("Position embeddings")
+    st.write(
+        "Tile (row, col) shows how similar that patch's position embedding is to every other"
+        " patch's. Trained models learn the grid on their own: nearby patches, and patches in"
+        " the same row or column, get similar embeddings."
+    )
+    st.plotly_chart(figures.position_similarity_grid(analysis.position_embedding_similarity(selection.model)))
+with right:
+    st.subheader("Patch embedding filters")
+    st.write(
+        "The main directions of the linear projection's weights, drawn as image patches: the"
+        " basic patterns (colour blobs, edges, gradients) every patch is measured against."
+    )
+    st.plotly_chart(figures.embedding_filters_figure(analysis.embedding_filters(selection.model)))

@@ -1,0 +1,141 @@
+"""Pipeline: the chosen image through the whole ViT, one step at a time, with the tensor shapes."""
+import streamlit as st
+
+from vit_explorer import analysis, figures, ui
+
+selection = ui.selection()
+config = selection.config
+result = selection.capture()
+image = selection.display_image()
+names = selection.class_names()
+
+height, width = config.img_size
+grid_h, grid_w = result.grid_size
+channels, patch, dim = config.in_chans, config.patch_size, config.embed_dim
+patches, tokens = grid_h * grid_w, result.num_tokens
+prefix = config.num_prefix_tokens
+given_width, given_height = selection.image.size
+probabilities = result.logits[0].softmax(dim=-1)
+
+st.title("Pipeline")
+st.write(
+    "A Vision Transformer reads an image the way a language model reads a sentence: it cuts the"
+    " picture into patches, turns every patch into a vector (a token) and lets the tokens exchange"
+    " information in a stack of attention layers. Follow the chosen image through every step;"
+    " the shapes are the real ones of this model."
+)
+
+prefix_names = (["class token"] if config.class_token else []) + (
+    [f"{config.reg_tokens} register tokens"] if config.reg_tokens else []
+)
+steps = [
+    ("Resize and normalise", f"({channels}, {height}, {width})"),
+    ("Cut into patches", f"({grid_h}, {grid_w}, {channels}, {patch}, {patch})"),
+    ("Flatten each patch", f"({patches}, {channels * patch * patch})"),
+    ("Linear projection", f"({patches}, {dim})"),
+    ("Prepend " + (" and ".join(prefix_names) or "nothing (no class token)"), f"({tokens}, {dim})"),
+    ("Add position embeddings", f"({tokens}, {dim})"),
+    (f"{config.depth} encoder layers", f"({tokens}, {dim}); attention ({config.num_heads}, {tokens}, {tokens}) each"),
+    ("Pool, norm and classification head", f"({dim},) -> ({config.num_classes},)"),
+    ("Top-5 prediction", "5 classes"),
+]
+st.dataframe(
+    {"step": [f"{i}. {name}" for i, (name, _) in enumerate(steps, 1)], "shape": [s for _, s in steps]},
+    hide_index=True,
+)
+
+st.subheader("1. Resize and normalise")
+st.write(
+    f"The {given_width}x{given_height} picture is resized to the {width}x{height} pixels the model"
+    f" was built for and normalised with mean {config.mean} and std {config.std}, the statistics"
+    " it was trained with. This is exactly what the model sees:"
+)
+st.code(f"({given_height}, {given_width}, 3) picture -> (1, {channels}, {height}, {width}) tensor")
+st.plotly_chart(figures.input_image(image, f"Model input: {width}x{height} pixels"))
+
+st.subheader("2. Cut into patches")
+st.write(
+    f"The input is cut into a {grid_h}x{grid_w} grid of non-overlapping {patch}x{patch} patches."
+    " Nothing overlaps and nothing is thrown away; every pixel belongs to exactly one patch."
+)
+st.code(f"(1, {channels}, {height}, {width}) -> ({grid_h}, {grid_w}, {channels}, {patch}, {patch})")
+st.plotly_chart(figures.image_with_grid(image, result.grid_size))
+
+st.subheader("3. Flatten each patch")
+st.write(
+    f"Each patch is unrolled into one vector of {channels}x{patch}x{patch} = {channels * patch * patch}"
+    " numbers, and the patches are read row by row, like words in a sentence."
+)
+st.code(f"({grid_h}, {grid_w}, {channels}, {patch}, {patch}) -> ({patches}, {channels * patch * patch})")
+st.plotly_chart(figures.patch_sequence(analysis.denormalize(result.patches[0], config)))
+
+st.subheader("4. Linear projection (patch embedding)")
+st.write(
+    f"One learned matrix maps every flattened patch to a {dim}-dimensional token. It is the same"
+    " matrix for every patch (in code: a convolution whose kernel and stride are the patch size)."
+)
+st.code(f"({patches}, {channels * patch * patch}) @ ({channels * patch * patch}, {dim}) -> ({patches}, {dim})")
+st.plotly_chart(figures.token_matrix(result.patch_embeddings[0], 0, "Patch embeddings"))
+
+st.subheader("5. Prepend the class token" if config.class_token else "5. Prefix tokens")
+if prefix:
+    parts = []
+    if config.class_token:
+        parts.append(
+            "A learned class token is put in front of the patch tokens. It belongs to no patch;"
+            " through the layers it gathers what the classifier needs."
+        )
+    if config.reg_tokens:
+        parts.append(
+            f"{config.reg_tokens} register tokens follow: scratch space that keeps the patch"
+            " tokens free of artefacts (Darcet et al. 2023)."
+        )
+    st.write(" ".join(parts))
+else:
+    st.write(
+        "This model has no class token: it classifies the mean of the patch tokens, so the"
+        " sequence is just the patches."
+    )
+st.code(f"({patches}, {dim}) -> ({tokens}, {dim})")
+
+st.subheader("6. Add position embeddings")
+st.write(
+    "Attention itself ignores order, so a learned vector per position is added to each token;"
+    " without it the model would see a bag of patches. The Patches page shows what these"
+    " vectors learned."
+)
+positions = patches if config.no_embed_class else tokens
+st.code(f"({tokens}, {dim}) + ({positions}, {dim}) position embeddings -> ({tokens}, {dim})")
+st.plotly_chart(
+    figures.token_matrix(
+        result.tokens[0, 0], prefix, "Tokens entering layer 0", class_token=config.class_token
+    )
+)
+
+st.subheader(f"7. {config.depth} encoder layers")
+st.write(
+    f"Each layer lets every token look at every other one with {config.num_heads} attention heads"
+    " (LayerNorm, attention, residual add), then transforms each token on its own with an MLP"
+    " (LayerNorm, MLP, residual add). The shape never changes. Reading the prediction out after"
+    " every layer (the logit lens) shows when the answer forms; the Attention page shows where each"
+    " head looks."
+)
+st.code(
+    f"{config.depth} x [ ({tokens}, {dim}) -> attention ({config.num_heads}, {tokens}, {tokens})"
+    f" -> MLP {dim}->{int(dim * config.mlp_ratio)}->{dim} ] -> ({tokens}, {dim})"
+)
+lens = analysis.logit_lens(selection.model, result)[0].softmax(dim=-1)  # (L+1, classes)
+st.plotly_chart(figures.logit_lens_figure(lens, names))
+
+st.subheader("8. Pool, norm and classification head")
+pooled = "the class token's output" if config.global_pool == "cls" else "the mean of the patch tokens"
+st.write(
+    f"The model keeps one vector, {pooled}, normalises it and maps it with one linear layer to a"
+    f" score (logit) per class; softmax turns the {config.num_classes} scores into probabilities."
+)
+st.code(f"({tokens}, {dim}) -> ({dim},) -> ({config.num_classes},)")
+
+st.subheader("9. Top-5 prediction")
+best = int(probabilities.argmax())
+st.write(f"The model says **{names[best]}** with probability {float(probabilities[best]):.1%}.")
+st.plotly_chart(figures.topk_bar(probabilities, names, k=5))

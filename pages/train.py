@@ -1,0 +1,136 @@
+"""Train: launch a run in the background, watch its curves and attention form, then explore it."""
+from pathlib import Path
+
+import streamlit as st
+import torch
+
+from vit_explorer import analysis, figures, ui
+from vit_explorer.config import PRESETS, TrainConfig, ViTConfig
+from vit_explorer.data import native_image_size
+from vit_explorer.train import model_config
+
+DATASETS = {
+    "shapes": "Shapes (built in, 8 classes, no download)",
+    "cifar10": "CIFAR-10 (downloads 170 MB)",
+    "mnist": "MNIST (downloads 12 MB)",
+    "fashionmnist": "Fashion-MNIST (downloads 30 MB)",
+}
+CUSTOM = "custom"
+state = st.session_state
+
+st.title("Train")
+st.write(
+    "Train a small ViT from scratch and watch it learn: the loss falls, accuracy climbs and the"
+    " attention of a fixed probe image turns from a blur into a look at the object. Training runs"
+    " in the background, so you can explore other pages meanwhile; when it ends, one click makes"
+    " it the model every page explores."
+)
+
+with st.form("train_form"):
+    left, right = st.columns(2)
+    dataset = left.selectbox("Dataset", list(DATASETS), format_func=DATASETS.get)
+    preset = left.selectbox(
+        "Model", [*PRESETS, CUSTOM],
+        format_func=lambda name: "custom (the four numbers below)" if name == CUSTOM
+        else f"{name}: dim {PRESETS[name]['embed_dim']}, depth {PRESETS[name]['depth']},"
+        f" {PRESETS[name]['num_heads']} heads, patch {PRESETS[name]['patch_size']}",
+    )
+    patch_column, dim_column, depth_column, heads_column = left.columns(4)
+    patch_size = patch_column.number_input("Patch size", 1, 64, 4)
+    embed_dim = dim_column.number_input("Dim", 8, 1024, 64, step=8)
+    depth = depth_column.number_input("Depth", 1, 24, 4)
+    num_heads = heads_column.number_input("Heads", 1, 16, 4)
+    epochs = right.number_input("Epochs", 1, 200, 3)
+    batch_size = right.number_input("Batch size", 1, 4096, 128)
+    lr = right.number_input("Peak learning rate", 1e-5, 1.0, 3e-3, format="%.5f")
+    on_gpu = torch.cuda.is_available()
+    train_size = right.number_input(
+        "Training images (0: the whole dataset)", 0, 1_000_000, 0 if on_gpu else 4000, step=500,
+        help="Fewer images make a quick run on a CPU; the shapes dataset has 16000 by default.",
+    )
+    launched = st.form_submit_button("Launch training", type="primary")
+
+if launched:
+    model = (
+        ViTConfig(
+            image_size=native_image_size(dataset), patch_size=patch_size, embed_dim=embed_dim,
+            depth=depth, num_heads=num_heads,
+        )
+        if preset == CUSTOM
+        else preset
+    )
+    try:
+        config = TrainConfig(
+            dataset=dataset, model=model, epochs=epochs, batch_size=batch_size, lr=lr,
+            train_size=train_size or None, snapshot_every=10, log_every=5,
+        )
+        model_config(config)  # a patch size that does not tile the images fails here, not later
+    except ValueError as error:
+        st.error(f"Cannot train that: {error}")
+    else:
+        state["watched_run"] = ui.start_run(config)
+
+runs = ui.training_runs()
+if not runs:
+    st.info("No runs yet: choose the settings above and launch one.")
+    st.stop()
+
+run_ids = list(runs)
+if state.get("watched_run") not in runs:
+    state["watched_run"] = run_ids[-1]
+run_id = st.selectbox(
+    "Run", run_ids, key="watched_run",
+    format_func=lambda run_id: f"{run_id}: {runs[run_id].config.dataset},"
+    f" {runs[run_id].config.model if isinstance(runs[run_id].config.model, str) else 'custom'}"
+    f" ({runs[run_id].status})",
+)
+running = runs[run_id].status == "running"
+
+
+@st.fragment(run_every=1.0 if running else None)
+def live_view() -> None:
+    run = ui.training_runs()[run_id]
+    status, progress, eta = run.status, run.progress, run.eta_seconds
+    if running and status != "running":
+        st.rerun()  # the run just ended: redraw the whole app, so the sidebar can offer it
+    eta_text = f", about {eta:.0f} s left" if eta is not None and status == "running" else ""
+    st.progress(progress, text=f"{run_id} {status}: {progress:.0%}{eta_text}")
+    if status == "running":
+        st.button("Stop", on_click=run.stop, icon=":material/stop:")
+    if run.error:
+        st.error(f"The run failed: {run.error}")
+
+    history = run.history
+    steps, epochs_done = history["steps"], history["epochs"]
+    columns = st.columns(4)
+    columns[0].metric("Step", f"{steps[-1]['step']} / {steps[-1]['total_steps']}" if steps else "0")
+    columns[1].metric("Training loss", f"{steps[-1]['loss']:.3f}" if steps else "-")
+    columns[2].metric("Training accuracy", f"{steps[-1]['accuracy']:.1%}" if steps else "-")
+    columns[3].metric("Test accuracy", f"{epochs_done[-1]['test_accuracy']:.1%}" if epochs_done else "-")
+    st.plotly_chart(figures.training_curves(history))
+
+    snapshot = run.latest_snapshot
+    if snapshot is not None:
+        last = snapshot.attentions.shape[1] - 1
+        maps = analysis.query_map(
+            snapshot.attentions[0, last], snapshot.grid_size, snapshot.num_prefix_tokens
+        )  # (H, gh, gw)
+        st.write(
+            f"The probe image at step {snapshot.step}: the model says **{snapshot.prediction}**"
+            f" ({max(snapshot.probabilities):.0%}). Its last layer's attention:"
+        )
+        st.plotly_chart(figures.attention_heads_grid(snapshot.image, maps, layer=last))
+
+    if run.checkpoint is not None:
+        explore, download = st.columns(2)
+        if explore.button("Explore this model", type="primary", icon=":material/visibility:"):
+            ui.request_model(f"file:{run.checkpoint}")
+            st.rerun()
+        checkpoint = Path(run.checkpoint)
+        download.download_button(
+            "Download the checkpoint", checkpoint.read_bytes(), file_name=checkpoint.name,
+            icon=":material/download:",
+        )
+
+
+live_view()
