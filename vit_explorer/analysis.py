@@ -82,9 +82,9 @@ def _discard_smallest(fused: torch.Tensor, ratio: float, protected_columns: int)
     """Zero the ``ratio`` share of the smallest weights of each (N, N) matrix (vit-explain).
 
     The share is counted over the whole matrix; weights in the first ``protected_columns``
-    columns (attention paid to the class token) are never dropped.
+    columns (attention paid to the class token and registers) are never dropped.
     """
-    batch, tokens, _ = fused.shape
+    tokens = fused.shape[-1]
     count = int(tokens * tokens * ratio)
     if count == 0:
         return fused
