@@ -37,6 +37,7 @@ def test_capture_shapes_and_invariants(changes, batch):
     assert cap.patches.shape == (batch, gh, gw, 3, p, p)
     assert cap.patch_embeddings.shape == (batch, gh * gw, config.embed_dim)
     assert cap.grid_size == (gh, gw) and cap.num_prefix_tokens == config.num_prefix_tokens
+    assert cap.class_token == config.class_token
 
     with torch.no_grad():
         # The recorded pieces fit together: patches -> embeddings, tokens -> attention -> logits.

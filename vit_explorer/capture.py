@@ -27,6 +27,7 @@ class Capture:
     grid_size: tuple[int, int]  # (gh, gw)
     num_prefix_tokens: int  # class token + register tokens
     layers: tuple[int, ...]  # which encoder layers `attentions` holds, in order
+    class_token: bool = True  # whether token 0 is a class token (registers alone are prefix too)
 
     @property
     def num_tokens(self) -> int:
@@ -122,4 +123,5 @@ def capture(model: ViT, images: torch.Tensor, layers: Sequence[int] | None = Non
         grid_size=config.grid_size,
         num_prefix_tokens=config.num_prefix_tokens,
         layers=indices,
+        class_token=config.class_token,
     )
