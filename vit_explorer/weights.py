@@ -12,7 +12,7 @@ import math
 import os
 import pickle
 import re
-import tempfile
+import uuid
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -60,20 +60,22 @@ def save_model(model: ViT, path: str | os.PathLike, metadata: dict[str, str] | N
     header = {"format": "pt", CONFIG_KEY: model.config.to_json(), **extra}
 
     path = Path(path)
-    # The temporary file lives in the target folder so that os.replace is an atomic rename.
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(handle)
+    # The temporary file lives in the target folder so that os.replace is an atomic rename
+    # (and is created by save_file itself, so it gets the usual permissions, unlike mkstemp's).
+    temporary = path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"
     try:
         save_file(tensors, temporary, metadata=header)
         os.replace(temporary, path)
     except BaseException:
-        Path(temporary).unlink(missing_ok=True)
+        temporary.unlink(missing_ok=True)
         raise
 
 
 def load_metadata(path: str | os.PathLike) -> dict[str, str]:
     """The extra metadata :func:`save_model` stored (the config entry and 'format' left out)."""
     path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist")
     header = _safetensors_header(path) if _looks_like_safetensors(path) else None
     if header is None:
         raise CheckpointError(f"{path.name} is not a safetensors checkpoint, so it has no metadata")
