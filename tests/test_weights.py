@@ -51,6 +51,9 @@ def test_project_round_trip_is_identical(tmp_path):
     assert torch.equal(loaded(_images()), model(_images()))
     assert vw.load_metadata(path) == {"epochs": "7", "accuracy": "0.91"}
     assert os.listdir(tmp_path) == ["run.safetensors"]  # no temporary file left behind
+    plain = tmp_path / "plain.txt"
+    plain.write_text("")
+    assert path.stat().st_mode == plain.stat().st_mode  # ordinary permissions, not 0600
 
 
 def test_save_is_atomic_when_writing_fails(tmp_path, monkeypatch):
@@ -59,9 +62,9 @@ def test_save_is_atomic_when_writing_fails(tmp_path, monkeypatch):
     before = path.read_bytes()
 
     def crash(*args, **kwargs):
-        raise KeyboardInterrupt  # e.g. Ctrl-C in the middle of writing
+        raise KeyboardInterrupt  # e.g. Ctrl-C after part of the file was written
 
-    monkeypatch.setattr(vw, "save_file", crash)
+    monkeypatch.setattr(vw.os, "fsync", crash)
     with pytest.raises(KeyboardInterrupt):
         vx.save_model(_tiny(depth=1), path)
     assert path.read_bytes() == before

@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+from safetensors.torch import save as safetensors_bytes
 
 from .config import IMAGENET_MEAN, IMAGENET_STD, ViTConfig
 from .model import ViT
@@ -60,11 +61,15 @@ def save_model(model: ViT, path: str | os.PathLike, metadata: dict[str, str] | N
     header = {"format": "pt", CONFIG_KEY: model.config.to_json(), **extra}
 
     path = Path(path)
-    # The temporary file lives in the target folder so that os.replace is an atomic rename
-    # (and is created by save_file itself, so it gets the usual permissions, unlike mkstemp's).
+    data = safetensors_bytes(tensors, metadata=header)
+    # The temporary file lives in the target folder so that os.replace is an atomic rename;
+    # plain open() gives it the usual permissions (safetensors' save_file makes files 0600).
     temporary = path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"
     try:
-        save_file(tensors, temporary, metadata=header)
+        with open(temporary, "wb") as file:
+            file.write(data)
+            file.flush()
+            os.fsync(file.fileno())
         os.replace(temporary, path)
     except BaseException:
         temporary.unlink(missing_ok=True)
