@@ -119,6 +119,10 @@ def test_float_images_are_scaled_to_8_bit():
     image = vx.load_image(_encode(Image.fromarray(depth, "F"), "TIFF"))
     assert np.asarray(image)[..., 0].tolist() == [[0, 64], [128, 255]]
 
+    with_nan = np.array([[np.nan, 0.25], [0.5, 1.0]], dtype=np.float32)  # NaN pixels become 0
+    image = vx.load_image(_encode(Image.fromarray(with_nan, "F"), "TIFF"))
+    assert np.asarray(image)[..., 0].tolist() == [[0, 64], [128, 255]]
+
 
 def test_exif_orientation_is_applied():
     stored = Image.new("RGB", (40, 20), (255, 0, 0))
@@ -170,6 +174,8 @@ def _zip_bytes() -> bytes:
     [
         (b"", "is empty"),
         (b"just some notes\nand more", "looks like a text file"),
+        # The 1 KiB sample ends inside an "é": still text.
+        (b"notes:" + "notes about a café ".encode() * 60, "looks like a text file"),
         (b"%PDF-1.7\n%\xe2\xe3\xcf\xd3\n1 0 obj", "looks like a PDF"),
         (
             b'<?xml version="1.0"?><svg xmlns="http://www.w3.org/2000/svg"></svg>',
@@ -179,7 +185,7 @@ def _zip_bytes() -> bytes:
         (_zip_bytes(), "looks like a zip archive"),
         (bytes(range(256)) * 4, "not an image PIL can read"),
     ],
-    ids=["empty", "text", "pdf", "svg", "html", "zip", "binary"],
+    ids=["empty", "text", "utf-8 text", "pdf", "svg", "html", "zip", "binary"],
 )
 def test_non_images_are_one_line_errors(data, kind):
     with pytest.raises(vx.InvalidImageError, match=kind) as caught:

@@ -52,27 +52,31 @@ def _looks_like(data: bytes) -> str | None:
         return "an SVG drawing, which must be converted to PNG first"
     if head.startswith((b"<!doctype html", b"<html")) or b"<html" in head:
         return "an HTML page"
+    sample = data[:1024]
     try:
-        data[:1024].decode("utf-8")
-    except UnicodeDecodeError:
-        return None
+        sample.decode("utf-8")
+    except UnicodeDecodeError as error:
+        # A multi-byte character cut off by the sample's end is still text.
+        if len(sample) < 1024 or error.start < len(sample) - 3:
+            return None
     return "a text file"
 
 
 def _to_8bit(image: Image.Image) -> Image.Image:
     """16-bit and float single-channel images mapped to 0..255."""
     values = np.asarray(image, dtype=np.float64)
+    values = np.where(np.isfinite(values), values, 0.0)  # NaN/inf pixels of float images
+    low, high = (values.min(), values.max()) if values.size else (0.0, 0.0)
     if image.mode.startswith("I;16"):
         scale = 65535.0  # the whole 16-bit range, so that brightness is kept
-    elif image.mode == "F" and values.size and 0.0 <= values.min() and values.max() <= 1.0:
+    elif image.mode == "F" and 0.0 <= low and high <= 1.0:
         scale = 1.0  # floats in [0, 1] are intensities
-    elif values.size and 0.0 <= values.min() and values.max() <= 255.0:
+    elif 0.0 <= low and high <= 255.0:
         scale = 255.0
-    elif values.size and 0.0 <= values.min() and values.max() <= 65535.0:
+    elif 0.0 <= low and high <= 65535.0:
         scale = 65535.0  # mode I from a 16-bit file
     else:
         # Arbitrary ranges (depth maps, scientific data): stretch min..max to black..white.
-        low, high = (values.min(), values.max()) if values.size else (0.0, 1.0)
         values, scale = values - low, max(high - low, 1e-12)
     return Image.fromarray(np.clip(np.rint(values / scale * 255.0), 0, 255).astype(np.uint8), "L")
 

@@ -121,8 +121,9 @@ def _describe(start: bytes) -> str:
             return kind
     try:
         start.decode("utf-8")
-    except UnicodeDecodeError:
-        return "an unknown binary format"
+    except UnicodeDecodeError as error:
+        if error.start < len(start) - 3:  # not just a character cut off by the sample's end
+            return "an unknown binary format"
     return "a text file"
 
 
@@ -143,7 +144,7 @@ def _read_tensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
             ) from None
 
     with open(path, "rb") as file:
-        start = file.read(16)
+        start = file.read(64)
     # torch.save writes a zip archive (or, before torch 1.6, a raw pickle starting with 0x80).
     if not (start.startswith(b"PK\x03\x04") or start.startswith(b"\x80")):
         raise CheckpointError(
