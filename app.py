@@ -1,7 +1,9 @@
 """ViT Explorer: `streamlit run app.py`.
 
 The entry page: page config, the sidebar every page shares (which model, which image) and the
-navigation. The pages in pages/ draw; vit_explorer computes; vit_explorer.ui caches.
+navigation. The views/ draw, vit_explorer computes, vit_explorer.ui caches. The folder is not
+called pages/: Streamlit would take that for a legacy multipage app and could run a page
+without this script, that is without the sidebar and the session state it sets up.
 """
 import streamlit as st
 
@@ -12,10 +14,10 @@ ui.init_state()
 state = st.session_state
 
 pages = [
-    st.Page("pages/pipeline.py", title="Pipeline", icon=":material/route:", default=True),
-    st.Page("pages/patches.py", title="Patches", icon=":material/grid_on:"),
-    st.Page("pages/attention.py", title="Attention", icon=":material/visibility:"),
-    st.Page("pages/train.py", title="Train", icon=":material/model_training:"),
+    st.Page("views/pipeline.py", title="Pipeline", icon=":material/route:", default=True),
+    st.Page("views/patches.py", title="Patches", icon=":material/grid_on:"),
+    st.Page("views/attention.py", title="Attention", icon=":material/visibility:"),
+    st.Page("views/train.py", title="Train", icon=":material/model_training:"),
 ]
 page = st.navigation(pages)
 model_error = ui.apply_requested_model()

@@ -51,15 +51,15 @@ with st.form("train_form"):
     launched = st.form_submit_button("Launch training", type="primary")
 
 if launched:
-    model = (
-        ViTConfig(
-            image_size=native_image_size(dataset), patch_size=patch_size, embed_dim=embed_dim,
-            depth=depth, num_heads=num_heads,
-        )
-        if preset == CUSTOM
-        else preset
-    )
     try:
+        model = (
+            ViTConfig(
+                image_size=native_image_size(dataset), patch_size=patch_size, embed_dim=embed_dim,
+                depth=depth, num_heads=num_heads,
+            )
+            if preset == CUSTOM
+            else preset
+        )
         config = TrainConfig(
             dataset=dataset, model=model, epochs=epochs, batch_size=batch_size, lr=lr,
             train_size=train_size or None, snapshot_every=10, log_every=5,
@@ -81,8 +81,7 @@ if state.get("watched_run") not in runs:
 run_id = st.selectbox(
     "Run", run_ids, key="watched_run",
     format_func=lambda run_id: f"{run_id}: {runs[run_id].config.dataset},"
-    f" {runs[run_id].config.model if isinstance(runs[run_id].config.model, str) else 'custom'}"
-    f" ({runs[run_id].status})",
+    f" {runs[run_id].config.model if isinstance(runs[run_id].config.model, str) else 'custom'} model",
 )
 running = runs[run_id].status == "running"
 

@@ -1,0 +1,271 @@
+"""The Streamlit app, page by page, with streamlit.testing's AppTest (no browser).
+
+A tiny random shapes model stands in for the shipped one, so that every run is quick; the
+last test runs the pages on the shipped model itself when it is there.
+"""
+import json
+import re
+from pathlib import Path
+
+import pytest
+import streamlit as st
+import torch
+from streamlit.testing.v1 import AppTest
+
+import vit_explorer as vx
+from vit_explorer import train, ui
+from vit_explorer.data import SHAPE_CLASSES
+
+APP = str(Path(__file__).resolve().parent.parent / "app.py")
+PAGES = ["views/pipeline.py", "views/patches.py", "views/attention.py", "views/train.py"]
+PHOTO = Path(__file__).resolve().parent.parent / "assets" / "samples" / "chelsea.png"
+SHAPES = dict(num_classes=len(SHAPE_CLASSES), class_names=SHAPE_CLASSES, mean=(0.5,) * 3, std=(0.25,) * 3)
+
+
+def tiny_model(**changes) -> vx.ViT:
+    config = dict(image_size=32, patch_size=4, embed_dim=32, depth=4, num_heads=4, **SHAPES)
+    torch.manual_seed(0)
+    return vx.ViT(vx.ViTConfig(**{**config, **changes}))
+
+
+@pytest.fixture(autouse=True)
+def tiny_default(tmp_path, monkeypatch):
+    """The app with a tiny default model and its files in tmp_path, starting from empty caches."""
+    weights = tmp_path / "tiny_default.safetensors"
+    vx.save_model(tiny_model(), weights)
+    monkeypatch.setattr(train, "DEFAULT_WEIGHTS", weights)
+    monkeypatch.setattr(ui, "RUNS_DIR", tmp_path / "runs")
+    monkeypatch.setattr(ui, "UPLOADS_DIR", tmp_path / "uploads")
+    st.cache_data.clear()
+    st.cache_resource.clear()
+    yield weights
+    for run in ui.training_runs().values():
+        run.stop()
+        run.join(timeout=60)
+    st.cache_resource.clear()
+
+
+def open_app(page: str | None = None) -> AppTest:
+    app = AppTest.from_file(APP, default_timeout=60).run()
+    if page is not None:
+        app.switch_page(page).run()
+    assert not app.exception, app.exception
+    return app
+
+
+def figure_titles(app: AppTest) -> list[str]:
+    titles = []
+    for chart in app.get("plotly_chart"):
+        layout = json.loads(chart.proto.spec)["layout"]
+        titles.append(layout["title"]["text"])
+    return titles
+
+
+def title_matching(app: AppTest, pattern: str) -> str:
+    matches = [title for title in figure_titles(app) if re.search(pattern, title)]
+    assert len(matches) == 1, (pattern, figure_titles(app))
+    return matches[0]
+
+
+def widget(widgets, label: str):
+    matches = [w for w in widgets if w.label == label]
+    assert len(matches) == 1, (label, [w.label for w in widgets])
+    return matches[0]
+
+
+def errors(app: AppTest) -> list[str]:
+    return [error.value for error in app.error]
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_every_page_renders_and_every_figure_has_a_title(page):
+    app = open_app(page)
+    assert errors(app) == []
+    assert app.title[0].value == Path(page).stem.capitalize()
+    assert all(title.strip() for title in figure_titles(app))
+    # The sidebar names the model and counts its parameters.
+    assert any("8x8 grid" in caption.value for caption in app.sidebar.caption)
+    count = sum(p.numel() for p in tiny_model().parameters())
+    assert any(f"{count:,} parameters" in caption.value for caption in app.sidebar.caption)
+
+
+def test_pipeline_shows_real_shapes_and_top5():
+    app = open_app("views/pipeline.py")
+    steps = app.dataframe[0].value
+    shapes = dict(zip(steps["step"], steps["shape"]))
+    assert shapes["2. Cut into patches"] == "(8, 8, 3, 4, 4)"
+    assert shapes["4. Linear projection"] == "(64, 32)"
+    assert shapes["6. Add position embeddings"] == "(65, 32)"
+    assert "Top-5 predictions" in figure_titles(app)
+    assert "Patch embeddings: 64 x 32" in figure_titles(app)
+
+
+def test_layer_slider_and_buttons_change_the_shown_layer():
+    app = open_app("views/attention.py")
+    assert "layer 3" in title_matching(app, "^Attention of the")
+    widget(app.slider, "Layer").set_value(1).run()
+    assert "layer 1" in title_matching(app, "^Attention of the")
+    assert title_matching(app, "attention$").startswith("Layer 1, head 0")
+    widget(app.button, "Previous").click().run()
+    assert "layer 0" in title_matching(app, "^Attention of the")
+    assert widget(app.button, "Previous").disabled
+    widget(app.button, "Next").click().run()
+    widget(app.button, "Next").click().run()
+    assert "layer 2" in title_matching(app, "^Attention of the")
+
+
+def test_query_and_head_choices_change_the_maps():
+    app = open_app("views/attention.py")
+    assert "class token" in title_matching(app, "^Attention of the")
+    widget(app.selectbox, "Query token").set_value(9).run()
+    assert "patch 9 (row 1, col 1)" in title_matching(app, "^Attention of the")
+    assert "query: patch 9" in title_matching(app, "^Rollout")
+    widget(app.selectbox, "Head").set_value(2).run()
+    assert title_matching(app, "attention$").startswith("Layer 3, head 2: 65 x 65")
+
+
+def test_moving_sliders_never_recomputes_the_forward_pass(monkeypatch):
+    calls = []
+
+    def counting_capture(*args, **kwargs):
+        calls.append(1)
+        return vx.capture(*args, **kwargs)
+
+    monkeypatch.setattr(ui, "capture", counting_capture)
+    app = open_app("views/attention.py")
+    assert len(calls) == 1
+    widget(app.slider, "Layer").set_value(0).run()
+    widget(app.slider, "Overlay opacity").set_value(0.3).run()
+    widget(app.selectbox, "Query token").set_value(5).run()
+    widget(app.slider, "Discard the weakest share of weights").set_value(0.5).run()
+    app.switch_page("views/pipeline.py").run()
+    assert not app.exception
+    assert len(calls) == 1
+    app.switch_page("views/patches.py").run()
+    widget(app.select_slider, "Patch size").set_value(8).run()
+    assert len(calls) == 2  # a new patch size is a new model: one more forward pass
+
+
+def test_patch_size_changes_the_grid_everywhere():
+    app = open_app("views/patches.py")
+    assert title_matching(app, "^Input image as a").startswith("Input image as a 8 x 8 grid")
+    widget(app.select_slider, "Patch size").set_value(8).run()
+    assert title_matching(app, "^Input image as a").startswith("Input image as a 4 x 4 grid")
+    assert any("resized from patch 4" in caption.value for caption in app.sidebar.caption)
+    # The choice holds on the other pages.
+    app.switch_page("views/attention.py").run()
+    assert title_matching(app, "attention$").endswith("17 x 17 attention")
+    app.switch_page("views/patches.py").run()
+    assert widget(app.select_slider, "Patch size").value == 8
+
+
+def test_predictions_at_each_patch_size_use_the_resized_model():
+    model = tiny_model()
+    image, _ = vx.data.shapes_sample(0, 32)
+    rows = ui.predictions_by_patch_size("default", "shapes:0@32x32", model, image)
+    assert [row["patch size"] for row in rows] == [2, 4, 8, 16, 32]
+    for row in rows:
+        resized = vx.resize_model(model, patch_size=row["patch size"])
+        with torch.no_grad():
+            expected = resized(vx.preprocess(image, resized.config)).softmax(-1)[0]
+        assert row["probability"] == pytest.approx(float(expected.max()), abs=1e-5)
+        assert row["prediction"] == SHAPE_CLASSES[int(expected.argmax())]
+
+
+def test_a_bad_image_upload_says_why_and_keeps_the_previous_image():
+    app = open_app("views/attention.py")
+    app.file_uploader(key="image_upload").set_value(("notes.png", b"just some text", "image/png")).run()
+    assert not app.exception
+    assert len(errors(app)) == 1 and errors(app)[0].startswith("Could not use notes.png:")
+    assert app.selectbox(key="image_picker").value == "shapes:0"
+    assert title_matching(app, "^Attention of the")  # the page still works
+
+
+def test_an_image_upload_becomes_the_image():
+    app = open_app("views/pipeline.py")
+    app.file_uploader(key="image_upload").set_value(("cat.png", PHOTO.read_bytes(), "image/png")).run()
+    assert errors(app) == []
+    assert app.selectbox(key="image_picker").value.startswith("upload:")
+    assert app.sidebar.image[0].captions == ["451x300 px as given"]
+
+
+def test_a_bad_checkpoint_upload_says_why_and_keeps_the_model():
+    app = open_app("views/pipeline.py")
+    upload = ("broken.safetensors", b"\x00" * 64, "application/octet-stream")
+    app.file_uploader(key="checkpoint_upload").set_value(upload).run()
+    assert not app.exception
+    assert len(errors(app)) == 1 and "broken.safetensors" in errors(app)[0]
+    assert app.selectbox(key="model_picker").value == "default"
+
+
+def test_a_checkpoint_without_class_token_on_a_wide_image_with_registers(tmp_path):
+    path = tmp_path / "wide.safetensors"
+    vx.save_model(
+        tiny_model(image_size=(32, 48), class_token=False, global_pool="mean", reg_tokens=2), path
+    )
+    app = open_app("views/attention.py")
+    app.file_uploader(key="checkpoint_upload").set_value(
+        (path.name, path.read_bytes(), "application/octet-stream")
+    ).run()
+    assert errors(app) == []
+    assert app.selectbox(key="model_picker").value.startswith("file:")
+    # 8 x 12 grid, 2 registers, no class token: the query is a patch (the centre by default).
+    assert "patch 54 (row 4, col 6)" in title_matching(app, "^Attention of the")
+    assert title_matching(app, "attention$").endswith("98 x 98 attention")
+    for page in PAGES:
+        app.switch_page(page).run()
+        assert not app.exception and errors(app) == [], page
+
+
+def test_pretrained_offline_says_so_and_keeps_the_previous_model(monkeypatch):
+    def offline(name):
+        raise vx.CheckpointError(f"could not download the {name} weights (no internet?): no route")
+
+    monkeypatch.setattr(ui, "load_pretrained", offline)
+    app = open_app("views/pipeline.py")
+    app.selectbox(key="model_picker").set_value(ui.PRETRAINED_MODEL).run()
+    assert not app.exception
+    assert any("no internet" in error for error in errors(app))
+    assert app.selectbox(key="model_picker").value == "default"
+    assert app.session_state["model_key"] == "default"
+
+
+def test_a_one_epoch_training_run_produces_metrics_and_becomes_the_model():
+    app = open_app("views/train.py")
+    form = app.get("form")[0]
+    widget(form.number_input, "Epochs").set_value(1)
+    widget(form.number_input, "Training images (0: the whole dataset)").set_value(256)
+    widget(form.number_input, "Batch size").set_value(64)
+    app.get("form_submit_button")[0].click().run()
+    assert not app.exception and errors(app) == []
+    (run,) = ui.training_runs().values()
+    assert run.join(timeout=120) and run.status == "finished", run.error
+    app.run()
+    metrics = {metric.label: metric.value for metric in app.metric}
+    assert metrics["Step"] == "4 / 4"
+    assert metrics["Test accuracy"].endswith("%")
+    assert title_matching(app, "^Training: step 4 of 4")
+    widget(app.button, "Explore this model").click().run()
+    assert app.session_state["model_key"] == f"file:{run.checkpoint}"
+    assert app.selectbox(key="model_picker").value == f"file:{run.checkpoint}"
+
+
+def test_an_impossible_custom_model_is_refused_with_a_sentence():
+    app = open_app("views/train.py")
+    form = app.get("form")[0]
+    widget(form.selectbox, "Model").set_value("custom")
+    widget(form.number_input, "Patch size").set_value(5)  # does not tile 32 x 32 images
+    app.get("form_submit_button")[0].click().run()
+    assert not app.exception
+    assert errors(app) == ["Cannot train that: image size 32x32 is not divisible by patch size 5"]
+    assert ui.training_runs() == {}
+
+
+@pytest.mark.skipif(not train.DEFAULT_WEIGHTS.is_file(), reason="the shipped model is not there yet")
+def test_the_shipped_model_explores_offline(monkeypatch):
+    monkeypatch.undo()  # the real DEFAULT_WEIGHTS
+    st.cache_resource.clear()
+    st.cache_data.clear()
+    for page in PAGES:
+        app = open_app(page)
+        assert errors(app) == [], page
