@@ -14,7 +14,13 @@ from safetensors.torch import save_file
 import vit_explorer as vx
 from vit_explorer import weights as vw
 
-torch.set_grad_enabled(False)
+
+
+@pytest.fixture(autouse=True)
+def _no_grad():
+    """These tests only compare outputs; a module-level switch would leak into other test files."""
+    with torch.no_grad():
+        yield
 
 
 def _randomize(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:

@@ -155,7 +155,8 @@ class ViT(nn.Module):
         embed_len = config.num_patches + (0 if config.no_embed_class else self.num_prefix_tokens)
         self.pos_embed = nn.Parameter(torch.zeros(1, embed_len, dim))
         self.pos_drop = nn.Dropout(config.drop_rate)
-        drop_paths = torch.linspace(0, config.drop_path_rate, config.depth).tolist()
+        # Stochastic depth grows linearly with depth (plain floats: the model can be built on "meta").
+        drop_paths = [config.drop_path_rate * i / max(config.depth - 1, 1) for i in range(config.depth)]
         self.blocks = nn.Sequential(*(Block(config, rate) for rate in drop_paths))
         use_fc_norm = config.use_fc_norm
         self.norm = nn.Identity() if use_fc_norm else nn.LayerNorm(dim, eps=config.layer_norm_eps)
