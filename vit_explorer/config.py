@@ -126,3 +126,96 @@ class ViTConfig:
     @classmethod
     def from_json(cls, text: str) -> "ViTConfig":
         return cls.from_dict(json.loads(text))
+
+
+# Model sizes by name; image size, classes and normalization come from the dataset.
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(patch_size=4, embed_dim=64, depth=4, num_heads=4, mlp_ratio=2.0),
+    "small": dict(patch_size=4, embed_dim=128, depth=6, num_heads=4, mlp_ratio=4.0),
+    "vit-ti": dict(patch_size=4, embed_dim=192, depth=12, num_heads=3, mlp_ratio=4.0),
+    "vit-s": dict(patch_size=4, embed_dim=384, depth=12, num_heads=6, mlp_ratio=4.0),
+}
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One training run: data, model, optimisation, hardware and where the checkpoint goes."""
+
+    dataset: str = "shapes"  # "shapes", "cifar10", "mnist", "fashionmnist" or "folder:PATH"
+    model: str | ViTConfig = "tiny"  # a PRESETS name, or a full ViTConfig
+    image_size: int | None = None  # None: the ViTConfig's, else the dataset's own size
+    epochs: int = 4
+    batch_size: int = 128
+    lr: float = 3e-3  # peak learning rate, reached after warmup_steps, then cosine to zero
+    weight_decay: float = 0.05
+    warmup_steps: int = 50
+    label_smoothing: float = 0.0
+    seed: int = 0
+    device: str = "auto"  # "auto" picks cuda, then mps, then cpu
+    precision: str = "auto"  # "auto": bf16 autocast on CUDA, fp32 elsewhere; or "bf16", "fp32"
+    compile: bool = False  # torch.compile the training step's model
+    augment: bool = True  # random crop with padding and horizontal flip
+    data_root: str | None = None  # where downloads go; None: ~/.cache/vit_explorer/data
+    out_dir: str = "runs"
+    name: str | None = None  # checkpoint file stem; None: vit_<dataset>
+    train_size: int | None = None  # images to train on; None: shapes 16000, others all
+    test_size: int | None = None  # images to test on; None: shapes 2000, others all
+    snapshot_every: int = 50  # steps between attention snapshots of the probe image; 0: never
+    log_every: int = 10  # steps between StepEvents (each one waits for the device)
+    resume: bool = False  # continue from the checkpoint in out_dir
+
+    def __post_init__(self) -> None:
+        if isinstance(self.model, dict):
+            object.__setattr__(self, "model", ViTConfig.from_dict(self.model))
+        if isinstance(self.model, str) and self.model not in PRESETS:
+            raise ValueError(f"unknown model preset {self.model!r}; choose one of {', '.join(PRESETS)}")
+        positive = {
+            "epochs": self.epochs, "batch_size": self.batch_size, "train_size": self.train_size,
+            "test_size": self.test_size, "log_every": self.log_every,
+        }
+        for name, value in positive.items():
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be at least 1, not {value}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be positive, not {self.lr}")
+        if self.weight_decay < 0 or self.warmup_steps < 0 or self.snapshot_every < 0:
+            raise ValueError("weight_decay, warmup_steps and snapshot_every must not be negative")
+        if not 0 <= self.label_smoothing < 1:
+            raise ValueError(f"label_smoothing must be in [0, 1), not {self.label_smoothing}")
+        if self.image_size is not None and self.image_size < 1:
+            raise ValueError(f"image_size must be positive, not {self.image_size}")
+        if self.device.split(":")[0] not in ("auto", "cpu", "cuda", "mps"):
+            raise ValueError(f"device must be auto, cpu, cuda or mps, not {self.device!r}")
+        if self.precision not in ("auto", "bf16", "fp32"):
+            raise ValueError(f"precision must be auto, bf16 or fp32, not {self.precision!r}")
+
+    @property
+    def run_name(self) -> str:
+        if self.name:
+            return self.name
+        dataset = self.dataset.split(":", 1)[0]
+        return f"vit_{dataset}"
+
+    def replace(self, **changes: Any) -> "TrainConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        if isinstance(self.model, ViTConfig):
+            data["model"] = self.model.to_dict()
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "TrainConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown TrainConfig fields: {', '.join(unknown)}")
+        return cls(**data)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+    @classmethod
+    def from_json(cls, text: str) -> "TrainConfig":
+        return cls.from_dict(json.loads(text))

@@ -1,0 +1,184 @@
+"""The training engine: events, checkpoints, resume, the background TrainingRun."""
+import json
+import math
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+import vit_explorer as vx
+from vit_explorer import train as training
+from vit_explorer.config import TrainConfig
+from vit_explorer.data import SHAPE_CLASSES
+
+SMALL_MODEL = vx.ViTConfig(image_size=16, patch_size=4, num_classes=8, embed_dim=32, depth=2, num_heads=4)
+
+
+def small_config(tmp_path, **changes) -> TrainConfig:
+    base = dict(
+        model=SMALL_MODEL, epochs=2, batch_size=16, train_size=64, test_size=32, lr=2e-3,
+        warmup_steps=2, device="cpu", out_dir=str(tmp_path), log_every=1, snapshot_every=3,
+    )
+    return TrainConfig(**{**base, **changes})
+
+
+def test_train_config_json_round_trip():
+    config = TrainConfig(model=SMALL_MODEL, dataset="folder:/data/pets", epochs=3, lr=1e-3)
+    again = TrainConfig.from_json(config.to_json())
+    assert again == config and isinstance(again.model, vx.ViTConfig)
+    assert TrainConfig.from_json(TrainConfig().to_json()) == TrainConfig()
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(model="huge"), "unknown model preset 'huge'"),
+    (dict(epochs=0), "epochs must be at least 1, not 0"),
+    (dict(lr=-1.0), "lr must be positive"),
+    (dict(device="tpu"), "device must be auto, cpu, cuda or mps"),
+])
+def test_train_config_rejects_bad_values(changes, message):
+    with pytest.raises(ValueError, match=message):
+        TrainConfig(**changes)
+
+
+def test_learning_rate_warms_up_then_decays_to_zero():
+    config = TrainConfig(lr=1e-3, warmup_steps=10)
+    rates = [training.learning_rate(step, 100, config) for step in range(100)]
+    assert rates[0] == pytest.approx(1e-4) and rates[9] == pytest.approx(1e-3)
+    assert all(a >= b for a, b in zip(rates[9:], rates[10:]))  # monotonic cosine decay
+    assert rates[-1] < 1e-6
+
+
+def test_event_stream(tmp_path):
+    config = small_config(tmp_path)
+    events = list(training.train(config))
+    steps = [e for e in events if isinstance(e, training.StepEvent)]
+    epochs = [e for e in events if isinstance(e, training.EpochEvent)]
+    snapshots = [e for e in events if isinstance(e, training.SnapshotEvent)]
+    done = events[-1]
+    assert isinstance(done, training.DoneEvent) and not done.stopped
+    assert [e.step for e in steps] == list(range(1, 9))  # 64 images / 16 per batch * 2 epochs
+    assert all(e.total_steps == 8 and 0 <= e.accuracy <= 1 and e.images_per_s > 0 for e in steps)
+    assert [e.epoch for e in steps] == [1] * 4 + [2] * 4
+    assert [(e.epoch, e.epochs) for e in epochs] == [(1, 2), (2, 2)]
+    assert done.test_accuracy == epochs[-1].test_accuracy
+
+    # Snapshots before training, every 3 steps, and at the end.
+    assert [s.step for s in snapshots] == [0, 3, 6, 8]
+    snapshot = snapshots[-1]
+    assert snapshot.image.shape == (16, 16, 3) and snapshot.image.dtype == np.uint8
+    assert snapshot.attentions.shape == (1, 2, 4, 17, 17) and snapshot.attentions.dtype == torch.float32
+    assert torch.allclose(snapshot.attentions.sum(-1), torch.ones(1, 2, 4, 17))
+    assert snapshot.grid_size == (4, 4) and snapshot.num_prefix_tokens == 1
+    assert snapshot.prediction in SHAPE_CLASSES and sum(snapshot.probabilities) == pytest.approx(1)
+
+    # The checkpoint is the trained model, with the dataset's classes, and its history beside it.
+    model = vx.load_model(done.checkpoint)
+    assert model.config.class_names == SHAPE_CLASSES and model.config.std == (0.25, 0.25, 0.25)
+    sidecar = training.load_history(done.checkpoint)
+    assert sidecar["finished"] and TrainConfig.from_dict(sidecar["train_config"]) == config
+    assert [e["epoch"] for e in sidecar["history"]["epochs"]] == [1, 2]
+    assert not training.checkpoint_paths(config)["state"].exists()  # nothing left to resume
+
+
+def test_training_learns(tmp_path):
+    # Sixty full-batch steps on 32 images: the model fits them far better than chance (ln 8).
+    config = small_config(
+        tmp_path, train_size=32, batch_size=32, epochs=60, lr=3e-3, augment=False, snapshot_every=0
+    )
+    steps = [e for e in training.train(config) if isinstance(e, training.StepEvent)]
+    assert steps[0].loss == pytest.approx(math.log(8), abs=0.01)  # the zero head starts uniform
+    assert steps[-1].loss < 1.5 and steps[-1].accuracy > 0.6
+
+
+def test_resume_continues_exactly(tmp_path):
+    straight = list(training.train(small_config(tmp_path / "straight")))[-1]
+
+    config = small_config(tmp_path / "split")
+    stop = threading.Event()
+    for event in training.train(config, stop=stop):
+        if isinstance(event, training.StepEvent) and event.step == 3:
+            stop.set()  # mid-epoch 1
+    assert event.stopped and training.checkpoint_paths(config)["state"].exists()
+    events = list(training.train(config.replace(resume=True)))
+    steps = [e.step for e in events if isinstance(e, training.StepEvent)]
+    assert steps == list(range(5, 9))  # 4 was finished before the stop took effect
+    resumed = events[-1]
+    a, b = vx.load_model(straight.checkpoint), vx.load_model(resumed.checkpoint)
+    for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.allclose(x, y, atol=1e-6), name
+    history = training.load_history(resumed.checkpoint)["history"]
+    assert [e["step"] for e in history["steps"]] == list(range(1, 9))
+
+
+def test_resume_errors(tmp_path):
+    config = small_config(tmp_path, epochs=1, snapshot_every=0)
+    with pytest.raises(training.TrainingError, match="no interrupted run to resume"):
+        list(training.train(config.replace(resume=True)))
+    list(training.train(config))
+    with pytest.raises(training.TrainingError, match="is a finished run"):
+        list(training.train(config.replace(resume=True)))
+
+
+def test_training_run_stop_leaves_a_loadable_checkpoint(tmp_path):
+    run = training.TrainingRun(small_config(tmp_path, epochs=200, snapshot_every=5))
+    assert run.status == "pending"
+    run.start()
+    while not run.history["steps"] and run.join(0.05) is False:
+        pass
+    assert run.status == "running" and 0 < run.progress < 1
+    run.stop()
+    assert run.join(60)
+    assert run.status == "stopped" and run.error is None
+    model = vx.load_model(run.checkpoint)
+    assert model.config.class_names == SHAPE_CLASSES
+    assert run.latest_snapshot is not None and run.latest_snapshot.attentions.shape[1] == 2
+    assert 0 <= run.test_accuracy <= 1
+
+
+def test_training_run_failure_is_reported_not_raised(tmp_path):
+    run = training.TrainingRun(small_config(tmp_path, dataset=f"folder:{tmp_path / 'nowhere'}"))
+    run.start()
+    assert run.join(60)
+    assert run.status == "failed"
+    assert run.error == f"image folder {tmp_path / 'nowhere'} does not exist"
+    assert run.checkpoint is None
+
+
+def test_diverging_loss_fails_with_a_sentence(tmp_path, monkeypatch):
+    diverged = lambda self, x: self.forward_head(self.forward_features(x)) * math.nan  # noqa: E731
+    monkeypatch.setattr(vx.ViT, "forward", diverged)
+    run = training.TrainingRun(small_config(tmp_path, snapshot_every=0)).start()
+    assert run.join(60)
+    assert run.status == "failed"
+    assert run.error == "the loss became nan at step 1; lower the learning rate (now 0.002)"
+
+
+def test_two_runs_side_by_side_share_nothing(tmp_path):
+    runs = [
+        training.TrainingRun(small_config(tmp_path / "a", seed=1)),
+        training.TrainingRun(small_config(tmp_path / "b", seed=2, epochs=1)),
+    ]
+    for run in runs:
+        run.start()
+    assert all(run.join(120) for run in runs)
+    assert [run.status for run in runs] == ["finished", "finished"]
+    assert [len(run.history["epochs"]) for run in runs] == [2, 1]
+    first, second = (vx.load_model(run.checkpoint) for run in runs)
+    assert not torch.equal(first.head.weight, second.head.weight)
+    # Each run's numbers are its own: the same as the sidecar it wrote.
+    for run in runs:
+        saved = json.loads(open(run.checkpoint.replace(".safetensors", ".json")).read())
+        assert saved["history"]["epochs"] == run.history["epochs"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("compile_model", [False, True])
+def test_cuda_bf16_and_compile(tmp_path, compile_model):
+    config = small_config(tmp_path, device="cuda", compile=compile_model, precision="auto")
+    events = list(training.train(config))
+    done = events[-1]
+    assert isinstance(done, training.DoneEvent) and 0 <= done.test_accuracy <= 1
+    losses = [e.loss for e in events if isinstance(e, training.StepEvent)]
+    assert all(math.isfinite(loss) for loss in losses)
+    assert vx.load_model(done.checkpoint).config.class_names == SHAPE_CLASSES
