@@ -91,23 +91,25 @@ def _run_train(args: argparse.Namespace) -> int:
         # The first Ctrl-C ends training after the current step, checkpoint included; a
         # second one interrupts at once.
         signal.signal(signal.SIGINT, lambda signum, frame: (stop.set(), signal.signal(signal.SIGINT, previous)))
-    # A bar opens when its epoch starts (its length is known from the first step on).
-    bar = tqdm(desc="epoch", unit="step", disable=not show)
+    bar = None  # one progress bar per epoch; the first opens at the first reported step
     try:
         for event in train(config, stop=stop):
             if not show:
                 continue
             if isinstance(event, StepEvent):
                 steps_per_epoch = event.total_steps // config.epochs
-                if bar.total is None:
-                    bar.total = steps_per_epoch
-                    bar.set_description(f"epoch {event.epoch}/{config.epochs}")
-                bar.update(event.step - (event.epoch - 1) * steps_per_epoch - bar.n)
+                done = event.step - (event.epoch - 1) * steps_per_epoch
+                if bar is None:
+                    bar = tqdm(total=steps_per_epoch, initial=done, unit="step",
+                               desc=f"epoch {event.epoch}/{config.epochs}")
+                bar.update(done - bar.n)
                 bar.set_postfix(loss=f"{event.loss:.3f}", acc=f"{event.accuracy:.3f}",
                                 img_s=f"{event.images_per_s:.0f}")
             elif isinstance(event, EpochEvent):
                 bar.close()
-                bar = tqdm(unit="step") if event.epoch < event.epochs else None
+                bar = None
+                if event.epoch < event.epochs:
+                    bar = tqdm(total=steps_per_epoch, unit="step", desc=f"epoch {event.epoch + 1}/{event.epochs}")
                 tqdm.write(
                     f"epoch {event.epoch}/{event.epochs}: train loss {event.train_loss:.4f},"
                     f" train accuracy {event.train_accuracy:.4f}, test loss {event.test_loss:.4f},"

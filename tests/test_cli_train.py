@@ -1,0 +1,86 @@
+"""python -m vit_explorer train / evaluate, on one process and data-parallel under torchrun."""
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import vit_explorer as vx
+from vit_explorer.cli import main
+from vit_explorer.train import load_history
+
+TINY = ["--no-augment", "--image-size", "16", "--embed-dim", "32", "--depth", "2", "--heads", "4",
+        "--train-size", "64", "--test-size", "40", "--batch-size", "16", "--device", "cpu"]
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_train_then_evaluate(tmp_path, capsys):
+    assert main(["train", "--epochs", "2", "--out", str(tmp_path), *TINY]) == 0
+    output = capsys.readouterr()
+    checkpoint = tmp_path / "vit_shapes.safetensors"
+    assert checkpoint.is_file() and (tmp_path / "vit_shapes.json").is_file()
+    assert "epoch 2/2: train loss" in output.out
+    summary = output.out.strip().splitlines()[-1]
+    accuracy = load_history(checkpoint)["test_accuracy"]
+    assert summary == f"trained in {summary.split()[2]} s: test accuracy {accuracy:.4f}, checkpoint {checkpoint}"
+    model = vx.load_model(checkpoint)
+    assert model.config.embed_dim == 32 and model.config.image_size == 16
+
+    assert main(["evaluate", "--weights", str(checkpoint), "--test-size", "40", "--device", "cpu"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    # The same 40 test images as at the end of training, so the same accuracy.
+    assert last == f"accuracy: {accuracy:.4f}"
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["train", "--dataset", "imagenet"], "error: unknown dataset 'imagenet'; choose one of shapes"),
+    (["train", "--dataset", "folder:/no/such/folder", "--epochs", "1"], "error: image folder /no/such/folder does not exist"),
+    (["train", "--epochs", "0"], "error: epochs must be at least 1, not 0"),
+    (["train", "--patch-size", "5"], "error: image size 32x32 is not divisible by patch size 5"),
+    (["train", "--lr", "-1"], "error: lr must be positive, not -1.0"),
+    (["evaluate", "--weights", "/no/such.safetensors"], "error: "),
+])
+def test_bad_input_is_one_line_and_exit_code_2(arguments, message, capsys, tmp_path):
+    assert main([*arguments, "--device", "cpu"] + (["--out", str(tmp_path)] if arguments[0] == "train" else [])) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith(message) and len(error.splitlines()) == 1
+
+
+def test_evaluate_refuses_a_model_for_other_classes(tmp_path, capsys, monkeypatch):
+    model = vx.ViT(vx.ViTConfig(image_size=16, patch_size=4, num_classes=3, embed_dim=32, depth=1, num_heads=4))
+    vx.save_model(model, tmp_path / "three.safetensors")
+    assert main(["evaluate", "--weights", str(tmp_path / "three.safetensors"), "--device", "cpu"]) == 2
+    assert "the model knows 3 classes, but shapes has circle" in capsys.readouterr().err
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_data_parallel_under_torchrun(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+        f"--master_port={_free_port()}", "-m", "vit_explorer", "train", "--epochs", "2",
+        "--out", str(tmp_path), *TINY,
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    # One report (rank 0 only) and one checkpoint.
+    assert result.stdout.count("trained in") == 1 and result.stdout.count("epoch 2/2: train loss") == 1
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["vit_shapes.json", "vit_shapes.safetensors"]
+    # 64 images in global batches of 2 x 16: two steps per epoch.
+    assert load_history(tmp_path / "vit_shapes.safetensors")["total_steps"] == 4
+
+    # Each step averages the gradients of the two halves of a global batch, so two processes
+    # with 16 images each train exactly as one process with the same 32 images.
+    single = tmp_path / "single"
+    assert main(["train", "--epochs", "2", "--out", str(single), *TINY, "--batch-size", "32"]) == 0
+    parallel, alone = (vx.load_model(path / "vit_shapes.safetensors") for path in (tmp_path, single))
+    for (name, a), b in zip(parallel.state_dict().items(), alone.state_dict().values()):
+        assert torch.allclose(a, b, atol=1e-5), name
