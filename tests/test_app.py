@@ -33,7 +33,7 @@ def tiny_default(tmp_path, monkeypatch):
     """The app with a tiny default model and its files in tmp_path, starting from empty caches."""
     weights = tmp_path / "tiny_default.safetensors"
     vx.save_model(tiny_model(), weights)
-    monkeypatch.setattr(train, "DEFAULT_WEIGHTS", weights)
+    monkeypatch.setenv("VIT_EXPLORER_DEFAULT_MODEL", str(weights))
     monkeypatch.setattr(ui, "RUNS_DIR", tmp_path / "runs")
     monkeypatch.setattr(ui, "UPLOADS_DIR", tmp_path / "uploads")
     st.cache_data.clear()
@@ -253,7 +253,7 @@ def test_a_one_epoch_training_run_produces_metrics_and_becomes_the_model():
 def test_an_impossible_custom_model_is_refused_with_a_sentence():
     app = open_app("views/train.py")
     form = app.get("form")[0]
-    widget(form.selectbox, "Model").set_value("custom")
+    widget(form.selectbox, "Model size").set_value("custom")
     widget(form.number_input, "Patch size").set_value(5)  # does not tile 32 x 32 images
     app.get("form_submit_button")[0].click().run()
     assert not app.exception
@@ -263,7 +263,7 @@ def test_an_impossible_custom_model_is_refused_with_a_sentence():
 
 @pytest.mark.skipif(not train.DEFAULT_WEIGHTS.is_file(), reason="the shipped model is not there yet")
 def test_the_shipped_model_explores_offline(monkeypatch):
-    monkeypatch.undo()  # the real DEFAULT_WEIGHTS
+    monkeypatch.delenv("VIT_EXPLORER_DEFAULT_MODEL")  # the shipped model
     st.cache_resource.clear()
     st.cache_data.clear()
     for page in PAGES:

@@ -31,7 +31,7 @@ def step_layer(delta: int) -> None:
 def pick_clicked_patch() -> None:
     points = state["patch_click"].selection.points
     if points:
-        ui.set_kept("query", int(points[0]["customdata"][0]))
+        ui.set_kept("query", int(points[0]["point_index"]))
 
 
 st.title("Attention")
@@ -44,7 +44,7 @@ st.write(
 
 layer_widget = ui.keep("layer", depth - 1, lambda layer: 0 <= layer < depth)
 query_widget = ui.keep("query", queries[0] if config.class_token else centre, lambda q: q in queries)
-previous, slider, following = st.columns([1, 8, 1], vertical_alignment="bottom")
+previous, slider, following = st.columns([1.4, 7, 1.4], vertical_alignment="bottom")
 previous.button("Previous", on_click=step_layer, args=(-1,), disabled=state["layer"] == 0,
                 icon=":material/chevron_left:", width="stretch")
 layer = slider.slider("Layer", 0, depth - 1, **layer_widget)
@@ -65,8 +65,8 @@ with picker:
     st.plotly_chart(
         figures.patch_picker(image, result.grid_size, None if query == CLASS_QUERY else query),
         key="patch_click", on_select=pick_clicked_patch, selection_mode="points",
+        config={"displayModeBar": False},
     )
-    st.caption("Click a patch to make it the query.")
 
 query_arg = None if query == CLASS_QUERY else query
 maps = analysis.head_maps(result, layer, query_arg, class_token=config.class_token)  # (H, gh, gw)

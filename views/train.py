@@ -30,7 +30,7 @@ with st.form("train_form"):
     left, right = st.columns(2)
     dataset = left.selectbox("Dataset", list(DATASETS), format_func=DATASETS.get)
     preset = left.selectbox(
-        "Model", [*PRESETS, CUSTOM],
+        "Model size", [*PRESETS, CUSTOM],
         format_func=lambda name: "custom (the four numbers below)" if name == CUSTOM
         else f"{name}: dim {PRESETS[name]['embed_dim']}, depth {PRESETS[name]['depth']},"
         f" {PRESETS[name]['num_heads']} heads, patch {PRESETS[name]['patch_size']}",
@@ -90,8 +90,8 @@ running = runs[run_id].status == "running"
 def live_view() -> None:
     run = ui.training_runs()[run_id]
     status, progress, eta = run.status, run.progress, run.eta_seconds
-    if running and status != "running":
-        st.rerun()  # the run just ended: redraw the whole app, so the sidebar can offer it
+    if (running and status != "running") or "requested_model" in state:
+        st.rerun()  # a run just ended or became the model: the sidebar must show it
     eta_text = f", about {eta:.0f} s left" if eta is not None and status == "running" else ""
     st.progress(progress, text=f"{run_id} {status}: {progress:.0%}{eta_text}")
     if status == "running":
@@ -122,9 +122,10 @@ def live_view() -> None:
 
     if run.checkpoint is not None:
         explore, download = st.columns(2)
-        if explore.button("Explore this model", type="primary", icon=":material/visibility:"):
-            ui.request_model(f"file:{run.checkpoint}")
-            st.rerun()
+        explore.button(
+            "Explore this model", type="primary", icon=":material/visibility:",
+            on_click=ui.request_model, args=(f"file:{run.checkpoint}",),
+        )
         checkpoint = Path(run.checkpoint)
         download.download_button(
             "Download the checkpoint", checkpoint.read_bytes(), file_name=checkpoint.name,

@@ -11,6 +11,7 @@ and ``"file:<path>"`` (an uploaded checkpoint or a run trained in the app).
 from __future__ import annotations
 
 import hashlib
+import os
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -36,7 +37,8 @@ DEFAULT_MODEL = "default"
 PRETRAINED_MODEL = "pretrained:vit_b_16"
 PHOTOS_DIR = Path(__file__).resolve().parent.parent / "assets" / "samples"
 UPLOADS_DIR = Path(tempfile.gettempdir()) / "vit_explorer_uploads"
-RUNS_DIR = Path(__file__).resolve().parent.parent / "runs" / "app"  # runs trained in the app
+# Where runs trained in the app write their checkpoints.
+RUNS_DIR = Path(os.environ.get("VIT_EXPLORER_RUNS_DIR") or Path(__file__).resolve().parent.parent / "runs" / "app")
 # The largest attention tensor (depth x heads x N x N float32) a patch size may produce:
 # ViT-B/16 at patch 8 (785 tokens) is about 355 MB and still fits.
 MAX_ATTENTION_BYTES = 400 * 2**20
@@ -46,17 +48,23 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # --- models ------------------------------------------------------------------------------------
 
 
+def default_weights() -> Path:
+    """The shipped shapes model, or the checkpoint that VIT_EXPLORER_DEFAULT_MODEL names."""
+    return Path(os.environ.get("VIT_EXPLORER_DEFAULT_MODEL") or train.DEFAULT_WEIGHTS)
+
+
 @st.cache_resource(max_entries=4, show_spinner="Loading the model ...")
 def base_model(model_key: str) -> ViT:
     """The model behind a key at its own patch size, in eval mode on the app's device."""
     kind, _, reference = model_key.partition(":")
     if kind == DEFAULT_MODEL:
-        if not train.DEFAULT_WEIGHTS.is_file():
+        weights = default_weights()
+        if not weights.is_file():
             raise FileNotFoundError(
-                f"the shipped model {train.DEFAULT_WEIGHTS} is missing; train it with"
+                f"the default model {weights} is missing; train it with"
                 " `python -m vit_explorer train` or upload a checkpoint"
             )
-        model = load_model(train.DEFAULT_WEIGHTS)
+        model = load_model(weights)
     elif kind == "pretrained":
         model = load_pretrained(reference)
     else:

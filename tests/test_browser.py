@@ -1,0 +1,158 @@
+"""The app in a real browser: `streamlit run app.py` driven by Playwright in headless Chromium.
+
+Uses the system Chromium (Debian: apt-get install chromium); skips when it or Playwright is
+missing. Screenshots of every step go to $VIT_EXPLORER_SCREENSHOTS, or to pytest's tmp_path.
+"""
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+import vit_explorer as vx
+from vit_explorer.data import SHAPE_CLASSES
+
+ROOT = Path(__file__).resolve().parent.parent
+PHOTO = ROOT / "assets" / "samples" / "chelsea.png"
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+sync_api = pytest.importorskip("playwright.sync_api")
+pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no system Chromium (apt-get install chromium)")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def server(tmp_path):
+    """The app on a free port with a tiny default model, stopped again afterwards."""
+    torch.manual_seed(0)
+    weights = tmp_path / "tiny.safetensors"
+    vx.save_model(
+        vx.ViT(vx.ViTConfig(
+            image_size=32, patch_size=4, embed_dim=32, depth=4, num_heads=4,
+            num_classes=len(SHAPE_CLASSES), class_names=SHAPE_CLASSES, mean=(0.5,) * 3, std=(0.25,) * 3,
+        )),
+        weights,
+    )
+    port = free_port()
+    env = dict(
+        os.environ, VIT_EXPLORER_DEFAULT_MODEL=str(weights), VIT_EXPLORER_RUNS_DIR=str(tmp_path / "runs")
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-m", "streamlit", "run", "app.py", "--server.port", str(port),
+         "--server.address", "127.0.0.1", "--server.headless", "true",
+         "--browser.gatherUsageStats", "false"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(120):
+            try:
+                if urllib.request.urlopen(f"{url}/_stcore/health", timeout=1).status == 200:
+                    break
+            except OSError:
+                time.sleep(0.5)
+        else:
+            pytest.fail("streamlit did not start within a minute")
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+@pytest.fixture
+def shots(tmp_path):
+    folder = Path(os.environ.get("VIT_EXPLORER_SCREENSHOTS") or tmp_path / "screenshots")
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def settle(page) -> None:
+    """Wait until Streamlit has finished the current run (its status widget disappears)."""
+    page.wait_for_timeout(300)
+    page.locator('[data-testid="stStatusWidget"]').wait_for(state="hidden", timeout=60_000)
+
+
+def go_to(page, title: str) -> None:
+    page.locator('[data-testid="stSidebarNav"] a').filter(has_text=title).click()
+    page.get_by_role("heading", name=title, level=1).wait_for(timeout=60_000)
+    settle(page)
+
+
+def test_the_app_in_chromium(server, shots):
+    expect = sync_api.expect
+    expect.set_options(timeout=60_000)
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(
+            executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"]
+        )
+        page = browser.new_page(viewport={"width": 1400, "height": 2600})
+        page.set_default_timeout(60_000)
+        page.goto(server)
+        page.get_by_role("heading", name="Pipeline", level=1).wait_for()
+        settle(page)
+        expect(page.get_by_text("Top-5 predictions")).to_be_visible()
+        page.screenshot(path=shots / "1_pipeline.png", full_page=True)
+
+        # Upload a photo: it becomes the image on every page.
+        uploader = page.locator('[data-testid="stFileUploader"]').filter(has_text="Upload an image")
+        uploader.locator('input[type="file"]').set_input_files(PHOTO)
+        expect(page.get_by_text("451x300 px as given")).to_be_visible()
+        settle(page)
+        expect(page.locator('[data-testid="stException"]')).to_have_count(0)
+
+        # A larger patch size: a coarser grid.
+        go_to(page, "Patches")
+        expect(page.get_by_text("Input image as a 8 x 8 grid of 64 patches")).to_be_visible()
+        page.get_by_role("slider").first.press("ArrowRight")
+        expect(page.get_by_text("Input image as a 4 x 4 grid of 16 patches")).to_be_visible()
+        settle(page)
+        page.screenshot(path=shots / "2_patches.png", full_page=True)
+
+        # Step back a layer, then click a patch to make it the query.
+        go_to(page, "Attention")
+        expect(page.get_by_text("Attention of the class token in layer 3, per head")).to_be_visible()
+        page.get_by_role("button", name="Previous").click()
+        expect(page.get_by_text("Attention of the class token in layer 2, per head")).to_be_visible()
+        settle(page)
+        picker = page.locator(".st-key-patch_click .nsewdrag").first
+        box = picker.bounding_box()
+        # The top-left patch of the 4 x 4 grid.
+        page.mouse.click(box["x"] + box["width"] * 0.1, box["y"] + box["height"] * 0.1)
+        expect(page.get_by_text(re.compile(r"Attention of the patch 0 \(row 0, col 0\) in layer 2"))).to_be_visible()
+        settle(page)
+        page.screenshot(path=shots / "3_attention.png", full_page=True)
+
+        # A short training run: the curves grow while it runs.
+        go_to(page, "Train")
+        page.get_by_role("spinbutton", name="Epochs").fill("1")
+        page.get_by_role("spinbutton", name="Training images (0: the whole dataset)").fill("512")
+        page.get_by_role("spinbutton", name="Batch size").fill("32")
+        page.get_by_role("button", name="Launch training").click()
+        step_title = page.get_by_text(re.compile(r"Training: step \d+ of 16"))
+        step_title.wait_for()
+        first = int(re.search(r"step (\d+)", step_title.text_content()).group(1))
+        page.screenshot(path=shots / "4_training.png", full_page=True)
+        expect(page.get_by_text(re.compile(r"Training: step (?!%d )\d+ of 16" % first))).to_be_visible()
+        page.get_by_role("button", name="Explore this model").wait_for(timeout=240_000)
+        settle(page)
+        page.screenshot(path=shots / "5_trained.png", full_page=True)
+        page.get_by_role("button", name="Explore this model").click()
+        expect(page.get_by_role("combobox", name="Model", exact=True)).to_have_value("Trained here: run 1")
+        go_to(page, "Attention")
+        expect(page.locator('[data-testid="stException"]')).to_have_count(0)
+        page.screenshot(path=shots / "6_trained_attention.png", full_page=True)
+        browser.close()
