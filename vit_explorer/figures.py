@@ -739,7 +739,7 @@ def patch_picker(image, grid_size: tuple[int, int], selected: int | None = None)
 
     Heatmap cells cannot be selected in Streamlit (streamlit#8760), so an invisible marker sits
     on every patch centre and ``hoverdistance=-1`` lets a click anywhere pick the nearest one;
-    the point's customdata is [patch index, row, col].
+    the markers run in row-major patch order, so a selected point's index is the patch index.
     """
     fig = image_with_grid(image, grid_size, highlight=selected)
     height, width = _rgb_uint8(image).shape[:2]
@@ -757,7 +757,10 @@ def patch_picker(image, grid_size: tuple[int, int], selected: int | None = None)
             "<br>click to make it the query<extra></extra>",
         )
     )
-    fig.update_layout(hovermode="closest", hoverdistance=-1, clickmode="event+select", dragmode=False)
+    fig.update_layout(
+        title=_title("Click a patch to make it the query"), hovermode="closest", hoverdistance=-1,
+        clickmode="event+select", dragmode=False,
+    )
     return fig
 
 
