@@ -112,6 +112,8 @@ with st.sidebar:
 
     @st.fragment(run_every=2.0 if active else None)
     def training_status() -> None:
+        if len(ui.active_runs()) < len(active):
+            st.rerun()  # a run has ended: the model picker can offer it now
         for run_id, run in ui.active_runs().items():
             st.progress(run.progress, text=f"Training {run_id}: {run.progress:.0%}")
 

@@ -159,6 +159,19 @@ def test_patch_size_changes_the_grid_everywhere():
     assert widget(app.select_slider, "Patch size").value == 8
 
 
+def test_a_new_model_starts_at_its_own_patch_size(tmp_path):
+    path = tmp_path / "other.safetensors"
+    vx.save_model(tiny_model(embed_dim=16), path)
+    app = open_app("views/patches.py")
+    widget(app.select_slider, "Patch size").set_value(8).run()
+    app.file_uploader(key="checkpoint_upload").set_value(
+        (path.name, path.read_bytes(), "application/octet-stream")
+    ).run()
+    assert errors(app) == []
+    assert widget(app.select_slider, "Patch size").value == 4
+    assert title_matching(app, "^Input image as a").startswith("Input image as a 8 x 8 grid")
+
+
 def test_predictions_at_each_patch_size_use_the_resized_model():
     model = tiny_model()
     image, _ = vx.data.shapes_sample(0, 32)

@@ -313,9 +313,11 @@ def select_model(model_key: str) -> str | None:
         return f"Could not load that model: {error}"
     state = st.session_state
     state["model_key"] = model_key
-    # Layer, head, query and patch size belong to the previous model.
-    for key in [key for key in state if str(key).startswith("kept:")]:
+    # Layer, head, query and patch size belong to the previous model: forget the kept values
+    # and the widgets' own state, so that the widgets start from the new model's defaults.
+    for key in [str(key) for key in state if str(key).startswith("kept:")]:
         del state[key]
+        state.pop(key.removeprefix("kept:"), None)
     return None
 
 
