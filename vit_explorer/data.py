@@ -7,6 +7,7 @@ folder of class sub-folders (torchvision's ImageFolder layout).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -215,14 +216,17 @@ def render_shapes(
     # Blotches: a coarse grid of random values, smoothly upsampled.
     coarse = _uniform(keys, 3 * NOISE_GRID * NOISE_GRID, 1000)
     coarse = rearrange(coarse, "b (c h w) -> b c h w", c=3, h=NOISE_GRID) - 0.5
-    image = image + BLOTCH_AMPLITUDE * F.interpolate(coarse, size=(height, width), mode="bicubic", align_corners=False)
+    blotches = F.interpolate(coarse, size=(height, width), mode="bicubic", align_corners=False)
+    image = image + BLOTCH_AMPLITUDE * blotches
 
     # Thin lines in colours between the background's and the shape's: clutter, not a shape.
     lines = rearrange(u[:, 16:], "b (k p) -> k p b", k=CLUTTER_LINES)
-    for ax, ay, bx, by, r, g, b in lines:
-        ax, ay, bx, by = (column(v * (width if i % 2 == 0 else height) / unit) for i, v in enumerate((ax, ay, bx, by)))
+    for ax, ay, bx, by, *mix in lines:
+        ax, bx = (column(v * width / unit) for v in (ax, bx))
+        ay, by = (column(v * height / unit) for v in (ay, by))
         coverage = (1.2 - _segment_distance(xs, ys, ax, ay, bx, by) * unit).clamp(0, 1)[:, None]
-        colour = (background[:, 0] + (shape_colour - background[:, 0]) * (0.3 + 0.4 * torch.stack((r, g, b), 1)))
+        mix = 0.3 + 0.4 * torch.stack(mix, 1)  # (B, 3)
+        colour = background[:, 0] + (shape_colour - background[:, 0]) * mix
         image = image + LINE_OPACITY * coverage * (colour[:, :, None, None] - image)
 
     # The shape: rotate and scale the pixel grid into its frame, then anti-alias its distance.
@@ -349,7 +353,7 @@ def _split_folder(dataset: ImageDataset, train: bool, test_fraction: float = 0.2
         members = (dataset.labels == label).nonzero().flatten()
         keep[members[::step]] = True
     keep = ~keep if train else keep
-    return ImageDataset(dataset.images[keep], dataset.labels[keep], dataset.class_names, dataset.mean, dataset.std)
+    return dataclasses.replace(dataset, images=dataset.images[keep], labels=dataset.labels[keep])
 
 
 def native_image_size(name: str) -> int:
@@ -389,7 +393,9 @@ def load_dataset(
     check_dataset_name(name)
     if split not in ("train", "test"):
         raise DatasetError(f"split must be 'train' or 'test', not {split!r}")
-    size_hw = None if image_size is None else ((image_size,) * 2 if isinstance(image_size, int) else tuple(image_size))
+    size_hw = None
+    if image_size is not None:
+        size_hw = (image_size, image_size) if isinstance(image_size, int) else tuple(image_size)
     if name == "shapes":
         stream_seed = seed if split == "train" else SHAPES_TEST_SEED
         default_size = 16_000 if split == "train" else 2_000
@@ -398,11 +404,14 @@ def load_dataset(
         dataset = _torchvision_dataset(name, split == "train", Path(root).expanduser())
     else:
         folder_size = size_hw or (FOLDER_IMAGE_SIZE, FOLDER_IMAGE_SIZE)
-        dataset = _split_folder(_folder_dataset(Path(name[len("folder:") :]).expanduser(), folder_size), split == "train")
+        folder = _folder_dataset(Path(name[len("folder:") :]).expanduser(), folder_size)
+        dataset = _split_folder(folder, split == "train")
     if size is not None:
-        dataset = ImageDataset(dataset.images[:size], dataset.labels[:size], dataset.class_names, dataset.mean, dataset.std)
+        dataset = dataclasses.replace(dataset, images=dataset.images[:size], labels=dataset.labels[:size])
     if size_hw is not None and dataset.image_size != size_hw:
-        resized = F.interpolate(dataset.images.float(), size=size_hw, mode="bilinear", antialias=True, align_corners=False)
+        resized = F.interpolate(
+            dataset.images.float(), size=size_hw, mode="bilinear", antialias=True, align_corners=False
+        )
         dataset.images = resized.round().clamp(0, 255).to(torch.uint8)
     dataset.images = dataset.images.to(device)
     dataset.labels = dataset.labels.to(device)
