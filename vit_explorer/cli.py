@@ -158,14 +158,17 @@ def _run_evaluate(args: argparse.Namespace) -> int:
 
 
 def _add_inspect(subparsers) -> None:
+    from .train import DEFAULT_WEIGHTS
+
     parser = subparsers.add_parser(
         "inspect", help="write attention figures for an image",
         description="Run a ViT on one image and write its attention figures (PNG, or HTML when"
         " no Chrome/Chromium is found) and the captured tensors (capture.npz) to a folder.",
     )
     parser.add_argument("image", help="image file (PNG, JPEG, WebP, ...)")
-    parser.add_argument("--weights", required=True,
-                        help="checkpoint: ours, timm, torchvision, or a Hugging Face ViT folder")
+    parser.add_argument("--weights", default=str(DEFAULT_WEIGHTS),
+                        help="checkpoint: ours, timm, torchvision, or a Hugging Face ViT folder"
+                        " (default: the shipped shapes model)")
     parser.add_argument("--out", required=True, help="folder for the figures and capture.npz")
     parser.add_argument("--layer", type=int, default=-1,
                         help="layer whose heads are drawn (negative counts from the end; default -1)")
