@@ -1,6 +1,6 @@
 """Training-step throughput of vit_explorer's ViT against timm's and a per-head-modules ViT.
 
-    .venv/bin/python bench/train.py [--batch-size 128] [--rounds 7]
+    python -m bench.train [--batch-size 128] [--rounds 7]
 
 All three models have the same config (32x32 images, patch 4, dim 48, depth 4, heads 4) and
 train with the same AdamW step on the same batch. Their steps are timed in interleaved rounds
@@ -11,17 +11,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import vit_explorer as vx  # noqa: E402
+import vit_explorer as vx
 
 CONFIG = vx.ViTConfig(image_size=32, patch_size=4, num_classes=10, embed_dim=48, depth=4, num_heads=4)
 
