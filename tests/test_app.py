@@ -124,6 +124,16 @@ def test_query_and_head_choices_change_the_maps():
     assert title_matching(app, "attention$").startswith("Layer 3, head 2: 65 x 65")
 
 
+def test_attribution_follows_the_chosen_class():
+    app = open_app("views/attention.py")
+    class_box = widget(app.selectbox, "Class")
+    predicted, runner_up = class_box.options[:2]
+    assert title_matching(app, "^Attribution for") == f"Attribution for '{predicted.split(' (')[0]}'"
+    class_box.select_index(1).run()  # options are ranked by probability
+    name = runner_up.split(" (")[0]
+    assert title_matching(app, "^Attribution for") == f"Attribution for '{name}'"
+
+
 def test_moving_sliders_never_recomputes_the_forward_pass(monkeypatch):
     calls = []
 

@@ -112,6 +112,26 @@ st.plotly_chart(
     )
 )
 
+st.subheader("Which patches made it say this class")
+st.write(
+    "Attention alone does not say what mattered for one class. Class attribution (Chefer et al."
+    " 2021) weights each layer's attention by its gradient for the chosen class, keeps the"
+    " positive part and rolls it out through the layers: bright patches pushed the model towards"
+    " that class."
+)
+names = selection.class_names()
+ranked = result.logits[0].argsort(descending=True).tolist()
+target = st.selectbox(
+    "Class", ranked, format_func=lambda index: f"{names[index]} ({result.logits[0].softmax(-1)[index]:.1%})",
+    **ui.keep("attribution_class", ranked[0], lambda index: index in ranked),
+)
+st.plotly_chart(
+    figures.attention_overlay(
+        image, selection.attribution(target), opacity=opacity,
+        title=f"Attribution for '{names[target]}'", value_name="relevance",
+    )
+)
+
 st.subheader("How far and how focused each head looks")
 st.write(
     "Mean attention distance (ViT paper, Fig. 7): the average pixel distance between a patch and"

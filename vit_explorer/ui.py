@@ -25,7 +25,7 @@ import torch
 from PIL import Image
 
 from . import train
-from .analysis import display_image
+from .analysis import attribution, display_image
 from .capture import Capture, capture
 from .config import TrainConfig
 from .data import SHAPE_CLASSES, shapes_sample
@@ -169,6 +169,14 @@ def cached_capture(model_key: str, patch_size: int, image_key: str, _model: ViT,
     return capture(_model, preprocess(_image, _model.config))
 
 
+@st.cache_data(max_entries=16, show_spinner="Tracing the class back to the patches ...")
+def cached_attribution(
+    model_key: str, patch_size: int, image_key: str, target: int, _model: ViT, _image: Image.Image
+) -> np.ndarray:
+    """(gh, gw) relevance of each patch for class ``target``; one backward pass per class."""
+    return attribution(_model, preprocess(_image, _model.config), target)[0].cpu().numpy()
+
+
 @st.cache_data(max_entries=8, show_spinner="Trying every patch size ...")
 def predictions_by_patch_size(model_key: str, image_key: str, _model: ViT, _image: Image.Image) -> list[dict]:
     """The top-1 prediction of the model resized to each allowed patch size."""
@@ -211,6 +219,9 @@ class Selection:
 
     def capture(self) -> Capture:
         return cached_capture(self.model_key, self.patch_size, self.image_key, self.model, self.image)
+
+    def attribution(self, target: int) -> np.ndarray:
+        return cached_attribution(self.model_key, self.patch_size, self.image_key, target, self.model, self.image)
 
     def model_input(self) -> torch.Tensor:
         return preprocess(self.image, self.config)  # (1, C, H, W)
