@@ -31,15 +31,15 @@ def test_shapes_streams_differ_by_seed_and_split():
 
 @pytest.mark.parametrize("size", [32, (24, 40), 64])
 def test_shapes_rendering_shape_dtype_and_balance(size):
-    images, labels = data.render_shapes(torch.arange(80), size)
+    images, labels = data.render_shapes(torch.arange(96), size)
     height, width = (size, size) if isinstance(size, int) else size
-    assert images.shape == (80, 3, height, width) and images.dtype == torch.uint8
+    assert images.shape == (96, 3, height, width) and images.dtype == torch.uint8
     assert labels.dtype == torch.int64
     counts = torch.bincount(labels, minlength=len(data.SHAPE_CLASSES))
-    assert counts.tolist() == [80 // len(data.SHAPE_CLASSES)] * len(data.SHAPE_CLASSES)
+    assert counts.tolist() == [96 // len(data.SHAPE_CLASSES)] * len(data.SHAPE_CLASSES)
     # Images use the colour range (not blank) and vary from one to the next.
     assert images.float().std() > 30
-    assert len({bytes(image.numpy()) for image in images}) == 80
+    assert len({bytes(image.numpy()) for image in images}) == 96
 
 
 def test_the_shape_stands_out_from_its_background():
