@@ -82,13 +82,15 @@ def test_event_stream(tmp_path):
 
 
 def test_training_learns(tmp_path):
-    # Sixty full-batch steps on 32 images: the model fits them far better than chance (ln 8).
+    # 320 steps on fresh shapes images (a new slice of the stream every epoch): the model does far
+    # better than chance (ln 6, 1/6) on test images it never saw.
     config = small_config(
-        tmp_path, train_size=32, batch_size=32, epochs=60, lr=3e-3, augment=False, snapshot_every=0
+        tmp_path, train_size=2048, batch_size=64, epochs=10, lr=5e-3, test_size=500, snapshot_every=0
     )
-    steps = [e for e in training.train(config) if isinstance(e, training.StepEvent)]
-    assert steps[0].loss == pytest.approx(math.log(8), abs=0.01)  # the zero head starts uniform
-    assert steps[-1].loss < 1.5 and steps[-1].accuracy > 0.6
+    events = list(training.train(config))
+    steps = [e for e in events if isinstance(e, training.StepEvent)]
+    assert steps[0].loss == pytest.approx(math.log(6), abs=0.05)  # the small head starts near uniform
+    assert steps[-1].loss < 1.3 and events[-1].test_accuracy > 0.5
 
 
 def test_resume_continues_exactly(tmp_path):

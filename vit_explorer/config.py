@@ -130,7 +130,8 @@ class ViTConfig:
 
 # Model sizes by name; image size, classes and normalization come from the dataset.
 PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": dict(patch_size=4, embed_dim=64, depth=4, num_heads=4, mlp_ratio=2.0),
+    # tiny: patch 8 (17 tokens at 32x32) trains ~3x faster than patch 4 (65 tokens) on a CPU.
+    "tiny": dict(patch_size=8, embed_dim=64, depth=4, num_heads=4, mlp_ratio=2.0),
     "small": dict(patch_size=4, embed_dim=128, depth=6, num_heads=4, mlp_ratio=4.0),
     "vit-ti": dict(patch_size=4, embed_dim=192, depth=12, num_heads=3, mlp_ratio=4.0),
     "vit-s": dict(patch_size=4, embed_dim=384, depth=12, num_heads=6, mlp_ratio=4.0),
@@ -144,21 +145,21 @@ class TrainConfig:
     dataset: str = "shapes"  # "shapes", "cifar10", "mnist", "fashionmnist" or "folder:PATH"
     model: str | ViTConfig = "tiny"  # a PRESETS name, or a full ViTConfig
     image_size: int | None = None  # None: the ViTConfig's, else the dataset's own size
-    epochs: int = 4
-    batch_size: int = 128
-    lr: float = 3e-3  # peak learning rate, reached after warmup_steps, then cosine to zero
+    epochs: int = 10
+    batch_size: int = 64
+    lr: float = 5e-3  # peak learning rate, reached after warmup_steps, then cosine to zero
     weight_decay: float = 0.05
-    warmup_steps: int = 50
+    warmup_steps: int = 100
     label_smoothing: float = 0.0
     seed: int = 0
     device: str = "auto"  # "auto" picks cuda, then mps, then cpu
     precision: str = "auto"  # "auto": bf16 autocast on CUDA, fp32 elsewhere; or "bf16", "fp32"
     compile: bool = False  # torch.compile the training step's model
-    augment: bool = True  # random crop with padding and horizontal flip
+    augment: bool = True  # random crop with padding and horizontal flip (not shapes: fresh images)
     data_root: str | None = None  # where downloads go; None: ~/.cache/vit_explorer/data
     out_dir: str = "runs"
     name: str | None = None  # checkpoint file stem; None: vit_<dataset>
-    train_size: int | None = None  # images to train on; None: shapes 16000, others all
+    train_size: int | None = None  # images to train on (shapes: per epoch); None: shapes 16000, others all
     test_size: int | None = None  # images to test on; None: shapes 2000, others all
     snapshot_every: int = 50  # steps between attention snapshots of the probe image; 0: never
     log_every: int = 10  # steps between StepEvents (each one waits for the device)

@@ -26,7 +26,9 @@ from torch import nn
 
 from .capture import capture
 from .config import PRESETS, TrainConfig, ViTConfig
-from .data import DEFAULT_DATA_ROOT, DeviceLoader, ImageDataset, load_dataset, native_image_size
+from .data import (
+    DEFAULT_DATA_ROOT, DeviceLoader, ImageDataset, load_dataset, native_image_size, shapes_dataset,
+)
 from .model import ViT
 from .weights import load_model, save_model
 
@@ -237,9 +239,12 @@ def _train(config, stop, rank, world_size, device, started_at) -> Iterator[Event
     data_options = dict(image_size=image_size, root=root, seed=config.seed, device=device)
     train_set = load_dataset(config.dataset, "train", size=config.train_size, **data_options)
     test_set = load_dataset(config.dataset, "test", size=config.test_size, **data_options)
+    # Shapes renders a new slice of its endless stream every epoch: fresh images teach more than
+    # repeated, augmented ones, and crops could cut the shape off.
+    fresh_shapes = config.dataset == "shapes"
     train_loader = DeviceLoader(
-        train_set, config.batch_size, train=True, seed=config.seed, augment=config.augment,
-        rank=rank, world_size=world_size,
+        train_set, config.batch_size, train=True, seed=config.seed,
+        augment=config.augment and not fresh_shapes, rank=rank, world_size=world_size,
     )
     test_loader = DeviceLoader(test_set, 500, train=False, rank=rank, world_size=world_size)
     steps_per_epoch = len(train_loader)
@@ -298,6 +303,10 @@ def _train(config, stop, rank, world_size, device, started_at) -> Iterator[Event
         sums, seen = torch.zeros(2, device=device), 0  # this epoch's loss sum, correct; images
         interval = torch.zeros(2, device=device)  # the same since the last StepEvent
         interval_started, interval_steps = time.perf_counter(), 0
+        if fresh_shapes and epoch > 0:
+            train_loader.dataset = shapes_dataset(
+                len(train_set), image_size, config.seed, "train", device, start=epoch * len(train_set)
+            )
         for images, labels in train_loader.epoch(epoch, start=step % steps_per_epoch):
             lr = learning_rate(step, total_steps, config)
             for group in optimizer.param_groups:
