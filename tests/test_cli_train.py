@@ -78,9 +78,10 @@ def test_data_parallel_under_torchrun(tmp_path):
     assert load_history(tmp_path / "vit_shapes.safetensors")["total_steps"] == 4
 
     # Each step averages the gradients of the two halves of a global batch, so two processes
-    # with 16 images each train exactly as one process with the same 32 images.
+    # with 16 images each train as one process with the same 32 images, up to summation order
+    # (which AdamW's normalisation amplifies for near-zero gradients, hence 5e-5).
     single = tmp_path / "single"
     assert main(["train", "--epochs", "2", "--out", str(single), *TINY, "--batch-size", "32"]) == 0
     parallel, alone = (vx.load_model(path / "vit_shapes.safetensors") for path in (tmp_path, single))
     for (name, a), b in zip(parallel.state_dict().items(), alone.state_dict().values()):
-        assert torch.allclose(a, b, atol=1e-5), name
+        assert torch.allclose(a, b, atol=5e-5), name
