@@ -14,6 +14,8 @@ from safetensors.torch import save_file
 import vit_explorer as vx
 from vit_explorer import weights as vw
 
+from helpers import randomize
+
 
 
 @pytest.fixture(autouse=True)
@@ -23,21 +25,13 @@ def _no_grad():
         yield
 
 
-def _randomize(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
-    """Random values everywhere: zero-initialised heads and tokens would hide mapping mistakes."""
-    generator = torch.Generator().manual_seed(seed)
-    for parameter in module.parameters():
-        parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.2)
-    return module.eval()
-
-
 def _images(size: int = 32, batch: int = 2, channels: int = 3) -> torch.Tensor:
     return torch.randn(batch, channels, size, size, generator=torch.Generator().manual_seed(1))
 
 
 def _tiny(**changes) -> vx.ViT:
     fields = dict(image_size=32, patch_size=8, num_classes=3, embed_dim=32, depth=2, num_heads=2)
-    return _randomize(vx.ViT(vx.ViTConfig(**{**fields, **changes})))
+    return randomize(vx.ViT(vx.ViTConfig(**{**fields, **changes})))
 
 
 # ----------------------------------------------------------------------------- project files
@@ -110,7 +104,7 @@ def _torchvision_vit(**changes):
         mlp_dim=128,
         num_classes=5,
     )
-    return _randomize(VisionTransformer(**{**fields, **changes}))
+    return randomize(VisionTransformer(**{**fields, **changes}))
 
 
 @pytest.mark.parametrize("wrap", [None, "model"])
@@ -195,7 +189,7 @@ def test_timm_parity(tmp_path, variant, suffix):
     from timm.models.vision_transformer import VisionTransformer
 
     fields = dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=2, num_classes=5)
-    reference = _randomize(VisionTransformer(**{**fields, **TIMM_VARIANTS[variant]}))
+    reference = randomize(VisionTransformer(**{**fields, **TIMM_VARIANTS[variant]}))
     path = tmp_path / f"timm{suffix}"
     if suffix == ".safetensors":
         save_file({key: value.contiguous() for key, value in reference.state_dict().items()}, path)
@@ -215,7 +209,7 @@ def test_timm_parity(tmp_path, variant, suffix):
 def test_timm_non_square_grid_needs_image_size(tmp_path):
     from timm.models.vision_transformer import VisionTransformer
 
-    reference = _randomize(
+    reference = randomize(
         VisionTransformer(img_size=(16, 24), patch_size=8, embed_dim=64, depth=1, num_heads=1)
     )
     torch.save(reference.state_dict(), tmp_path / "wide.pth")
@@ -251,7 +245,7 @@ def test_huggingface_classifier_parity(tmp_path, layout):
     from safetensors.torch import load_file
     from transformers import ViTForImageClassification
 
-    reference = _randomize(ViTForImageClassification(_hf_config()))
+    reference = randomize(ViTForImageClassification(_hf_config()))
     reference.save_pretrained(tmp_path)
     if layout == "pytorch_model.bin":  # the older Hub format, same names as the safetensors file
         torch.save(load_file(tmp_path / "model.safetensors"), tmp_path / layout)
@@ -274,7 +268,7 @@ def test_huggingface_classifier_parity(tmp_path, layout):
 def test_huggingface_backbone_parity(tmp_path):
     from transformers import ViTModel
 
-    reference = _randomize(
+    reference = randomize(
         ViTModel(_hf_config(num_labels=2, id2label=None, label2id=None, qkv_bias=False))
     )
     reference.save_pretrained(tmp_path)

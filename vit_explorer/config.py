@@ -17,8 +17,30 @@ def _pair(value: int | tuple[int, int] | list[int]) -> tuple[int, int]:
     return (int(height), int(width))
 
 
+class _JsonConfig:
+    """replace() and the JSON round trip shared by the frozen config dataclasses."""
+
+    def replace(self, **changes: Any):
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]):
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown {cls.__name__} fields: {', '.join(unknown)}")
+        return cls(**data)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+    @classmethod
+    def from_json(cls, text: str):
+        return cls.from_dict(json.loads(text))
+
+
 @dataclass(frozen=True)
-class ViTConfig:
+class ViTConfig(_JsonConfig):
     """Everything needed to build a :class:`vit_explorer.ViT`; field names follow timm."""
 
     image_size: int | tuple[int, int] = 224  # int for square images, (height, width) otherwise
@@ -106,26 +128,8 @@ class ViTConfig:
     def use_fc_norm(self) -> bool:
         return self.global_pool == "mean" if self.fc_norm is None else self.fc_norm
 
-    def replace(self, **changes: Any) -> "ViTConfig":
-        return dataclasses.replace(self, **changes)
-
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "ViTConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown ViTConfig fields: {', '.join(unknown)}")
-        return cls(**data)
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict())
-
-    @classmethod
-    def from_json(cls, text: str) -> "ViTConfig":
-        return cls.from_dict(json.loads(text))
 
 
 # Model sizes by name; image size, classes and normalization come from the dataset.
@@ -139,7 +143,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 @dataclass(frozen=True)
-class TrainConfig:
+class TrainConfig(_JsonConfig):
     """One training run: data, model, optimisation, hardware and where the checkpoint goes."""
 
     dataset: str = "shapes"  # "shapes", "cifar10", "mnist", "fashionmnist" or "folder:PATH"
@@ -197,26 +201,8 @@ class TrainConfig:
         dataset = self.dataset.split(":", 1)[0]
         return f"vit_{dataset}"
 
-    def replace(self, **changes: Any) -> "TrainConfig":
-        return dataclasses.replace(self, **changes)
-
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         if isinstance(self.model, ViTConfig):
             data["model"] = self.model.to_dict()
         return data
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "TrainConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown TrainConfig fields: {', '.join(unknown)}")
-        return cls(**data)
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict())
-
-    @classmethod
-    def from_json(cls, text: str) -> "TrainConfig":
-        return cls.from_dict(json.loads(text))
