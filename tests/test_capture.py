@@ -98,3 +98,61 @@ def test_recorded_attention_carries_gradients_and_drives_the_output():
     assert all(recorded[layer].grad is not None for layer in (0, 1))
     assert recorded[1].grad.abs().sum() > 0
     assert hook_count(model) == 0 and all(block.attn.fused_attn for block in model.blocks)
+
+
+def test_one_model_serves_many_threads_at_once():
+    """Captures, plain forwards and attributions from 8 threads on one shared model object each
+    get exactly what they get alone, and the model is left untouched (the app's situation)."""
+    import threading
+
+    from vit_explorer.analysis import attribution
+
+    model = randomize(vx.ViT(tiny_config(depth=3)))
+    inputs = [torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    alone = {}
+    for i, x in enumerate(inputs):
+        with torch.no_grad():
+            alone["forward", i] = model(x)
+        alone["capture", i] = vx.capture(model, x)
+        alone["attribution", i] = attribution(model, x, target=i % 5)
+
+    jobs = [(kind, i) for kind in ("forward", "capture", "attribution") for i in range(len(inputs))]
+    results, errors = {}, []
+    barrier = threading.Barrier(8)
+
+    def work(worker: int) -> None:
+        try:
+            barrier.wait()
+            for round_ in range(6):
+                kind, i = jobs[(worker * 5 + round_ * 7) % len(jobs)]
+                x = inputs[i]
+                if kind == "forward":
+                    with torch.no_grad():
+                        result = model(x)
+                elif kind == "capture":
+                    result = vx.capture(model, x)
+                else:
+                    result = attribution(model, x, target=i % 5)
+                results.setdefault((kind, i), []).append(result)
+        except Exception as error:  # noqa: BLE001 - reported below with its thread
+            errors.append((worker, repr(error)))
+
+    threads = [threading.Thread(target=work, args=(worker,)) for worker in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not errors, errors
+    assert {kind for kind, _ in results} == {"forward", "capture", "attribution"}
+    for (kind, i), outcomes in results.items():
+        for outcome in outcomes:
+            if kind == "capture":
+                expected = alone[kind, i]
+                torch.testing.assert_close(outcome.logits, expected.logits)
+                torch.testing.assert_close(outcome.attentions, expected.attentions)
+                torch.testing.assert_close(outcome.tokens, expected.tokens)
+                torch.testing.assert_close(outcome.patch_embeddings, expected.patch_embeddings)
+            else:
+                torch.testing.assert_close(outcome, alone[kind, i])
+    assert hook_count(model) == 0 and all(attention_switches(model)) and not model.training
+    assert all(parameter.grad is None for parameter in model.parameters())

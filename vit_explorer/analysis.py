@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from contextlib import ExitStack
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from einops import rearrange, reduce
 
-from .capture import Capture, record_attention
+from .capture import Capture, eval_mode, record_attention
 from .config import ViTConfig
 from .model import ViT
 
@@ -162,13 +161,9 @@ def attribution(
     device = next(model.parameters()).device
     # The input carries the graph, so gradients reach the attention even for frozen weights.
     x = x.detach().to(device, next(model.parameters()).dtype).requires_grad_(True)
-    was_training = model.training
-    with ExitStack() as stack, torch.enable_grad():
-        stack.callback(model.train, was_training)
-        model.eval()
-        attentions = stack.enter_context(
-            record_attention(model, range(config.depth), keep_graph=True)
-        )
+    with torch.enable_grad(), eval_mode(model), record_attention(
+        model, range(config.depth), keep_graph=True
+    ) as attentions:
         logits = model(x)  # (B, num_classes)
         target_index = _target_indices(logits.detach(), target)
         chosen = logits.gather(1, target_index[:, None]).sum()
@@ -367,13 +362,9 @@ def logit_lens(model: ViT, capture: Capture) -> torch.Tensor:
     parameter = next(model.parameters())
     tokens = capture.tokens.to(parameter.device, parameter.dtype)  # (B, L+1, N, D)
     batch = tokens.shape[0]
-    was_training = model.training
-    model.eval()
-    try:
+    with eval_mode(model):
         stacked = rearrange(tokens, "b l n d -> (b l) n d")
         logits = model.forward_head(model.norm(stacked))  # (B*(L+1), C)
-    finally:
-        model.train(was_training)
     return rearrange(logits.float().cpu(), "(b l) c -> b l c", b=batch)
 
 

@@ -1,18 +1,21 @@
 """Record what happens inside a ViT during one forward pass.
 
-Hooks (lucidrains' Recorder idea) observe the patch embedding, every block's input and output,
-and the softmax of the attention layers asked for; they are removed again, even on an exception.
+A Recorder (lucidrains' idea) receives the patch embedding, every block's input and output and
+the softmax of the attention layers asked for. It is found through a context variable rather
+than hooks, so that one model object can be captured, attributed and run plainly from many
+threads at once (the app serves a class from one copy of each model): each call records only its
+own pass, and the model is never switched or hooked.
 """
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from einops import rearrange
 
-from .model import ViT
+from .model import ACTIVE_RECORDER, ViT
 
 
 @dataclass
@@ -38,30 +41,82 @@ def _to_cpu(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().to("cpu", torch.float32)
 
 
+class Recorder:
+    """What the forward passes of one call record on one model, through ``ACTIVE_RECORDER``.
+
+    The model reports to the recorder of the context it runs in, so passes of other threads on
+    the same model object record nothing here, and nothing on the model is switched or hooked.
+    ``attentions`` maps layer -> (B, nh, N, N); with ``keep_graph`` the tensors stay on the
+    autograd graph (retaining their gradients), as gradient-weighted attribution needs, otherwise
+    they are detached float32 CPU copies. With ``tokens`` the patch embeddings and every block's
+    input and output are kept as well.
+    """
+
+    def __init__(self, model: ViT, layers: Iterable[int], keep_graph: bool = False, tokens: bool = False):
+        self.model = model
+        self.keep_graph = keep_graph
+        self.record_tokens = tokens
+        self._layer_of = {model.blocks[index].attn: index for index in layers}
+        self.attentions: dict[int, torch.Tensor] = {}
+        self.token_states: list[torch.Tensor] = []
+        self.patch_embedding_states: list[torch.Tensor] = []
+
+    def wants_attention(self, module: torch.nn.Module) -> bool:
+        return module in self._layer_of
+
+    def attention(self, module: torch.nn.Module, weights: torch.Tensor) -> None:
+        index = self._layer_of.get(module)
+        if index is None:
+            return
+        if self.keep_graph:
+            if weights.requires_grad:
+                weights.retain_grad()
+            self.attentions[index] = weights
+        else:
+            self.attentions[index] = _to_cpu(weights)
+
+    def patch_embeddings(self, model: ViT, embeddings: torch.Tensor) -> None:
+        if self.record_tokens and model is self.model:
+            self.patch_embedding_states.append(_to_cpu(embeddings))
+
+    def tokens(self, model: ViT, tokens: torch.Tensor) -> None:
+        if self.record_tokens and model is self.model:
+            self.token_states.append(_to_cpu(tokens))
+
+
+@contextmanager
+def recording(recorder: Recorder):
+    """Make ``recorder`` the one that forward passes in this context (thread) report to."""
+    token = ACTIVE_RECORDER.set(recorder)
+    try:
+        yield recorder
+    finally:
+        ACTIVE_RECORDER.reset(token)
+
+
 @contextmanager
 def record_attention(model: ViT, layers: Iterable[int], keep_graph: bool = False):
-    """Switch the given layers to explicit attention and collect their softmax outputs.
+    """Collect the softmax outputs of the given layers in the forward passes inside.
 
-    Yields a dict layer -> (B, nh, N, N) tensor filled during the forward passes inside. With
-    ``keep_graph`` the tensors stay on the autograd graph (and retain their gradients), as
-    gradient-weighted attribution needs; otherwise they are detached float32 CPU copies.
+    Yields a dict layer -> (B, nh, N, N) tensor filled during those passes (see :class:`Recorder`
+    for ``keep_graph``). Only passes run by this thread record; the model is not changed.
     """
-    recorded: dict[int, torch.Tensor] = {}
-    with ExitStack() as stack:
-        for index in layers:
-            attention = model.blocks[index].attn
+    with recording(Recorder(model, layers, keep_graph=keep_graph)) as recorder:
+        yield recorder.attentions
 
-            def save(module, inputs, output, index=index):
-                if keep_graph:
-                    output.retain_grad()
-                    recorded[index] = output
-                else:
-                    recorded[index] = _to_cpu(output)
 
-            stack.callback(setattr, attention, "fused_attn", attention.fused_attn)
-            attention.fused_attn = False
-            stack.callback(attention.attend.register_forward_hook(save).remove)
-        yield recorded
+@contextmanager
+def eval_mode(model: torch.nn.Module):
+    """Eval mode for the length of the block. A model already in eval mode (every shared one in
+    the app) is not touched; one in training mode belongs to its trainer and is switched back."""
+    if not model.training:
+        yield model
+        return
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train()
 
 
 def _layer_indices(layers: Sequence[int] | None, depth: int) -> tuple[int, ...]:
@@ -88,38 +143,20 @@ def capture(model: ViT, images: torch.Tensor, layers: Sequence[int] | None = Non
         images = images.unsqueeze(0)
     device = next(model.parameters()).device
     images = images.to(device)
-    tokens: list[torch.Tensor] = []
-    patch_embeddings: list[torch.Tensor] = []
 
-    was_training = model.training
-    with ExitStack() as stack, torch.no_grad():
-        stack.callback(model.train, was_training)
-        model.eval()
-        attentions = stack.enter_context(record_attention(model, indices))
-        hooks = [
-            model.patch_embed.register_forward_hook(
-                lambda module, inputs, output: patch_embeddings.append(_to_cpu(output))
-            ),
-            model.blocks[0].register_forward_pre_hook(
-                lambda module, inputs: tokens.append(_to_cpu(inputs[0]))
-            ),
-        ] + [
-            block.register_forward_hook(lambda module, inputs, output: tokens.append(_to_cpu(output)))
-            for block in model.blocks
-        ]
-        for hook in hooks:
-            stack.callback(hook.remove)
+    recorder = Recorder(model, indices, tokens=True)
+    with torch.no_grad(), eval_mode(model), recording(recorder):
         logits = model(images)
 
     patch = config.patch_size
     return Capture(
         logits=_to_cpu(logits),
-        attentions=torch.stack([attentions[i] for i in indices], dim=1),
-        tokens=torch.stack(tokens, dim=1),
+        attentions=torch.stack([recorder.attentions[i] for i in indices], dim=1),
+        tokens=torch.stack(recorder.token_states, dim=1),
         patches=rearrange(
             _to_cpu(images), "b c (gh p1) (gw p2) -> b gh gw c p1 p2", p1=patch, p2=patch
         ),
-        patch_embeddings=patch_embeddings[0],
+        patch_embeddings=recorder.patch_embedding_states[0],
         grid_size=config.grid_size,
         num_prefix_tokens=config.num_prefix_tokens,
         layers=indices,

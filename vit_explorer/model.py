@@ -5,12 +5,20 @@ B batch, N tokens, D embed dim, nh heads, hd head dim, gh x gw the patch grid.
 """
 from __future__ import annotations
 
+from contextvars import ContextVar
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
 from .config import ViTConfig
+
+# The recorder of the forward pass running in this context (thread), if one asked: see
+# vit_explorer.capture. Capture and attribution choose the explicit attention path and collect
+# tensors through it per call, so a model shared by many threads is never switched or hooked.
+ACTIVE_RECORDER: ContextVar[Any] = ContextVar("vit_explorer_recorder", default=None)
 
 
 class PatchEmbed(nn.Module):
@@ -41,10 +49,11 @@ class PatchEmbed(nn.Module):
 class Attention(nn.Module):
     """Multi-head self-attention.
 
-    Runs fused (``F.scaled_dot_product_attention``) unless ``fused_attn`` is switched off, as
-    :func:`vit_explorer.capture` does: then the softmax is computed explicitly by ``self.attend``,
-    its own module, so that a forward hook can observe the (B, nh, N, N) attention weights and
-    gradients can flow through them. The two paths agree to float rounding.
+    Runs fused (``F.scaled_dot_product_attention``) unless ``fused_attn`` is off or the recorder
+    of this call (:data:`ACTIVE_RECORDER`, set by :func:`vit_explorer.capture`) wants this
+    layer: then the softmax is computed explicitly by ``self.attend``, its own module (so that a
+    forward hook can observe it too), and the (B, nh, N, N) weights go to the recorder with their
+    gradients. The two paths agree to float rounding.
     """
 
     def __init__(self, config: ViTConfig):
@@ -62,13 +71,16 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qkv = rearrange(self.qkv(x), "b n (qkv nh hd) -> qkv b nh n hd", qkv=3, nh=self.num_heads)
         q, k, v = qkv.unbind(0)  # (B, nh, N, hd) each
-        if self.fused_attn:
+        recorder = ACTIVE_RECORDER.get()
+        if self.fused_attn and (recorder is None or not recorder.wants_attention(self)):
             x = F.scaled_dot_product_attention(
                 q, k, v, dropout_p=self.attn_drop.p if self.training else 0.0
             )
         else:
             # Scale before the softmax (scaling after it, as some tutorials do, is a bug).
             attn = self.attend((q * self.scale) @ k.transpose(-2, -1))  # (B, nh, N, N)
+            if recorder is not None:
+                recorder.attention(self, attn)
             x = self.attn_drop(attn) @ v  # (B, nh, N, hd)
         x = rearrange(x, "b nh n hd -> b n (nh hd)")
         return self.proj_drop(self.proj(x))
@@ -194,9 +206,17 @@ class ViT(nn.Module):
         return self.pos_drop(x)  # (B, N, D)
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        recorder = ACTIVE_RECORDER.get()
         x = self.patch_embed(x)  # (B, gh*gw, D)
+        if recorder is not None:
+            recorder.patch_embeddings(self, x)
         x = self._pos_embed(x)  # (B, N, D)
-        x = self.blocks(x)
+        if recorder is not None:
+            recorder.tokens(self, x)
+        for block in self.blocks:
+            x = block(x)
+            if recorder is not None:
+                recorder.tokens(self, x)
         return self.norm(x)
 
     def pool(self, x: torch.Tensor) -> torch.Tensor:
