@@ -185,7 +185,7 @@ def test_a_new_model_starts_at_its_own_patch_size(tmp_path):
 def test_predictions_at_each_patch_size_use_the_resized_model():
     model = tiny_model()
     image, _ = vx.data.shapes_sample(0, 32)
-    rows = ui.predictions_by_patch_size("default", "shapes:0@32x32", model, image)
+    rows = ui.predictions_by_patch_size(model, image)
     assert [row["patch size"] for row in rows] == [2, 4, 8, 16, 32]
     for row in rows:
         resized = vx.resize_model(model, patch_size=row["patch size"])
@@ -292,3 +292,35 @@ def test_the_shipped_model_explores_offline(monkeypatch):
     for page in PAGES:
         app = open_app(page)
         assert errors(app) == [], page
+
+
+def test_a_real_size_model_runs_only_what_the_view_shows(monkeypatch):
+    """With a model too large for unasked work (the bar set to zero here), a view costs one
+    forward pass; the all-patch-sizes comparison and the attribution wait to be asked for, and
+    widgets and page switches cost none."""
+    monkeypatch.setattr(ui, "QUICK_COST", 0)
+    forwards = []
+    original = vx.ViT.forward_features
+    monkeypatch.setattr(vx.ViT, "forward_features", lambda self, x: forwards.append(1) or original(self, x))
+    app = open_app("views/patches.py")
+    assert len(forwards) == 1  # the capture
+    assert any(button.label.startswith("Compare all") for button in app.button)
+    assert not any(title.startswith("The same weights at every patch size") for title in figure_titles(app))
+    app.switch_page("views/attention.py").run()
+    widget(app.slider, "Layer").set_value(0).run()
+    widget(app.selectbox, "Head").set_value(1).run()
+    app.switch_page("views/pipeline.py").run()
+    assert not app.exception and len(forwards) == 1
+    assert not any(title.startswith("Attribution for") for title in figure_titles(app.switch_page("views/attention.py").run()))
+    app.toggle(key="attribution_on").set_value(True).run()
+    assert len(forwards) == 2 and title_matching(app, "^Attribution for")
+    app.switch_page("views/patches.py").run()
+    compare = next(button for button in app.button if button.label.startswith("Compare all"))
+    compare.click().run()
+    options = ui.patch_size_options(tiny_model().config)
+    assert len(forwards) == 2 + len(options)
+    app.switch_page("views/pipeline.py").run()
+    app.switch_page("views/patches.py").run()  # the comparison stays, without running again
+    assert len(forwards) == 2 + len(options) and not app.exception
+    assert title_matching(app, "^The same weights at every patch size")
+    assert not any(button.label.startswith("Compare all") for button in app.button)

@@ -63,16 +63,19 @@ with controls:
     )
 with picker:
     st.plotly_chart(
-        figures.patch_picker(image, result.grid_size, None if query == CLASS_QUERY else query),
+        selection.memo(
+            "patch picker", query,
+            compute=lambda: figures.patch_picker(image, result.grid_size, None if query == CLASS_QUERY else query),
+        ),
         key="patch_click", on_select=pick_clicked_patch, selection_mode="points",
         config={"displayModeBar": False},
     )
 
 query_arg = None if query == CLASS_QUERY else query
-maps = analysis.head_maps(result, layer, query_arg, class_token=config.class_token)  # (H, gh, gw)
-st.plotly_chart(
-    figures.attention_heads_grid(image, maps, opacity=opacity, layer=layer, query=query_label(query))
-)
+st.plotly_chart(selection.memo("heads grid", layer, query, opacity, compute=lambda: figures.attention_heads_grid(
+    image, analysis.head_maps(result, layer, query_arg, class_token=config.class_token),  # (H, gh, gw)
+    opacity=opacity, layer=layer, query=query_label(query),
+)))
 
 st.subheader("One head's full attention matrix")
 st.write(
@@ -81,13 +84,11 @@ st.write(
     " that mostly keeps each token to itself."
 )
 head = st.selectbox("Head", list(range(heads)), **ui.keep("head", 0, lambda h: 0 <= h < heads))
-st.plotly_chart(
-    figures.attention_matrix(
-        result.attentions[0, layer, head], prefix,
-        title=f"Layer {layer}, head {head}: {result.num_tokens} x {result.num_tokens} attention",
-        class_token=config.class_token,
-    )
-)
+st.plotly_chart(selection.memo("attention matrix", layer, head, compute=lambda: figures.attention_matrix(
+    result.attentions[0, layer, head], prefix,
+    title=f"Layer {layer}, head {head}: {result.num_tokens} x {result.num_tokens} attention",
+    class_token=config.class_token,
+)))
 
 st.subheader("Attention rollout")
 st.write(
@@ -101,16 +102,13 @@ fusion = fusion_column.selectbox(
     "Combine heads by", analysis.HEAD_FUSIONS, **ui.keep("fusion", "mean", lambda f: f in analysis.HEAD_FUSIONS)
 )
 discard = discard_column.slider("Discard the weakest share of weights", 0.0, 0.95, step=0.05, **ui.keep("discard", 0.0))
-rollout = analysis.attention_rollout(
+rollout = selection.memo("rollout", fusion, discard, compute=lambda: analysis.attention_rollout(
     result.attentions, head_fusion=fusion, discard_ratio=discard, num_prefix_tokens=prefix
-)  # (1, N, N)
-rollout_map = analysis.query_map(rollout[0], result.grid_size, prefix, query_arg, class_token=config.class_token)
-st.plotly_chart(
-    figures.attention_overlay(
-        image, rollout_map, opacity=opacity,
-        title=f"Rollout through all {depth} layers, query: {query_label(query)}", value_name="rollout",
-    )
-)
+))  # (1, N, N)
+st.plotly_chart(selection.memo("rollout overlay", fusion, discard, query, opacity, compute=lambda: figures.attention_overlay(
+    image, analysis.query_map(rollout[0], result.grid_size, prefix, query_arg, class_token=config.class_token),
+    opacity=opacity, title=f"Rollout through all {depth} layers, query: {query_label(query)}", value_name="rollout",
+)))
 
 st.subheader("Which patches made it say this class")
 st.write(
@@ -125,12 +123,19 @@ target = st.selectbox(
     "Class", ranked, format_func=lambda index: f"{names[index]} ({result.logits[0].softmax(-1)[index]:.1%})",
     **ui.keep("attribution_class", ranked[0], lambda index: index in ranked),
 )
-st.plotly_chart(
-    figures.attention_overlay(
+# A backward pass through a real-size model costs several forward passes: asked for, not unasked.
+quick = ui.is_quick(config, forwards=3)
+if quick or st.toggle("Compute the attribution", help="One forward and one backward pass per class.",
+                      **ui.keep("attribution_on", False)):
+    st.plotly_chart(selection.memo("attribution overlay", target, opacity, compute=lambda: figures.attention_overlay(
         image, selection.attribution(target), opacity=opacity,
         title=f"Attribution for '{names[target]}'", value_name="relevance",
+    )))
+else:
+    st.caption(
+        "For this model the attribution costs a forward and a backward pass (about three forward"
+        " passes) per class, so it is computed when you ask: switch it on above."
     )
-)
 
 st.subheader("How far and how focused each head looks")
 st.write(
@@ -139,9 +144,11 @@ st.write(
     " spreads evenly. Early layers mix local and global heads; late layers are mostly global."
 )
 distance_column, entropy_column = st.columns(2)
-distances = analysis.mean_attention_distance(result.attentions, result.grid_size, config.patch_size, prefix)
-distance_column.plotly_chart(
-    figures.layer_head_scatter(distances, "Mean attention distance per head", "distance (pixels)")
-)
-entropy = analysis.attention_entropy(result.attentions)[0]  # (L, H)
-entropy_column.plotly_chart(figures.layer_head_heatmap(entropy, "Attention entropy per head", "entropy (nats)"))
+distance_column.plotly_chart(selection.memo("distance figure", compute=lambda: figures.layer_head_scatter(
+    analysis.mean_attention_distance(result.attentions, result.grid_size, config.patch_size, prefix),
+    "Mean attention distance per head", "distance (pixels)",
+)))
+entropy_column.plotly_chart(selection.memo("entropy figure", compute=lambda: figures.layer_head_heatmap(
+    analysis.attention_entropy(result.attentions)[0],  # (L, H)
+    "Attention entropy per head", "entropy (nats)",
+)))

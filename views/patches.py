@@ -26,28 +26,42 @@ grid_h, grid_w = result.grid_size
 
 left, right = st.columns(2)
 with left:
-    st.plotly_chart(figures.image_with_grid(image, result.grid_size))
+    st.plotly_chart(selection.memo("image with grid", compute=lambda: figures.image_with_grid(image, result.grid_size)))
     st.caption(
         f"{grid_h} x {grid_w} = {grid_h * grid_w} patches of {config.patch_size} x"
         f" {config.patch_size} pixels, plus {config.num_prefix_tokens} prefix token(s):"
         f" {config.num_tokens} tokens in all."
     )
 with right:
-    rows = ui.predictions_by_patch_size(
-        selection.model_key, selection.image_key, selection.base_model, selection.image
-    )
-    st.plotly_chart(figures.patch_size_predictions(rows, config.patch_size))
-    st.caption(
-        "A model is most sure of itself at the patch size it was trained with; far from it the"
-        " resampled weights see the world at the wrong scale."
-    )
+    cost = ui.patch_size_comparison_cost(base)
+    # Every patch size is one forward pass of a resized model: for a real-size model that is
+    # dozens of forward passes' worth, so it runs when asked.
+    rows = selection.predictions_by_patch_size(run=ui.is_quick(base, forwards=cost))
+    if rows is None and st.button(
+        f"Compare all {len(options)} patch sizes",
+        help=f"About {cost:.0f} forward passes of this model at its own patch size.",
+    ):
+        rows = selection.predictions_by_patch_size()
+    if rows is not None:
+        st.plotly_chart(figures.patch_size_predictions(rows, config.patch_size))
+        st.caption(
+            "A model is most sure of itself at the patch size it was trained with; far from it the"
+            " resampled weights see the world at the wrong scale."
+        )
+    else:
+        st.caption(
+            f"Running this image at all {len(options)} patch sizes costs about {cost:.0f} forward"
+            " passes of this model, so it runs when you press the button."
+        )
 
 st.subheader("The patch sequence")
 st.write(
     "The transformer reads the patches in this order, row by row. Each becomes one token; the grid"
     " layout is only remembered through the position embeddings."
 )
-st.plotly_chart(figures.patch_sequence(analysis.denormalize(result.patches[0], config)))
+st.plotly_chart(selection.memo("patch sequence", compute=lambda: figures.patch_sequence(
+    analysis.denormalize(result.patches[0], config)
+)))
 
 st.subheader("Token PCA")
 st.write(
@@ -65,7 +79,9 @@ tokens = (
     if stage == 0
     else result.tokens[0, stage, result.num_prefix_tokens :]  # (gh*gw, D) output of block stage-1
 )
-st.plotly_chart(figures.token_pca_image(analysis.token_pca(tokens, result.grid_size), image))
+st.plotly_chart(selection.memo("token pca", stage, compute=lambda: figures.token_pca_image(
+    analysis.token_pca(tokens, result.grid_size), image
+)))
 
 left, right = st.columns(2)
 with left:
@@ -75,11 +91,17 @@ with left:
         " patch's. Trained models learn the grid on their own: nearby patches, and patches in"
         " the same row or column, get similar embeddings."
     )
-    st.plotly_chart(figures.position_similarity_grid(analysis.position_embedding_similarity(selection.model)))
+    st.plotly_chart(ui.memo(
+        (selection.model_key, selection.patch_size, "position similarity"),
+        lambda: figures.position_similarity_grid(analysis.position_embedding_similarity(selection.model)),
+    ))
 with right:
     st.subheader("Patch embedding filters")
     st.write(
         "The main directions of the linear projection's weights, drawn as image patches: the"
         " basic patterns (colour blobs, edges, gradients) every patch is measured against."
     )
-    st.plotly_chart(figures.embedding_filters_figure(analysis.embedding_filters(selection.model)))
+    st.plotly_chart(ui.memo(
+        (selection.model_key, selection.patch_size, "embedding filters"),
+        lambda: figures.embedding_filters_figure(analysis.embedding_filters(selection.model)),
+    ))

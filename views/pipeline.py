@@ -51,7 +51,7 @@ st.write(
     " it was trained with. This is exactly what the model sees:"
 )
 st.code(f"({given_height}, {given_width}, 3) picture -> (1, {channels}, {height}, {width}) tensor")
-st.plotly_chart(figures.input_image(image, f"Model input: {width}x{height} pixels"))
+st.plotly_chart(selection.memo("input image", compute=lambda: figures.input_image(image, f"Model input: {width}x{height} pixels")))
 
 st.subheader("2. Cut into patches")
 st.write(
@@ -59,7 +59,7 @@ st.write(
     " Nothing overlaps and nothing is thrown away; every pixel belongs to exactly one patch."
 )
 st.code(f"(1, {channels}, {height}, {width}) -> ({grid_h}, {grid_w}, {channels}, {patch}, {patch})")
-st.plotly_chart(figures.image_with_grid(image, result.grid_size))
+st.plotly_chart(selection.memo("image with grid", compute=lambda: figures.image_with_grid(image, result.grid_size)))
 
 st.subheader("3. Flatten each patch")
 st.write(
@@ -67,7 +67,9 @@ st.write(
     " numbers, and the patches are read row by row, like words in a sentence."
 )
 st.code(f"({grid_h}, {grid_w}, {channels}, {patch}, {patch}) -> ({patches}, {channels * patch * patch})")
-st.plotly_chart(figures.patch_sequence(analysis.denormalize(result.patches[0], config)))
+st.plotly_chart(selection.memo("patch sequence", compute=lambda: figures.patch_sequence(
+    analysis.denormalize(result.patches[0], config)
+)))
 
 st.subheader("4. Linear projection (patch embedding)")
 st.write(
@@ -75,7 +77,7 @@ st.write(
     " matrix for every patch (in code: a convolution whose kernel and stride are the patch size)."
 )
 st.code(f"({patches}, {channels * patch * patch}) @ ({channels * patch * patch}, {dim}) -> ({patches}, {dim})")
-st.plotly_chart(figures.token_matrix(result.patch_embeddings[0], 0, "Patch embeddings"))
+st.plotly_chart(selection.memo("patch embeddings", compute=lambda: figures.token_matrix(result.patch_embeddings[0], 0, "Patch embeddings")))
 
 st.subheader("5. Prepend the class token" if config.class_token else "5. Prefix tokens")
 if prefix:
@@ -106,11 +108,9 @@ st.write(
 )
 positions = patches if config.no_embed_class else tokens
 st.code(f"({tokens}, {dim}) + ({positions}, {dim}) position embeddings -> ({tokens}, {dim})")
-st.plotly_chart(
-    figures.token_matrix(
-        result.tokens[0, 0], prefix, "Tokens entering layer 0", class_token=config.class_token
-    )
-)
+st.plotly_chart(selection.memo("layer 0 tokens", compute=lambda: figures.token_matrix(
+    result.tokens[0, 0], prefix, "Tokens entering layer 0", class_token=config.class_token
+)))
 
 st.subheader(f"7. {config.depth} encoder layers")
 st.write(
@@ -124,8 +124,9 @@ st.code(
     f"{config.depth} x [ ({tokens}, {dim}) -> attention ({config.num_heads}, {tokens}, {tokens})"
     f" -> MLP {dim}->{int(dim * config.mlp_ratio)}->{dim} ] -> ({tokens}, {dim})"
 )
-lens = analysis.logit_lens(selection.model, result)[0].softmax(dim=-1)  # (L+1, classes)
-st.plotly_chart(figures.logit_lens_figure(lens, names))
+st.plotly_chart(selection.memo("logit lens", compute=lambda: figures.logit_lens_figure(
+    analysis.logit_lens(selection.model, result)[0].softmax(dim=-1), names  # (L+1, classes)
+)))
 
 st.subheader("8. Pool, norm and classification head")
 pooled = "the class token's output" if config.global_pool == "cls" else "the mean of the patch tokens"

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import streamlit as st
@@ -26,6 +26,7 @@ from PIL import Image
 
 from . import train
 from .analysis import attribution, display_image
+from .cache import ByteBoundedCache
 from .capture import Capture, capture
 from .config import TrainConfig
 from .data import SHAPE_CLASSES, shapes_sample
@@ -43,6 +44,11 @@ RUNS_DIR = Path(os.environ.get("VIT_EXPLORER_RUNS_DIR") or Path(__file__).resolv
 # ViT-B/16 at patch 8 (785 tokens) is about 355 MB and still fits.
 MAX_ATTENTION_BYTES = 400 * 2**20
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# Captures, analyses and figures shared by all sessions (a ViT-B/16 capture at patch 8 is 360 MB).
+CACHE_BYTES = int(float(os.environ.get("VIT_EXPLORER_CACHE_MB") or 2048) * 2**20)
+# Work a view does unasked: about 3 forward passes of a ViT-S/16 at 224 (multiply-adds).
+QUICK_COST = 13e9
+T = TypeVar("T")
 
 
 # --- models ------------------------------------------------------------------------------------
@@ -160,33 +166,50 @@ def resolve_image(image_key: str, image_size: tuple[int, int]) -> tuple[str, Ima
     return image_key, uploaded_image(reference, data)
 
 
-# --- captures --------------------------------------------------------------------------------
+# --- captures and everything computed from them ---------------------------------------------
 
 
-@st.cache_data(max_entries=8, show_spinner="Running the model ...")
-def cached_capture(model_key: str, patch_size: int, image_key: str, _model: ViT, _image: Image.Image) -> Capture:
-    """One forward pass, dissected; keyed by the strings only (the model and image follow from them)."""
-    return capture(_model, preprocess(_image, _model.config))
+@st.cache_resource
+def shared_results() -> ByteBoundedCache:
+    """Captures, analyses and figures of every session, bounded in bytes, shared without copies."""
+    return ByteBoundedCache(CACHE_BYTES)
 
 
-@st.cache_data(max_entries=16, show_spinner="Tracing the class back to the patches ...")
-def cached_attribution(
-    model_key: str, patch_size: int, image_key: str, target: int, _model: ViT, _image: Image.Image
-) -> np.ndarray:
-    """(gh, gw) relevance of each patch for class ``target``; one backward pass per class."""
-    return attribution(_model, preprocess(_image, _model.config), target)[0].cpu().numpy()
+def memo(key: tuple, compute: Callable[[], T], spinner: str | None = None) -> T:
+    """``compute()`` once per key for everybody; the value is shared, so it is never mutated."""
+    def run() -> T:
+        if spinner is None:
+            return compute()
+        with st.spinner(spinner):
+            return compute()
+
+    return shared_results().get_or_compute(key, run)
 
 
-@st.cache_data(max_entries=8, show_spinner="Trying every patch size ...")
-def predictions_by_patch_size(model_key: str, image_key: str, _model: ViT, _image: Image.Image) -> list[dict]:
+def forward_cost(config, patch_size: int | None = None) -> float:
+    """Multiply-adds of one forward pass (blocks only), to compare patch sizes and models."""
+    height, width = config.img_size
+    patch = patch_size or config.patch_size
+    tokens = config.num_prefix_tokens + (height // patch) * (width // patch)
+    dim = config.embed_dim
+    per_token = (4 + 2 * config.mlp_ratio) * dim * dim  # qkv + proj + MLP
+    return config.depth * (tokens * per_token + 2 * tokens * tokens * dim)
+
+
+def is_quick(config, forwards: float = 1.0) -> bool:
+    """Whether ``forwards`` forward passes of this model are cheap enough to run unasked."""
+    return forwards * forward_cost(config) <= QUICK_COST
+
+
+def predictions_by_patch_size(model: ViT, image: Image.Image) -> list[dict]:
     """The top-1 prediction of the model resized to each allowed patch size."""
-    names = _model.config.class_names
+    names = model.config.class_names
     rows = []
-    for patch in patch_size_options(_model.config):
-        resized = _model if patch == _model.config.patch_size else resize_model(_model, patch_size=patch)
-        x = preprocess(_image, resized.config).to(DEVICE)
+    for patch in patch_size_options(model.config):
+        resized = model if patch == model.config.patch_size else resize_model(model, patch_size=patch)
+        x = preprocess(image, resized.config).to(DEVICE)
         with torch.no_grad():
-            probabilities = resized.eval()(x).float().softmax(dim=-1)[0].cpu()
+            probabilities = resized(x).float().softmax(dim=-1)[0].cpu()
         best = int(probabilities.argmax())
         grid_h, grid_w = resized.config.grid_size
         rows.append({
@@ -197,6 +220,11 @@ def predictions_by_patch_size(model_key: str, image_key: str, _model: ViT, _imag
             "probability": float(probabilities[best]),
         })
     return rows
+
+
+def patch_size_comparison_cost(config) -> float:
+    """What trying every patch size costs, in forward passes of the model at its own size."""
+    return sum(forward_cost(config, patch) for patch in patch_size_options(config)) / forward_cost(config)
 
 
 @dataclass(frozen=True)
@@ -217,18 +245,43 @@ class Selection:
     def base_model(self) -> ViT:
         return base_model(self.model_key)
 
+    @property
+    def key(self) -> tuple[str, int, str]:
+        return (self.model_key, self.patch_size, self.image_key)
+
+    def memo(self, *key, compute: Callable[[], T], spinner: str | None = None) -> T:
+        """``compute()`` once per (this model, patch size and image, ``key``) for everybody."""
+        return memo((*self.key, *key), compute, spinner)
+
     def capture(self) -> Capture:
-        return cached_capture(self.model_key, self.patch_size, self.image_key, self.model, self.image)
+        return self.memo(
+            "capture", compute=lambda: capture(self.model, self.model_input()), spinner="Running the model ..."
+        )
 
     def attribution(self, target: int) -> np.ndarray:
-        return cached_attribution(self.model_key, self.patch_size, self.image_key, target, self.model, self.image)
+        """(gh, gw) relevance of each patch for class ``target``; one backward pass per class."""
+        return self.memo(
+            "attribution", target,
+            compute=lambda: attribution(self.model, self.model_input(), target)[0].cpu().numpy(),
+            spinner="Tracing the class back to the patches ...",
+        )
+
+    def predictions_by_patch_size(self, run: bool = True) -> list[dict] | None:
+        """The base model's top-1 prediction at every allowed patch size (one forward each).
+
+        With ``run=False`` only what somebody already computed for this model and image, or None.
+        """
+        key = (self.model_key, self.image_key, "predictions by patch size")
+        if not run and key not in shared_results():
+            return None
+        return memo(key, lambda: predictions_by_patch_size(self.base_model, self.image), "Trying every patch size ...")
 
     def model_input(self) -> torch.Tensor:
         return preprocess(self.image, self.config)  # (1, C, H, W)
 
     def display_image(self) -> np.ndarray:
         """(H, W, 3) uint8: the picture exactly as the model sees it (resized, 8-bit)."""
-        return display_image(self.model_input(), self.config)
+        return self.memo("display image", compute=lambda: display_image(self.model_input(), self.config))
 
     def class_names(self) -> list[str]:
         names = self.config.class_names

@@ -1,0 +1,109 @@
+"""A thread-safe cache bounded in bytes, for results many people of one app share.
+
+Streamlit's ``st.cache_data`` copies (pickles) its value on every hit: a ViT-B/16 capture at
+patch 8 is about 360 MB, so every rerun would copy it. Values here are shared as they are, so they
+must be treated as read-only (captures, analysis results, plotly figures: nothing in the app
+mutates them). Two threads that ask for the same missing key compute it once; the second waits.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Mapping
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+
+T = TypeVar("T")
+
+
+def nbytes(value: Any) -> int:
+    """Roughly how much memory ``value`` holds: its tensors and arrays, strings and containers."""
+    if isinstance(value, torch.Tensor):
+        return value.element_size() * value.numel()
+    if isinstance(value, np.ndarray):
+        return value.nbytes
+    if isinstance(value, (str, bytes)):
+        return len(value)
+    if isinstance(value, Mapping):
+        return sum(nbytes(item) for item in value.values()) + 64 * len(value)
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return sum(nbytes(item) for item in value) + 8 * len(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return sum(nbytes(getattr(value, field.name)) for field in dataclasses.fields(value))
+    figure_data = getattr(value, "_data", None)  # a plotly figure keeps its traces here
+    if isinstance(figure_data, list):
+        return nbytes(figure_data) + nbytes(getattr(value, "_layout", {}))
+    return 64
+
+
+class ByteBoundedCache:
+    """Least-recently-used cache whose values together hold at most ``max_bytes``.
+
+    A value larger than the whole budget is returned but not kept. ``get_or_compute`` runs the
+    computation outside the cache's lock, so a slow capture never blocks other keys.
+    """
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[Hashable, tuple[Any, int]] = OrderedDict()
+        self._in_flight: dict[Hashable, threading.Lock] = {}
+        self._lock = threading.Lock()
+        self.total_bytes = 0
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    def __contains__(self, key: Hashable) -> bool:
+        with self._lock:
+            return key in self._entries
+
+    def get_or_compute(self, key: Hashable, compute: Callable[[], T]) -> T:
+        while True:
+            with self._lock:
+                if key in self._entries:
+                    self._entries.move_to_end(key)
+                    return self._entries[key][0]
+                in_flight = self._in_flight.get(key)
+                if in_flight is None:
+                    in_flight = self._in_flight[key] = threading.Lock()
+                    in_flight.acquire()
+                    break
+            # Someone else is computing this key: wait for them, then look again (they may
+            # have failed, or the value may have been too large to keep).
+            with in_flight:
+                pass
+            with self._lock:
+                if key in self._entries:
+                    self._entries.move_to_end(key)
+                    return self._entries[key][0]
+                if key in self._in_flight:
+                    continue
+            # The other computation left nothing behind: compute it here.
+            return self._compute_and_store(key, compute)
+        try:
+            return self._compute_and_store(key, compute)
+        finally:
+            with self._lock:
+                self._in_flight.pop(key, None)
+            in_flight.release()
+
+    def _compute_and_store(self, key: Hashable, compute: Callable[[], T]) -> T:
+        value = compute()
+        size = nbytes(value)
+        with self._lock:
+            if size <= self.max_bytes and key not in self._entries:
+                self._entries[key] = (value, size)
+                self.total_bytes += size
+                while self.total_bytes > self.max_bytes:
+                    _, (_, evicted) = self._entries.popitem(last=False)
+                    self.total_bytes -= evicted
+        return value
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self.total_bytes = 0
