@@ -179,12 +179,14 @@ def image_with_grid(
         "patch %{customdata[0]} (row %{customdata[1]}, col %{customdata[2]})<extra></extra>"
     )))
     line = dict(color="rgba(255,255,255,0.8)", width=1)
-    for row in range(1, grid_h):
-        y = row * height / grid_h - 0.5
-        fig.add_shape(type="line", x0=-0.5, x1=width - 0.5, y0=y, y1=y, line=line)
-    for col in range(1, grid_w):
-        x = col * width / grid_w - 0.5
-        fig.add_shape(type="line", x0=x, x1=x, y0=-0.5, y1=height - 0.5, line=line)
+    rows = [row * height / grid_h - 0.5 for row in range(1, grid_h)]
+    cols = [col * width / grid_w - 0.5 for col in range(1, grid_w)]
+    # All lines in one layout update: add_shape per line re-validates every earlier shape, which
+    # took seconds for the 27 + 27 lines of a 28 x 28 grid.
+    fig.update_layout(shapes=[
+        *(dict(type="line", x0=-0.5, x1=width - 0.5, y0=y, y1=y, line=line) for y in rows),
+        *(dict(type="line", x0=x, x1=x, y0=-0.5, y1=height - 0.5, line=line) for x in cols),
+    ])
     title = f"Input image as a {grid_h} x {grid_w} grid of {grid_h * grid_w} patches"
     if highlight is not None:
         if isinstance(highlight, Sequence):
@@ -373,16 +375,24 @@ def attention_heads_grid(
         rows=rows, cols=columns, subplot_titles=[f"head {h}" for h in range(heads)],
         horizontal_spacing=0.02, vertical_spacing=0.06 if rows > 1 else 0.0,
     )
+    # One PNG for all panels and one call for all traces: per-panel add_trace re-validates the
+    # whole figure, which made this figure the slowest part of a rerun.
+    source = png_data_uri(image)
+    traces, trace_rows, trace_cols = [], [], []
     for head, head_map in enumerate(maps):
         row, col = divmod(head, columns)
-        fig.add_trace(_image_trace(image, hover=False), row=row + 1, col=col + 1)
-        fig.add_trace(
+        traces += [
+            go.Image(source=source, hoverinfo="skip"),
             _patch_heatmap(
                 head_map, image.shape[:2], label=f"head {head}", coloraxis="coloraxis",
                 opacity=opacity,
             ),
-            row=row + 1, col=col + 1,
-        )
+        ]
+        trace_rows += [row + 1] * 2
+        trace_cols += [col + 1] * 2
+    fig.add_traces(traces, rows=trace_rows, cols=trace_cols)
+    for head in range(heads):
+        row, col = divmod(head, columns)
         _image_axes(fig, row + 1, col + 1)
     where = f"layer {layer}" if layer is not None else "one layer"
     fig.update_layout(
