@@ -394,19 +394,18 @@ def attention_heads_grid(
     return fig
 
 
-def token_labels(num_tokens: int, num_prefix_tokens: int, class_token: bool = True) -> list[str]:
-    """Readable names of the tokens: CLS, reg 1.., then patch 0.."""
-    labels = []
-    for index in range(num_prefix_tokens):
-        if class_token and index == 0:
-            labels.append("CLS")
-        else:
-            labels.append(f"reg {index + 1 - int(class_token)}")
-    return labels + [f"patch {i}" for i in range(num_tokens - num_prefix_tokens)]
+def token_labels(
+    num_tokens: int, num_prefix_tokens: int, class_token: bool = True, dist_token: bool = False
+) -> list[str]:
+    """Readable names of the tokens: CLS, DIST (DeiT's distillation token), reg 1.., patch 0.."""
+    named = (["CLS"] if class_token else []) + (["DIST"] if dist_token else [])
+    registers = [f"reg {index + 1}" for index in range(num_prefix_tokens - len(named))]
+    return named + registers + [f"patch {i}" for i in range(num_tokens - num_prefix_tokens)]
 
 
 def attention_matrix(
-    attention, num_prefix_tokens: int, title: str = "Attention matrix", class_token: bool = True
+    attention, num_prefix_tokens: int, title: str = "Attention matrix", class_token: bool = True,
+    dist_token: bool = False,
 ) -> go.Figure:
     """The full (N, N) attention matrix: row = query token, column = key token."""
     attention = _float_array(attention)
@@ -415,7 +414,7 @@ def attention_matrix(
     tokens = attention.shape[0]
     # Token names as category coordinates: the hover names both tokens without an N x N
     # customdata array (a 577-token matrix would carry 666k strings).
-    labels = token_labels(tokens, num_prefix_tokens, class_token)
+    labels = token_labels(tokens, num_prefix_tokens, class_token, dist_token)
     fig = go.Figure(
         go.Heatmap(
             z=attention, x=labels, y=labels, colorscale=VALUE_SCALE,
@@ -559,7 +558,7 @@ def topk_bar(probs, class_names: Sequence[str] | None = None, k: int = 5) -> go.
 
 def token_norms_figure(
     norms, grid_size: tuple[int, int], num_prefix_tokens: int, layer: int | None = None,
-    class_token: bool = True,
+    class_token: bool = True, dist_token: bool = False,
 ) -> go.Figure:
     """Token L2 norms (N,) of one layer: a map of the patch norms (artifact tokens stand out as
     isolated bright patches, Darcet et al. 2023) beside the norm of every token."""
@@ -570,7 +569,7 @@ def token_norms_figure(
             f"{norms.shape[0]} norms do not fit {num_prefix_tokens} prefix tokens and a"
             f" {grid_h}x{grid_w} grid"
         )
-    labels = token_labels(norms.shape[0], num_prefix_tokens, class_token)
+    labels = token_labels(norms.shape[0], num_prefix_tokens, class_token, dist_token)
     fig = make_subplots(
         rows=1, cols=2, column_widths=[0.45, 0.55], horizontal_spacing=0.16,
         subplot_titles=("patch tokens on the grid", "every token"),
@@ -765,7 +764,7 @@ def patch_picker(image, grid_size: tuple[int, int], selected: int | None = None)
 
 
 def token_matrix(tokens, num_prefix_tokens: int, title: str, class_token: bool = True,
-                 max_tokens: int = 256, max_dims: int = 128) -> go.Figure:
+                 max_tokens: int = 256, max_dims: int = 128, dist_token: bool = False) -> go.Figure:
     """A sequence of token vectors (N, D) as a heatmap: one row per token, one column per
     dimension; large sequences show their first ``max_tokens`` rows and ``max_dims`` columns."""
     tokens = _float_array(tokens)
@@ -773,7 +772,7 @@ def token_matrix(tokens, num_prefix_tokens: int, title: str, class_token: bool =
         raise ValueError(f"tokens must be (N, D), not {tokens.shape}")
     count, dims = tokens.shape
     shown = tokens[:max_tokens, :max_dims]
-    labels = token_labels(count, num_prefix_tokens, class_token)[: shown.shape[0]]
+    labels = token_labels(count, num_prefix_tokens, class_token, dist_token)[: shown.shape[0]]
     limit = float(np.abs(shown).max()) or 1.0
     fig = go.Figure(
         go.Heatmap(
