@@ -292,3 +292,32 @@ def test_the_shipped_model_explores_offline(monkeypatch):
     for page in PAGES:
         app = open_app(page)
         assert errors(app) == [], page
+
+
+@pytest.mark.parametrize("changes", [
+    dict(num_classes=0, class_names=None),  # DINO, DINOv2, CLIP
+    dict(num_classes=0, class_names=None, class_token=False, global_pool="map"),  # SigLIP
+    dict(dist_token=True),  # DeiT distilled
+])
+def test_every_page_renders_for_the_new_families(tmp_path, changes):
+    path = tmp_path / "family.safetensors"
+    vx.save_model(tiny_model(**changes), path)
+    app = open_app("views/pipeline.py")
+    app.file_uploader(key="checkpoint_upload").set_value(
+        (path.name, path.read_bytes(), "application/octet-stream")
+    ).run()
+    assert errors(app) == []
+    headless = changes.get("num_classes") == 0
+    for page in PAGES:
+        app.switch_page(page).run()
+        assert not app.exception and errors(app) == [], page
+        infos = [info.value for info in app.info]
+        if headless and page != "views/train.py":
+            # Each view that needs classes says in one line why it is absent.
+            assert any("no classification head (num_classes=0)" in info for info in infos), page
+    app.switch_page("views/attention.py").run()
+    assert title_matching(app, "^Patches holding 60% of the")
+    assert title_matching(app, "^Token norms")
+    if changes.get("global_pool") == "map":
+        assert "attention-pool probe in the pooling head" in title_matching(app, "^Attention of the")
+        assert "attention-pool probe" in title_matching(app, "^Rollout")

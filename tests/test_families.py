@@ -194,3 +194,22 @@ def test_huggingface_clip_tower_of_the_whole_model(tmp_path):
     x = _images()
     expected = reference.vision_model(pixel_values=x).pooler_output
     torch.testing.assert_close(model.forward_features(x)[:, 0], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_pool_rollout_through_identity_layers_is_the_probe_map(tmp_path):
+    model = load_from_timm(timm_reference("vit_base_patch16_siglip_224", num_classes=0), tmp_path / "s.safetensors")
+    cap = vx.capture(model, _images(1))
+    identity = torch.eye(16)[None]
+    rolled = analysis.pool_rollout_map(cap.pool_attentions, identity, cap.grid_size, 0)
+    torch.testing.assert_close(rolled[0], analysis.pool_maps(cap).mean(0))
+
+
+def test_masks_figure_darkens_the_dropped_patches():
+    from vit_explorer import figures
+
+    masks = torch.zeros(2, 2, 3, dtype=torch.bool)
+    masks[0, 0, 0] = True
+    fig = figures.attention_masks_grid(torch.zeros(16, 24, 3, dtype=torch.uint8), masks, 0.6, layer=3)
+    assert fig.layout.title.text == "Patches holding 60% of the class token's attention in layer 3, per head"
+    veils = [trace.z for trace in fig.data if trace.type == "heatmap"]
+    assert veils[0][0][0] == 0.0 and veils[0][1][2] == 1.0 and veils[1].min() == 1.0

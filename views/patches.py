@@ -33,14 +33,17 @@ with left:
         f" {config.num_tokens} tokens in all."
     )
 with right:
-    rows = ui.predictions_by_patch_size(
-        selection.model_key, selection.image_key, selection.base_model, selection.image
-    )
-    st.plotly_chart(figures.patch_size_predictions(rows, config.patch_size))
-    st.caption(
-        "A model is most sure of itself at the patch size it was trained with; far from it the"
-        " resampled weights see the world at the wrong scale."
-    )
+    if config.num_classes == 0:
+        st.info(ui.NO_CLASSIFIER.format(what="The prediction at each patch size"))
+    else:
+        rows = ui.predictions_by_patch_size(
+            selection.model_key, selection.image_key, selection.base_model, selection.image
+        )
+        st.plotly_chart(figures.patch_size_predictions(rows, config.patch_size))
+        st.caption(
+            "A model is most sure of itself at the patch size it was trained with; far from it the"
+            " resampled weights see the world at the wrong scale."
+        )
 
 st.subheader("The patch sequence")
 st.write(

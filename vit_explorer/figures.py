@@ -356,8 +356,15 @@ def attention_overlay(
     return fig
 
 
+def _where(layer: int | str | None) -> str:
+    """Where maps come from, for a title: a layer index, a phrase of the caller's, or unknown."""
+    if isinstance(layer, str):
+        return layer
+    return f"layer {layer}" if layer is not None else "one layer"
+
+
 def attention_heads_grid(
-    image, maps, opacity: float = 0.6, layer: int | None = None, columns: int = 4,
+    image, maps, opacity: float = 0.6, layer: int | str | None = None, columns: int = 4,
     query: str = "class token",
 ) -> go.Figure:
     """Every head's attention map (H, gh, gw) over the image, one panel per head, on one shared
@@ -384,11 +391,48 @@ def attention_heads_grid(
             row=row + 1, col=col + 1,
         )
         _image_axes(fig, row + 1, col + 1)
-    where = f"layer {layer}" if layer is not None else "one layer"
+    where = _where(layer)
     fig.update_layout(
         title=_title(f"Attention of the {query} in {where}, per head"),
         coloraxis=dict(colorscale=ATTENTION_SCALE, cmin=0, cmax=float(maps.max()),
                        colorbar=dict(title="attention")),
+        margin=MARGIN, height=_panel_height(image.shape, rows, CELL_PIXELS),
+    )
+    return fig
+
+
+def attention_masks_grid(
+    image, masks, mass: float, layer: int | str | None = None, columns: int = 4, query: str = "class token"
+) -> go.Figure:
+    """Every head's mask (H, gh, gw) of the patches that hold ``mass`` of its attention (DINO's
+    figure): the kept patches show the image, the others are darkened."""
+    image = _rgb_uint8(image)
+    masks = _array(masks).astype(bool)
+    if masks.ndim != 3:
+        raise ValueError(f"masks must be (H, gh, gw), not {masks.shape}")
+    heads = masks.shape[0]
+    columns = min(columns, heads)
+    rows = math.ceil(heads / columns)
+    fig = make_subplots(
+        rows=rows, cols=columns, subplot_titles=[f"head {h}" for h in range(heads)],
+        horizontal_spacing=0.02, vertical_spacing=0.06 if rows > 1 else 0.0,
+    )
+    for head, mask in enumerate(masks):
+        row, col = divmod(head, columns)
+        fig.add_trace(_image_trace(image, hover=False), row=row + 1, col=col + 1)
+        # Dropped patches under a dark veil, kept ones clear: the mask reads as a cut-out.
+        fig.add_trace(
+            _patch_heatmap(
+                (~mask).astype(float), image.shape[:2], value_name="dropped", label=f"head {head}",
+                colorscale=[[0, "rgba(0,0,0,0)"], [1, "rgba(0,0,0,0.75)"]], zmin=0, zmax=1,
+                showscale=False,
+            ),
+            row=row + 1, col=col + 1,
+        )
+        _image_axes(fig, row + 1, col + 1)
+    where = _where(layer)
+    fig.update_layout(
+        title=_title(f"Patches holding {mass:.0%} of the {query}'s attention in {where}, per head"),
         margin=MARGIN, height=_panel_height(image.shape, rows, CELL_PIXELS),
     )
     return fig

@@ -43,6 +43,11 @@ RUNS_DIR = Path(os.environ.get("VIT_EXPLORER_RUNS_DIR") or Path(__file__).resolv
 # ViT-B/16 at patch 8 (785 tokens) is about 355 MB and still fits.
 MAX_ATTENTION_BYTES = 400 * 2**20
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# What a page says in place of a view that needs class scores, for a model without a classifier.
+NO_CLASSIFIER = (
+    "{what} needs class scores, and this model has no classification head (num_classes=0):"
+    " it outputs a feature vector, not classes."
+)
 
 
 # --- models ------------------------------------------------------------------------------------
