@@ -614,14 +614,37 @@ def load_model(path: str | os.PathLike, **overrides) -> ViT:
     return _model_from_state(converted, known, overrides, path.name)
 
 
-def load_pretrained(name: str = "vit_b_16") -> ViT:
+def load_pretrained(name: str = "vit_b_16", progress=None) -> ViT:
+    """A pretrained model of the catalogue (vit_explorer.catalogue.CATALOGUE) or torchvision ViT.
+
+    Downloaded on first use into the cache (~/.cache/vit_explorer/models, or torchvision's for
+    its ViTs) and checked; ``progress(done_bytes, total_bytes or None)`` follows a download.
+    Offline, or given a wrong file, it raises a CheckpointError that says so in one sentence.
+    """
+    from . import catalogue
+
+    if name in TORCHVISION_VITS:
+        return _load_torchvision(name)
+    if name not in catalogue.CATALOGUE:
+        raise CheckpointError(
+            f"unknown pretrained model {name!r}; choose one of"
+            f" {', '.join([*catalogue.CATALOGUE, *TORCHVISION_VITS[1:]])}"
+        )
+    entry = catalogue.entry(name)
+    try:
+        path = catalogue.download(name, progress)
+    except catalogue.DownloadError as error:
+        raise CheckpointError(str(error)) from None
+    state, _ = _read_tensors(path)
+    for key in entry.drop_keys:
+        state.pop(key, None)
+    return _build(state, entry.vit_config(), name)
+
+
+def _load_torchvision(name: str) -> ViT:
     """A torchvision ImageNet-pretrained ViT (downloaded once into torchvision's cache)."""
     import torchvision.models
 
-    if name not in TORCHVISION_VITS:
-        raise CheckpointError(
-            f"unknown torchvision ViT {name!r}; choose one of {', '.join(TORCHVISION_VITS)}"
-        )
     weights = torchvision.models.get_model_weights(name).DEFAULT
     try:
         state = weights.get_state_dict(progress=False, check_hash=True)
