@@ -321,3 +321,30 @@ def test_every_page_renders_for_the_new_families(tmp_path, changes):
     if changes.get("global_pool") == "map":
         assert "attention-pool probe in the pooling head" in title_matching(app, "^Attention of the")
         assert "attention-pool probe" in title_matching(app, "^Rollout")
+
+
+def test_a_photo_on_the_shapes_model_says_why_and_offers_the_catalogue():
+    app = open_app("views/pipeline.py")
+    app.selectbox(key="image_picker").set_value("photo:chelsea.png").run()
+    assert not app.exception
+    (warning,) = [warning.value for warning in app.sidebar.warning]
+    assert warning.startswith("This model was trained on synthetic shapes at 32x32 pixels")
+    labels = [button.label for button in app.sidebar.button]
+    assert "Explore with DINO ViT-S/16" in labels and "Explore with CLIP ViT-B/16" in labels
+    options = app.selectbox(key="model_picker").options
+    assert any(option.startswith("SigLIP ViT-B/16") for option in options)
+    assert "finds the object without ever seeing a label" in app.selectbox(key="model_picker").help
+
+
+def test_a_catalogue_model_offline_says_so_in_one_sentence(monkeypatch, tmp_path):
+    from vit_explorer import catalogue
+
+    monkeypatch.setenv(catalogue.CACHE_VARIABLE, str(tmp_path / "cache"))
+    monkeypatch.setenv(catalogue.HUB_URL_VARIABLE, "http://127.0.0.1:9")  # discard port: refused
+    app = open_app("views/attention.py")
+    app.selectbox(key="model_picker").set_value("pretrained:dino_vits16").run()
+    assert not app.exception
+    (error,) = errors(app)
+    assert error.startswith("Could not load that model: could not download DINO ViT-S/16")
+    assert "(no internet?)" in error and "\n" not in error
+    assert app.session_state["model_key"] == "default"
