@@ -1,4 +1,4 @@
-"""Command line: python -m vit_explorer train | evaluate | inspect."""
+"""Command line: vit-explorer (or python -m vit_explorer) train | evaluate | inspect | app."""
 from __future__ import annotations
 
 import argparse
@@ -315,15 +315,49 @@ def _run_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_app(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "app", help="start the Streamlit app",
+        description="Start the explorer app (streamlit run app.py); further arguments go to"
+        " streamlit, e.g. `vit-explorer app --server.port 8502`.",
+    )
+    parser.set_defaults(run=_run_app)
+
+
+def _run_app(args: argparse.Namespace) -> int:
+    import os
+
+    from . import resources
+    from .train import DEFAULT_WEIGHTS
+
+    script = resources.app_script()
+    if not script.is_file():
+        raise FileNotFoundError(f"the app is not installed: {script} is missing")
+    environment = dict(os.environ)
+    # Installed, the shipped model sits under share/ rather than beside the package.
+    if "VIT_EXPLORER_DEFAULT_MODEL" not in environment and not DEFAULT_WEIGHTS.is_file():
+        environment["VIT_EXPLORER_DEFAULT_MODEL"] = str(resources.shipped_weights())
+    command = [sys.executable, "-m", "streamlit", "run", str(script), *args.streamlit_args]
+    # Become the streamlit process (no child left behind when this one is stopped).
+    os.chdir(script.parent)
+    os.execve(sys.executable, command, environment)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m vit_explorer", description="Train, evaluate and inspect Vision Transformers."
+        prog="vit-explorer",
+        description="Train, evaluate and inspect Vision Transformers, or start the explorer app"
+        " (also runs as python -m vit_explorer).",
     )
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_train(subparsers)
     _add_evaluate(subparsers)
     _add_inspect(subparsers)
-    args = parser.parse_args(argv)
+    _add_app(subparsers)
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "app":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.streamlit_args = extra
     try:
         return args.run(args)
     except (ValueError, OSError) as error:

@@ -25,7 +25,7 @@ import streamlit as st
 import torch
 from PIL import Image
 
-from . import catalogue, train
+from . import catalogue, resources, train
 from .analysis import attribution, display_image
 from .capture import Capture, capture
 from .config import TrainConfig
@@ -36,7 +36,7 @@ from .weights import load_model, load_pretrained, resize_model
 
 DEFAULT_MODEL = "default"
 PRETRAINED_MODEL = "pretrained:vit_b_16"
-PHOTOS_DIR = Path(__file__).resolve().parent.parent / "assets" / "samples"
+PHOTOS_DIR = resources.app_root() / "assets" / "samples"
 UPLOADS_DIR = Path(tempfile.gettempdir()) / "vit_explorer_uploads"
 # Where runs trained in the app write their checkpoints.
 RUNS_DIR = Path(os.environ.get("VIT_EXPLORER_RUNS_DIR") or Path(__file__).resolve().parent.parent / "runs" / "app")
