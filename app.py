@@ -20,6 +20,8 @@ pages = [
     st.Page("views/train.py", title="Train", icon=":material/model_training:"),
 ]
 page = st.navigation(pages)
+# Offered when a photo meets a model that cannot read it: self-supervised, supervised, language.
+PHOTO_MODELS = ("pretrained:dino_vits16", "pretrained:deit_s", "pretrained:clip_vitb16")
 model_error = ui.apply_requested_model()
 
 
@@ -63,8 +65,12 @@ with st.sidebar:
         st.selectbox(
             "Model", list(options), format_func=options.get, key="model_picker",
             on_change=_on_model_picked,
-            help="The ImageNet ViT-B/16 downloads once (330 MB); the shipped model works offline.",
+            help="The shipped model works offline; each pretrained model downloads once from its"
+            " publisher.\n\n" + ui.model_cards(),
         )
+        card = ui.model_card(state["model_key"])
+        if card:
+            st.caption(card)
         if model_error:
             st.error(model_error)
         try:
@@ -107,6 +113,14 @@ with st.sidebar:
             selection = ui.selection()
             width, height = selection.image.size
             st.image(selection.image, caption=f"{width}x{height} px as given", width=160)
+            reason = ui.unreadable_photo_reason(selection)
+            if reason:
+                st.warning(reason)
+                for model_key in PHOTO_MODELS:
+                    st.button(
+                        f"Explore with {options[model_key].split(' (')[0]}", key=f"try:{model_key}",
+                        on_click=ui.request_model, args=(model_key,), width="stretch",
+                    )
 
     active = ui.active_runs()
 

@@ -324,3 +324,59 @@ def test_a_real_size_model_runs_only_what_the_view_shows(monkeypatch):
     assert len(forwards) == 2 + len(options) and not app.exception
     assert title_matching(app, "^The same weights at every patch size")
     assert not any(button.label.startswith("Compare all") for button in app.button)
+
+
+@pytest.mark.parametrize("changes", [
+    dict(num_classes=0, class_names=None),  # DINO, DINOv2, CLIP
+    dict(num_classes=0, class_names=None, class_token=False, global_pool="map"),  # SigLIP
+    dict(dist_token=True),  # DeiT distilled
+])
+def test_every_page_renders_for_the_new_families(tmp_path, changes):
+    path = tmp_path / "family.safetensors"
+    vx.save_model(tiny_model(**changes), path)
+    app = open_app("views/pipeline.py")
+    app.file_uploader(key="checkpoint_upload").set_value(
+        (path.name, path.read_bytes(), "application/octet-stream")
+    ).run()
+    assert errors(app) == []
+    headless = changes.get("num_classes") == 0
+    for page in PAGES:
+        app.switch_page(page).run()
+        assert not app.exception and errors(app) == [], page
+        infos = [info.value for info in app.info]
+        if headless and page != "views/train.py":
+            # Each view that needs classes says in one line why it is absent.
+            assert any("no classification head (num_classes=0)" in info for info in infos), page
+    app.switch_page("views/attention.py").run()
+    assert title_matching(app, "^Patches holding 60% of the")
+    assert title_matching(app, "^Token norms")
+    if changes.get("global_pool") == "map":
+        assert "attention-pool probe in the pooling head" in title_matching(app, "^Attention of the")
+        assert "attention-pool probe" in title_matching(app, "^Rollout")
+
+
+def test_a_photo_on_the_shapes_model_says_why_and_offers_the_catalogue():
+    app = open_app("views/pipeline.py")
+    app.selectbox(key="image_picker").set_value("photo:chelsea.png").run()
+    assert not app.exception
+    (warning,) = [warning.value for warning in app.sidebar.warning]
+    assert warning.startswith("This model was trained on synthetic shapes at 32x32 pixels")
+    labels = [button.label for button in app.sidebar.button]
+    assert "Explore with DINO ViT-S/16" in labels and "Explore with CLIP ViT-B/16" in labels
+    options = app.selectbox(key="model_picker").options
+    assert any(option.startswith("SigLIP ViT-B/16") for option in options)
+    assert "finds the object without ever seeing a label" in app.selectbox(key="model_picker").help
+
+
+def test_a_catalogue_model_offline_says_so_in_one_sentence(monkeypatch, tmp_path):
+    from vit_explorer import catalogue
+
+    monkeypatch.setenv(catalogue.CACHE_VARIABLE, str(tmp_path / "cache"))
+    monkeypatch.setenv(catalogue.HUB_URL_VARIABLE, "http://127.0.0.1:9")  # discard port: refused
+    app = open_app("views/attention.py")
+    app.selectbox(key="model_picker").set_value("pretrained:dino_vits16").run()
+    assert not app.exception
+    (error,) = errors(app)
+    assert error.startswith("Could not load that model: could not download DINO ViT-S/16")
+    assert "(no internet?)" in error and "\n" not in error
+    assert app.session_state["model_key"] == "default"

@@ -138,3 +138,27 @@ def test_inspect_on_cuda(tiny_checkpoint, tmp_path):
     assert cli.main(["inspect", str(PHOTO), "--weights", str(path), "--out", str(out),
                      "--format", "html", "--device", "cuda"]) == 0
     check_capture(out / "capture.npz", model)
+
+
+@pytest.mark.parametrize("changes", [
+    dict(),  # DINO-like: class token, no classifier
+    dict(class_token=False, global_pool="map"),  # SigLIP-like: the probe replaces the class token
+])
+def test_inspect_a_headless_model(tmp_path, monkeypatch, capsys, changes):
+    torch.manual_seed(0)
+    config = vx.ViTConfig(image_size=32, patch_size=8, num_classes=0, embed_dim=32, depth=2,
+                          num_heads=2, **changes)
+    path = tmp_path / "headless.safetensors"
+    vx.save_model(vx.ViT(config), path)
+    monkeypatch.setattr(figures, "find_browser", lambda: None)
+    out = tmp_path / "out"
+    assert cli.main(["inspect", str(PHOTO), "--weights", str(path), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("no classifier (num_classes=0), so no prediction")
+    written = {file.stem for file in out.iterdir()}
+    assert {"attention_masks", "token_norms_layer1", "token_pca", "attention_rollout"} <= written
+    assert not {"attribution", "logit_lens", "top5"} & written
+    assert ("attention_pool_probe" in written) == ("global_pool" in changes)
+    with np.load(out / "capture.npz") as data:
+        assert data["token_norms"].shape == (1, 3, config.num_tokens)
+        assert ("pool_attentions" in data) == ("global_pool" in changes)

@@ -165,7 +165,7 @@ def test_load_pretrained_offline_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(api, "load_state_dict_from_url", offline)
     with pytest.raises(vx.CheckpointError, match=r"could not download .* \(no internet\?\)"):
         vx.load_pretrained()
-    with pytest.raises(vx.CheckpointError, match="unknown torchvision ViT"):
+    with pytest.raises(vx.CheckpointError, match="unknown pretrained model"):
         vx.load_pretrained("resnet50")
 
 

@@ -12,14 +12,21 @@ depth, heads = config.depth, config.num_heads
 grid_h, grid_w = result.grid_size
 num_patches, prefix = grid_h * grid_w, result.num_prefix_tokens
 
-CLASS_QUERY = -1  # the class token (or, without one, the mean over the patch queries)
-queries = ([CLASS_QUERY] if config.class_token else []) + list(range(num_patches))
+CLASS_QUERY = -1  # the class token
+POOL_QUERY = -2  # the attention-pool head's probe query (SigLIP's MAP head), after the last layer
+has_pool = result.pool_attentions is not None
+queries = (
+    ([CLASS_QUERY] if config.class_token else []) + ([POOL_QUERY] if has_pool else [])
+    + list(range(num_patches))
+)
 centre = (grid_h // 2) * grid_w + grid_w // 2
 
 
 def query_label(query: int) -> str:
     if query == CLASS_QUERY:
         return "class token"
+    if query == POOL_QUERY:
+        return "attention-pool probe"
     row, col = divmod(query, grid_w)
     return f"patch {query} (row {row}, col {col})"
 
@@ -43,7 +50,7 @@ st.write(
 )
 
 layer_widget = ui.keep("layer", depth - 1, lambda layer: 0 <= layer < depth)
-query_widget = ui.keep("query", queries[0] if config.class_token else centre, lambda q: q in queries)
+query_widget = ui.keep("query", queries[0] if queries[0] < 0 else centre, lambda q: q in queries)
 previous, slider, following = st.columns([1.4, 7, 1.4], vertical_alignment="bottom")
 previous.button("Previous", on_click=step_layer, args=(-1,), disabled=state["layer"] == 0,
                 icon=":material/chevron_left:", width="stretch")
@@ -55,26 +62,50 @@ controls, picker = st.columns([2, 1])
 with controls:
     query = st.selectbox("Query token", queries, format_func=query_label, **query_widget)
     opacity = st.slider("Overlay opacity", 0.0, 1.0, **ui.keep("opacity", 0.6))
-    st.caption(
-        "The class token has no patch of its own; what it attends to is what the classifier"
-        " reads. A patch query shows which patches that patch draws information from."
-        if config.class_token
-        else "This model has no class token, so the query is always a patch."
-    )
+    if config.class_token:
+        st.caption(
+            "The class token has no patch of its own; what it attends to is what the classifier"
+            " reads. A patch query shows which patches that patch draws information from."
+        )
+    elif has_pool:
+        st.caption(
+            "This model has no class token: an attention-pool head's learned probe query reads the"
+            " last layer's patch tokens instead, so its map is the same whatever the layer."
+        )
+    else:
+        st.caption("This model has no class token, so the query is always a patch.")
 with picker:
     st.plotly_chart(
         selection.memo(
             "patch picker", query,
-            compute=lambda: figures.patch_picker(image, result.grid_size, None if query == CLASS_QUERY else query),
+            compute=lambda: figures.patch_picker(image, result.grid_size, None if query < 0 else query),
         ),
         key="patch_click", on_select=pick_clicked_patch, selection_mode="points",
         config={"displayModeBar": False},
     )
 
-query_arg = None if query == CLASS_QUERY else query
-st.plotly_chart(selection.memo("heads grid", layer, query, opacity, compute=lambda: figures.attention_heads_grid(
-    image, analysis.head_maps(result, layer, query_arg, class_token=config.class_token),  # (H, gh, gw)
-    opacity=opacity, layer=layer, query=query_label(query),
+query_arg = None if query < 0 else query
+if query == POOL_QUERY:
+    maps = selection.memo("pool maps", compute=lambda: analysis.pool_maps(result))  # (H, gh, gw)
+    where = "the pooling head"  # the probe reads the last layer's tokens
+else:
+    maps = selection.memo("head maps", layer, query, compute=lambda: analysis.head_maps(
+        result, layer, query_arg, class_token=config.class_token
+    ))  # (H, gh, gw)
+    where = layer
+st.plotly_chart(selection.memo("heads grid", where, query, opacity, compute=lambda: figures.attention_heads_grid(
+    image, maps, opacity=opacity, layer=where, query=query_label(query)
+)))
+
+st.subheader("The patches that hold most of the attention")
+st.write(
+    "DINO's view (Caron et al. 2021): for each head, keep the fewest patches that together hold a"
+    " chosen share of the attention above. For self-supervised models the class token's masks"
+    " cut the object out of the background without ever having seen a label."
+)
+mass = st.slider("Share of the attention kept", 0.1, 1.0, step=0.05, **ui.keep("mass", 0.6))
+st.plotly_chart(selection.memo("masks grid", where, query, mass, compute=lambda: figures.attention_masks_grid(
+    image, analysis.attention_mask_by_mass(maps, mass), mass, layer=where, query=query_label(query)
 )))
 
 st.subheader("One head's full attention matrix")
@@ -87,7 +118,7 @@ head = st.selectbox("Head", list(range(heads)), **ui.keep("head", 0, lambda h: 0
 st.plotly_chart(selection.memo("attention matrix", layer, head, compute=lambda: figures.attention_matrix(
     result.attentions[0, layer, head], prefix,
     title=f"Layer {layer}, head {head}: {result.num_tokens} x {result.num_tokens} attention",
-    class_token=config.class_token,
+    class_token=config.class_token, dist_token=config.dist_token,
 )))
 
 st.subheader("Attention rollout")
@@ -105,10 +136,20 @@ discard = discard_column.slider("Discard the weakest share of weights", 0.0, 0.9
 rollout = selection.memo("rollout", fusion, discard, compute=lambda: analysis.attention_rollout(
     result.attentions, head_fusion=fusion, discard_ratio=discard, num_prefix_tokens=prefix
 ))  # (1, N, N)
-st.plotly_chart(selection.memo("rollout overlay", fusion, discard, query, opacity, compute=lambda: figures.attention_overlay(
-    image, analysis.query_map(rollout[0], result.grid_size, prefix, query_arg, class_token=config.class_token),
-    opacity=opacity, title=f"Rollout through all {depth} layers, query: {query_label(query)}", value_name="rollout",
-)))
+
+
+def rollout_overlay():
+    if query == POOL_QUERY:
+        rollout_map = analysis.pool_rollout_map(result.pool_attentions, rollout, result.grid_size, prefix)[0]
+    else:
+        rollout_map = analysis.query_map(rollout[0], result.grid_size, prefix, query_arg, class_token=config.class_token)
+    return figures.attention_overlay(
+        image, rollout_map, opacity=opacity,
+        title=f"Rollout through all {depth} layers, query: {query_label(query)}", value_name="rollout",
+    )
+
+
+st.plotly_chart(selection.memo("rollout overlay", fusion, discard, query, opacity, compute=rollout_overlay))
 
 st.subheader("Which patches made it say this class")
 st.write(
@@ -117,25 +158,29 @@ st.write(
     " positive part and rolls it out through the layers: bright patches pushed the model towards"
     " that class."
 )
-names = selection.class_names()
-ranked = result.logits[0].argsort(descending=True).tolist()
-target = st.selectbox(
-    "Class", ranked, format_func=lambda index: f"{names[index]} ({result.logits[0].softmax(-1)[index]:.1%})",
-    **ui.keep("attribution_class", ranked[0], lambda index: index in ranked),
-)
-# A backward pass through a real-size model costs several forward passes: asked for, not unasked.
-quick = ui.is_quick(config, forwards=3)
-if quick or st.toggle("Compute the attribution", help="One forward and one backward pass per class.",
-                      **ui.keep("attribution_on", False)):
-    st.plotly_chart(selection.memo("attribution overlay", target, opacity, compute=lambda: figures.attention_overlay(
-        image, selection.attribution(target), opacity=opacity,
-        title=f"Attribution for '{names[target]}'", value_name="relevance",
-    )))
+if config.num_classes == 0:
+    st.info(ui.NO_CLASSIFIER.format(what="Class attribution"))
 else:
-    st.caption(
-        "For this model the attribution costs a forward and a backward pass (about three forward"
-        " passes) per class, so it is computed when you ask: switch it on above."
+    names = selection.class_names()
+    ranked = result.logits[0].argsort(descending=True).tolist()
+    target = st.selectbox(
+        "Class", ranked, format_func=lambda index: f"{names[index]} ({result.logits[0].softmax(-1)[index]:.1%})",
+        **ui.keep("attribution_class", ranked[0], lambda index: index in ranked),
     )
+    # A backward pass through a real-size model costs several forward passes: asked for, not unasked.
+    if ui.is_quick(config, forwards=3) or st.toggle(
+        "Compute the attribution", help="One forward and one backward pass per class.",
+        **ui.keep("attribution_on", False),
+    ):
+        st.plotly_chart(selection.memo("attribution overlay", target, opacity, compute=lambda: figures.attention_overlay(
+            image, selection.attribution(target), opacity=opacity,
+            title=f"Attribution for '{names[target]}'", value_name="relevance",
+        )))
+    else:
+        st.caption(
+            "For this model the attribution costs a forward and a backward pass (about three forward"
+            " passes) per class, so it is computed when you ask: switch it on above."
+        )
 
 st.subheader("How far and how focused each head looks")
 st.write(
@@ -151,4 +196,20 @@ distance_column.plotly_chart(selection.memo("distance figure", compute=lambda: f
 entropy_column.plotly_chart(selection.memo("entropy figure", compute=lambda: figures.layer_head_heatmap(
     analysis.attention_entropy(result.attentions)[0],  # (L, H)
     "Attention entropy per head", "entropy (nats)",
+)))
+
+st.subheader("Token norms through the layers")
+st.write(
+    "The length of every token after a chosen layer. Large ViTs trained long (DINOv2, CLIP,"
+    " DeiT III) recycle a few background patches as scratch space: from the middle layers on, they"
+    " stand out with norms many times the others' and draw the attention of everyone. Register"
+    " tokens (Darcet et al. 2023) were added to absorb exactly that, leaving the patches clean."
+)
+stage = st.slider(
+    "Tokens after this many layers", 0, depth,
+    **ui.keep("norm_stage", depth, lambda stage: 0 <= stage <= depth),
+)
+st.plotly_chart(selection.memo("token norms", stage, compute=lambda: figures.token_norms_figure(
+    analysis.token_norms(result.tokens[0, stage]), result.grid_size, prefix,
+    layer=stage - 1 if stage else None, class_token=config.class_token, dist_token=config.dist_token,
 )))

@@ -36,8 +36,12 @@ with right:
     cost = ui.patch_size_comparison_cost(base)
     # Every patch size is one forward pass of a resized model: for a real-size model that is
     # dozens of forward passes' worth, so it runs when asked.
-    rows = selection.predictions_by_patch_size(run=ui.is_quick(base, forwards=cost))
-    if rows is None and st.button(
+    rows = None
+    if config.num_classes == 0:
+        st.info(ui.NO_CLASSIFIER.format(what="The prediction at each patch size"))
+    else:
+        rows = selection.predictions_by_patch_size(run=ui.is_quick(base, forwards=cost))
+    if rows is None and config.num_classes and st.button(
         f"Compare all {len(options)} patch sizes",
         help=f"About {cost:.0f} forward passes of this model at its own patch size.",
     ):
@@ -48,7 +52,7 @@ with right:
             "A model is most sure of itself at the patch size it was trained with; far from it the"
             " resampled weights see the world at the wrong scale."
         )
-    else:
+    elif config.num_classes:
         st.caption(
             f"Running this image at all {len(options)} patch sizes costs about {cost:.0f} forward"
             " passes of this model, so it runs when you press the button."

@@ -15,7 +15,7 @@ channels, patch, dim = config.in_chans, config.patch_size, config.embed_dim
 patches, tokens = grid_h * grid_w, result.num_tokens
 prefix = config.num_prefix_tokens
 given_width, given_height = selection.image.size
-probabilities = result.logits[0].softmax(dim=-1)
+headless = config.num_classes == 0
 
 st.title("Pipeline")
 st.write(
@@ -25,8 +25,10 @@ st.write(
     " the shapes are the real ones of this model."
 )
 
-prefix_names = (["class token"] if config.class_token else []) + (
-    [f"{config.reg_tokens} register tokens"] if config.reg_tokens else []
+prefix_names = (
+    (["class token"] if config.class_token else [])
+    + (["distillation token"] if config.dist_token else [])
+    + ([f"{config.reg_tokens} register tokens"] if config.reg_tokens else [])
 )
 steps = [
     ("Resize and normalise", f"({channels}, {height}, {width})"),
@@ -36,8 +38,9 @@ steps = [
     ("Prepend " + (" and ".join(prefix_names) or "nothing (no class token)"), f"({tokens}, {dim})"),
     ("Add position embeddings", f"({tokens}, {dim})"),
     (f"{config.depth} encoder layers", f"({tokens}, {dim}); attention ({config.num_heads}, {tokens}, {tokens}) each"),
-    ("Pool, norm and classification head", f"({dim},) -> ({config.num_classes},)"),
-    ("Top-5 prediction", "5 classes"),
+    ("Pool and norm: the image's feature vector", f"({dim},)")
+    if headless else ("Pool, norm and classification head", f"({dim},) -> ({config.num_classes},)"),
+    ("Top-5 prediction", "none: no classifier" if headless else "5 classes"),
 ]
 st.dataframe(
     {"step": [f"{i}. {name}" for i, (name, _) in enumerate(steps, 1)], "shape": [s for _, s in steps]},
@@ -87,6 +90,11 @@ if prefix:
             "A learned class token is put in front of the patch tokens. It belongs to no patch;"
             " through the layers it gathers what the classifier needs."
         )
+    if config.dist_token:
+        parts.append(
+            "A distillation token follows (DeiT): trained to agree with a teacher network, it has"
+            " a head of its own, and the prediction averages the two heads."
+        )
     if config.reg_tokens:
         parts.append(
             f"{config.reg_tokens} register tokens follow: scratch space that keeps the patch"
@@ -109,7 +117,8 @@ st.write(
 positions = patches if config.no_embed_class else tokens
 st.code(f"({tokens}, {dim}) + ({positions}, {dim}) position embeddings -> ({tokens}, {dim})")
 st.plotly_chart(selection.memo("layer 0 tokens", compute=lambda: figures.token_matrix(
-    result.tokens[0, 0], prefix, "Tokens entering layer 0", class_token=config.class_token
+    result.tokens[0, 0], prefix, "Tokens entering layer 0", class_token=config.class_token,
+    dist_token=config.dist_token,
 )))
 
 st.subheader(f"7. {config.depth} encoder layers")
@@ -124,19 +133,45 @@ st.code(
     f"{config.depth} x [ ({tokens}, {dim}) -> attention ({config.num_heads}, {tokens}, {tokens})"
     f" -> MLP {dim}->{int(dim * config.mlp_ratio)}->{dim} ] -> ({tokens}, {dim})"
 )
-st.plotly_chart(selection.memo("logit lens", compute=lambda: figures.logit_lens_figure(
-    analysis.logit_lens(selection.model, result)[0].softmax(dim=-1), names  # (L+1, classes)
-)))
+if headless:
+    st.info(ui.NO_CLASSIFIER.format(what="The logit lens"))
+else:
+    st.plotly_chart(selection.memo("logit lens", compute=lambda: figures.logit_lens_figure(
+        analysis.logit_lens(selection.model, result)[0].softmax(dim=-1), names  # (L+1, classes)
+    )))
 
-st.subheader("8. Pool, norm and classification head")
-pooled = "the class token's output" if config.global_pool == "cls" else "the mean of the patch tokens"
-st.write(
-    f"The model keeps one vector, {pooled}, normalises it and maps it with one linear layer to a"
-    f" score (logit) per class; softmax turns the {config.num_classes} scores into probabilities."
-)
-st.code(f"({tokens}, {dim}) -> ({dim},) -> ({config.num_classes},)")
+pooled = {
+    "cls": "the class token's output",
+    "mean": "the mean of the patch tokens",
+    "map": "what a learned probe query gathers from the patch tokens by attention (an attention-pool"
+    " head; the Attention page shows where it reads)",
+}[config.global_pool]
+if config.dist_token:
+    pooled = (
+        "the average of the class and distillation tokens' outputs" if headless
+        else "the class and distillation tokens' outputs, each through its own head (the two"
+        " scores are averaged)"
+    )
+if headless:
+    st.subheader("8. Pool and norm: the feature vector")
+    st.write(
+        f"The model keeps one vector, {pooled}, normalised. It has no classification head: it was"
+        " trained to produce features (for similarity, retrieval or a probe trained later), not"
+        " scores for a list of classes."
+    )
+    st.code(f"({tokens}, {dim}) -> ({dim},)")
+    st.subheader("9. Top-5 prediction")
+    st.info(ui.NO_CLASSIFIER.format(what="A prediction"))
+else:
+    st.subheader("8. Pool, norm and classification head")
+    st.write(
+        f"The model keeps one vector, {pooled}, normalises it and maps it with one linear layer to a"
+        f" score (logit) per class; softmax turns the {config.num_classes} scores into probabilities."
+    )
+    st.code(f"({tokens}, {dim}) -> ({dim},) -> ({config.num_classes},)")
 
-st.subheader("9. Top-5 prediction")
-best = int(probabilities.argmax())
-st.write(f"The model says **{names[best]}** with probability {float(probabilities[best]):.1%}.")
-st.plotly_chart(figures.topk_bar(probabilities, names, k=5))
+    st.subheader("9. Top-5 prediction")
+    probabilities = result.logits[0].softmax(dim=-1)
+    best = int(probabilities.argmax())
+    st.write(f"The model says **{names[best]}** with probability {float(probabilities[best]):.1%}.")
+    st.plotly_chart(figures.topk_bar(probabilities, names, k=5))

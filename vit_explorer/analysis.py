@@ -280,6 +280,25 @@ def attention_map(
     return maps[head]
 
 
+def pool_maps(capture: Capture, image: int = 0) -> torch.Tensor:
+    """(H, gh, gw): where the attention pool's probe query reads, per head (a MAP-head model)."""
+    if capture.pool_attentions is None:
+        raise AnalysisError("this model has no attention-pool head, so there is no probe to show")
+    grid_h, _ = capture.grid_size
+    return rearrange(capture.pool_attentions[image, :, 0], "h (gh gw) -> h gh gw", gh=grid_h)
+
+
+def pool_rollout_map(
+    pool_attentions: torch.Tensor, rollout: torch.Tensor, grid_size: tuple[int, int],
+    num_prefix_tokens: int,
+) -> torch.Tensor:
+    """(B, gh, gw): rollout continued through the attention pool. The probe's head-mean weights
+    over the patch tokens (B, nh, 1, P) mix the rollout rows of those tokens (B, N, N)."""
+    probe = pool_attentions.float().mean(dim=1)[:, 0]  # (B, P)
+    row = torch.einsum("bp,bpn->bn", probe, rollout[:, num_prefix_tokens:].float())  # (B, N)
+    return rearrange(row[:, num_prefix_tokens:], "b (gh gw) -> b gh gw", gh=grid_size[0])
+
+
 def attention_mask_by_mass(attn_map: torch.Tensor, mass: float = 0.6) -> torch.Tensor:
     """DINO's threshold: the smallest set of patches that holds ``mass`` of the attention.
 

@@ -31,6 +31,9 @@ class Capture:
     num_prefix_tokens: int  # class token + register tokens
     layers: tuple[int, ...]  # which encoder layers `attentions` holds, in order
     class_token: bool = True  # whether token 0 is a class token (registers alone are prefix too)
+    # (B, nh, 1, gh * gw): the attention pool's probe query over the patch tokens (SigLIP's MAP
+    # head); None for a model without one. It reads the final norm's output after the last block.
+    pool_attentions: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -49,7 +52,8 @@ class Recorder:
     ``attentions`` maps layer -> (B, nh, N, N); with ``keep_graph`` the tensors stay on the
     autograd graph (retaining their gradients), as gradient-weighted attribution needs, otherwise
     they are detached float32 CPU copies. With ``tokens`` the patch embeddings and every block's
-    input and output are kept as well.
+    input and output are kept as well, and the attention pool's probe attention (a model with a
+    MAP head) as ``pool_attention``.
     """
 
     def __init__(self, model: ViT, layers: Iterable[int], keep_graph: bool = False, tokens: bool = False):
@@ -57,14 +61,19 @@ class Recorder:
         self.keep_graph = keep_graph
         self.record_tokens = tokens
         self._layer_of = {model.blocks[index].attn: index for index in layers}
+        self._pool = model.attn_pool if tokens else None
         self.attentions: dict[int, torch.Tensor] = {}
+        self.pool_attention: torch.Tensor | None = None
         self.token_states: list[torch.Tensor] = []
         self.patch_embedding_states: list[torch.Tensor] = []
 
     def wants_attention(self, module: torch.nn.Module) -> bool:
-        return module in self._layer_of
+        return module in self._layer_of or (self._pool is not None and module is self._pool)
 
     def attention(self, module: torch.nn.Module, weights: torch.Tensor) -> None:
+        if self._pool is not None and module is self._pool:
+            self.pool_attention = _to_cpu(weights)
+            return
         index = self._layer_of.get(module)
         if index is None:
             return
@@ -161,4 +170,5 @@ def capture(model: ViT, images: torch.Tensor, layers: Sequence[int] | None = Non
         num_prefix_tokens=config.num_prefix_tokens,
         layers=indices,
         class_token=config.class_token,
+        pool_attentions=recorder.pool_attention,
     )

@@ -1,4 +1,4 @@
-"""Command line: python -m vit_explorer train | evaluate | inspect."""
+"""Command line: vit-explorer (or python -m vit_explorer) train | evaluate | inspect | app."""
 from __future__ import annotations
 
 import argparse
@@ -180,6 +180,8 @@ def _add_inspect(subparsers) -> None:
                         help="how attention rollout fuses the heads of a layer")
     parser.add_argument("--discard-ratio", type=float, default=0.0,
                         help="share of the smallest attention weights rollout drops per layer")
+    parser.add_argument("--mass", type=float, default=0.6,
+                        help="share of each head's attention its mask keeps (DINO; default 0.6)")
     parser.set_defaults(run=_run_inspect)
 
 
@@ -211,27 +213,32 @@ def _run_inspect(args: argparse.Namespace) -> int:
     rollout = analysis.attention_rollout(
         captured.attentions, args.head_fusion, args.discard_ratio, num_prefix_tokens=prefix
     )  # (1, N, N)
-    rollout_map = analysis.query_map(rollout, captured.grid_size, prefix,
-                                     class_token=config.class_token)[0]
-    relevance = analysis.attribution(model, x)[0]  # (gh, gw) for the predicted class
-    probabilities = captured.logits[0].softmax(dim=-1)
-    class_names = list(config.class_names or [f"class {i}" for i in range(config.num_classes)])
-    predicted = class_names[int(probabilities.argmax())]
     image = analysis.display_image(x, config)
-    query = "class token" if config.class_token else "mean patch query"
+    has_pool = captured.pool_attentions is not None
+    if has_pool:
+        # The attention pool's probe reads for the head, as a class token would.
+        query, where = "attention-pool probe", "the pooling head"
+        maps = analysis.pool_maps(captured)
+        rollout_map = analysis.pool_rollout_map(
+            captured.pool_attentions, rollout, captured.grid_size, prefix
+        )[0]
+    else:
+        query, where = ("class token" if config.class_token else "mean patch query"), layer
+        maps = analysis.head_maps(captured, layer, class_token=config.class_token)
+        rollout_map = analysis.query_map(rollout, captured.grid_size, prefix,
+                                         class_token=config.class_token)[0]
+    norms = analysis.token_norms(captured.tokens[0])  # (L+1, N)
     figs = {
         "input_grid": figures.image_with_grid(image, captured.grid_size),
-        f"attention_heads_layer{layer}": figures.attention_heads_grid(
-            image, analysis.head_maps(captured, layer, class_token=config.class_token),
-            layer=layer, query=query,
+        f"attention_heads_layer{layer}" if not has_pool else "attention_pool_probe":
+            figures.attention_heads_grid(image, maps, layer=where, query=query),
+        "attention_masks": figures.attention_masks_grid(
+            image, analysis.attention_mask_by_mass(maps, args.mass), args.mass, layer=where,
+            query=query,
         ),
         "attention_rollout": figures.attention_overlay(
             image, rollout_map, title=f"Attention rollout ({args.head_fusion} of heads, {query})",
             value_name="rollout",
-        ),
-        "attribution": figures.attention_overlay(
-            image, relevance, title=f"Gradient-weighted attribution for '{predicted}'",
-            value_name="relevance",
         ),
         "mean_attention_distance": figures.layer_head_scatter(
             analysis.mean_attention_distance(captured.attentions, captured.grid_size,
@@ -249,11 +256,44 @@ def _run_inspect(args: argparse.Namespace) -> int:
         "token_pca": figures.token_pca_image(
             analysis.token_pca(captured.tokens[0, -1, prefix:], captured.grid_size), image
         ),
-        "logit_lens": figures.logit_lens_figure(
-            analysis.logit_lens(model, captured)[0].softmax(dim=-1), class_names
-        ),
-        "top5": figures.topk_bar(probabilities, class_names, k=5),
+        **{
+            f"token_norms_layer{block}": figures.token_norms_figure(
+                norms[block + 1], captured.grid_size, prefix, layer=block,
+                class_token=config.class_token, dist_token=config.dist_token,
+            )
+            for block in sorted({config.depth // 2 - 1, config.depth - 1})
+        },
     }
+    arrays = dict(
+        logits=captured.logits.numpy(), attentions=captured.attentions.numpy(),
+        tokens=captured.tokens.numpy(), patches=captured.patches.numpy(),
+        patch_embeddings=captured.patch_embeddings.numpy(),
+        grid_size=np.array(captured.grid_size), num_prefix_tokens=np.array(prefix),
+        rollout=rollout.numpy(), token_norms=norms[None].numpy(),
+    )
+    if has_pool:
+        arrays["pool_attentions"] = captured.pool_attentions.numpy()
+    if config.num_classes:
+        relevance = analysis.attribution(model, x)[0]  # (gh, gw) for the predicted class
+        probabilities = captured.logits[0].softmax(dim=-1)
+        class_names = list(config.class_names or [f"class {i}" for i in range(config.num_classes)])
+        predicted = class_names[int(probabilities.argmax())]
+        figs.update({
+            "attribution": figures.attention_overlay(
+                image, relevance, title=f"Gradient-weighted attribution for '{predicted}'",
+                value_name="relevance",
+            ),
+            "logit_lens": figures.logit_lens_figure(
+                analysis.logit_lens(model, captured)[0].softmax(dim=-1), class_names
+            ),
+            "top5": figures.topk_bar(probabilities, class_names, k=5),
+        })
+        arrays["attribution"] = relevance[None].numpy()
+        top = analysis.top_k(captured.logits[0], class_names, k=1)[0]
+        summary = f"predicted {top[0]} ({top[1]:.1%})"
+    else:
+        summary = ("no classifier (num_classes=0), so no prediction, attribution or logit lens;"
+                   f" features of {config.embed_dim} dimensions")
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -268,30 +308,56 @@ def _run_inspect(args: argparse.Namespace) -> int:
         print(f"{error}; writing HTML figures instead", file=sys.stderr)
         written = figures.write_figures(figs, out, "html")
     npz = out / "capture.npz"
-    np.savez_compressed(
-        npz,
-        logits=captured.logits.numpy(), attentions=captured.attentions.numpy(),
-        tokens=captured.tokens.numpy(), patches=captured.patches.numpy(),
-        patch_embeddings=captured.patch_embeddings.numpy(),
-        grid_size=np.array(captured.grid_size), num_prefix_tokens=np.array(prefix),
-        rollout=rollout.numpy(), attribution=relevance[None].numpy(),
-    )
-    top = analysis.top_k(captured.logits[0], class_names, k=1)[0]
-    print(f"predicted {top[0]} ({top[1]:.1%}); wrote {len(written) + 1} files to {out}:")
+    np.savez_compressed(npz, **arrays)
+    print(f"{summary}; wrote {len(written) + 1} files to {out}:")
     for path in [*written, npz]:
         print(f"  {path}")
     return 0
 
 
+def _add_app(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "app", help="start the Streamlit app",
+        description="Start the explorer app (streamlit run app.py); further arguments go to"
+        " streamlit, e.g. `vit-explorer app --server.port 8502`.",
+    )
+    parser.set_defaults(run=_run_app)
+
+
+def _run_app(args: argparse.Namespace) -> int:
+    import os
+
+    from . import resources
+    from .train import DEFAULT_WEIGHTS
+
+    script = resources.app_script()
+    if not script.is_file():
+        raise FileNotFoundError(f"the app is not installed: {script} is missing")
+    environment = dict(os.environ)
+    # Installed, the shipped model sits under share/ rather than beside the package.
+    if "VIT_EXPLORER_DEFAULT_MODEL" not in environment and not DEFAULT_WEIGHTS.is_file():
+        environment["VIT_EXPLORER_DEFAULT_MODEL"] = str(resources.shipped_weights())
+    command = [sys.executable, "-m", "streamlit", "run", str(script), *args.streamlit_args]
+    # Become the streamlit process (no child left behind when this one is stopped).
+    os.chdir(script.parent)
+    os.execve(sys.executable, command, environment)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m vit_explorer", description="Train, evaluate and inspect Vision Transformers."
+        prog="vit-explorer",
+        description="Train, evaluate and inspect Vision Transformers, or start the explorer app"
+        " (also runs as python -m vit_explorer).",
     )
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_train(subparsers)
     _add_evaluate(subparsers)
     _add_inspect(subparsers)
-    args = parser.parse_args(argv)
+    _add_app(subparsers)
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "app":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.streamlit_args = extra
     try:
         return args.run(args)
     except (ValueError, OSError) as error:

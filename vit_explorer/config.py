@@ -8,6 +8,9 @@ from typing import Any
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
+OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+ACTIVATIONS = ("gelu", "gelu_tanh", "quick_gelu")  # the MLP activations ViTConfig.act_layer names
 
 
 def _pair(value: int | tuple[int, int] | list[int]) -> tuple[int, int]:
@@ -53,13 +56,19 @@ class ViTConfig(_JsonConfig):
     num_heads: int = 12
     mlp_ratio: float = 4.0
     qkv_bias: bool = True
-    global_pool: str = "cls"  # "cls": class token output, "mean": mean of the patch tokens
+    # "cls": class token output, "mean": mean of the patch tokens, "map": attention pooling by a
+    # learned probe query (SigLIP's multihead attention pooling head, timm's attn_pool)
+    global_pool: str = "cls"
     class_token: bool = True
+    dist_token: bool = False  # DeiT's distillation token after the class token, with head_dist
     reg_tokens: int = 0  # register tokens (Darcet et al. 2023), placed after the class token
     no_embed_class: bool = False  # True: position embedding covers patch tokens only (timm)
     fc_norm: bool | None = None  # None: a norm after pooling iff global_pool == "mean" (timm)
     init_values: float | None = None  # LayerScale init; None disables LayerScale
     layer_norm_eps: float = 1e-6
+    pre_norm: bool = False  # a LayerNorm (norm_pre) on the tokens before the first block (CLIP)
+    patch_bias: bool = True  # the patch embedding's bias (CLIP has none)
+    act_layer: str = "gelu"  # MLP activation: "gelu", "gelu_tanh" (SigLIP) or "quick_gelu" (OpenAI CLIP)
     drop_rate: float = 0.0
     attn_drop_rate: float = 0.0
     drop_path_rate: float = 0.0
@@ -85,10 +94,14 @@ class ViTConfig(_JsonConfig):
             raise ValueError(
                 f"embed_dim {self.embed_dim} is not divisible by num_heads {self.num_heads}"
             )
-        if self.global_pool not in ("cls", "mean"):
-            raise ValueError(f"global_pool must be 'cls' or 'mean', not {self.global_pool!r}")
+        if self.global_pool not in ("cls", "mean", "map"):
+            raise ValueError(f"global_pool must be 'cls', 'mean' or 'map', not {self.global_pool!r}")
         if self.global_pool == "cls" and not self.class_token:
             raise ValueError("global_pool='cls' needs class_token=True; use global_pool='mean'")
+        if self.dist_token and not (self.class_token and self.global_pool == "cls"):
+            raise ValueError("dist_token=True needs class_token=True and global_pool='cls' (DeiT)")
+        if self.act_layer not in ACTIVATIONS:
+            raise ValueError(f"act_layer must be one of {', '.join(ACTIVATIONS)}, not {self.act_layer!r}")
         if self.reg_tokens < 0:
             raise ValueError(f"reg_tokens must be >= 0, not {self.reg_tokens}")
         if self.class_names is not None and len(self.class_names) != self.num_classes:
@@ -114,7 +127,7 @@ class ViTConfig(_JsonConfig):
 
     @property
     def num_prefix_tokens(self) -> int:
-        return int(self.class_token) + self.reg_tokens
+        return int(self.class_token) + int(self.dist_token) + self.reg_tokens
 
     @property
     def num_tokens(self) -> int:

@@ -358,8 +358,15 @@ def attention_overlay(
     return fig
 
 
+def _where(layer: int | str | None) -> str:
+    """Where maps come from, for a title: a layer index, a phrase of the caller's, or unknown."""
+    if isinstance(layer, str):
+        return layer
+    return f"layer {layer}" if layer is not None else "one layer"
+
+
 def attention_heads_grid(
-    image, maps, opacity: float = 0.6, layer: int | None = None, columns: int = 4,
+    image, maps, opacity: float = 0.6, layer: int | str | None = None, columns: int = 4,
     query: str = "class token",
 ) -> go.Figure:
     """Every head's attention map (H, gh, gw) over the image, one panel per head, on one shared
@@ -394,7 +401,7 @@ def attention_heads_grid(
     for head in range(heads):
         row, col = divmod(head, columns)
         _image_axes(fig, row + 1, col + 1)
-    where = f"layer {layer}" if layer is not None else "one layer"
+    where = _where(layer)
     fig.update_layout(
         title=_title(f"Attention of the {query} in {where}, per head"),
         coloraxis=dict(colorscale=ATTENTION_SCALE, cmin=0, cmax=float(maps.max()),
@@ -404,19 +411,55 @@ def attention_heads_grid(
     return fig
 
 
-def token_labels(num_tokens: int, num_prefix_tokens: int, class_token: bool = True) -> list[str]:
-    """Readable names of the tokens: CLS, reg 1.., then patch 0.."""
-    labels = []
-    for index in range(num_prefix_tokens):
-        if class_token and index == 0:
-            labels.append("CLS")
-        else:
-            labels.append(f"reg {index + 1 - int(class_token)}")
-    return labels + [f"patch {i}" for i in range(num_tokens - num_prefix_tokens)]
+def attention_masks_grid(
+    image, masks, mass: float, layer: int | str | None = None, columns: int = 4, query: str = "class token"
+) -> go.Figure:
+    """Every head's mask (H, gh, gw) of the patches that hold ``mass`` of its attention (DINO's
+    figure): the kept patches show the image, the others are darkened."""
+    image = _rgb_uint8(image)
+    masks = _array(masks).astype(bool)
+    if masks.ndim != 3:
+        raise ValueError(f"masks must be (H, gh, gw), not {masks.shape}")
+    heads = masks.shape[0]
+    columns = min(columns, heads)
+    rows = math.ceil(heads / columns)
+    fig = make_subplots(
+        rows=rows, cols=columns, subplot_titles=[f"head {h}" for h in range(heads)],
+        horizontal_spacing=0.02, vertical_spacing=0.06 if rows > 1 else 0.0,
+    )
+    for head, mask in enumerate(masks):
+        row, col = divmod(head, columns)
+        fig.add_trace(_image_trace(image, hover=False), row=row + 1, col=col + 1)
+        # Dropped patches under a dark veil, kept ones clear: the mask reads as a cut-out.
+        fig.add_trace(
+            _patch_heatmap(
+                (~mask).astype(float), image.shape[:2], value_name="dropped", label=f"head {head}",
+                colorscale=[[0, "rgba(0,0,0,0)"], [1, "rgba(0,0,0,0.75)"]], zmin=0, zmax=1,
+                showscale=False,
+            ),
+            row=row + 1, col=col + 1,
+        )
+        _image_axes(fig, row + 1, col + 1)
+    where = _where(layer)
+    fig.update_layout(
+        title=_title(f"Patches holding {mass:.0%} of the {query}'s attention in {where}, per head"),
+        margin=MARGIN, height=_panel_height(image.shape, rows, CELL_PIXELS),
+    )
+    return fig
+
+
+def token_labels(
+    num_tokens: int, num_prefix_tokens: int, class_token: bool = True, dist_token: bool = False
+) -> list[str]:
+    """Readable names of the tokens: CLS, DIST (DeiT's distillation token), reg 1.., patch 0.."""
+    named = (["CLS"] if class_token else []) + (["DIST"] if dist_token else [])
+    registers = [f"reg {index + 1}" for index in range(num_prefix_tokens - len(named))]
+    return named + registers + [f"patch {i}" for i in range(num_tokens - num_prefix_tokens)]
 
 
 def attention_matrix(
-    attention, num_prefix_tokens: int, title: str = "Attention matrix", class_token: bool = True
+    attention, num_prefix_tokens: int, title: str = "Attention matrix", class_token: bool = True,
+    dist_token: bool = False,
 ) -> go.Figure:
     """The full (N, N) attention matrix: row = query token, column = key token."""
     attention = _float_array(attention)
@@ -425,7 +468,7 @@ def attention_matrix(
     tokens = attention.shape[0]
     # Token names as category coordinates: the hover names both tokens without an N x N
     # customdata array (a 577-token matrix would carry 666k strings).
-    labels = token_labels(tokens, num_prefix_tokens, class_token)
+    labels = token_labels(tokens, num_prefix_tokens, class_token, dist_token)
     fig = go.Figure(
         go.Heatmap(
             z=attention, x=labels, y=labels, colorscale=VALUE_SCALE,
@@ -569,7 +612,7 @@ def topk_bar(probs, class_names: Sequence[str] | None = None, k: int = 5) -> go.
 
 def token_norms_figure(
     norms, grid_size: tuple[int, int], num_prefix_tokens: int, layer: int | None = None,
-    class_token: bool = True,
+    class_token: bool = True, dist_token: bool = False,
 ) -> go.Figure:
     """Token L2 norms (N,) of one layer: a map of the patch norms (artifact tokens stand out as
     isolated bright patches, Darcet et al. 2023) beside the norm of every token."""
@@ -580,7 +623,7 @@ def token_norms_figure(
             f"{norms.shape[0]} norms do not fit {num_prefix_tokens} prefix tokens and a"
             f" {grid_h}x{grid_w} grid"
         )
-    labels = token_labels(norms.shape[0], num_prefix_tokens, class_token)
+    labels = token_labels(norms.shape[0], num_prefix_tokens, class_token, dist_token)
     fig = make_subplots(
         rows=1, cols=2, column_widths=[0.45, 0.55], horizontal_spacing=0.16,
         subplot_titles=("patch tokens on the grid", "every token"),
@@ -775,7 +818,7 @@ def patch_picker(image, grid_size: tuple[int, int], selected: int | None = None)
 
 
 def token_matrix(tokens, num_prefix_tokens: int, title: str, class_token: bool = True,
-                 max_tokens: int = 256, max_dims: int = 128) -> go.Figure:
+                 max_tokens: int = 256, max_dims: int = 128, dist_token: bool = False) -> go.Figure:
     """A sequence of token vectors (N, D) as a heatmap: one row per token, one column per
     dimension; large sequences show their first ``max_tokens`` rows and ``max_dims`` columns."""
     tokens = _float_array(tokens)
@@ -783,7 +826,7 @@ def token_matrix(tokens, num_prefix_tokens: int, title: str, class_token: bool =
         raise ValueError(f"tokens must be (N, D), not {tokens.shape}")
     count, dims = tokens.shape
     shown = tokens[:max_tokens, :max_dims]
-    labels = token_labels(count, num_prefix_tokens, class_token)[: shown.shape[0]]
+    labels = token_labels(count, num_prefix_tokens, class_token, dist_token)[: shown.shape[0]]
     limit = float(np.abs(shown).max()) or 1.0
     fig = go.Figure(
         go.Heatmap(

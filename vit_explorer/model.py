@@ -33,7 +33,8 @@ class PatchEmbed(nn.Module):
         super().__init__()
         self.img_size = config.img_size
         self.proj = nn.Conv2d(
-            config.in_chans, config.embed_dim, kernel_size=config.patch_size, stride=config.patch_size
+            config.in_chans, config.embed_dim, kernel_size=config.patch_size, stride=config.patch_size,
+            bias=config.patch_bias,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -86,12 +87,26 @@ class Attention(nn.Module):
         return self.proj_drop(self.proj(x))
 
 
+class QuickGELU(nn.Module):
+    """x * sigmoid(1.702 x): the sigmoid approximation of GELU that OpenAI's CLIP was trained with."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.sigmoid(1.702 * x)
+
+
+def activation(name: str) -> nn.Module:
+    """The MLP activation that ViTConfig.act_layer names (the exact GELU unless told otherwise)."""
+    if name == "quick_gelu":
+        return QuickGELU()
+    return nn.GELU(approximate="tanh" if name == "gelu_tanh" else "none")
+
+
 class Mlp(nn.Module):
     def __init__(self, config: ViTConfig):
         super().__init__()
         hidden = int(config.embed_dim * config.mlp_ratio)
         self.fc1 = nn.Linear(config.embed_dim, hidden)
-        self.act = nn.GELU()
+        self.act = activation(config.act_layer)
         self.drop1 = nn.Dropout(config.drop_rate)
         self.fc2 = nn.Linear(hidden, config.embed_dim)
         self.drop2 = nn.Dropout(config.drop_rate)
@@ -151,6 +166,42 @@ class Block(nn.Module):
         return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
 
 
+class AttentionPool(nn.Module):
+    """Multihead attention pooling (MAP, SigLIP; timm's AttentionPoolLatent): a learned probe
+    query attends over the patch tokens, then a residual MLP refines what it gathered.
+
+    The probe's softmax goes to the active recorder like a block's, so capture can show where the
+    pooled representation reads from, as the class token's attention does for a class-token model.
+    """
+
+    def __init__(self, config: ViTConfig):
+        super().__init__()
+        dim = config.embed_dim
+        self.num_heads = config.num_heads
+        self.scale = config.head_dim**-0.5
+        self.latent = nn.Parameter(torch.zeros(1, 1, dim))  # the probe query
+        self.q = nn.Linear(dim, dim, bias=config.qkv_bias)
+        self.kv = nn.Linear(dim, dim * 2, bias=config.qkv_bias)
+        self.proj = nn.Linear(dim, dim)
+        self.norm = nn.LayerNorm(dim, eps=config.layer_norm_eps)
+        self.mlp = Mlp(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = rearrange(self.q(self.latent), "1 q (nh hd) -> 1 nh q hd", nh=self.num_heads)
+        kv = rearrange(self.kv(x), "b n (kv nh hd) -> kv b nh n hd", kv=2, nh=self.num_heads)
+        k, v = kv.unbind(0)  # (B, nh, N, hd) each
+        recorder = ACTIVE_RECORDER.get()
+        if recorder is None or not recorder.wants_attention(self):
+            x = F.scaled_dot_product_attention(q.expand(x.shape[0], -1, -1, -1), k, v)
+        else:
+            attn = ((q * self.scale) @ k.transpose(-2, -1)).softmax(dim=-1)  # (B, nh, 1, N)
+            recorder.attention(self, attn)
+            x = attn @ v  # (B, nh, 1, hd)
+        x = self.proj(rearrange(x, "b nh q hd -> b q (nh hd)"))
+        x = x + self.mlp(self.norm(x))
+        return x[:, 0]  # (B, D)
+
+
 class ViT(nn.Module):
     """Vision Transformer. ``model(x)`` takes (B, C, H, W) normalized images, returns logits."""
 
@@ -161,27 +212,36 @@ class ViT(nn.Module):
         self.num_prefix_tokens = config.num_prefix_tokens
         self.patch_embed = PatchEmbed(config)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, dim)) if config.class_token else None
+        self.dist_token = nn.Parameter(torch.zeros(1, 1, dim)) if config.dist_token else None
         self.reg_token = (
             nn.Parameter(torch.zeros(1, config.reg_tokens, dim)) if config.reg_tokens else None
         )
         embed_len = config.num_patches + (0 if config.no_embed_class else self.num_prefix_tokens)
         self.pos_embed = nn.Parameter(torch.zeros(1, embed_len, dim))
         self.pos_drop = nn.Dropout(config.drop_rate)
+        self.norm_pre = nn.LayerNorm(dim, eps=config.layer_norm_eps) if config.pre_norm else nn.Identity()
         # Stochastic depth grows linearly with depth (plain floats: the model can be built on "meta").
         drop_paths = [config.drop_path_rate * i / max(config.depth - 1, 1) for i in range(config.depth)]
         self.blocks = nn.Sequential(*(Block(config, rate) for rate in drop_paths))
         use_fc_norm = config.use_fc_norm
         self.norm = nn.Identity() if use_fc_norm else nn.LayerNorm(dim, eps=config.layer_norm_eps)
+        self.attn_pool = AttentionPool(config) if config.global_pool == "map" else None
         self.fc_norm = nn.LayerNorm(dim, eps=config.layer_norm_eps) if use_fc_norm else nn.Identity()
         self.head_drop = nn.Dropout(config.drop_rate)
         self.head = nn.Linear(dim, config.num_classes) if config.num_classes else nn.Identity()
+        # DeiT's distillation head reads the distillation token; in eval both heads are averaged.
+        self.head_dist = (
+            nn.Linear(dim, config.num_classes) if config.dist_token and config.num_classes else None
+        )
         self._init_weights()
 
     def _init_weights(self) -> None:
         nn.init.trunc_normal_(self.pos_embed, std=0.02)
-        for token in (self.cls_token, self.reg_token):
+        for token in (self.cls_token, self.dist_token, self.reg_token):
             if token is not None:
                 nn.init.normal_(token, std=1e-6)
+        if self.attn_pool is not None:
+            nn.init.trunc_normal_(self.attn_pool.latent, std=self.config.embed_dim**-0.5)
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 nn.init.trunc_normal_(module.weight, std=0.02)
@@ -191,10 +251,10 @@ class ViT(nn.Module):
         # (shapes, tiny preset: 71% vs 77% test accuracy after 1,000 steps).
 
     def _pos_embed(self, x: torch.Tensor) -> torch.Tensor:
-        """Add position embeddings and prepend [class token, register tokens] to (B, gh*gw, D)."""
+        """Add position embeddings and prepend [class, distillation, register tokens] to (B, gh*gw, D)."""
         prefix = [
             token.expand(x.shape[0], -1, -1)
-            for token in (self.cls_token, self.reg_token)
+            for token in (self.cls_token, self.dist_token, self.reg_token)
             if token is not None
         ]
         if self.config.no_embed_class:
@@ -210,7 +270,7 @@ class ViT(nn.Module):
         x = self.patch_embed(x)  # (B, gh*gw, D)
         if recorder is not None:
             recorder.patch_embeddings(self, x)
-        x = self._pos_embed(x)  # (B, N, D)
+        x = self.norm_pre(self._pos_embed(x))  # (B, N, D)
         if recorder is not None:
             recorder.tokens(self, x)
         for block in self.blocks:
@@ -220,12 +280,21 @@ class ViT(nn.Module):
         return self.norm(x)
 
     def pool(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, N, D) tokens -> (B, D): the class token, or the mean of the patch tokens."""
+        """(B, N, D) tokens -> (B, D): the class token, the mean of the patch tokens, or what the
+        attention pool's probe gathers from them."""
+        if self.attn_pool is not None:
+            return self.attn_pool(x[:, self.num_prefix_tokens :])
         if self.config.global_pool == "mean":
             return x[:, self.num_prefix_tokens :].mean(dim=1)
         return x[:, 0]
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        if self.config.dist_token:
+            # DeiT: the class and distillation tokens each have a head; eval averages the two.
+            x, x_dist = self.head_drop(x[:, 0]), self.head_drop(x[:, 1])
+            if pre_logits or self.head_dist is None:
+                return (x + x_dist) / 2
+            return (self.head(x) + self.head_dist(x_dist)) / 2
         x = self.head_drop(self.fc_norm(self.pool(x)))
         return x if pre_logits else self.head(x)
 

@@ -5,8 +5,9 @@ The only module of the package that imports streamlit. Models live in ``st.cache
 moving a slider redraws figures without a new forward pass. Session state holds only keys and
 small values; everything heavy is looked up in the caches by key.
 
-Model keys: ``"default"`` (the shipped shapes model), ``"pretrained:vit_b_16"`` (torchvision)
-and ``"file:<path>"`` (an uploaded checkpoint or a run trained in the app).
+Model keys: ``"default"`` (the shipped shapes model), ``"pretrained:<name>"`` (a catalogue
+entry, vit_explorer.catalogue) and ``"file:<path>"`` (an uploaded checkpoint or a run trained in
+the app).
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import streamlit as st
 import torch
 from PIL import Image
 
-from . import train
+from . import catalogue, resources, train
 from .analysis import attribution, display_image
 from .cache import ByteBoundedCache
 from .capture import Capture, capture
@@ -36,7 +37,7 @@ from .weights import load_model, load_pretrained, resize_model
 
 DEFAULT_MODEL = "default"
 PRETRAINED_MODEL = "pretrained:vit_b_16"
-PHOTOS_DIR = Path(__file__).resolve().parent.parent / "assets" / "samples"
+PHOTOS_DIR = resources.app_root() / "assets" / "samples"
 UPLOADS_DIR = Path(tempfile.gettempdir()) / "vit_explorer_uploads"
 # Where runs trained in the app write their checkpoints.
 RUNS_DIR = Path(os.environ.get("VIT_EXPLORER_RUNS_DIR") or Path(__file__).resolve().parent.parent / "runs" / "app")
@@ -49,6 +50,11 @@ CACHE_BYTES = int(float(os.environ.get("VIT_EXPLORER_CACHE_MB") or 2048) * 2**20
 # Work a view does unasked: about 3 forward passes of a ViT-S/16 at 224 (multiply-adds).
 QUICK_COST = 13e9
 T = TypeVar("T")
+# What a page says in place of a view that needs class scores, for a model without a classifier.
+NO_CLASSIFIER = (
+    "{what} needs class scores, and this model has no classification head (num_classes=0):"
+    " it outputs a feature vector, not classes."
+)
 
 
 # --- models ------------------------------------------------------------------------------------
@@ -343,10 +349,10 @@ def set_kept(widget_key: str, value: Any) -> None:
 
 def model_options() -> dict[str, str]:
     """Model key -> label: the shipped model, ImageNet ViT-B/16, finished runs and uploads."""
-    options = {
-        DEFAULT_MODEL: "Shipped shapes ViT (offline)",
-        PRETRAINED_MODEL: "ImageNet ViT-B/16 (torchvision; downloads once)",
-    }
+    options = {DEFAULT_MODEL: "Shipped shapes ViT (offline)"}
+    for name, entry in catalogue.CATALOGUE.items():
+        where = "downloaded" if catalogue.is_downloaded(name) else f"{entry.size_bytes / 1e6:.0f} MB, downloads once"
+        options[f"pretrained:{name}"] = f"{entry.title} ({where})"
     for run_id, run in training_runs().items():
         if run.checkpoint is not None:
             options[f"file:{run.checkpoint}"] = f"Trained here: {run_id}"
@@ -369,9 +375,59 @@ def apply_requested_model() -> str | None:
     return error
 
 
+def model_cards() -> str:
+    """The catalogue's model cards as a Markdown list: what each was trained on, how it attends."""
+    return "\n".join(f"- {entry.card}" for entry in catalogue.CATALOGUE.values())
+
+
+def model_card(model_key: str) -> str | None:
+    kind, _, name = model_key.partition(":")
+    return catalogue.CATALOGUE[name].card if kind == "pretrained" and name in catalogue.CATALOGUE else None
+
+
+def download_with_progress(name: str) -> None:
+    """Download a catalogue entry (if not cached yet) under a progress bar."""
+    if catalogue.is_downloaded(name):
+        return
+    entry = catalogue.entry(name)
+    label = f"Downloading {entry.title} ({entry.size_bytes / 1e6:.0f} MB) from {catalogue.url(name)}"
+    bar = st.progress(0.0, text=label)
+
+    def report(done: int, total: int | None) -> None:
+        bar.progress(min(done / (total or entry.size_bytes), 1.0), text=label)
+
+    try:
+        catalogue.download(name, report)
+    finally:
+        bar.empty()
+
+
+def unreadable_photo_reason(selection: Selection) -> str | None:
+    """One line on why the model cannot make sense of the chosen photo, or None if it can."""
+    if selection.image_key.startswith("shapes:"):
+        return None
+    config = selection.config
+    height, width = config.img_size
+    if config.class_names == SHAPE_CLASSES:
+        return (
+            f"This model was trained on synthetic shapes at {height}x{width} pixels, so a photo"
+            " means nothing to it; a pretrained model below reads photos."
+        )
+    given = min(selection.image.size)
+    if min(height, width) < 64 and given >= 4 * min(height, width):
+        return (
+            f"This model reads {height}x{width} pixels, far fewer than the {selection.image.size[0]}"
+            f"x{selection.image.size[1]} photo, so it sees a blur; a pretrained model below reads photos."
+        )
+    return None
+
+
 def select_model(model_key: str) -> str | None:
     """Load ``model_key`` and make it the current model; None on success, else the reason."""
+    kind, _, name = model_key.partition(":")
     try:
+        if kind == "pretrained" and name in catalogue.CATALOGUE:
+            download_with_progress(name)
         base_model(model_key)
     except (ValueError, OSError) as error:
         return f"Could not load that model: {error}"

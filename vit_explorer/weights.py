@@ -238,60 +238,139 @@ def _from_torchvision(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.T
     return converted, {"mean": IMAGENET_MEAN, "std": IMAGENET_STD}
 
 
-def _from_huggingface(
-    state: dict[str, torch.Tensor], hf_config: dict
-) -> tuple[dict[str, torch.Tensor], dict]:
-    model_type = hf_config.get("model_type", "vit")
-    if model_type != "vit":
-        raise CheckpointError(
-            f"Hugging Face model type {model_type!r} is not supported, only 'vit'"
-        )
-    activation = hf_config.get("hidden_act", "gelu")
-    if activation != "gelu":
-        raise CheckpointError(
-            f"Hugging Face activation {activation!r} is not supported, only 'gelu'"
-        )
+# Hugging Face model types we convert; the full CLIP / SigLIP models contribute their image tower.
+HF_MODEL_TYPES = (
+    "vit", "deit", "dinov2", "dinov2_with_registers",
+    "clip", "clip_vision_model", "siglip", "siglip_vision_model",
+)
+HF_ACTIVATIONS = {"gelu": "gelu", "quick_gelu": "quick_gelu", "gelu_pytorch_tanh": "gelu_tanh"}
+# Names of the BERT-style encoders (ViT, DeiT, DINOv2); files keep the transformers 4 names,
+# transformers 5 modules call the attention projections q/k/v/o_proj.
+_HF_VIT_RENAMES = [
+    (r"^embeddings\.cls_token$", "cls_token"),
+    (r"^embeddings\.distillation_token$", "dist_token"),
+    (r"^embeddings\.register_tokens$", "reg_token"),
+    (r"^embeddings\.position_embeddings$", "pos_embed"),
+    (r"^embeddings\.patch_embeddings\.projection\.", "patch_embed.proj."),
+    (r"^(encoder\.layer|layers)\.(\d+)\.", r"blocks.\2."),
+    (r"\.attention\.(output\.dense|o_proj)\.", ".attn.proj."),
+    (r"\.layernorm_before\.", ".norm1."),
+    (r"\.layernorm_after\.", ".norm2."),
+    (r"\.layer_scale(1|2)\.lambda1$", r".ls\1.gamma"),
+    (r"\.intermediate\.dense\.", ".mlp.fc1."),
+    (r"\.output\.dense\.", ".mlp.fc2."),
+    (r"^layernorm\.", "norm."),
+    (r"^classifier\.", "head."),
+    (r"^cls_classifier\.", "head."),
+    (r"^distillation_classifier\.", "head_dist."),
+]
+# CLIP's and SigLIP's vision towers (CLIPVisionModel, SiglipVisionModel).
+_HF_TOWER_RENAMES = [
+    (r"^embeddings\.patch_embedding\.", "patch_embed.proj."),
+    (r"^pre_layrnorm\.", "norm_pre."),  # sic: CLIP's own spelling
+    (r"^encoder\.layers\.(\d+)\.", r"blocks.\1."),
+    (r"\.layer_norm(1|2)\.", r".norm\1."),
+    (r"\.self_attn\.out_proj\.", ".attn.proj."),
+    (r"^post_layernorm\.", "norm."),
+    (r"^head\.probe$", "attn_pool.latent"),
+    (r"^head\.attention\.out_proj\.", "attn_pool.proj."),
+    (r"^head\.layernorm\.", "attn_pool.norm."),
+    (r"^head\.mlp\.", "attn_pool.mlp."),
+]
+_HF_SEPARATE_QKV = re.compile(
+    r"^(?:encoder\.layer|layers|encoder\.layers)\.(\d+)\.(?:attention\.(?:attention\.)?|self_attn\.)"
+    r"(query|key|value|q_proj|k_proj|v_proj)\.(weight|bias)$"
+)
 
-    state = {key.removeprefix("vit."): value for key, value in state.items()}
-    converted: dict[str, torch.Tensor] = {}
-    renames = [
-        (r"^embeddings\.cls_token$", "cls_token"),
-        (r"^embeddings\.position_embeddings$", "pos_embed"),
-        (r"^embeddings\.patch_embeddings\.projection\.", "patch_embed.proj."),
-        (r"^(encoder\.layer|layers)\.(\d+)\.", r"blocks.\2."),
-        (r"\.attention\.(output\.dense|o_proj)\.", ".attn.proj."),
-        (r"\.layernorm_before\.", ".norm1."),
-        (r"\.layernorm_after\.", ".norm2."),
-        (r"\.intermediate\.dense\.", ".mlp.fc1."),
-        (r"\.output\.dense\.", ".mlp.fc2."),
-        (r"^layernorm\.", "norm."),
-        (r"^classifier\.", "head."),
-    ]
-    separate_qkv: dict[str, dict[str, torch.Tensor]] = {}
-    for key, value in state.items():
-        if key.startswith("pooler.") or key == "embeddings.mask_token":
-            continue  # ViTModel's pooler and the masked-image-modelling token never reach logits
-        # Files keep the transformers 4 names; transformers 5 modules call them q/k/v/o_proj.
-        found = re.match(
-            r"^(?:encoder\.layer|layers)\.(\d+)\.attention\.(?:attention\.)?(query|key|value|q_proj|k_proj|v_proj)\."
-            r"(weight|bias)$",
-            key,
-        )
-        if found:
-            block, role, kind = found.groups()
-            separate_qkv.setdefault(f"blocks.{block}.attn.qkv.{kind}", {})[role[0]] = value
-            continue
-        for pattern, replacement in renames:
-            key = re.sub(pattern, replacement, key)
-        converted[key] = value
-    for key, parts in separate_qkv.items():
+
+def _merge_qkv(separate: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """One qkv tensor per block from Hugging Face's separate query, key and value projections."""
+    merged = {}
+    for key, parts in separate.items():
         if set(parts) != {"q", "k", "v"}:
             raise CheckpointError(
                 f"the Hugging Face checkpoint lacks part of {key} (has {sorted(parts)})"
             )
-        converted[key] = torch.cat([parts["q"], parts["k"], parts["v"]], dim=0)  # (3D, ...)
+        merged[key] = torch.cat([parts["q"], parts["k"], parts["v"]], dim=0)  # (3D, ...)
+    return merged
 
-    known: dict = {"layer_norm_eps": float(hf_config.get("layer_norm_eps", 1e-12))}
+
+def _from_huggingface(
+    state: dict[str, torch.Tensor], hf_config: dict
+) -> tuple[dict[str, torch.Tensor], dict]:
+    model_type = hf_config.get("model_type", "vit")
+    if model_type not in HF_MODEL_TYPES:
+        raise CheckpointError(
+            f"Hugging Face model type {model_type!r} is not supported; we read"
+            f" {', '.join(HF_MODEL_TYPES)}"
+        )
+    tower = model_type.startswith(("clip", "siglip"))
+    if model_type in ("clip", "siglip"):  # the whole model: its settings for the image tower
+        hf_config = {**hf_config, **hf_config.get("vision_config", {})}
+        state = {
+            key.removeprefix("vision_model."): value
+            for key, value in state.items()
+            if key.startswith("vision_model.")
+        }
+    activation = hf_config.get("hidden_act", "gelu")
+    if activation not in HF_ACTIVATIONS:
+        raise CheckpointError(
+            f"Hugging Face activation {activation!r} is not supported, only"
+            f" {', '.join(HF_ACTIVATIONS)}"
+        )
+    if hf_config.get("use_swiglu_ffn"):
+        raise CheckpointError("DINOv2 with a SwiGLU MLP (ViT-g) is not supported")
+    if model_type.startswith("dinov2") and any(key.startswith("classifier.") for key in state):
+        raise CheckpointError(
+            "DINOv2's classifier reads the class token and the mean patch token together,"
+            " which our ViT does not do; load the backbone (Dinov2Model) instead"
+        )
+    if model_type == "deit" and any(key.startswith("classifier.") for key in state):
+        raise CheckpointError(
+            "this DeiT classifier reads only the class token of a distilled model, which our"
+            " ViT does not do; DeiTForImageClassificationWithTeacher and DeiTModel load"
+        )
+
+    prefix = {"vit": "vit.", "deit": "deit.", "dinov2": "dinov2.", "dinov2_with_registers": "dinov2."}
+    state = {key.removeprefix(prefix.get(model_type, "vision_model.")): value for key, value in state.items()}
+    renames = _HF_TOWER_RENAMES if tower else _HF_VIT_RENAMES
+    converted: dict[str, torch.Tensor] = {}
+    separate_qkv: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in state.items():
+        if key.startswith("pooler.") or key == "embeddings.mask_token":
+            continue  # the pooler and the masked-image-modelling token never reach logits
+        found = _HF_SEPARATE_QKV.match(key)
+        if found:
+            block, role, kind = found.groups()
+            separate_qkv.setdefault(f"blocks.{block}.attn.qkv.{kind}", {})[role[0]] = value
+            continue
+        if key == "head.attention.in_proj_weight" or key == "head.attention.in_proj_bias":
+            # SigLIP's pooling attention: one (3D, ...) projection; its probe's query, then k, v.
+            kind = key.rsplit("_", 1)[1]
+            query, key_value = value.split([value.shape[0] // 3, 2 * value.shape[0] // 3])
+            converted[f"attn_pool.q.{kind}"] = query
+            converted[f"attn_pool.kv.{kind}"] = key_value
+            continue
+        for pattern, replacement in renames:
+            key = re.sub(pattern, replacement, key)
+        converted[key] = value
+    converted.update(_merge_qkv(separate_qkv))
+
+    known: dict = {
+        "layer_norm_eps": float(hf_config.get("layer_norm_eps", 1e-12)),
+        "act_layer": HF_ACTIVATIONS[activation],
+    }
+    if tower:
+        # CLIP: a class embedding (D,) and position embeddings (N, D) stored without batch axes.
+        if "embeddings.class_embedding" in converted:
+            converted["cls_token"] = converted.pop("embeddings.class_embedding")[None, None]
+        converted["pos_embed"] = converted.pop("embeddings.position_embedding.weight")[None]
+    if model_type == "dinov2_with_registers":
+        # Registers get no position embedding but the class token does: fold the class token's
+        # into the token itself, as timm's DINOv2 layout (no_embed_class) does.
+        converted["cls_token"] = converted["cls_token"] + converted["pos_embed"][:, :1]
+        converted["pos_embed"] = converted["pos_embed"][:, 1:]
+        known["no_embed_class"] = True
     if "num_attention_heads" in hf_config:
         known["num_heads"] = int(hf_config["num_attention_heads"])
     if "image_size" in hf_config:
@@ -339,7 +418,10 @@ def _huggingface_weights(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def _is_huggingface(state: Mapping[str, torch.Tensor]) -> bool:
-    return any(key.removeprefix("vit.").startswith("embeddings.patch_embeddings.") for key in state)
+    return any(
+        re.match(r"^(?:(?:vit|deit|dinov2|vision_model)\.)?embeddings\.patch_embeddings?\.", key)
+        for key in state
+    )
 
 
 # ----------------------------------------------------------------------------- building the model
@@ -377,13 +459,20 @@ def _infer_config(
         if re.match(r"^blocks\.\d+\.attn\.qkv\.weight$", key)
     )
     class_token = "cls_token" in state
+    dist_token = "dist_token" in state
     reg_tokens = state["reg_token"].shape[1] if "reg_token" in state else 0
-    num_prefix = int(class_token) + reg_tokens
+    num_prefix = int(class_token) + int(dist_token) + reg_tokens
     if "norm.weight" not in state and "fc_norm.weight" not in state:
         raise CheckpointError(
             f"{name} has no final norm (neither norm nor fc_norm), which our ViT needs"
         )
-    mean_pool = "fc_norm.weight" in state or not class_token
+    attention_pool = "attn_pool.latent" in state
+    if attention_pool and state["attn_pool.latent"].shape[1] != 1:
+        raise CheckpointError(
+            f"{name} has an attention pool with {state['attn_pool.latent'].shape[1]} probe"
+            " queries; our ViT supports one"
+        )
+    mean_pool = not attention_pool and ("fc_norm.weight" in state or not class_token)
 
     fields: dict = {
         "embed_dim": embed_dim,
@@ -393,8 +482,11 @@ def _infer_config(
         "mlp_ratio": state["blocks.0.mlp.fc1.weight"].shape[0] / embed_dim,
         "qkv_bias": "blocks.0.attn.qkv.bias" in state,
         "class_token": class_token,
+        "dist_token": dist_token,
         "reg_tokens": reg_tokens,
-        "global_pool": "mean" if mean_pool else "cls",
+        "global_pool": "map" if attention_pool else "mean" if mean_pool else "cls",
+        "pre_norm": "norm_pre.weight" in state,
+        "patch_bias": "patch_embed.proj.bias" in state,
         # Mean pooling without fc_norm weights means the final norm comes before the pooling.
         "fc_norm": None if "fc_norm.weight" in state or not mean_pool else False,
         # LayerScale's init value only matters for training from scratch; the weights set gamma.
@@ -522,14 +614,37 @@ def load_model(path: str | os.PathLike, **overrides) -> ViT:
     return _model_from_state(converted, known, overrides, path.name)
 
 
-def load_pretrained(name: str = "vit_b_16") -> ViT:
+def load_pretrained(name: str = "vit_b_16", progress=None) -> ViT:
+    """A pretrained model of the catalogue (vit_explorer.catalogue.CATALOGUE) or torchvision ViT.
+
+    Downloaded on first use into the cache (~/.cache/vit_explorer/models, or torchvision's for
+    its ViTs) and checked; ``progress(done_bytes, total_bytes or None)`` follows a download.
+    Offline, or given a wrong file, it raises a CheckpointError that says so in one sentence.
+    """
+    from . import catalogue
+
+    if name in TORCHVISION_VITS:
+        return _load_torchvision(name)
+    if name not in catalogue.CATALOGUE:
+        raise CheckpointError(
+            f"unknown pretrained model {name!r}; choose one of"
+            f" {', '.join([*catalogue.CATALOGUE, *TORCHVISION_VITS[1:]])}"
+        )
+    entry = catalogue.entry(name)
+    try:
+        path = catalogue.download(name, progress)
+    except catalogue.DownloadError as error:
+        raise CheckpointError(str(error)) from None
+    state, _ = _read_tensors(path)
+    for key in entry.drop_keys:
+        state.pop(key, None)
+    return _build(state, entry.vit_config(), name)
+
+
+def _load_torchvision(name: str) -> ViT:
     """A torchvision ImageNet-pretrained ViT (downloaded once into torchvision's cache)."""
     import torchvision.models
 
-    if name not in TORCHVISION_VITS:
-        raise CheckpointError(
-            f"unknown torchvision ViT {name!r}; choose one of {', '.join(TORCHVISION_VITS)}"
-        )
     weights = torchvision.models.get_model_weights(name).DEFAULT
     try:
         state = weights.get_state_dict(progress=False, check_hash=True)

@@ -1,0 +1,20 @@
+"""vit_explorer: define, train and dissect Vision Transformers."""
+from . import analysis, figures
+from .capture import Capture, capture
+from .config import PRESETS, TrainConfig, ViTConfig
+from .data import SHAPE_CLASSES, DatasetError, load_dataset, shapes_sample
+from .images import InvalidImageError, load_image, preprocess
+from .model import ViT
+from .train import (
+    DEFAULT_WEIGHTS, DoneEvent, EpochEvent, SnapshotEvent, StepEvent, TrainingError, TrainingRun,
+)
+from .weights import CheckpointError, load_model, load_pretrained, resize_model, save_model
+
+__all__ = [
+    "Capture", "ViT", "ViTConfig", "capture",
+    "CheckpointError", "load_model", "load_pretrained", "resize_model", "save_model",
+    "InvalidImageError", "load_image", "preprocess",
+    "PRESETS", "SHAPE_CLASSES", "DatasetError", "load_dataset", "shapes_sample",
+    "TrainConfig", "TrainingRun", "TrainingError", "DEFAULT_WEIGHTS",
+    "StepEvent", "EpochEvent", "SnapshotEvent", "DoneEvent",
+]

@@ -1,0 +1,174 @@
+"""Record what happens inside a ViT during one forward pass.
+
+A Recorder (lucidrains' idea) receives the patch embedding, every block's input and output and
+the softmax of the attention layers asked for. It is found through a context variable rather
+than hooks, so that one model object can be captured, attributed and run plainly from many
+threads at once (the app serves a class from one copy of each model): each call records only its
+own pass, and the model is never switched or hooked.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from einops import rearrange
+
+from .model import ACTIVE_RECORDER, ViT
+
+
+@dataclass
+class Capture:
+    """One forward pass, dissected. Tensors are float32 on the CPU; N = prefix tokens + gh * gw."""
+
+    logits: torch.Tensor  # (B, num_classes)
+    attentions: torch.Tensor  # (B, len(layers), num_heads, N, N); rows sum to 1
+    tokens: torch.Tensor  # (B, depth + 1, N, D): block 0 input, then each block's output
+    patches: torch.Tensor  # (B, gh, gw, C, p, p) pixel patches of the model input
+    patch_embeddings: torch.Tensor  # (B, gh * gw, D) before prefix tokens and positions
+    grid_size: tuple[int, int]  # (gh, gw)
+    num_prefix_tokens: int  # class token + register tokens
+    layers: tuple[int, ...]  # which encoder layers `attentions` holds, in order
+    class_token: bool = True  # whether token 0 is a class token (registers alone are prefix too)
+    # (B, nh, 1, gh * gw): the attention pool's probe query over the patch tokens (SigLIP's MAP
+    # head); None for a model without one. It reads the final norm's output after the last block.
+    pool_attentions: torch.Tensor | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return self.tokens.shape[2]
+
+
+def _to_cpu(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().to("cpu", torch.float32)
+
+
+class Recorder:
+    """What the forward passes of one call record on one model, through ``ACTIVE_RECORDER``.
+
+    The model reports to the recorder of the context it runs in, so passes of other threads on
+    the same model object record nothing here, and nothing on the model is switched or hooked.
+    ``attentions`` maps layer -> (B, nh, N, N); with ``keep_graph`` the tensors stay on the
+    autograd graph (retaining their gradients), as gradient-weighted attribution needs, otherwise
+    they are detached float32 CPU copies. With ``tokens`` the patch embeddings and every block's
+    input and output are kept as well, and the attention pool's probe attention (a model with a
+    MAP head) as ``pool_attention``.
+    """
+
+    def __init__(self, model: ViT, layers: Iterable[int], keep_graph: bool = False, tokens: bool = False):
+        self.model = model
+        self.keep_graph = keep_graph
+        self.record_tokens = tokens
+        self._layer_of = {model.blocks[index].attn: index for index in layers}
+        self._pool = model.attn_pool if tokens else None
+        self.attentions: dict[int, torch.Tensor] = {}
+        self.pool_attention: torch.Tensor | None = None
+        self.token_states: list[torch.Tensor] = []
+        self.patch_embedding_states: list[torch.Tensor] = []
+
+    def wants_attention(self, module: torch.nn.Module) -> bool:
+        return module in self._layer_of or (self._pool is not None and module is self._pool)
+
+    def attention(self, module: torch.nn.Module, weights: torch.Tensor) -> None:
+        if self._pool is not None and module is self._pool:
+            self.pool_attention = _to_cpu(weights)
+            return
+        index = self._layer_of.get(module)
+        if index is None:
+            return
+        if self.keep_graph:
+            if weights.requires_grad:
+                weights.retain_grad()
+            self.attentions[index] = weights
+        else:
+            self.attentions[index] = _to_cpu(weights)
+
+    def patch_embeddings(self, model: ViT, embeddings: torch.Tensor) -> None:
+        if self.record_tokens and model is self.model:
+            self.patch_embedding_states.append(_to_cpu(embeddings))
+
+    def tokens(self, model: ViT, tokens: torch.Tensor) -> None:
+        if self.record_tokens and model is self.model:
+            self.token_states.append(_to_cpu(tokens))
+
+
+@contextmanager
+def recording(recorder: Recorder):
+    """Make ``recorder`` the one that forward passes in this context (thread) report to."""
+    token = ACTIVE_RECORDER.set(recorder)
+    try:
+        yield recorder
+    finally:
+        ACTIVE_RECORDER.reset(token)
+
+
+@contextmanager
+def record_attention(model: ViT, layers: Iterable[int], keep_graph: bool = False):
+    """Collect the softmax outputs of the given layers in the forward passes inside.
+
+    Yields a dict layer -> (B, nh, N, N) tensor filled during those passes (see :class:`Recorder`
+    for ``keep_graph``). Only passes run by this thread record; the model is not changed.
+    """
+    with recording(Recorder(model, layers, keep_graph=keep_graph)) as recorder:
+        yield recorder.attentions
+
+
+@contextmanager
+def eval_mode(model: torch.nn.Module):
+    """Eval mode for the length of the block. A model already in eval mode (every shared one in
+    the app) is not touched; one in training mode belongs to its trainer and is switched back."""
+    if not model.training:
+        yield model
+        return
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train()
+
+
+def _layer_indices(layers: Sequence[int] | None, depth: int) -> tuple[int, ...]:
+    if layers is None:
+        return tuple(range(depth))
+    # Negative indices count from the end, as in Python.
+    indices = tuple(sorted({int(layer) + depth if layer < 0 else int(layer) for layer in layers}))
+    bad = [layer for layer in indices if not 0 <= layer < depth]
+    if bad:
+        raise ValueError(f"layers {bad} do not exist; the model has layers 0..{depth - 1}")
+    return indices
+
+
+def capture(model: ViT, images: torch.Tensor, layers: Sequence[int] | None = None) -> Capture:
+    """Run ``model`` on normalized ``images`` (B, C, H, W) in eval mode without gradients.
+
+    ``layers`` limits which layers' attention is kept (all by default) to save memory; tokens
+    are always kept for every layer. The logits equal ``model(images)`` in eval mode up to
+    float rounding (the captured layers run the explicit attention path).
+    """
+    config = model.config
+    indices = _layer_indices(layers, config.depth)
+    if images.ndim == 3:
+        images = images.unsqueeze(0)
+    device = next(model.parameters()).device
+    images = images.to(device)
+
+    recorder = Recorder(model, indices, tokens=True)
+    with torch.no_grad(), eval_mode(model), recording(recorder):
+        logits = model(images)
+
+    patch = config.patch_size
+    return Capture(
+        logits=_to_cpu(logits),
+        attentions=torch.stack([recorder.attentions[i] for i in indices], dim=1),
+        tokens=torch.stack(recorder.token_states, dim=1),
+        patches=rearrange(
+            _to_cpu(images), "b c (gh p1) (gw p2) -> b gh gw c p1 p2", p1=patch, p2=patch
+        ),
+        patch_embeddings=recorder.patch_embedding_states[0],
+        grid_size=config.grid_size,
+        num_prefix_tokens=config.num_prefix_tokens,
+        layers=indices,
+        class_token=config.class_token,
+        pool_attentions=recorder.pool_attention,
+    )

@@ -1,0 +1,368 @@
+"""Command line: vit-explorer (or python -m vit_explorer) train | evaluate | inspect | app."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def _add_train(subparsers) -> None:
+    from .config import PRESETS, TrainConfig
+
+    defaults = TrainConfig()
+    parser = subparsers.add_parser(
+        "train", help="train a ViT and write a checkpoint",
+        description="Train a ViT and write DIR/<name>.safetensors with a .json history beside it."
+        " Under `torchrun --nproc_per_node=N` it trains data-parallel. Ctrl-C stops after the"
+        " current step and still writes the checkpoint (continue with --resume).",
+    )
+    parser.add_argument("--dataset", default=defaults.dataset,
+                        help="shapes (built in), cifar10, mnist, fashionmnist, or folder:PATH"
+                        " (a folder of class sub-folders); default shapes")
+    parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model size (default tiny)")
+    for flag, help_text in (
+        ("--patch-size", "patch size in pixels"), ("--embed-dim", "token width"),
+        ("--depth", "number of blocks"), ("--heads", "attention heads"),
+        ("--image-size", "image size (default: the dataset's)"),
+    ):
+        parser.add_argument(flag, type=int, help=f"{help_text}; overrides the preset")
+    parser.add_argument("--mlp-ratio", type=float, help="MLP width / token width; overrides the preset")
+    parser.add_argument("--epochs", type=int, default=defaults.epochs)
+    parser.add_argument("--batch-size", type=int, default=defaults.batch_size, help="per process")
+    parser.add_argument("--lr", type=float, default=defaults.lr, help="peak learning rate")
+    parser.add_argument("--weight-decay", type=float, default=defaults.weight_decay)
+    parser.add_argument("--warmup-steps", type=int, default=defaults.warmup_steps)
+    parser.add_argument("--label-smoothing", type=float, default=defaults.label_smoothing)
+    parser.add_argument("--no-augment", action="store_true", help="no random crops and flips")
+    parser.add_argument("--train-size", type=int, help="training images (default: shapes 16000, others all)")
+    parser.add_argument("--test-size", type=int, help="test images (default: shapes 2000, others all)")
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--device", default="auto", help="auto (cuda, then mps, then cpu), cpu, cuda, mps")
+    parser.add_argument("--precision", default="auto", choices=("auto", "bf16", "fp32"),
+                        help="auto: bf16 autocast on CUDA, fp32 elsewhere")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model")
+    parser.add_argument("--data-root", help="where datasets are downloaded (default ~/.cache/vit_explorer/data)")
+    parser.add_argument("--out", default=defaults.out_dir, help="folder for the checkpoint (default runs)")
+    parser.add_argument("--name", help="checkpoint file name without extension (default vit_<dataset>)")
+    parser.add_argument("--resume", action="store_true", help="continue the interrupted run in --out")
+    parser.set_defaults(run=_run_train)
+
+
+def _train_config(args: argparse.Namespace):
+    from .config import PRESETS, TrainConfig, ViTConfig
+    from .data import check_dataset_name, native_image_size
+
+    check_dataset_name(args.dataset)
+    overrides = {
+        field: value for field, value in (
+            ("patch_size", args.patch_size), ("embed_dim", args.embed_dim), ("depth", args.depth),
+            ("num_heads", args.heads), ("mlp_ratio", args.mlp_ratio),
+        ) if value is not None
+    }
+    model = args.preset
+    if overrides:
+        # Classes and normalization are placeholders here; training takes them from the data.
+        image_size = args.image_size or native_image_size(args.dataset)
+        model = ViTConfig(image_size=image_size, **{**PRESETS[args.preset], **overrides})
+    return TrainConfig(
+        dataset=args.dataset, model=model, image_size=args.image_size, epochs=args.epochs,
+        batch_size=args.batch_size, lr=args.lr, weight_decay=args.weight_decay,
+        warmup_steps=args.warmup_steps, label_smoothing=args.label_smoothing, seed=args.seed,
+        device=args.device, precision=args.precision, compile=args.compile,
+        augment=not args.no_augment, data_root=args.data_root, out_dir=args.out, name=args.name,
+        train_size=args.train_size, test_size=args.test_size, resume=args.resume,
+    )
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    import os
+    import signal
+    import threading
+
+    from tqdm import tqdm
+
+    from .train import DoneEvent, EpochEvent, StepEvent, train
+
+    config = _train_config(args)
+    show = int(os.environ.get("RANK", "0")) == 0  # under torchrun only rank 0 reports
+    stop = threading.Event()
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is threading.main_thread():
+        # The first Ctrl-C ends training after the current step, checkpoint included; a
+        # second one interrupts at once.
+        signal.signal(signal.SIGINT, lambda signum, frame: (stop.set(), signal.signal(signal.SIGINT, previous)))
+    bar = None  # one progress bar per epoch; the first opens at the first reported step
+    try:
+        for event in train(config, stop=stop):
+            if not show:
+                continue
+            if isinstance(event, StepEvent):
+                steps_per_epoch = event.total_steps // config.epochs
+                done = event.step - (event.epoch - 1) * steps_per_epoch
+                if bar is None:
+                    bar = tqdm(total=steps_per_epoch, initial=done, unit="step",
+                               desc=f"epoch {event.epoch}/{config.epochs}")
+                bar.update(done - bar.n)
+                bar.set_postfix(loss=f"{event.loss:.3f}", acc=f"{event.accuracy:.3f}",
+                                img_s=f"{event.images_per_s:.0f}")
+            elif isinstance(event, EpochEvent):
+                bar.close()
+                bar = None
+                if event.epoch < event.epochs:
+                    bar = tqdm(total=steps_per_epoch, unit="step", desc=f"epoch {event.epoch + 1}/{event.epochs}")
+                tqdm.write(
+                    f"epoch {event.epoch}/{event.epochs}: train loss {event.train_loss:.4f},"
+                    f" train accuracy {event.train_accuracy:.4f}, test loss {event.test_loss:.4f},"
+                    f" test accuracy {event.test_accuracy:.4f} ({event.seconds:.1f} s)"
+                )
+            elif isinstance(event, DoneEvent):
+                how = "stopped early" if event.stopped else "trained"
+                tqdm.write(f"{how} in {event.seconds:.1f} s: test accuracy {event.test_accuracy:.4f},"
+                      f" checkpoint {event.checkpoint}")
+    finally:
+        if bar is not None:
+            bar.close()
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, previous)
+    return 0
+
+
+def _add_evaluate(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "evaluate", help="print a checkpoint's test accuracy",
+        description="Evaluate a checkpoint on a dataset's test split; the last line is `accuracy: X`.",
+    )
+    parser.add_argument("--weights", required=True, help="checkpoint file (.safetensors)")
+    parser.add_argument("--dataset", default="shapes",
+                        help="shapes, cifar10, mnist, fashionmnist, or folder:PATH; default shapes")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, mps")
+    parser.add_argument("--data-root", help="where datasets are downloaded (default ~/.cache/vit_explorer/data)")
+    parser.add_argument("--test-size", type=int, help="evaluate on the first N test images (default all;"
+                        " shapes: 2000 freshly rendered)")
+    parser.add_argument("--batch-size", type=int, default=500)
+    parser.set_defaults(run=_run_evaluate)
+
+
+def _run_evaluate(args: argparse.Namespace) -> int:
+    from .train import evaluate_checkpoint
+
+    if args.batch_size < 1 or (args.test_size is not None and args.test_size < 1):
+        raise ValueError("--batch-size and --test-size must be at least 1")
+    accuracy, count = evaluate_checkpoint(
+        args.weights, args.dataset, device=args.device, data_root=args.data_root,
+        test_size=args.test_size, batch_size=args.batch_size,
+    )
+    print(f"{Path(args.weights).name} on the {args.dataset} test split ({count} images)")
+    print(f"accuracy: {accuracy:.4f}")
+    return 0
+
+
+def _add_inspect(subparsers) -> None:
+    from .train import DEFAULT_WEIGHTS
+
+    parser = subparsers.add_parser(
+        "inspect", help="write attention figures for an image",
+        description="Run a ViT on one image and write its attention figures (PNG, or HTML when"
+        " no Chrome/Chromium is found) and the captured tensors (capture.npz) to a folder.",
+    )
+    parser.add_argument("image", help="image file (PNG, JPEG, WebP, ...)")
+    parser.add_argument("--weights", default=str(DEFAULT_WEIGHTS),
+                        help="checkpoint: ours, timm, torchvision, or a Hugging Face ViT folder"
+                        " (default: the shipped shapes model)")
+    parser.add_argument("--out", required=True, help="folder for the figures and capture.npz")
+    parser.add_argument("--layer", type=int, default=-1,
+                        help="layer whose heads are drawn (negative counts from the end; default -1)")
+    parser.add_argument("--device", default="auto",
+                        help="auto (CUDA when available), cpu, cuda, cuda:1, ...")
+    parser.add_argument("--format", choices=("png", "html"), default="png",
+                        help="figure files; png needs Chrome/Chromium and falls back to html")
+    parser.add_argument("--head-fusion", choices=("mean", "max", "min"), default="mean",
+                        help="how attention rollout fuses the heads of a layer")
+    parser.add_argument("--discard-ratio", type=float, default=0.0,
+                        help="share of the smallest attention weights rollout drops per layer")
+    parser.add_argument("--mass", type=float, default=0.6,
+                        help="share of each head's attention its mask keeps (DINO; default 0.6)")
+    parser.set_defaults(run=_run_inspect)
+
+
+def _run_inspect(args: argparse.Namespace) -> int:
+    import numpy as np
+    import torch
+
+    from . import analysis, figures
+    from .capture import capture
+    from .images import load_image, preprocess
+    from .weights import load_model
+
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    try:
+        device = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"unknown device {args.device!r}; use auto, cpu or cuda") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for but no CUDA GPU is available")
+    model = load_model(args.weights).to(device)
+    config = model.config
+    x = preprocess(load_image(args.image), config)  # (1, C, H, W)
+    layer = args.layer + config.depth if args.layer < 0 else args.layer
+    if not 0 <= layer < config.depth:
+        raise ValueError(f"--layer {args.layer} does not exist; the model has layers 0..{config.depth - 1}")
+
+    captured = capture(model, x)
+    prefix = captured.num_prefix_tokens
+    rollout = analysis.attention_rollout(
+        captured.attentions, args.head_fusion, args.discard_ratio, num_prefix_tokens=prefix
+    )  # (1, N, N)
+    image = analysis.display_image(x, config)
+    has_pool = captured.pool_attentions is not None
+    if has_pool:
+        # The attention pool's probe reads for the head, as a class token would.
+        query, where = "attention-pool probe", "the pooling head"
+        maps = analysis.pool_maps(captured)
+        rollout_map = analysis.pool_rollout_map(
+            captured.pool_attentions, rollout, captured.grid_size, prefix
+        )[0]
+    else:
+        query, where = ("class token" if config.class_token else "mean patch query"), layer
+        maps = analysis.head_maps(captured, layer, class_token=config.class_token)
+        rollout_map = analysis.query_map(rollout, captured.grid_size, prefix,
+                                         class_token=config.class_token)[0]
+    norms = analysis.token_norms(captured.tokens[0])  # (L+1, N)
+    figs = {
+        "input_grid": figures.image_with_grid(image, captured.grid_size),
+        f"attention_heads_layer{layer}" if not has_pool else "attention_pool_probe":
+            figures.attention_heads_grid(image, maps, layer=where, query=query),
+        "attention_masks": figures.attention_masks_grid(
+            image, analysis.attention_mask_by_mass(maps, args.mass), args.mass, layer=where,
+            query=query,
+        ),
+        "attention_rollout": figures.attention_overlay(
+            image, rollout_map, title=f"Attention rollout ({args.head_fusion} of heads, {query})",
+            value_name="rollout",
+        ),
+        "mean_attention_distance": figures.layer_head_scatter(
+            analysis.mean_attention_distance(captured.attentions, captured.grid_size,
+                                             config.patch_size, prefix),
+            "Mean attention distance per head", "pixels",
+        ),
+        "attention_entropy": figures.layer_head_heatmap(
+            analysis.attention_entropy(captured.attentions)[0], "Attention entropy per head",
+            "nats",
+        ),
+        "position_similarity": figures.position_similarity_grid(
+            analysis.position_embedding_similarity(model)
+        ),
+        "embedding_filters": figures.embedding_filters_figure(analysis.embedding_filters(model)),
+        "token_pca": figures.token_pca_image(
+            analysis.token_pca(captured.tokens[0, -1, prefix:], captured.grid_size), image
+        ),
+        **{
+            f"token_norms_layer{block}": figures.token_norms_figure(
+                norms[block + 1], captured.grid_size, prefix, layer=block,
+                class_token=config.class_token, dist_token=config.dist_token,
+            )
+            for block in sorted({config.depth // 2 - 1, config.depth - 1})
+        },
+    }
+    arrays = dict(
+        logits=captured.logits.numpy(), attentions=captured.attentions.numpy(),
+        tokens=captured.tokens.numpy(), patches=captured.patches.numpy(),
+        patch_embeddings=captured.patch_embeddings.numpy(),
+        grid_size=np.array(captured.grid_size), num_prefix_tokens=np.array(prefix),
+        rollout=rollout.numpy(), token_norms=norms[None].numpy(),
+    )
+    if has_pool:
+        arrays["pool_attentions"] = captured.pool_attentions.numpy()
+    if config.num_classes:
+        relevance = analysis.attribution(model, x)[0]  # (gh, gw) for the predicted class
+        probabilities = captured.logits[0].softmax(dim=-1)
+        class_names = list(config.class_names or [f"class {i}" for i in range(config.num_classes)])
+        predicted = class_names[int(probabilities.argmax())]
+        figs.update({
+            "attribution": figures.attention_overlay(
+                image, relevance, title=f"Gradient-weighted attribution for '{predicted}'",
+                value_name="relevance",
+            ),
+            "logit_lens": figures.logit_lens_figure(
+                analysis.logit_lens(model, captured)[0].softmax(dim=-1), class_names
+            ),
+            "top5": figures.topk_bar(probabilities, class_names, k=5),
+        })
+        arrays["attribution"] = relevance[None].numpy()
+        top = analysis.top_k(captured.logits[0], class_names, k=1)[0]
+        summary = f"predicted {top[0]} ({top[1]:.1%})"
+    else:
+        summary = ("no classifier (num_classes=0), so no prediction, attribution or logit lens;"
+                   f" features of {config.embed_dim} dimensions")
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    image_format = args.format
+    if image_format == "png" and figures.find_browser() is None:
+        print("no Chrome/Chromium found (install chromium or set BROWSER_PATH);"
+              " writing HTML figures instead", file=sys.stderr)
+        image_format = "html"
+    try:
+        written = figures.write_figures(figs, out, image_format)
+    except figures.FigureExportError as error:
+        print(f"{error}; writing HTML figures instead", file=sys.stderr)
+        written = figures.write_figures(figs, out, "html")
+    npz = out / "capture.npz"
+    np.savez_compressed(npz, **arrays)
+    print(f"{summary}; wrote {len(written) + 1} files to {out}:")
+    for path in [*written, npz]:
+        print(f"  {path}")
+    return 0
+
+
+def _add_app(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "app", help="start the Streamlit app",
+        description="Start the explorer app (streamlit run app.py); further arguments go to"
+        " streamlit, e.g. `vit-explorer app --server.port 8502`.",
+    )
+    parser.set_defaults(run=_run_app)
+
+
+def _run_app(args: argparse.Namespace) -> int:
+    import os
+    import subprocess
+
+    from . import resources
+    from .train import DEFAULT_WEIGHTS
+
+    script = resources.app_script()
+    if not script.is_file():
+        raise FileNotFoundError(f"the app is not installed: {script} is missing")
+    environment = dict(os.environ)
+    # Installed, the shipped model sits under share/ rather than beside the package.
+    if "VIT_EXPLORER_DEFAULT_MODEL" not in environment and not DEFAULT_WEIGHTS.is_file():
+        environment["VIT_EXPLORER_DEFAULT_MODEL"] = str(resources.shipped_weights())
+    command = [sys.executable, "-m", "streamlit", "run", str(script), *args.streamlit_args]
+    return subprocess.call(command, cwd=script.parent, env=environment)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="vit-explorer",
+        description="Train, evaluate and inspect Vision Transformers, or start the explorer app"
+        " (also runs as python -m vit_explorer).",
+    )
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    _add_train(subparsers)
+    _add_evaluate(subparsers)
+    _add_inspect(subparsers)
+    _add_app(subparsers)
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "app":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.streamlit_args = extra
+    try:
+        return args.run(args)
+    except (ValueError, OSError) as error:
+        # Bad input (a missing file, an unreadable image or checkpoint) is one clear sentence.
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130

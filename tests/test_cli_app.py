@@ -1,0 +1,43 @@
+"""The vit-explorer command: every subcommand's help, and `app` starting streamlit on app.py."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vit_explorer import cli, resources
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("arguments", [[], ["train"], ["evaluate"], ["inspect"], ["app"]])
+def test_help_of_every_subcommand(arguments):
+    done = subprocess.run(
+        [sys.executable, "-m", "vit_explorer", *arguments, "--help"], capture_output=True,
+        text=True, cwd=ROOT, timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"usage: vit-explorer {' '.join(arguments)}".rstrip())
+
+
+def test_app_becomes_streamlit_on_the_app_script(monkeypatch):
+    started = {}
+
+    def execve(program, command, environment):
+        started.update(program=program, command=command, environment=environment)
+
+    monkeypatch.setattr(os, "execve", execve)
+    monkeypatch.chdir(ROOT)  # app changes to the app's folder; restored afterwards
+    cli.main(["app", "--server.port", "8502"])
+    assert started["program"] == sys.executable
+    assert started["command"] == [
+        sys.executable, "-m", "streamlit", "run", str(ROOT / "app.py"), "--server.port", "8502"
+    ]
+    assert resources.app_script() == ROOT / "app.py"
+
+
+def test_unknown_arguments_are_refused_outside_app(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["evaluate", "--weights", "x", "--bogus"])
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err

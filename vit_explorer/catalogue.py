@@ -1,0 +1,277 @@
+"""The catalogue: well-known pretrained ViTs in one call, downloaded once from their publishers.
+
+``load_pretrained(name)`` (vit_explorer.weights) reads an entry of :data:`CATALOGUE`. The timm
+entries are the safetensors files timm publishes on the Hugging Face Hub; torchvision's ViT-B/16
+comes through torchvision's own downloader. A download is written to a temporary file beside its
+final place, checked (a safetensors header whose tensors have exactly the shapes the entry's
+architecture expects) and only then renamed into place, so a half or wrong file is never loaded.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .config import IMAGENET_MEAN, IMAGENET_STD, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, ViTConfig
+from .model import ViT
+
+# The Hub the timm files come from; tests point it at a server of their own on loopback.
+HUB_URL_VARIABLE = "VIT_EXPLORER_HUB_URL"
+DEFAULT_HUB_URL = "https://huggingface.co"
+CACHE_VARIABLE = "VIT_EXPLORER_CACHE"
+CHUNK_BYTES = 1 << 20
+
+_IMAGENET = dict(mean=IMAGENET_MEAN, std=IMAGENET_STD)
+_VIT_S = dict(embed_dim=384, depth=12, num_heads=6)
+_VIT_B = dict(embed_dim=768, depth=12, num_heads=12)
+
+
+@dataclass(frozen=True)
+class CatalogueEntry:
+    """One pretrained model: where it lives, what it is, and the architecture its file must fit."""
+
+    title: str  # short name for menus
+    source: str  # "timm/<name>" (a Hugging Face Hub repository) or "torchvision:<name>"
+    # The download's size. timm files: parameters x 4 bytes (fp32 safetensors), computed from the
+    # architecture, the header's few kilobytes aside; torchvision: its weights' metadata.
+    size_bytes: int
+    trained_on: str
+    attention: str  # what its attention is known to look like: the model card's second half
+    config: dict = field(default_factory=dict)  # ViTConfig fields; the rest are the defaults
+    imagenet_classes: bool = False  # its head scores the 1000 ImageNet-1k classes
+    drop_keys: tuple[str, ...] = ()  # tensors of the file that are no part of our model
+
+    @property
+    def card(self) -> str:
+        return f"{self.title}: trained on {self.trained_on}. {self.attention}"
+
+    def config_without_names(self) -> ViTConfig:
+        return ViTConfig(**self.config)
+
+    def vit_config(self) -> ViTConfig:
+        class_names = imagenet_class_names() if self.imagenet_classes else None
+        return ViTConfig(**self.config, class_names=class_names)
+
+
+CATALOGUE: dict[str, CatalogueEntry] = {
+    "vit_b_16": CatalogueEntry(
+        "ImageNet ViT-B/16 (torchvision)", "torchvision:vit_b_16", 346_328_924,
+        "ImageNet-1k, supervised (torchvision's recipe)",
+        "Supervised ViTs attend diffusely: the class token spreads over the object and background"
+        " alike, and rollout is needed to see the object.",
+        imagenet_classes=True,
+    ),
+    "dino_vits16": CatalogueEntry(
+        "DINO ViT-S/16", "timm/vit_small_patch16_224.dino", 86_662_656,
+        "ImageNet-1k images without labels (DINO self-distillation)",
+        "Its class token finds the object without ever seeing a label: last-layer heads segment"
+        " the foreground, some heads one part each.",
+        config=dict(image_size=224, patch_size=16, num_classes=0, **_VIT_S, **_IMAGENET),
+    ),
+    "dino_vits8": CatalogueEntry(
+        "DINO ViT-S/8", "timm/vit_small_patch8_224.dino", 86_681_088,
+        "ImageNet-1k images without labels (DINO self-distillation)",
+        "The sharpest DINO maps (784 patches): the class token's heads trace object outlines.",
+        config=dict(image_size=224, patch_size=8, num_classes=0, **_VIT_S, **_IMAGENET),
+    ),
+    "dino_vitb16": CatalogueEntry(
+        "DINO ViT-B/16", "timm/vit_base_patch16_224.dino", 343_194_624,
+        "ImageNet-1k images without labels (DINO self-distillation)",
+        "Like DINO ViT-S/16 with twice the heads: the class token segments the object.",
+        config=dict(image_size=224, patch_size=16, num_classes=0, **_VIT_B, **_IMAGENET),
+    ),
+    "dinov2_vits14_reg": CatalogueEntry(
+        "DINOv2 ViT-S/14 with registers", "timm/vit_small_patch14_reg4_dinov2.lvd142m", 88_229_376,
+        "LVD-142M, 142 million curated images without labels (DINOv2), at 518x518",
+        "Clean, object-centred maps and token PCA that parts objects; the 4 registers take the"
+        " high-norm artifact tokens that DINOv2 without registers puts on background patches.",
+        config=dict(
+            image_size=518, patch_size=14, num_classes=0, reg_tokens=4, no_embed_class=True,
+            init_values=1e-5, **_VIT_S, **_IMAGENET,
+        ),
+    ),
+    "deit_s": CatalogueEntry(
+        "DeiT-S", "timm/deit_small_patch16_224.fb_in1k", 88_202_656,
+        "ImageNet-1k, supervised with strong augmentation (DeiT)",
+        "Supervised: the class token's attention covers the object but leaks onto context that"
+        " predicts the class.",
+        config=dict(image_size=224, patch_size=16, num_classes=1000, **_VIT_S, **_IMAGENET),
+        imagenet_classes=True,
+    ),
+    "deit3_s": CatalogueEntry(
+        "DeiT III-S", "timm/deit3_small_patch16_224.fb_in1k", 88_237_984,
+        "ImageNet-1k, supervised (DeiT III recipe, LayerScale)",
+        "Supervised and long-trained: sharper than DeiT, with high-norm artifact tokens in late"
+        " layers that grab attention.",
+        config=dict(
+            image_size=224, patch_size=16, num_classes=1000, no_embed_class=True, init_values=1e-6,
+            **_VIT_S, **_IMAGENET,
+        ),
+        imagenet_classes=True,
+    ),
+    "augreg_vitb16": CatalogueEntry(
+        "AugReg ViT-B/16 (21k -> 1k)", "timm/vit_base_patch16_224.augreg2_in21k_ft_in1k", 346_270_624,
+        "ImageNet-21k, then fine-tuned on ImageNet-1k (AugReg, supervised)",
+        "The original ViT recipe: early heads mix local and global, the class token's maps are"
+        " diffuse; rollout shows the object.",
+        config=dict(image_size=224, patch_size=16, num_classes=1000, **_VIT_B),
+        imagenet_classes=True,
+    ),
+    "clip_vitb16": CatalogueEntry(
+        "CLIP ViT-B/16 (OpenAI)", "timm/vit_base_patch16_clip_224.openai", 344_772_608,
+        "400 million image-text pairs from the web (OpenAI CLIP, contrastive)",
+        "Image tower only (no classes): its attention is known to be noisy, with a few background"
+        " tokens that everyone reads.",
+        config=dict(
+            image_size=224, patch_size=16, num_classes=0, pre_norm=True, patch_bias=False,
+            act_layer="quick_gelu", layer_norm_eps=1e-5, mean=OPENAI_CLIP_MEAN,
+            std=OPENAI_CLIP_STD, **_VIT_B,
+        ),
+        # The projection into the text embedding space: 512 numbers that are not class scores.
+        drop_keys=("head.weight", "head.bias"),
+    ),
+    "siglip_vitb16": CatalogueEntry(
+        "SigLIP ViT-B/16", "timm/vit_base_patch16_siglip_224.webli", 371_536_896,
+        "WebLI image-text pairs (Google SigLIP, sigmoid contrastive loss)",
+        "No class token: an attention-pool head's probe query gathers the image, and its"
+        " attention is shown where a class token's would be.",
+        # big_vision trains with JAX's gelu, the tanh approximation (as transformers runs it).
+        config=dict(
+            image_size=224, patch_size=16, num_classes=0, class_token=False, global_pool="map",
+            act_layer="gelu_tanh", **_VIT_B,
+        ),
+    ),
+}
+
+
+class DownloadError(OSError):
+    """A catalogue download failed or gave a wrong file; the message says why in one sentence."""
+
+
+def imagenet_class_names() -> tuple[str, ...]:
+    """The 1000 ImageNet-1k class names in the usual index order (shipped with torchvision)."""
+    import torchvision.models
+
+    return tuple(torchvision.models.ViT_B_16_Weights.IMAGENET1K_V1.meta["categories"])
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get(CACHE_VARIABLE) or Path.home() / ".cache" / "vit_explorer") / "models"
+
+
+def entry(name: str) -> CatalogueEntry:
+    if name not in CATALOGUE:
+        raise KeyError(name)
+    return CATALOGUE[name]
+
+
+def url(name: str) -> str:
+    repository = entry(name).source
+    hub = (os.environ.get(HUB_URL_VARIABLE) or DEFAULT_HUB_URL).rstrip("/")
+    return f"{hub}/{repository}/resolve/main/model.safetensors"
+
+
+def cached_path(name: str) -> Path:
+    return cache_dir() / f"{name}.safetensors"
+
+
+def is_downloaded(name: str) -> bool:
+    return entry(name).source.startswith("torchvision:") or cached_path(name).is_file()
+
+
+def _header_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape from a safetensors header; a DownloadError if the file has no valid
+    header or its size is not the header's plus the tensor data the header announces."""
+    size = path.stat().st_size
+    with open(path, "rb") as file:
+        start = file.read(8)
+        if len(start) < 8:
+            raise DownloadError("too short to be a safetensors file")
+        (length,) = struct.unpack("<Q", start)
+        if length > 100 * 2**20 or length > size - 8:
+            raise DownloadError("not a safetensors file")
+        try:
+            header = json.loads(file.read(length))
+            tensors = {key: value for key, value in header.items() if key != "__metadata__"}
+            data_bytes = max((value["data_offsets"][1] for value in tensors.values()), default=0)
+            shapes = {key: tuple(value["shape"]) for key, value in tensors.items()}
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
+            raise DownloadError("not a safetensors file") from None
+    if size != 8 + length + data_bytes:
+        raise DownloadError(f"truncated ({size} of {8 + length + data_bytes} bytes)")
+    return shapes
+
+
+def expected_shapes(name: str) -> dict[str, tuple[int, ...]]:
+    """The parameter shapes the entry's architecture has (built on the meta device, no memory)."""
+    with torch.device("meta"):
+        model = ViT(entry(name).config_without_names())
+    return {key: tuple(value.shape) for key, value in model.state_dict().items()}
+
+
+def check_file(name: str, path: Path) -> None:
+    """Raise DownloadError unless ``path`` holds exactly the tensors the entry's model needs."""
+    try:
+        found = _header_shapes(path)
+    except DownloadError as error:
+        raise DownloadError(f"the downloaded {name} file is {error}") from None
+    for key in entry(name).drop_keys:
+        found.pop(key, None)
+    expected = expected_shapes(name)
+    if found != expected:
+        missing = sorted(set(expected) - set(found))[:3]
+        extra = sorted(set(found) - set(expected))[:3]
+        wrong = [key for key in expected if key in found and found[key] != expected[key]][:3]
+        detail = "; ".join(
+            f"{what}: {', '.join(keys)}"
+            for what, keys in (("missing", missing), ("unexpected", extra), ("wrong shape", wrong))
+            if keys
+        )
+        raise DownloadError(f"the downloaded {name} file is not the expected model ({detail})")
+
+
+def download(name: str, progress: Callable[[int, int | None], None] | None = None) -> Path:
+    """The entry's file in the cache, downloaded first if it is not there yet.
+
+    ``progress(done_bytes, total_bytes or None)`` is called as the bytes arrive. The file is
+    written beside its final place under a temporary name, checked, and renamed into place.
+    """
+    target = cached_path(name)
+    if target.is_file():
+        return target
+    source = url(name)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    temporary = target.parent / f".{target.name}.{uuid.uuid4().hex}.tmp"
+    try:
+        with urllib.request.urlopen(source, timeout=30) as response, open(temporary, "wb") as file:
+            total = response.length
+            done = 0
+            while chunk := response.read(CHUNK_BYTES):
+                file.write(chunk)
+                done += len(chunk)
+                if progress is not None:
+                    progress(done, total)
+            if total is not None and done != total:
+                raise DownloadError(f"the download of {name} stopped after {done} of {total} bytes")
+        check_file(name, temporary)
+        os.replace(temporary, target)
+    except urllib.error.HTTPError as error:
+        raise DownloadError(
+            f"could not download {entry(name).title}: {source} answered {error.code} {error.reason}"
+        ) from None
+    except (urllib.error.URLError, TimeoutError, ConnectionError) as error:
+        reason = getattr(error, "reason", error)
+        raise DownloadError(
+            f"could not download {entry(name).title} from {source} (no internet?): {reason}"
+        ) from None
+    finally:
+        temporary.unlink(missing_ok=True)
+    return target

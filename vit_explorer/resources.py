@@ -1,0 +1,22 @@
+"""Where the app's own files are: beside the package in a checkout, under
+<prefix>/share/vit_explorer once installed with pip (pyproject.toml's data-files)."""
+from __future__ import annotations
+
+import sysconfig
+from pathlib import Path
+
+
+def app_root() -> Path:
+    """The folder holding app.py, views/, assets/ and weights/."""
+    checkout = Path(__file__).resolve().parent.parent
+    if (checkout / "app.py").is_file():
+        return checkout
+    return Path(sysconfig.get_path("data")) / "share" / "vit_explorer"
+
+
+def app_script() -> Path:
+    return app_root() / "app.py"
+
+
+def shipped_weights() -> Path:
+    return app_root() / "weights" / "vit_shapes.safetensors"
