@@ -101,10 +101,12 @@ with st.sidebar:
         if state.get("image_error"):
             st.error(state["image_error"])
 
+    if "image_notice" in state:
+        st.warning(state.pop("image_notice"))
     if selection is not None:
         with image_slot:
             image_options = ui.sample_image_options(selection.config.img_size)
-            image_options.update({key: label for key, (label, _) in state["uploaded_images"].items()})
+            image_options.update(ui.uploaded_image_options())
             state["image_picker"] = state["image_key"]
             st.selectbox(
                 "Image", list(image_options), format_func=image_options.get, key="image_picker",

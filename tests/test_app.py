@@ -3,6 +3,7 @@
 A tiny random shapes model stands in for the shipped one, so that every run is quick; the
 last test runs the pages on the shipped model itself when it is there.
 """
+import io
 import json
 import re
 from pathlib import Path
@@ -380,3 +381,26 @@ def test_a_catalogue_model_offline_says_so_in_one_sentence(monkeypatch, tmp_path
     assert error.startswith("Could not load that model: could not download DINO ViT-S/16")
     assert "(no internet?)" in error and "\n" not in error
     assert app.session_state["model_key"] == "default"
+
+
+def test_uploads_share_a_quota_and_the_oldest_go_first(monkeypatch):
+    monkeypatch.setattr(ui, "UPLOADS_QUOTA_BYTES", 6000)
+    app = open_app("views/pipeline.py")
+    pictures = []
+    for index in range(3):
+        image, _ = vx.data.shapes_sample(index, 32)
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG")
+        pictures.append(buffer.getvalue())
+    assert all(2000 < len(picture) < 3000 for picture in pictures), [len(p) for p in pictures]
+    app.file_uploader(key="image_upload").set_value(("first.png", pictures[0], "image/png")).run()
+    first = app.session_state["image_key"]
+    for name, picture in (("second.png", pictures[1]), ("third.png", pictures[2])):
+        app.file_uploader(key="image_upload").set_value((name, picture, "image/png")).run()
+    assert errors(app) == [] and app.session_state["image_key"] != first
+    assert sum(path.stat().st_size for path in ui.UPLOADS_DIR.iterdir()) <= 6000
+    assert first not in app.selectbox(key="image_picker").options  # removed to make room
+    too_big = ("huge.png", pictures[0] + b"\0" * 6000, "image/png")
+    app.file_uploader(key="image_upload").set_value(too_big).run()
+    (error,) = errors(app)
+    assert error.startswith("That upload is 0 MB, more than this server keeps for all uploads")

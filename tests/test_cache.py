@@ -54,3 +54,20 @@ def test_a_failed_computation_is_not_kept_and_can_be_tried_again():
         cache.get_or_compute("k", lambda: (_ for _ in ()).throw(RuntimeError("boom")))
     assert "k" not in cache
     assert cache.get_or_compute("k", lambda: 5) == 5
+
+
+def test_a_folder_is_trimmed_to_its_quota_oldest_first_never_the_new_upload(tmp_path):
+    import os
+
+    from vit_explorer.cache import trim_to_quota
+
+    for age, name in enumerate(["newest", "middle", "oldest"]):
+        (tmp_path / name).write_bytes(b"x" * 400)
+        os.utime(tmp_path / name, (1000 - age, 1000 - age))
+    folder = tmp_path / "checkpoint"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"x" * 300)
+    os.utime(folder, (10, 10))  # older than all, but it is the upload being kept
+    removed = trim_to_quota(tmp_path, max_bytes=800, keep=folder)
+    assert [path.name for path in removed] == ["oldest", "middle"]
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["checkpoint", "newest"]

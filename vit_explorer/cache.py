@@ -1,4 +1,5 @@
-"""A thread-safe cache bounded in bytes, for results many people of one app share.
+"""Bounded storage for a shared app: a thread-safe in-memory cache bounded in bytes, and a
+folder trimmed to a quota on disk.
 
 Streamlit's ``st.cache_data`` copies (pickles) its value on every hit: a ViT-B/16 capture at
 patch 8 is about 360 MB, so every rerun would copy it. Values here are shared as they are, so they
@@ -8,13 +9,16 @@ mutates them). Two threads that ask for the same missing key compute it once; th
 from __future__ import annotations
 
 import dataclasses
+import shutil
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Mapping
+from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
 import torch
+from PIL import Image
 
 T = TypeVar("T")
 
@@ -25,6 +29,8 @@ def nbytes(value: Any) -> int:
         return value.element_size() * value.numel()
     if isinstance(value, np.ndarray):
         return value.nbytes
+    if isinstance(value, Image.Image):
+        return value.width * value.height * len(value.getbands())
     if isinstance(value, (str, bytes)):
         return len(value)
     if isinstance(value, Mapping):
@@ -107,3 +113,30 @@ class ByteBoundedCache:
         with self._lock:
             self._entries.clear()
             self.total_bytes = 0
+
+
+def disk_bytes(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(item.stat().st_size for item in path.rglob("*") if item.is_file())
+
+
+def trim_to_quota(folder: Path, max_bytes: int, keep: Path | None = None) -> list[Path]:
+    """Remove the oldest entries of ``folder`` (its files and sub-folders, by modification time)
+    until it holds at most ``max_bytes``; ``keep`` is never removed. Returns what was removed."""
+    entries = sorted(folder.iterdir(), key=lambda entry: entry.stat().st_mtime)
+    sizes = {entry: disk_bytes(entry) for entry in entries}
+    total = sum(sizes.values())
+    removed = []
+    for entry in entries:
+        if total <= max_bytes:
+            break
+        if keep is not None and entry == keep:
+            continue
+        if entry.is_dir():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
+        total -= sizes[entry]
+        removed.append(entry)
+    return removed

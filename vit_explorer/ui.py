@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -27,7 +29,7 @@ from PIL import Image
 
 from . import catalogue, resources, train
 from .analysis import attribution, display_image
-from .cache import ByteBoundedCache
+from .cache import ByteBoundedCache, trim_to_quota
 from .capture import Capture, capture
 from .config import TrainConfig
 from .data import SHAPE_CLASSES, shapes_sample
@@ -47,6 +49,9 @@ MAX_ATTENTION_BYTES = 400 * 2**20
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # Captures, analyses and figures shared by all sessions (a ViT-B/16 capture at patch 8 is 360 MB).
 CACHE_BYTES = int(float(os.environ.get("VIT_EXPLORER_CACHE_MB") or 2048) * 2**20)
+# Uploaded checkpoints and images together; the oldest are removed first to make room.
+UPLOADS_QUOTA_BYTES = int(float(os.environ.get("VIT_EXPLORER_UPLOADS_MB") or 4096) * 2**20)
+_UPLOADS_LOCK = threading.Lock()  # one upload at a time writes and trims the folder
 # Work a view does unasked: about 3 forward passes of a ViT-S/16 at 224 (multiply-adds).
 QUICK_COST = 13e9
 T = TypeVar("T")
@@ -146,9 +151,18 @@ def photo(name: str) -> Image.Image:
     return load_image(PHOTOS_DIR / name)
 
 
-@st.cache_resource(max_entries=16, show_spinner=False)
-def uploaded_image(digest: str, _data: bytes) -> Image.Image:
-    return load_image(_data)
+def uploaded_image_path(digest: str) -> Path:
+    return UPLOADS_DIR / f"image-{digest}"
+
+
+def uploaded_image(digest: str) -> Image.Image:
+    """A decoded upload, shared by every session that uploaded the same bytes."""
+    path = uploaded_image_path(digest)
+    if not path.is_file():
+        raise FileNotFoundError(
+            "that uploaded image was removed to make room for newer uploads; upload it again"
+        )
+    return memo(("uploaded image", digest), lambda: load_image(path))
 
 
 def sample_image_options(image_size: tuple[int, int]) -> dict[str, str]:
@@ -161,6 +175,14 @@ def sample_image_options(image_size: tuple[int, int]) -> dict[str, str]:
     return options
 
 
+def uploaded_image_options() -> dict[str, str]:
+    """This session's uploads that are still kept (the uploads folder has a quota), key -> label."""
+    uploads = st.session_state["uploaded_images"]
+    for image_key in [key for key in uploads if not uploaded_image_path(key.partition(":")[2]).is_file()]:
+        del uploads[image_key]
+    return dict(uploads)
+
+
 def resolve_image(image_key: str, image_size: tuple[int, int]) -> tuple[str, Image.Image]:
     """(cache key, RGB image) for an image key; shapes depend on the model's input size."""
     kind, _, reference = image_key.partition(":")
@@ -168,8 +190,7 @@ def resolve_image(image_key: str, image_size: tuple[int, int]) -> tuple[str, Ima
         return f"{image_key}@{image_size[0]}x{image_size[1]}", shapes_image(int(reference), image_size)[0]
     if kind == "photo":
         return image_key, photo(reference)
-    _, data = st.session_state["uploaded_images"][image_key]
-    return image_key, uploaded_image(reference, data)
+    return image_key, uploaded_image(reference)
 
 
 # --- captures and everything computed from them ---------------------------------------------
@@ -302,11 +323,16 @@ def init_state() -> None:
     state.setdefault("model_key", DEFAULT_MODEL)
     state.setdefault("image_key", "shapes:0")
     state.setdefault("uploaded_models", {})  # model key -> label
-    state.setdefault("uploaded_images", {})  # image key -> (label, bytes)
+    state.setdefault("uploaded_images", {})  # image key -> label (the bytes are in UPLOADS_DIR)
 
 
 def selection() -> Selection:
     state = st.session_state
+    kind, _, digest = state["image_key"].partition(":")
+    if kind == "upload" and not uploaded_image_path(digest).is_file():
+        # Cleaned up for newer uploads (the folder has a quota): back to a built-in picture.
+        state["image_key"] = "shapes:0"
+        state["image_notice"] = "Your uploaded image was removed to make room for newer uploads; upload it again."
     patch = patch_size()
     model = model_at(state["model_key"], patch)
     image_key, image = resolve_image(state["image_key"], model.config.img_size)
@@ -455,37 +481,62 @@ def add_checkpoint_upload(files: Sequence) -> str | None:
     Returns None on success, else one sentence saying why the model stays as it was.
     """
     names = [file.name for file in files]
-    folder = UPLOADS_DIR / _upload_digest(files)
-    folder.mkdir(parents=True, exist_ok=True)
-    for file in files:
-        (folder / Path(file.name).name).write_bytes(file.getvalue())
-    if "config.json" in names:
-        target = folder  # a Hugging Face ViT: config.json beside its weights
-    elif len(files) == 1:
-        target = folder / Path(names[0]).name
-    else:
+    if "config.json" not in names and len(files) > 1:
         return (
             "Upload one checkpoint file, or a Hugging Face model's config.json together with"
             " its weights."
         )
+    folder = UPLOADS_DIR / _upload_digest(files)
+    error = _store_upload(folder, {Path(file.name).name: file.getvalue() for file in files})
+    if error:
+        return error
+    # A Hugging Face ViT is its folder: config.json beside its weights.
+    target = folder if "config.json" in names else folder / Path(names[0]).name
     model_key = f"file:{target}"
     error = select_model(model_key)
     if error is None:
         st.session_state["uploaded_models"][model_key] = f"Uploaded: {', '.join(names)}"
+    else:
+        shutil.rmtree(folder, ignore_errors=True)  # nothing can use it: give its space back
     return error
 
 
 def add_image_upload(file) -> str | None:
     """Decode an uploaded image and select it; None on success, else the one-line reason."""
     data = file.getvalue()
-    digest = hashlib.sha256(data).hexdigest()[:16]
     try:
-        uploaded_image(digest, data)
+        load_image(data)  # decoded once here, so that a bad file is refused before it is kept
     except ValueError as error:
         return f"Could not use {file.name}: {error}"
+    digest = hashlib.sha256(data).hexdigest()[:16]
+    error = _store_upload(uploaded_image_path(digest), data)
+    if error:
+        return error
     image_key = f"upload:{digest}"
-    st.session_state["uploaded_images"][image_key] = (f"Uploaded: {file.name}", data)
+    st.session_state["uploaded_images"][image_key] = f"Uploaded: {file.name}"
     st.session_state["image_key"] = image_key
+    return None
+
+
+def _store_upload(target: Path, content: bytes | dict[str, bytes]) -> str | None:
+    """Write an upload (a file's bytes, or a folder's files by name) into UPLOADS_DIR and trim the
+    folder to its quota, oldest uploads first; None on success, else the one-line reason."""
+    size = len(content) if isinstance(content, bytes) else sum(map(len, content.values()))
+    if size > UPLOADS_QUOTA_BYTES:
+        return (
+            f"That upload is {size / 2**20:.0f} MB, more than this server keeps for all uploads"
+            f" together ({UPLOADS_QUOTA_BYTES / 2**20:.0f} MB, VIT_EXPLORER_UPLOADS_MB)."
+        )
+    with _UPLOADS_LOCK:
+        UPLOADS_DIR.mkdir(parents=True, exist_ok=True)
+        if isinstance(content, bytes):
+            target.write_bytes(content)
+        else:
+            target.mkdir(exist_ok=True)
+            for name, data in content.items():
+                (target / name).write_bytes(data)
+        os.utime(target)  # a repeated upload counts as new
+        trim_to_quota(UPLOADS_DIR, UPLOADS_QUOTA_BYTES, keep=target)
     return None
 
 
