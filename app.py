@@ -86,6 +86,23 @@ with st.sidebar:
             )
             st.caption(f"{ui.describe(selection.config)}{resized}.")
             st.caption(f"{ui.parameter_count(selection.model):,} parameters.")
+            native = ui.base_model(state["model_key"]).config
+            with st.expander(f"Input size: {selection.config.img_size[0]}x{selection.config.img_size[1]} px"):
+                st.caption(
+                    f"Trained at {native.img_size[0]}x{native.img_size[1]} px. Another size (not"
+                    " necessarily square) interpolates the position embeddings to the new grid."
+                )
+                height_column, width_column = st.columns(2)
+                step = native.patch_size
+                height = height_column.number_input(
+                    "Height (px)", min_value=step, step=step, **ui.keep("input_height", native.img_size[0])
+                )
+                width = width_column.number_input(
+                    "Width (px)", min_value=step, step=step, **ui.keep("input_width", native.img_size[1])
+                )
+                problem = ui.image_size_problem(native, (int(height), int(width)))
+                if problem:
+                    st.error(f"{problem} Showing {native.img_size[0]}x{native.img_size[1]} px.")
             with st.expander("Full config"):
                 st.json(selection.config.to_dict(), expanded=False)
 

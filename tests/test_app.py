@@ -404,3 +404,20 @@ def test_uploads_share_a_quota_and_the_oldest_go_first(monkeypatch):
     app.file_uploader(key="image_upload").set_value(too_big).run()
     (error,) = errors(app)
     assert error.startswith("That upload is 0 MB, more than this server keeps for all uploads")
+
+
+def test_the_input_size_can_change_and_a_too_large_one_is_refused():
+    app = open_app("views/attention.py")
+    app.number_input(key="input_height").set_value(48).run()
+    app.number_input(key="input_width").set_value(64).run()
+    assert not app.exception and errors(app) == []
+    assert any("48x64 px input, patch 4 -> 12x16 grid" in caption.value for caption in app.sidebar.caption)
+    assert title_matching(app, "^Layer 3, head 0").startswith("Layer 3, head 0: 193 x 193 attention")
+    app.switch_page("views/patches.py").run()
+    assert title_matching(app, "^Input image as a").startswith("Input image as a 12 x 16 grid")
+    app.number_input(key="input_width").set_value(4000).run()
+    (error,) = errors(app)
+    assert "more than the 400 MB this app allows; choose a smaller size" in error
+    assert title_matching(app, "^Input image as a").startswith("Input image as a 8 x 8 grid")
+    app.number_input(key="input_width").set_value(30).run()
+    assert errors(app)[0].startswith("The input size must be a multiple of the patch size (4 px)")

@@ -89,13 +89,36 @@ def base_model(model_key: str) -> ViT:
     return model.to(DEVICE).eval()
 
 
-@st.cache_resource(max_entries=4, show_spinner="Resizing the patch embedding ...")
-def model_at(model_key: str, patch_size: int) -> ViT:
-    """The model resized to ``patch_size`` (FlexiViT PI-resize); the base model at its own size."""
+@st.cache_resource(max_entries=4, show_spinner="Resizing the model ...")
+def model_at(model_key: str, patch_size: int, image_size: tuple[int, int]) -> ViT:
+    """The model resized to ``patch_size`` (FlexiViT PI-resize) and ``image_size`` (position
+    embeddings resampled); the base model itself at its own sizes."""
     model = base_model(model_key)
-    if patch_size == model.config.patch_size:
+    if patch_size == model.config.patch_size and tuple(image_size) == model.config.img_size:
         return model
-    return resize_model(model, patch_size=patch_size).eval()
+    return resize_model(model, patch_size=patch_size, image_size=tuple(image_size)).eval()
+
+
+def attention_bytes(config, tokens: int | None = None) -> int:
+    """Bytes of one image's float32 attention, every layer and head."""
+    tokens = config.num_tokens if tokens is None else tokens
+    return config.depth * config.num_heads * tokens**2 * 4
+
+
+def image_size_problem(config, image_size: tuple[int, int]) -> str | None:
+    """Why the model (at its own patch size) cannot be explored at ``image_size``; None if it can."""
+    height, width = image_size
+    patch = config.patch_size
+    if height < patch or width < patch or height % patch or width % patch:
+        return f"The input size must be a multiple of the patch size ({patch} px) on both sides."
+    tokens = config.num_prefix_tokens + (height // patch) * (width // patch)
+    if attention_bytes(config, tokens) > MAX_ATTENTION_BYTES:
+        return (
+            f"At {height}x{width} px this model has {tokens} tokens and its attention would take"
+            f" {attention_bytes(config, tokens) / 2**20:.0f} MB, more than the"
+            f" {MAX_ATTENTION_BYTES / 2**20:.0f} MB this app allows; choose a smaller size."
+        )
+    return None
 
 
 def patch_size_options(config) -> list[int]:
@@ -106,7 +129,7 @@ def patch_size_options(config) -> list[int]:
         if height % patch or width % patch:
             continue
         tokens = config.num_prefix_tokens + (height // patch) * (width // patch)
-        if config.depth * config.num_heads * tokens**2 * 4 <= MAX_ATTENTION_BYTES:
+        if attention_bytes(config, tokens) <= MAX_ATTENTION_BYTES:
             options.append(patch)
     return sorted(set(options) | {config.patch_size})
 
@@ -270,11 +293,12 @@ class Selection:
 
     @property
     def base_model(self) -> ViT:
-        return base_model(self.model_key)
+        """The model at its own patch size (and at the chosen input size)."""
+        return model_at(self.model_key, base_model(self.model_key).config.patch_size, self.config.img_size)
 
     @property
-    def key(self) -> tuple[str, int, str]:
-        return (self.model_key, self.patch_size, self.image_key)
+    def key(self) -> tuple[str, int, tuple[int, int], str]:
+        return (self.model_key, self.patch_size, self.config.img_size, self.image_key)
 
     def memo(self, *key, compute: Callable[[], T], spinner: str | None = None) -> T:
         """``compute()`` once per (this model, patch size and image, ``key``) for everybody."""
@@ -298,7 +322,7 @@ class Selection:
 
         With ``run=False`` only what somebody already computed for this model and image, or None.
         """
-        key = (self.model_key, self.image_key, "predictions by patch size")
+        key = (self.model_key, self.config.img_size, self.image_key, "predictions by patch size")
         if not run and key not in shared_results():
             return None
         return memo(key, lambda: predictions_by_patch_size(self.base_model, self.image), "Trying every patch size ...")
@@ -333,15 +357,25 @@ def selection() -> Selection:
         # Cleaned up for newer uploads (the folder has a quota): back to a built-in picture.
         state["image_key"] = "shapes:0"
         state["image_notice"] = "Your uploaded image was removed to make room for newer uploads; upload it again."
-    patch = patch_size()
-    model = model_at(state["model_key"], patch)
+    size = image_size()
+    patch = patch_size(size)
+    model = model_at(state["model_key"], patch, size)
     image_key, image = resolve_image(state["image_key"], model.config.img_size)
     return Selection(state["model_key"], patch, image_key, model, image)
 
 
-def patch_size() -> int:
-    """The patch size chosen on the Patches page, if valid for the current model, else its own."""
+def image_size() -> tuple[int, int]:
+    """The input size chosen in the sidebar, if valid for the current model, else its own."""
     config = base_model(st.session_state["model_key"]).config
+    chosen = tuple(st.session_state.get(kept_key(key)) for key in ("input_height", "input_width"))
+    if None in chosen or image_size_problem(config, chosen):
+        return config.img_size
+    return chosen
+
+
+def patch_size(image_size: tuple[int, int]) -> int:
+    """The patch size chosen on the Patches page, if valid for the model at ``image_size``, else its own."""
+    config = base_model(st.session_state["model_key"]).config.replace(image_size=image_size)
     kept = st.session_state.get(kept_key("patch_size"))
     return kept if kept in patch_size_options(config) else config.patch_size
 
