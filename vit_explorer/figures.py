@@ -471,7 +471,7 @@ def attention_matrix(
     labels = token_labels(tokens, num_prefix_tokens, class_token, dist_token)
     fig = go.Figure(
         go.Heatmap(
-            z=attention, x=labels, y=labels, colorscale=VALUE_SCALE,
+            z=attention.astype(np.float32), x=labels, y=labels, colorscale=VALUE_SCALE,  # half the JSON
             hovertemplate="query %{y}<br>key %{x}<br>attention %{z:.4g}<extra></extra>",
             colorbar=dict(title="attention"),
         )
