@@ -71,3 +71,9 @@ def test_a_folder_is_trimmed_to_its_quota_oldest_first_never_the_new_upload(tmp_
     removed = trim_to_quota(tmp_path, max_bytes=800, keep=folder)
     assert [path.name for path in removed] == ["oldest", "middle"]
     assert sorted(path.name for path in tmp_path.iterdir()) == ["checkpoint", "newest"]
+
+
+def test_a_model_counts_its_parameters_and_buffers():
+    module = torch.nn.Linear(10, 20)
+    module.register_buffer("scale", torch.zeros(5))
+    assert nbytes(module) == (10 * 20 + 20 + 5) * 4

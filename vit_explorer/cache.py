@@ -29,6 +29,8 @@ def nbytes(value: Any) -> int:
         return value.element_size() * value.numel()
     if isinstance(value, np.ndarray):
         return value.nbytes
+    if isinstance(value, torch.nn.Module):
+        return sum(nbytes(tensor) for tensor in (*value.parameters(), *value.buffers()))
     if isinstance(value, Image.Image):
         return value.width * value.height * len(value.getbands())
     if isinstance(value, (str, bytes)):

@@ -49,6 +49,8 @@ MAX_ATTENTION_BYTES = 400 * 2**20
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # Captures, analyses and figures shared by all sessions (a ViT-B/16 capture at patch 8 is 360 MB).
 CACHE_BYTES = int(float(os.environ.get("VIT_EXPLORER_CACHE_MB") or 2048) * 2**20)
+# Models loaded or resized for any session (a ViT-B/16 is 330 MB).
+MODELS_BYTES = int(float(os.environ.get("VIT_EXPLORER_MODELS_MB") or 3072) * 2**20)
 # Uploaded checkpoints and images together; the oldest are removed first to make room.
 UPLOADS_QUOTA_BYTES = int(float(os.environ.get("VIT_EXPLORER_UPLOADS_MB") or 4096) * 2**20)
 _UPLOADS_LOCK = threading.Lock()  # one upload at a time writes and trims the folder
@@ -70,33 +72,47 @@ def default_weights() -> Path:
     return Path(os.environ.get("VIT_EXPLORER_DEFAULT_MODEL") or train.DEFAULT_WEIGHTS)
 
 
-@st.cache_resource(max_entries=4, show_spinner="Loading the model ...")
+@st.cache_resource
+def shared_models() -> ByteBoundedCache:
+    """Every session's models (each loaded once), bounded in bytes of parameters and buffers."""
+    return ByteBoundedCache(MODELS_BYTES)
+
+
 def base_model(model_key: str) -> ViT:
     """The model behind a key at its own patch size, in eval mode on the app's device."""
-    kind, _, reference = model_key.partition(":")
-    if kind == DEFAULT_MODEL:
-        weights = default_weights()
-        if not weights.is_file():
-            raise FileNotFoundError(
-                f"the default model {weights} is missing; train it with"
-                " `python -m vit_explorer train` or upload a checkpoint"
-            )
-        model = load_model(weights)
-    elif kind == "pretrained":
-        model = load_pretrained(reference)
-    else:
-        model = load_model(reference)
-    return model.to(DEVICE).eval()
+    def load() -> ViT:
+        kind, _, reference = model_key.partition(":")
+        if kind == DEFAULT_MODEL:
+            weights = default_weights()
+            if not weights.is_file():
+                raise FileNotFoundError(
+                    f"the default model {weights} is missing; train it with"
+                    " `python -m vit_explorer train` or upload a checkpoint"
+                )
+            model = load_model(weights)
+        elif kind == "pretrained":
+            model = load_pretrained(reference)
+        else:
+            model = load_model(reference)
+        return model.to(DEVICE).eval()
+
+    return shared_models().get_or_compute(("base", model_key), lambda: _with_spinner("Loading the model ...", load))
 
 
-@st.cache_resource(max_entries=4, show_spinner="Resizing the model ...")
 def model_at(model_key: str, patch_size: int, image_size: tuple[int, int]) -> ViT:
     """The model resized to ``patch_size`` (FlexiViT PI-resize) and ``image_size`` (position
     embeddings resampled); the base model itself at its own sizes."""
     model = base_model(model_key)
-    if patch_size == model.config.patch_size and tuple(image_size) == model.config.img_size:
+    image_size = tuple(image_size)
+    if patch_size == model.config.patch_size and image_size == model.config.img_size:
         return model
-    return resize_model(model, patch_size=patch_size, image_size=tuple(image_size)).eval()
+    return shared_models().get_or_compute(
+        ("resized", model_key, patch_size, image_size),
+        lambda: _with_spinner(
+            "Resizing the model ...",
+            lambda: resize_model(model, patch_size=patch_size, image_size=image_size).eval(),
+        ),
+    )
 
 
 def attention_bytes(config, tokens: int | None = None) -> int:
@@ -225,15 +241,16 @@ def shared_results() -> ByteBoundedCache:
     return ByteBoundedCache(CACHE_BYTES)
 
 
+def _with_spinner(text: str | None, compute: Callable[[], T]) -> T:
+    if text is None:
+        return compute()
+    with st.spinner(text):
+        return compute()
+
+
 def memo(key: tuple, compute: Callable[[], T], spinner: str | None = None) -> T:
     """``compute()`` once per key for everybody; the value is shared, so it is never mutated."""
-    def run() -> T:
-        if spinner is None:
-            return compute()
-        with st.spinner(spinner):
-            return compute()
-
-    return shared_results().get_or_compute(key, run)
+    return shared_results().get_or_compute(key, lambda: _with_spinner(spinner, compute))
 
 
 def forward_cost(config, patch_size: int | None = None) -> float:
