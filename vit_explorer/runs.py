@@ -87,9 +87,9 @@ def _dataset_sizes(config: TrainConfig) -> tuple[int, int, int]:
 
 def _forward_floats(batch: int, tokens: int, dim: int, hidden: int, heads: int, depth: int, training: bool) -> int:
     """Floats alive at the peak of one batch's forward (training: kept for backward) and backward."""
-    # Per block: norms, qkv, attention output, projection, residuals (about 10 (B, N, D)) and the
+    # Per block: norms, qkv, attention output, projection, residuals (about 12 (B, N, D)) and the
     # MLP's (B, N, 4D) twice.
-    block = 10 * batch * tokens * dim + 2 * batch * tokens * hidden
+    block = 12 * batch * tokens * dim + 2 * batch * tokens * hidden
     if not training:  # no grad: one block at a time, through the fused attention (no (N, N) matrix)
         return block
     # The (B, nh, N, N) scores and softmax of an unfused attention; every block is kept for
@@ -288,6 +288,11 @@ class RunManager:
     def owns(self, run_id: str, owner: str) -> bool:
         with self._lock:
             return self._owners.get(run_id) == owner
+
+    def owner_of(self, run_id: str) -> str | None:
+        """The token that launched a run; None for runs found in the runs folder."""
+        with self._lock:
+            return self._owners.get(run_id)
 
     def stop(self, run_id: str, owner: str) -> bool:
         """Stop a running run, or withdraw a waiting one, if ``owner`` launched it; whether it did."""
