@@ -89,12 +89,13 @@ if not runs:
 run_ids = list(runs)
 if state.get("watched_run") not in runs:
     state["watched_run"] = run_ids[-1]
-run_id = st.selectbox(
-    "Run", run_ids, key="watched_run",
-    format_func=lambda run_id: f"{run_id}: {runs[run_id].config.dataset},"
-    f" {runs[run_id].config.model if isinstance(runs[run_id].config.model, str) else 'custom'} model"
-    + (" (read-only)" if ui.someone_elses_run(run_id) else ""),
-)
+labels = {
+    run_id: f"{run_id}: {run.config.dataset},"
+    f" {run.config.model if isinstance(run.config.model, str) else 'custom'} model"
+    + (" (read-only)" if ui.someone_elses_run(run_id) else "")
+    for run_id, run in runs.items()
+}
+run_id = st.selectbox("Run", run_ids, key="watched_run", format_func=labels.get)
 shown_status = runs[run_id].status
 live = shown_status in ("pending", "running")
 
