@@ -142,13 +142,17 @@ with st.sidebar:
                     )
 
     active = ui.active_runs()
+    waiting = ui.run_manager().queued()
 
-    @st.fragment(run_every=2.0 if active else None)
+    @st.fragment(run_every=2.0 if active or waiting else None)
     def training_status() -> None:
-        if len(ui.active_runs()) < len(active):
-            st.rerun()  # a run has ended: the model picker can offer it now
-        for run_id, run in ui.active_runs().items():
+        running, queued = ui.active_runs(), ui.run_manager().queued()
+        if set(running) != set(active) or queued != waiting:
+            st.rerun()  # a run has ended or started: the model picker can offer it now
+        for run_id, run in running.items():
             st.progress(run.progress, text=f"Training {run_id}: {run.progress:.0%}")
+        if queued:
+            st.caption(f"Waiting for a free slot: {', '.join(queued)}.")
 
     training_status()
 

@@ -40,9 +40,7 @@ def tiny_default(tmp_path, monkeypatch):
     st.cache_data.clear()
     st.cache_resource.clear()
     yield weights
-    for run in ui.training_runs().values():
-        run.stop()
-        run.join(timeout=60)
+    ui.run_manager().shutdown()
     st.cache_resource.clear()
 
 
@@ -264,6 +262,7 @@ def test_a_one_epoch_training_run_produces_metrics_and_becomes_the_model():
     assert not app.exception and errors(app) == []
     (run,) = ui.training_runs().values()
     assert run.join(timeout=120) and run.status == "finished", run.error
+    assert run.peak_rss is not None  # it trained in a process of its own
     app.run()
     metrics = {metric.label: metric.value for metric in app.metric}
     assert metrics["Step"] == "4 / 4"
@@ -283,6 +282,64 @@ def test_an_impossible_custom_model_is_refused_with_a_sentence():
     assert not app.exception
     assert errors(app) == ["Cannot train that: image size 32x32 is not divisible by patch size 5"]
     assert ui.training_runs() == {}
+
+
+def test_a_model_too_large_for_the_server_is_refused_before_it_starts():
+    app = open_app("views/train.py")
+    form = app.get("form")[0]
+    widget(form.selectbox, "Model size").set_value("custom")
+    for label, value in [("Patch size", 1), ("Dim", 1024), ("Depth", 24), ("Heads", 16), ("Batch size", 4096)]:
+        widget(form.number_input, label).set_value(value)
+    app.get("form_submit_button")[0].click().run()
+    assert not app.exception
+    (error,) = errors(app)
+    assert error.startswith("This run would need about ") and "a run may use on this server" in error
+    assert "lower the batch size (4096), use a larger patch size (patch 1 gives 1025 tokens" in error
+    assert ui.training_runs() == {}
+
+
+def launch(app: AppTest, epochs: int) -> None:
+    form = app.get("form")[0]
+    widget(form.number_input, "Epochs").set_value(epochs)
+    widget(form.number_input, "Training images (0: the whole dataset)").set_value(256)
+    app.get("form_submit_button")[0].click().run()
+    assert not app.exception and errors(app) == []
+
+
+def progress_texts(app: AppTest) -> list[str]:
+    return [element.proto.text for element in app.get("progress")]
+
+
+def test_runs_wait_their_turn_and_only_their_owner_stops_them(monkeypatch):
+    monkeypatch.setenv("VIT_EXPLORER_MAX_RUNS", "1")
+    alice = open_app("views/train.py")
+    token = alice.query_params[ui.OWNER_PARAM]
+    assert token  # created on the first visit
+    launch(alice, epochs=200)
+    launch(alice, epochs=1)
+    assert "run 2 queued: 1st in line; it starts by itself when a slot frees" in progress_texts(alice)
+    assert widget(alice.button, "Withdraw")
+
+    # Someone else watches alice's run but cannot stop it.
+    bob = open_app("views/train.py")
+    assert bob.query_params[ui.OWNER_PARAM] != token
+    bob.selectbox(key="watched_run").set_value("run 1").run()
+    assert bob.selectbox(key="watched_run").options == [
+        f"run {number}: shapes, tiny model (read-only)" for number in (1, 2)
+    ]
+    assert [button.label for button in bob.button if button.label in ("Stop", "Withdraw")] == []
+    assert any("only they can stop it" in caption.value for caption in bob.caption)
+
+    # Alice reloads the page: her token is in its address, and her Stop button is back.
+    again = AppTest.from_file(APP, default_timeout=60)
+    again.query_params[ui.OWNER_PARAM] = token
+    again.run().switch_page("views/train.py").run()
+    again.selectbox(key="watched_run").set_value("run 1").run()
+    run = ui.training_runs()["run 1"]
+    widget(again.button, "Stop").click().run()
+    assert run.join(timeout=60) and run.status == "stopped", run.error
+    assert ui.run_manager().place("run 2") is None  # it started when the slot freed
+    assert ui.training_runs()["run 2"].join(timeout=120)
 
 
 @pytest.mark.skipif(not train.DEFAULT_WEIGHTS.is_file(), reason="the shipped model is not there yet")

@@ -4,6 +4,7 @@ from pathlib import Path
 import streamlit as st
 
 from vit_explorer import analysis, figures, ui
+from vit_explorer.runs import RunRefused, ordinal
 from vit_explorer.config import PRESETS, TrainConfig, ViTConfig
 from vit_explorer.data import SHAPE_CLASSES, native_image_size
 from vit_explorer.train import model_config
@@ -17,6 +18,7 @@ DATASETS = {
 CUSTOM = "custom"
 DEFAULTS, DEFAULT_MODEL = TrainConfig(), PRESETS[TrainConfig().model]
 state = st.session_state
+ui.owner_token()  # into the address on the first visit, so that a reload keeps this person's runs
 
 st.title("Train")
 st.write(
@@ -24,6 +26,12 @@ st.write(
     " attention of a fixed probe image turns from a blur into a look at the object. Training runs"
     " in the background, so you can explore other pages meanwhile; when it ends, one click makes"
     " it the model every page explores."
+)
+st.caption(
+    "Everyone on this server sees every run, but only the person who launched a run can stop it"
+    " (this page's address carries your token: keep it to keep control after a reload). Each run"
+    " trains in its own process; a run too large for the server is refused, and when all slots"
+    " are busy a run waits its turn."
 )
 
 with st.form("train_form"):
@@ -68,7 +76,10 @@ if launched:
     except ValueError as error:
         st.error(f"Cannot train that: {error}")
     else:
-        state["watched_run"] = ui.start_run(config)
+        try:
+            state["watched_run"] = ui.start_run(config)
+        except RunRefused as refusal:
+            st.error(str(refusal))
 
 runs = ui.training_runs()
 if not runs:
@@ -78,26 +89,40 @@ if not runs:
 run_ids = list(runs)
 if state.get("watched_run") not in runs:
     state["watched_run"] = run_ids[-1]
-run_id = st.selectbox(
-    "Run", run_ids, key="watched_run",
-    format_func=lambda run_id: f"{run_id}: {runs[run_id].config.dataset},"
-    f" {runs[run_id].config.model if isinstance(runs[run_id].config.model, str) else 'custom'} model",
-)
-running = runs[run_id].status == "running"
+labels = {
+    run_id: f"{run_id}: {run.config.dataset},"
+    f" {run.config.model if isinstance(run.config.model, str) else 'custom'} model"
+    + (" (read-only)" if ui.someone_elses_run(run_id) else "")
+    for run_id, run in runs.items()
+}
+run_id = st.selectbox("Run", run_ids, key="watched_run", format_func=labels.get)
+shown_status = runs[run_id].status
+live = shown_status in ("pending", "running")
 
 
-@st.fragment(run_every=1.0 if running else None)
+@st.fragment(run_every=1.0 if live else None)
 def live_view() -> None:
-    run = ui.training_runs()[run_id]
+    run = ui.training_runs().get(run_id)
+    if run is None or run.status != shown_status or "requested_model" in state:
+        st.rerun()  # withdrawn, started or ended, or now the model: the page and sidebar must show it
     status, progress, eta = run.status, run.progress, run.eta_seconds
-    if (running and status != "running") or "requested_model" in state:
-        st.rerun()  # a run just ended or became the model: the sidebar must show it
-    eta_text = f", about {eta:.0f} s left" if eta is not None and status == "running" else ""
-    st.progress(progress, text=f"{run_id} {status}: {progress:.0%}{eta_text}")
-    if status == "running":
-        st.button("Stop", on_click=run.stop, icon=":material/stop:")
+    place = ui.run_manager().place(run_id)
+    if place is not None:
+        st.progress(0.0, text=f"{run_id} queued: {ordinal(place)} in line; it starts by itself when a slot frees")
+    else:
+        eta_text = f", about {eta:.0f} s left" if eta is not None and status == "running" else ""
+        st.progress(progress, text=f"{run_id} {status}: {progress:.0%}{eta_text}")
+    if ui.someone_elses_run(run_id):
+        st.caption("Someone else launched this run: you can watch it, only they can stop it.")
+    elif status in ("pending", "running") and ui.owns_run(run_id):
+        st.button(
+            "Stop" if place is None else "Withdraw", on_click=ui.stop_run, args=(run_id,),
+            icon=":material/stop:",
+        )
     if run.error:
         st.error(f"The run failed: {run.error}")
+    if run.peak_rss is not None:
+        st.caption(f"Its process used at most {run.peak_rss / 2**30:.2f} GB of memory.")
 
     history = run.history
     steps, epochs_done = history["steps"], history["epochs"]

@@ -1,4 +1,4 @@
-"""Training: a generator of events (``train``) and a background thread around it (``TrainingRun``).
+"""Training: a generator of events (``train``) and a background run around it (``TrainingRun``).
 
 ``train(config)`` yields StepEvent, EpochEvent, SnapshotEvent (the attention of a fixed probe
 image, so that a viewer can watch attention form) and finally DoneEvent. Under ``torchrun`` it
@@ -8,12 +8,16 @@ augmented there, so nothing waits for a loader.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
+import multiprocessing
 import os
+import resource
+import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -399,26 +403,98 @@ def readable_error(error: BaseException) -> str:
     """One sentence for a person, whatever went wrong in a run."""
     if isinstance(error, torch.cuda.OutOfMemoryError):
         return "the GPU ran out of memory; lower the batch size or use a smaller model"
+    if isinstance(error, MemoryError) or "can't allocate memory" in str(error):
+        return (
+            "the run needed more memory than it may use; lower the batch size, use a larger patch"
+            " size (fewer tokens) or a smaller dim or depth"
+        )
     if isinstance(error, (ValueError, OSError)):
         return str(error).splitlines()[0] if str(error) else type(error).__name__
     first_line = str(error).splitlines()[0] if str(error) else ""
     return f"training failed: {type(error).__name__}" + (f": {first_line}" if first_line else "")
 
 
-class TrainingRun:
-    """``train(config)`` on a background thread, with a thread-safe view of how it is going.
+def exit_sentence(exitcode: int) -> str:
+    """Why a run's process ended without reporting, in one sentence."""
+    if exitcode == -signal.SIGKILL:
+        return (
+            "the run's process was ended by the operating system, most likely for lack of memory;"
+            " lower the batch size, use a larger patch size (fewer tokens) or a smaller model"
+        )
+    if exitcode < 0:
+        return f"the run's process was ended by signal {signal.Signals(-exitcode).name}"
+    return f"the run's process exited unexpectedly (exit code {exitcode})"
 
-    ``status`` is "pending", "running", "stopped", "finished" or "failed" (then ``error`` says
-    why in one sentence). The thread never raises into the caller and never touches a UI.
+
+@dataclass
+class _Ended:
+    """The child's last message: why it failed (None if it did not) and its peak memory."""
+
+    error: str | None
+    peak_rss: int
+
+
+def _memory_status(field: str) -> int:
+    """A Vm* field of /proc/self/status in bytes (VmHWM: the peak resident memory)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        name, _, value = line.partition(":")
+        if name == field:
+            return int(value.split()[0]) * 1024
+    raise OSError(f"/proc/self/status has no {field}")
+
+
+def _train_in_child(config_json: str, connection, stop, threads: int, memory_limit: int | None) -> None:
+    """A spawned process's whole life: train, send every event back, end with an _Ended."""
+    with contextlib.suppress(OSError):
+        os.nice(5)  # the server's sessions come first
+    torch.set_num_threads(threads)
+    config = TrainConfig.from_json(config_json)
+    error = None
+    try:
+        if memory_limit is not None and resolve_device(config.device).type == "cpu":
+            # The kernel counts the address space torch has mapped but not touched as data too:
+            # grant that much on top of the admitted memory, so that an allocation beyond it
+            # fails here with a MemoryError rather than waking the OOM killer.
+            untouched = _memory_status("VmData") - _memory_status("VmRSS")
+            resource.setrlimit(resource.RLIMIT_DATA, (untouched + memory_limit, resource.RLIM_INFINITY))
+        for event in train(config, stop=stop):
+            if isinstance(event, SnapshotEvent):  # numpy pickles by value: no shared-memory files
+                event = dataclasses.replace(event, attentions=event.attentions.numpy())
+            connection.send(event)
+    except BaseException as failure:  # the parent hears why; the process then ends normally
+        error = readable_error(failure)
+    connection.send(_Ended(error, _memory_status("VmHWM")))
+    connection.close()
+
+
+class TrainingRun:
+    """``train(config)`` in the background, with a thread-safe view of how it is going.
+
+    By default it trains on a thread of this process. With ``process=True`` it trains in a
+    spawned process of its own with ``threads`` CPU threads and at most ``memory_limit`` bytes
+    (CPU runs), and a thread here relays its events: a crash, an out-of-memory or a runaway
+    config then ends that run only. ``status`` is "pending", "running", "stopped", "finished" or
+    "failed" (then ``error`` says why in one sentence). Nothing ever raises into the caller or
+    touches a UI. ``on_end`` is called (from the run's thread) once the run has ended.
     """
 
-    def __init__(self, config: TrainConfig):
+    def __init__(
+        self, config: TrainConfig, *, process: bool = False, threads: int = 1,
+        memory_limit: int | None = None, on_end: Callable[[], None] | None = None,
+    ):
         self.config = config
         self._lock = threading.Lock()
-        self._stop = threading.Event()
+        self._process_mode = process
+        self._context = multiprocessing.get_context("spawn")
+        self._stop = self._context.Event() if process else threading.Event()
+        self._threads = threads
+        self._memory_limit = memory_limit
+        self._on_end = on_end
         self._thread: threading.Thread | None = None
+        self._process = None
         self._status = "pending"
         self._error: str | None = None
+        self._peak_rss: int | None = None
         self._steps: list[dict] = []
         self._epochs: list[dict] = []
         self._latest_snapshot: SnapshotEvent | None = None
@@ -430,12 +506,28 @@ class TrainingRun:
                 history = load_history(checkpoint_paths(config)["checkpoint"])["history"]
                 self._steps, self._epochs = list(history["steps"]), list(history["epochs"])
 
+    @classmethod
+    def restored(cls, checkpoint: str | Path) -> "TrainingRun":
+        """A run that ended earlier (in another server's life), rebuilt from its checkpoint's sidecar."""
+        saved = load_history(checkpoint)
+        run = cls(TrainConfig.from_dict(saved["train_config"]))
+        run._steps, run._epochs = list(saved["history"]["steps"]), list(saved["history"]["epochs"])
+        run._status = "finished" if saved["finished"] else "stopped"
+        run._progress = saved["step"] / max(saved["total_steps"], 1)
+        accuracy = saved["test_accuracy"]
+        run._done = DoneEvent(
+            checkpoint=str(checkpoint), stopped=not saved["finished"],
+            test_accuracy=math.nan if accuracy is None else accuracy, seconds=math.nan,
+        )
+        return run
+
     def start(self) -> "TrainingRun":
         with self._lock:
-            if self._thread is not None:
+            if self._thread is not None or self._status != "pending":
                 raise RuntimeError("this run has already been started")
             self._status = "running"
-            self._thread = threading.Thread(target=self._work, name=f"train-{self.config.run_name}", daemon=True)
+            target = self._relay if self._process_mode else self._work
+            self._thread = threading.Thread(target=target, name=f"train-{self.config.run_name}", daemon=True)
             self._thread.start()
         return self
 
@@ -449,29 +541,85 @@ class TrainingRun:
             self._thread.join(timeout)
         return self._thread is not None and not self._thread.is_alive()
 
-    def _work(self) -> None:
-        try:
-            for event in train(self.config, stop=self._stop):
-                with self._lock:
-                    if isinstance(event, StepEvent):
-                        self._steps.append(asdict(event))
-                        self._progress = event.step / event.total_steps
-                        if self._pace_from is None:
-                            self._pace_from = (time.perf_counter(), self._progress)
-                    elif isinstance(event, EpochEvent):
-                        self._epochs.append(asdict(event))
-                    elif isinstance(event, SnapshotEvent):
-                        self._latest_snapshot = event
-                    else:
-                        self._done = event
-            with self._lock:
+    def _record(self, event: Event) -> None:
+        with self._lock:
+            if isinstance(event, StepEvent):
+                self._steps.append(asdict(event))
+                self._progress = event.step / event.total_steps
+                if self._pace_from is None:
+                    self._pace_from = (time.perf_counter(), self._progress)
+            elif isinstance(event, EpochEvent):
+                self._epochs.append(asdict(event))
+            elif isinstance(event, SnapshotEvent):
+                self._latest_snapshot = event
+            else:
+                self._done = event
+
+    def _end(self, error: str | None) -> None:
+        with self._lock:
+            if error is not None:
+                self._status, self._error = "failed", error
+            else:
                 self._status = "stopped" if self._done is not None and self._done.stopped else "finished"
                 if self._status == "finished":
                     self._progress = 1.0
-        except BaseException as error:  # a failed run reports, it never takes the caller down
-            with self._lock:
-                self._status = "failed"
-                self._error = readable_error(error)
+        if self._on_end is not None:
+            self._on_end()
+
+    def _work(self) -> None:
+        error = None
+        try:
+            for event in train(self.config, stop=self._stop):
+                self._record(event)
+        except BaseException as failure:  # a failed run reports, it never takes the caller down
+            error = readable_error(failure)
+        self._end(error)
+
+    def _relay(self) -> None:
+        receiver, sender = self._context.Pipe(duplex=False)
+        process = self._context.Process(
+            target=_train_in_child, name=f"train-{self.config.run_name}", daemon=True,
+            args=(self.config.to_json(), sender, self._stop, self._threads, self._memory_limit),
+        )
+        ended = None
+        try:
+            process.start()
+            self._process = process
+            sender.close()  # the child holds the only sending end: its exit ends recv() below
+            while True:
+                try:
+                    message = receiver.recv()
+                except EOFError:
+                    break
+                if isinstance(message, _Ended):
+                    ended = message
+                elif isinstance(message, SnapshotEvent):
+                    self._record(dataclasses.replace(message, attentions=torch.from_numpy(message.attentions)))
+                else:
+                    self._record(message)
+            process.join()
+        except BaseException as failure:  # could not start or hear the child: this run fails alone
+            if process.is_alive():
+                process.kill()
+                process.join()
+            ended = _Ended(readable_error(failure), 0)
+        finally:
+            receiver.close()
+        with self._lock:
+            if ended is not None:
+                self._peak_rss = ended.peak_rss or None
+        self._end(ended.error if ended is not None else exit_sentence(process.exitcode or 0))
+
+    @property
+    def pid(self) -> int | None:
+        """The training process's id (process mode, once started)."""
+        return self._process.pid if self._process is not None else None
+
+    @property
+    def peak_rss(self) -> int | None:
+        """The training process's peak resident memory in bytes, once it has ended (process mode)."""
+        with self._lock:
+            return self._peak_rss
 
     @property
     def status(self) -> str:

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import hashlib
 import os
+import secrets
 import shutil
 import tempfile
 import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +27,7 @@ import streamlit as st
 import torch
 from PIL import Image
 
-from . import catalogue, resources, train
+from . import catalogue, resources, runs, train
 from .analysis import attribution, display_image
 from .cache import ByteBoundedCache, trim_to_quota
 from .capture import Capture, capture
@@ -593,22 +593,49 @@ def _store_upload(target: Path, content: bytes | dict[str, bytes]) -> str | None
 
 # --- training runs ---------------------------------------------------------------------------
 
+OWNER_PARAM = "owner"
+
 
 @st.cache_resource
+def run_manager() -> runs.RunManager:
+    """The server's runs: each trains in its own process; ended ones are found in RUNS_DIR again."""
+    return runs.RunManager(RUNS_DIR)
+
+
 def training_runs() -> dict[str, train.TrainingRun]:
-    """Runs started in this app process, by id; kept across page reloads and sessions."""
-    return {}
+    """Every run of this server by id, launched, waiting or found in the runs folder."""
+    return run_manager().runs()
+
+
+def owner_token() -> str:
+    """This person's token: in the page's address, so that a reload keeps their runs theirs."""
+    token = st.query_params.get(OWNER_PARAM)
+    if not token:
+        token = secrets.token_urlsafe(12)
+        st.query_params[OWNER_PARAM] = token
+    return token
 
 
 def start_run(config: TrainConfig) -> str:
-    """Start ``config`` on a background thread under a fresh id and name; returns the id."""
-    runs = training_runs()
-    run_id = f"run {len(runs) + 1}"
-    name = f"app_{config.dataset}_{time.strftime('%Y%m%d-%H%M%S')}_{len(runs) + 1}"
-    run = train.TrainingRun(config.replace(out_dir=str(RUNS_DIR), name=name))
-    runs[run_id] = run.start()
-    return run_id
+    """Launch ``config`` for this person (it starts now or waits its turn); its id.
+
+    Raises runs.RunRefused with the sentence to show when the server cannot take it.
+    """
+    return run_manager().launch(config, owner_token())
+
+
+def stop_run(run_id: str) -> None:
+    run_manager().stop(run_id, owner_token())
+
+
+def owns_run(run_id: str) -> bool:
+    return run_manager().owns(run_id, owner_token())
+
+
+def someone_elses_run(run_id: str) -> bool:
+    """Launched by another person (runs found in the runs folder after a restart are no one's)."""
+    return run_manager().owner_of(run_id) not in (None, owner_token())
 
 
 def active_runs() -> dict[str, train.TrainingRun]:
-    return {run_id: run for run_id, run in training_runs().items() if run.status == "running"}
+    return run_manager().running()

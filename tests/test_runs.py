@@ -1,0 +1,173 @@
+"""Runs of a shared server: training in a process of its own, admission, the queue, owners."""
+import os
+import signal
+
+import pytest
+import torch
+
+import vit_explorer as vx
+from vit_explorer import runs
+from vit_explorer import train as training
+from vit_explorer.config import TrainConfig
+
+SMALL_MODEL = vx.ViTConfig(image_size=16, patch_size=4, num_classes=8, embed_dim=32, depth=2, num_heads=4)
+PLENTY = runs.Limits(max_runs=1, queue_size=2, memory=64 * runs.GB, threads=1)
+
+
+def small_config(tmp_path, **changes) -> TrainConfig:
+    base = dict(
+        model=SMALL_MODEL, epochs=1, batch_size=16, train_size=64, test_size=32, lr=2e-3,
+        warmup_steps=2, device="cpu", out_dir=str(tmp_path), log_every=1, snapshot_every=3,
+    )
+    return TrainConfig(**{**base, **changes})
+
+
+def wait_for_a_step(run: training.TrainingRun) -> None:
+    while not run.history["steps"] and not run.join(0.05):
+        pass
+    assert run.status == "running", run.error
+
+
+@pytest.mark.parametrize("changes", [
+    dict(model="tiny", train_size=512, test_size=200, batch_size=64),  # the app's default model
+    dict(  # 257 tokens: attention-heavy
+        model=vx.ViTConfig(image_size=32, patch_size=2, embed_dim=64, depth=2, num_heads=4),
+        train_size=256, test_size=500, batch_size=32,
+    ),
+])
+def test_a_process_run_streams_its_events_and_stays_under_its_estimate(tmp_path, changes):
+    config = small_config(tmp_path, image_size=None, **changes)
+    run = training.TrainingRun(config, process=True, memory_limit=4 * runs.GB).start()
+    assert run.join(120) and run.status == "finished", run.error
+    assert run.pid != os.getpid()
+    steps = run.history["steps"]
+    assert steps[-1]["step"] == steps[-1]["total_steps"] and len(run.history["epochs"]) == 1
+    snapshot = run.latest_snapshot
+    assert isinstance(snapshot.attentions, torch.Tensor) and snapshot.attentions.dtype == torch.float32
+    assert torch.allclose(snapshot.attentions.sum(-1), torch.ones(1))
+    assert vx.load_model(run.checkpoint).config.num_classes == len(vx.SHAPE_CLASSES)
+    # The estimate bounds the process's measured peak (VmHWM), and not absurdly loosely.
+    estimate = runs.estimate_memory(config).total
+    print(f"estimate {estimate / 2**20:.0f} MB, measured peak {run.peak_rss / 2**20:.0f} MB")
+    assert run.peak_rss <= estimate <= 2 * run.peak_rss
+
+
+def test_a_killed_run_process_fails_alone_with_a_sentence(tmp_path):
+    run = training.TrainingRun(small_config(tmp_path, epochs=500), process=True).start()
+    wait_for_a_step(run)
+    os.kill(run.pid, signal.SIGKILL)  # what the OOM killer does
+    assert run.join(60)
+    assert run.status == "failed" and run.checkpoint is None
+    assert run.error == (
+        "the run's process was ended by the operating system, most likely for lack of memory;"
+        " lower the batch size, use a larger patch size (fewer tokens) or a smaller model"
+    )
+
+
+def test_a_run_beyond_its_memory_limit_fails_inside_its_process(tmp_path):
+    config = small_config(tmp_path, model="tiny", image_size=None, batch_size=512, train_size=1024)
+    run = training.TrainingRun(config, process=True, memory_limit=100 * 2**20).start()
+    assert run.join(60)
+    assert run.status == "failed"
+    assert run.error.startswith("the run needed more memory than it may use; lower the batch size")
+
+
+def test_stopping_a_process_run_writes_its_checkpoint(tmp_path):
+    run = training.TrainingRun(small_config(tmp_path, epochs=500), process=True).start()
+    wait_for_a_step(run)
+    run.stop()
+    assert run.join(60) and run.status == "stopped", run.error
+    assert vx.load_model(run.checkpoint).config.class_names == vx.SHAPE_CLASSES
+    assert not training.load_history(run.checkpoint)["finished"]
+
+
+def test_the_issue_config_is_refused_before_any_allocation(tmp_path, monkeypatch):
+    def no_run(*args, **kwargs):
+        raise AssertionError("a refused config must not get as far as a run")
+
+    monkeypatch.setattr(runs, "TrainingRun", no_run)
+    manager = runs.RunManager(tmp_path, runs.Limits(max_runs=1, queue_size=1, memory=8 * runs.GB, threads=1))
+    huge = vx.ViTConfig(image_size=32, patch_size=1, embed_dim=1024, depth=24, num_heads=16)
+    with pytest.raises(runs.RunRefused) as refusal:
+        manager.launch(TrainConfig(model=huge, batch_size=4096, device="cpu"), owner="alice")
+    sentence = str(refusal.value)
+    assert sentence.startswith("This run would need about ") and "more than the 8.0 GB a run may use" in sentence
+    assert "lower the batch size (4096), use a larger patch size (patch 1 gives 1025 tokens" in sentence
+    assert sentence.endswith("or a smaller dim or depth (1024, 24).")
+    assert manager.runs() == {}
+
+
+def test_the_estimate_grows_with_what_costs_memory():
+    base = TrainConfig(model=SMALL_MODEL, device="cpu")
+    total = lambda **changes: runs.estimate_memory(base.replace(**changes)).total  # noqa: E731
+    assert total(batch_size=256) > total(batch_size=64)
+    assert total(model=SMALL_MODEL.replace(patch_size=2)) > total()
+    assert total(model=SMALL_MODEL.replace(embed_dim=256)) > total()
+    assert total(train_size=100_000) > total()
+
+
+def test_limits_come_from_the_environment(monkeypatch):
+    monkeypatch.setenv("VIT_EXPLORER_MAX_RUNS", "3")
+    monkeypatch.setenv("VIT_EXPLORER_RUN_QUEUE", "0")
+    monkeypatch.setenv("VIT_EXPLORER_RUN_MEMORY_LIMIT", "1.5")
+    monkeypatch.setenv("VIT_EXPLORER_RUN_THREADS", "2")
+    assert runs.Limits.from_environment() == runs.Limits(max_runs=3, queue_size=0, memory=int(1.5 * runs.GB), threads=2)
+    monkeypatch.setenv("VIT_EXPLORER_MAX_RUNS", "many")
+    with pytest.raises(ValueError, match="VIT_EXPLORER_MAX_RUNS must be a whole number of at least 1, not 'many'"):
+        runs.Limits.from_environment()
+    monkeypatch.delenv("VIT_EXPLORER_MAX_RUNS")
+    monkeypatch.delenv("VIT_EXPLORER_RUN_MEMORY_LIMIT")
+    defaults = runs.Limits.from_environment()
+    assert defaults.max_runs == max(1, os.cpu_count() // 2)
+    assert 0 < defaults.memory < runs.available_memory()
+
+
+def test_queue_order_and_only_the_owner_stops(tmp_path):
+    manager = runs.RunManager(tmp_path, PLENTY, process=False)
+    long = small_config(tmp_path, epochs=500, snapshot_every=0)
+    first = manager.launch(long, owner="alice")
+    second = manager.launch(long, owner="bob")
+    third = manager.launch(long, owner="alice")
+    assert [first, second, third] == ["run 1", "run 2", "run 3"]
+    with pytest.raises(runs.RunRefused, match="The server is busy: 1 runs are training and 2 are waiting"):
+        manager.launch(long, owner="carol")
+    assert list(manager.running()) == [first]
+    assert [manager.place(run_id) for run_id in (first, second, third)] == [None, 1, 2]
+    assert runs.ordinal(1) == "1st" and runs.ordinal(2) == "2nd" and runs.ordinal(12) == "12th"
+
+    assert not manager.stop(first, owner="bob")  # not bob's
+    wait_for_a_step(manager.runs()[first])
+    assert manager.runs()[first].status == "running"
+    assert manager.stop(first, owner="alice")
+    assert manager.runs()[first].join(60) and manager.runs()[first].status == "stopped"
+    assert list(manager.running()) == [second]  # it started by itself when the slot freed
+    assert manager.place(third) == 1
+    assert not manager.stop(third, owner="bob")
+    assert manager.stop(third, owner="alice")  # withdrawn before it started
+    assert third not in manager.runs() and manager.queued() == []
+    manager.shutdown()
+    assert manager.runs()[second].status == "stopped"
+
+
+def test_a_fresh_manager_finds_the_runs_of_the_last_one(tmp_path):
+    manager = runs.RunManager(tmp_path, PLENTY, process=False)
+    finished = manager.launch(small_config(tmp_path), owner="alice")
+    assert manager.runs()[finished].join(60)
+    stopped = manager.launch(small_config(tmp_path, epochs=500), owner="alice")
+    wait_for_a_step(manager.runs()[stopped])
+    manager.shutdown()
+    before = manager.runs()
+
+    again = runs.RunManager(tmp_path, PLENTY, process=False)  # the server restarted
+    after = again.runs()
+    assert list(after) == [finished, stopped]
+    assert [run.status for run in after.values()] == ["finished", "stopped"]
+    for run_id, run in after.items():
+        assert run.checkpoint == before[run_id].checkpoint
+        assert run.history == before[run_id].history
+    # A run stopped within its first epoch has no test accuracy on record.
+    assert after[finished].test_accuracy == pytest.approx(before[finished].test_accuracy)
+    assert after[finished].progress == 1.0 and 0 < after[stopped].progress < 1
+    assert again.owner_of(finished) is None and not again.stop(stopped, owner="alice")
+    assert again.launch(small_config(tmp_path), owner="bob") == "run 3"
+    again.shutdown()
