@@ -35,7 +35,7 @@ CONTENT = {
     "Pipeline": re.compile(r"The model says"),
     "Patches": "Position embedding similarity",
     "Attention": "Attention of the class token in layer",
-    "Train": re.compile(r"run \d+ (running|stopped|finished|failed)"),
+    "Train": re.compile(r"run \d+ (running|stopped|finished|failed)|No runs yet"),
 }
 WALK = ("Patches", "Attention", "Train", "Pipeline")  # after the upload, which lands on Pipeline
 PREDICTION = re.compile(r"The model says (.+?) with probability ([\d.]+)%")
@@ -224,7 +224,9 @@ async def stop_training(page) -> list[str]:
 # --- the whole load test ------------------------------------------------------------------------
 
 
-async def load_test(url: str, rounds: list[list[Probe]], timeout_ms: float = 180_000) -> tuple[list[list[SessionReport]], list[str]]:
+async def load_test(
+    url: str, rounds: list[list[Probe]], timeout_ms: float = 180_000, training: bool = True
+) -> tuple[list[list[SessionReport]], list[str]]:
     """For each round, its probes' sessions at once, all while one training run is active.
 
     Returns the reports per round and the training session's errors.
@@ -234,7 +236,7 @@ async def load_test(url: str, rounds: list[list[Probe]], timeout_ms: float = 180
     async with async_playwright() as playwright:
         browser = await playwright.chromium.launch(**CHROMIUM_LAUNCH)
         try:
-            trainer = await start_training(await new_page(browser, timeout_ms), url)
+            trainer = await start_training(await new_page(browser, timeout_ms), url) if training else None
             results, training_errors = [], []
             try:
                 for probes in rounds:
@@ -244,7 +246,8 @@ async def load_test(url: str, rounds: list[list[Probe]], timeout_ms: float = 180
                         for number, (page, probe) in enumerate(zip(pages, probes), 1)
                     )))
             finally:
-                training_errors = await stop_training(trainer)
+                if trainer is not None:
+                    training_errors = await stop_training(trainer)
             return results, training_errors
         finally:
             await browser.close()
@@ -273,17 +276,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("sessions", nargs="*", type=int, default=[1, 4, 8], help="concurrent sessions per round")
     parser.add_argument("--timeout", type=float, default=180, help="seconds any one wait may take")
+    parser.add_argument("--no-training", action="store_true", help="for comparison: no training run meanwhile")
     parser.add_argument("--verbose", action="store_true", help="also print every session's step times")
     args = parser.parse_args()
     print(f"streamlit app.py on 127.0.0.1, shipped shapes model, torch {torch.__version__},"
-          f" {torch.get_num_threads()} threads; one training run active throughout")
+          f" {torch.get_num_threads()} threads; {'no' if args.no_training else 'one'} training run active throughout")
     with tempfile.TemporaryDirectory(prefix="vit_explorer_load_") as folder:
         folder = Path(folder)
         firsts = [sum(args.sessions[:i]) for i in range(len(args.sessions))]
         rounds = [make_probes(n, folder / "images", first=first) for n, first in zip(args.sessions, firsts)]
         log = folder / "streamlit.log"
         with serve_app({"VIT_EXPLORER_RUNS_DIR": str(folder / "runs")}, log=log) as url:
-            results, training_errors = asyncio.run(load_test(url, rounds, args.timeout * 1000))
+            results, training_errors = asyncio.run(load_test(url, rounds, args.timeout * 1000, not args.no_training))
         for n, reports in zip(args.sessions, results):
             print(summary(n, reports))
         for n, reports in zip(args.sessions, results):
