@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import re
 import statistics
 import tempfile
@@ -105,6 +106,11 @@ async def go_to(page, title: str) -> None:
     await arrive(page, title)
 
 
+def summarize(error: Exception) -> str:
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"
+
+
 async def errors_on(page) -> list[str]:
     return [" ".join(text.split())[:400] for text in await page.locator(ERROR_ELEMENTS).all_inner_texts()]
 
@@ -148,8 +154,11 @@ async def new_page(browser, timeout_ms: float):
     return await context.new_page()
 
 
-async def walk(page, url: str, probe: Probe, name: str) -> SessionReport:
-    """Open the app, upload ``probe``'s image, walk every page; time and check each step."""
+async def walk(page, url: str, probe: Probe, name: str, shots: Path | None = None) -> SessionReport:
+    """Open the app, upload ``probe``'s image, walk every page; time and check each step.
+
+    A step that fails leaves a screenshot in ``shots`` (if given).
+    """
     report = SessionReport(name)
     where = "Pipeline (opening)"
     try:
@@ -181,8 +190,11 @@ async def walk(page, url: str, probe: Probe, name: str) -> SessionReport:
             report.errors += [f"{where}: {error}" for error in await errors_on(page)]
             await check_own_image(page, probe, where, report)
     except Exception as error:  # a timeout or a lost page: a finding of this session, not a crash
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        report.errors.append(f"{where}: the driver failed: {type(error).__name__}: {first_line}")
+        report.errors.append(f"{where}: the driver failed: {summarize(error)}")
+        if shots is not None:
+            with contextlib.suppress(Exception):
+                shots.mkdir(parents=True, exist_ok=True)
+                await page.screenshot(path=shots / f"{name}_{where}.png".replace(" ", "_"), full_page=True)
     finally:
         await page.context.close()
     return report
@@ -211,13 +223,21 @@ async def start_training(page, url: str):
 
 
 async def stop_training(page) -> list[str]:
-    """Stop the run from its Train page; the errors seen there (the run's own included)."""
+    """Stop the run from its Train page; what went wrong there (the run's own errors included)."""
     errors = await errors_on(page)
-    await page.locator('[data-testid="stButton"]').get_by_role("button", name="Stop").click()
-    await page.get_by_text(re.compile(r"run \d+ stopped")).first.wait_for()
-    await settle(page)
-    errors += await errors_on(page)
-    await page.context.close()
+    try:
+        status = await page.get_by_text(CONTENT["Train"]).first.inner_text()
+        if " running" not in status:
+            errors.append(f"the run did not last the whole load test: {status}")
+        else:
+            await page.locator('[data-testid="stButton"]').get_by_role("button", name="Stop").click()
+            await page.get_by_text(re.compile(r"run \d+ stopped")).first.wait_for()
+            await settle(page)
+            errors += await errors_on(page)
+    except Exception as error:  # a timeout: report it with the rest
+        errors.append(f"stopping the run failed: {summarize(error)}")
+    finally:
+        await page.context.close()
     return [f"Train (training session): {error}" for error in errors]
 
 
@@ -225,11 +245,13 @@ async def stop_training(page) -> list[str]:
 
 
 async def load_test(
-    url: str, rounds: list[list[Probe]], timeout_ms: float = 180_000, training: bool = True
+    url: str, rounds: list[list[Probe]], timeout_ms: float = 180_000, training: bool = True,
+    shots: Path | None = None,
 ) -> tuple[list[list[SessionReport]], list[str]]:
     """For each round, its probes' sessions at once, all while one training run is active.
 
-    Returns the reports per round and the training session's errors.
+    Returns the reports per round and the training session's errors; screenshots of failed
+    steps go to ``shots``.
     """
     from playwright.async_api import async_playwright
 
@@ -242,7 +264,7 @@ async def load_test(
                 for probes in rounds:
                     pages = [await new_page(browser, timeout_ms) for _ in probes]
                     results.append(await asyncio.gather(*(
-                        walk(page, url, probe, f"session {number}")
+                        walk(page, url, probe, f"N{len(probes)} session {number}", shots)
                         for number, (page, probe) in enumerate(zip(pages, probes), 1)
                     )))
             finally:
@@ -281,26 +303,28 @@ def main() -> None:
     args = parser.parse_args()
     print(f"streamlit app.py on 127.0.0.1, shipped shapes model, torch {torch.__version__},"
           f" {torch.get_num_threads()} threads; {'no' if args.no_training else 'one'} training run active throughout")
-    with tempfile.TemporaryDirectory(prefix="vit_explorer_load_") as folder:
-        folder = Path(folder)
-        firsts = [sum(args.sessions[:i]) for i in range(len(args.sessions))]
-        rounds = [make_probes(n, folder / "images", first=first) for n, first in zip(args.sessions, firsts)]
-        log = folder / "streamlit.log"
-        with serve_app({"VIT_EXPLORER_RUNS_DIR": str(folder / "runs")}, log=log) as url:
-            results, training_errors = asyncio.run(load_test(url, rounds, args.timeout * 1000, not args.no_training))
-        for n, reports in zip(args.sessions, results):
-            print(summary(n, reports))
-        for n, reports in zip(args.sessions, results):
-            for report in reports:
-                if args.verbose:
-                    steps = ", ".join(f"{step} {seconds:.2f}" for step, seconds in report.times)
-                    print(f"  N={n} {report.name}: {steps}")
-                for line in report.errors + report.mixups:
-                    print(f"  N={n} {report.name}: {line}")
-        for line in training_errors:
-            print(f"  {line}")
-        if any(report.errors or report.mixups for reports in results for report in reports) or training_errors:
-            print("server log (last lines):\n" + log_tail(log))
+    folder = Path(tempfile.mkdtemp(prefix="vit_explorer_load_"))  # kept: the server log and screenshots
+    firsts = [sum(args.sessions[:i]) for i in range(len(args.sessions))]
+    rounds = [make_probes(n, folder / "images", first=first) for n, first in zip(args.sessions, firsts)]
+    log = folder / "streamlit.log"
+    with serve_app({"VIT_EXPLORER_RUNS_DIR": str(folder / "runs")}, log=log) as url:
+        results, training_errors = asyncio.run(load_test(
+            url, rounds, args.timeout * 1000, not args.no_training, shots=folder / "failed"
+        ))
+    for n, reports in zip(args.sessions, results):
+        print(summary(n, reports))
+    for n, reports in zip(args.sessions, results):
+        for report in reports:
+            if args.verbose:
+                steps = ", ".join(f"{step} {seconds:.2f}" for step, seconds in report.times)
+                print(f"  {report.name}: {steps}")
+            for line in report.errors + report.mixups:
+                print(f"  {report.name}: {line}")
+    for line in training_errors:
+        print(f"  {line}")
+    if any(report.errors or report.mixups for reports in results for report in reports) or training_errors:
+        print("server log (last lines):\n" + log_tail(log))
+        print(f"server log and screenshots of failed steps: {folder}")
 
 
 if __name__ == "__main__":
