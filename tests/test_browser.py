@@ -5,31 +5,18 @@ missing. Screenshots of every step go to $VIT_EXPLORER_SCREENSHOTS, or to pytest
 """
 import os
 import re
-import shutil
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
 
 import vit_explorer as vx
+from bench.browser import CHROMIUM, CHROMIUM_LAUNCH, ROOT, STATUS_WIDGET, serve_app
 from vit_explorer.data import SHAPE_CLASSES
 
-ROOT = Path(__file__).resolve().parent.parent
 PHOTO = ROOT / "assets" / "samples" / "chelsea.png"
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 sync_api = pytest.importorskip("playwright.sync_api")
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no system Chromium (apt-get install chromium)")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture
@@ -44,33 +31,9 @@ def server(tmp_path):
         )),
         weights,
     )
-    port = free_port()
-    env = dict(
-        os.environ, VIT_EXPLORER_DEFAULT_MODEL=str(weights), VIT_EXPLORER_RUNS_DIR=str(tmp_path / "runs")
-    )
-    process = subprocess.Popen(
-        [sys.executable, "-m", "streamlit", "run", "app.py", "--server.port", str(port),
-         "--server.address", "127.0.0.1", "--server.headless", "true",
-         "--browser.gatherUsageStats", "false"],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(120):
-            try:
-                if urllib.request.urlopen(f"{url}/_stcore/health", timeout=1).status == 200:
-                    break
-            except OSError:
-                time.sleep(0.5)
-        else:
-            pytest.fail("streamlit did not start within a minute")
+    env = {"VIT_EXPLORER_DEFAULT_MODEL": str(weights), "VIT_EXPLORER_RUNS_DIR": str(tmp_path / "runs")}
+    with serve_app(env, log=tmp_path / "streamlit.log") as url:
         yield url
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
 
 
 @pytest.fixture
@@ -83,7 +46,7 @@ def shots(tmp_path):
 def settle(page) -> None:
     """Wait until Streamlit has finished the current run (its status widget disappears)."""
     page.wait_for_timeout(300)
-    page.locator('[data-testid="stStatusWidget"]').wait_for(state="hidden", timeout=60_000)
+    page.locator(STATUS_WIDGET).wait_for(state="hidden", timeout=60_000)
 
 
 def go_to(page, title: str) -> None:
@@ -96,9 +59,7 @@ def test_the_app_in_chromium(server, shots):
     expect = sync_api.expect
     expect.set_options(timeout=60_000)
     with sync_api.sync_playwright() as playwright:
-        browser = playwright.chromium.launch(
-            executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"]
-        )
+        browser = playwright.chromium.launch(**CHROMIUM_LAUNCH)
         page = browser.new_page(viewport={"width": 1400, "height": 2600})
         page.set_default_timeout(60_000)
         page.goto(server)

@@ -1,0 +1,84 @@
+"""The app on loopback and a headless Chromium to drive it: shared by the browser tests and benches.
+
+`serve_app` runs `streamlit run app.py` on a free 127.0.0.1 port and always ends it again;
+`CHROMIUM_LAUNCH` are the arguments for Playwright's `chromium.launch` (sync or async API) that
+use the system Chromium (Debian: apt-get install chromium): Playwright's own browser download is
+not needed.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CHROMIUM_LAUNCH = dict(
+    executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"]
+)
+# Streamlit's "running" indicator: a run (or fragment run) is in progress while it is shown.
+STATUS_WIDGET = '[data-testid="stStatusWidget"]'
+# What Streamlit draws for an uncaught exception and for st.error.
+ERROR_ELEMENTS = '[data-testid="stException"], [data-testid="stAlertContentError"]'
+
+
+class ServerError(RuntimeError):
+    """The app did not start, or ended on its own; the message ends with its log."""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def log_tail(path: Path, lines: int = 40) -> str:
+    with contextlib.suppress(OSError):
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    return ""
+
+
+@contextlib.contextmanager
+def serve_app(env: dict[str, str] | None = None, log: Path | None = None, start_timeout: float = 90.0) -> Iterator[str]:
+    """`streamlit run app.py` on 127.0.0.1 with ``env`` added; yields its URL, terminates it after.
+
+    The server's output goes to ``log`` (a temporary file by default), not to a pipe that nobody
+    reads and that would block the server once full.
+    """
+    log = log or Path(tempfile.mkdtemp(prefix="vit_explorer_app_")) / "streamlit.log"
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with open(log, "w") as output:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "streamlit", "run", "app.py", "--server.port", str(port),
+             "--server.address", "127.0.0.1", "--server.headless", "true",
+             "--browser.gatherUsageStats", "false"],
+            cwd=ROOT, env={**os.environ, **(env or {})}, stdout=output, stderr=subprocess.STDOUT, text=True,
+        )
+    try:
+        deadline = time.monotonic() + start_timeout
+        while True:
+            if process.poll() is not None:
+                raise ServerError(f"streamlit exited with {process.returncode}:\n{log_tail(log)}")
+            with contextlib.suppress(OSError):
+                if urllib.request.urlopen(f"{url}/_stcore/health", timeout=2).status == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise ServerError(f"streamlit did not answer within {start_timeout:.0f} s:\n{log_tail(log)}")
+            time.sleep(0.5)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=15)
