@@ -301,7 +301,7 @@ def test_a_real_size_model_runs_only_what_the_view_shows(monkeypatch):
     monkeypatch.setattr(ui, "QUICK_COST", 0)
     forwards = []
     original = vx.ViT.forward_features
-    monkeypatch.setattr(vx.ViT, "forward_features", lambda self, x: forwards.append(1) or original(self, x))
+    monkeypatch.setattr(vx.ViT, "forward_features", lambda self, x, patch_size=None: forwards.append(1) or original(self, x, patch_size))
     app = open_app("views/patches.py")
     assert len(forwards) == 1  # the capture
     assert any(button.label.startswith("Compare all") for button in app.button)

@@ -148,7 +148,7 @@ def test_training_run_failure_is_reported_not_raised(tmp_path):
 
 
 def test_diverging_loss_fails_with_a_sentence(tmp_path, monkeypatch):
-    diverged = lambda self, x: self.forward_head(self.forward_features(x)) * math.nan  # noqa: E731
+    diverged = lambda self, x, patch_size=None: self.forward_head(self.forward_features(x)) * math.nan  # noqa: E731
     monkeypatch.setattr(vx.ViT, "forward", diverged)
     run = training.TrainingRun(small_config(tmp_path, snapshot_every=0)).start()
     assert run.join(60)
