@@ -286,9 +286,11 @@ def test_a_one_epoch_training_run_produces_metrics_and_becomes_the_model():
     widget(form.number_input, "Epochs").set_value(1)
     widget(form.number_input, "Training images (0: the whole dataset)").set_value(256)
     widget(form.number_input, "Batch size").set_value(64)
+    widget(form.text_input, "Patch sizes (FlexiViT)").set_value("4, 8")
     app.get("form_submit_button")[0].click().run()
     assert not app.exception and errors(app) == []
     (run,) = ui.training_runs().values()
+    assert run.config.patch_sizes == (4, 8)
     assert run.join(timeout=120) and run.status == "finished", run.error
     app.run()
     metrics = {metric.label: metric.value for metric in app.metric}
@@ -308,6 +310,19 @@ def test_an_impossible_custom_model_is_refused_with_a_sentence():
     app.get("form_submit_button")[0].click().run()
     assert not app.exception
     assert errors(app) == ["Cannot train that: image size 32x32 is not divisible by patch size 5"]
+    assert ui.training_runs() == {}
+
+
+@pytest.mark.parametrize("sizes, error", [
+    ("4,5", "patch size 5 does not tile 32x32 images; FlexiViT patch sizes must divide the image size"),
+    ("4,eight", "'4,eight' is not a list of patch sizes; give positive whole numbers separated by commas, like 4,8,16"),
+])
+def test_flexivit_patch_sizes_that_cannot_work_are_refused_with_a_sentence(sizes, error):
+    app = open_app("views/train.py")
+    widget(app.get("form")[0].text_input, "Patch sizes (FlexiViT)").set_value(sizes)
+    app.get("form_submit_button")[0].click().run()
+    assert not app.exception
+    assert errors(app) == [f"Cannot train that: {error}"]
     assert ui.training_runs() == {}
 
 

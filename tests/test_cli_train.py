@@ -56,7 +56,7 @@ def test_bad_input_is_one_line_and_exit_code_2(arguments, message, capsys, tmp_p
 def test_patch_sizes_are_parsed_and_a_bad_list_is_refused(capsys):
     from vit_explorer.cli import _patch_sizes
 
-    assert _patch_sizes("4,8,16") == (4, 8, 16) and _patch_sizes("8, 4,") == (8, 4)
+    assert _patch_sizes("4,8,16") == (4, 8, 16) and _patch_sizes("8, 4,") == (8, 4) and _patch_sizes(" ") is None
     with pytest.raises(SystemExit):
         main(["train", "--patch-sizes", "4,eight"])
     assert "'4,eight' is not a list of patch sizes" in capsys.readouterr().err

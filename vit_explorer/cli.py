@@ -6,17 +6,14 @@ import sys
 from pathlib import Path
 
 
-def _patch_sizes(text: str) -> tuple[int, ...]:
-    """"4,8,16" -> (4, 8, 16), for --patch-sizes."""
+def _patch_sizes(text: str) -> tuple[int, ...] | None:
+    """--patch-sizes 4,8,16 -> (4, 8, 16); argparse shows a bad list as a usage error."""
+    from .config import parse_patch_sizes
+
     try:
-        sizes = tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        sizes = ()
-    if not sizes or min(sizes) < 1:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a list of patch sizes; give positive whole numbers separated by commas, like 4,8,16"
-        )
-    return sizes
+        return parse_patch_sizes(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _add_train(subparsers) -> None:

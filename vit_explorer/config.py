@@ -155,6 +155,18 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+def parse_patch_sizes(text: str) -> tuple[int, ...] | None:
+    """"4,8,16" -> (4, 8, 16) for TrainConfig.patch_sizes; blank -> None (no FlexiViT training)."""
+    parts = [part.strip() for part in text.split(",") if part.strip()]
+    if not parts:
+        return None
+    if not all(part.isdigit() and int(part) > 0 for part in parts):
+        raise ValueError(
+            f"{text!r} is not a list of patch sizes; give positive whole numbers separated by commas, like 4,8,16"
+        )
+    return tuple(int(part) for part in parts)
+
+
 @dataclass(frozen=True)
 class TrainConfig(_JsonConfig):
     """One training run: data, model, optimisation, hardware and where the checkpoint goes."""
