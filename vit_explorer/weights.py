@@ -17,14 +17,13 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from einops import rearrange
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 from safetensors.torch import save as safetensors_bytes
 
 from .config import IMAGENET_MEAN, IMAGENET_STD, ViTConfig
-from .model import ViT, resample_patch_embed, resample_pos_embed, resize_matrix  # noqa: F401 (public here too)
+from .model import ViT, resample_patch_embed, resample_pos_embed, resize_matrix
 
 CONFIG_KEY = "vit_explorer.config"  # safetensors metadata entry that marks a project checkpoint
 TORCHVISION_VITS = ("vit_b_16", "vit_b_32", "vit_l_16", "vit_l_32", "vit_h_14")
