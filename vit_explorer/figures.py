@@ -879,7 +879,8 @@ def patch_size_tradeoff(rows: Sequence[Mapping], current: int) -> go.Figure:
     fig.update_xaxes(type="category", tickangle=-45)
     fig.update_yaxes(range=[0, 1.05], row=1, col=3)
     fig.update_layout(
-        title=_title("The same weights at every patch size (current in red)"), margin=MARGIN,
+        title=_title("The same weights at every patch size (current in red)"),
+        margin={**MARGIN, "l": 50},  # room for the first panel's tick labels and slanted x labels
         legend=dict(orientation="h", yanchor="top", y=-0.35, x=1, xanchor="right"), height=380,
     )
     return fig
