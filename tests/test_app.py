@@ -186,12 +186,39 @@ def test_predictions_at_each_patch_size_use_the_resized_model():
     image, _ = vx.data.shapes_sample(0, 32)
     rows = ui.predictions_by_patch_size(model, image)
     assert [row["patch size"] for row in rows] == [2, 4, 8, 16, 32]
+    assert [row["tokens"] for row in rows] == [257, 65, 17, 5, 2]
     for row in rows:
         resized = vx.resize_model(model, patch_size=row["patch size"])
         with torch.no_grad():
             expected = resized(vx.preprocess(image, resized.config)).softmax(-1)[0]
         assert row["probability"] == pytest.approx(float(expected.max()), abs=1e-5)
         assert row["prediction"] == SHAPE_CLASSES[int(expected.argmax())]
+        assert row["forward ms"] > 0
+
+
+def test_held_out_accuracy_at_each_patch_size_matches_the_resized_model():
+    model = tiny_model()
+    dataset = ui.held_out_set(model.config)
+    assert len(dataset) == ui.HELD_OUT_IMAGES and ui.has_held_out(model.config)
+    accuracy = ui.held_out_accuracy_by_patch_size(model, dataset)
+    assert sorted(accuracy) == [2, 4, 8, 16, 32]
+    resized = vx.resize_model(model, patch_size=8)
+    x = (dataset.images.float() / 255 - 0.5) / 0.25
+    with torch.no_grad():
+        expected = (resized(x).argmax(-1) == dataset.labels).float().mean()
+    assert accuracy[8] == pytest.approx(float(expected))
+    assert not ui.has_held_out(tiny_model(num_classes=3, class_names=("a", "b", "c")).config)
+
+
+def test_the_patches_page_shows_the_trade_off_of_every_patch_size():
+    app = open_app("views/patches.py")
+    title_matching(app, "^The same weights at every patch size")
+    (table,) = app.dataframe
+    assert list(table.value["patch size"]) == [2, 4, 8, 16, 32]
+    assert list(table.value["tokens"]) == [257, 65, 17, 5, 2]
+    assert (table.value["forward ms"] > 0).all()
+    assert table.value["held-out accuracy"].between(0, 1).all()
+    assert not any(button.label.startswith("Compare all") for button in app.button)
 
 
 def test_a_bad_image_upload_says_why_and_keeps_the_previous_image():
@@ -258,9 +285,11 @@ def test_a_one_epoch_training_run_produces_metrics_and_becomes_the_model():
     widget(form.number_input, "Epochs").set_value(1)
     widget(form.number_input, "Training images (0: the whole dataset)").set_value(256)
     widget(form.number_input, "Batch size").set_value(64)
+    widget(form.text_input, "Patch sizes (FlexiViT)").set_value("4, 8")
     app.get("form_submit_button")[0].click().run()
     assert not app.exception and errors(app) == []
     (run,) = ui.training_runs().values()
+    assert run.config.patch_sizes == (4, 8)
     assert run.join(timeout=120) and run.status == "finished", run.error
     assert run.peak_rss is not None  # it trained in a process of its own
     app.run()
@@ -342,6 +371,21 @@ def test_runs_wait_their_turn_and_only_their_owner_stops_them(monkeypatch):
     assert ui.training_runs()["run 2"].join(timeout=120)
 
 
+
+
+@pytest.mark.parametrize("sizes, error", [
+    ("4,5", "patch size 5 does not tile 32x32 images; FlexiViT patch sizes must divide the image size"),
+    ("4,eight", "'4,eight' is not a list of patch sizes; give positive whole numbers separated by commas, like 4,8,16"),
+])
+def test_flexivit_patch_sizes_that_cannot_work_are_refused_with_a_sentence(sizes, error):
+    app = open_app("views/train.py")
+    widget(app.get("form")[0].text_input, "Patch sizes (FlexiViT)").set_value(sizes)
+    app.get("form_submit_button")[0].click().run()
+    assert not app.exception
+    assert errors(app) == [f"Cannot train that: {error}"]
+    assert ui.training_runs() == {}
+
+
 @pytest.mark.skipif(not train.DEFAULT_WEIGHTS.is_file(), reason="the shipped model is not there yet")
 def test_the_shipped_model_explores_offline(monkeypatch):
     monkeypatch.delenv("VIT_EXPLORER_DEFAULT_MODEL")  # the shipped model
@@ -359,7 +403,7 @@ def test_a_real_size_model_runs_only_what_the_view_shows(monkeypatch):
     monkeypatch.setattr(ui, "QUICK_COST", 0)
     forwards = []
     original = vx.ViT.forward_features
-    monkeypatch.setattr(vx.ViT, "forward_features", lambda self, x: forwards.append(1) or original(self, x))
+    monkeypatch.setattr(vx.ViT, "forward_features", lambda self, x, patch_size=None: forwards.append(1) or original(self, x, patch_size))
     app = open_app("views/patches.py")
     assert len(forwards) == 1  # the capture
     assert any(button.label.startswith("Compare all") for button in app.button)
@@ -376,10 +420,11 @@ def test_a_real_size_model_runs_only_what_the_view_shows(monkeypatch):
     compare = next(button for button in app.button if button.label.startswith("Compare all"))
     compare.click().run()
     options = ui.patch_size_options(tiny_model().config)
-    assert len(forwards) == 2 + len(options)
+    # Per patch size: this image twice (one pass timed) and the held-out batch once.
+    assert len(forwards) == 2 + 3 * len(options)
     app.switch_page("views/pipeline.py").run()
     app.switch_page("views/patches.py").run()  # the comparison stays, without running again
-    assert len(forwards) == 2 + len(options) and not app.exception
+    assert len(forwards) == 2 + 3 * len(options) and not app.exception
     assert title_matching(app, "^The same weights at every patch size")
     assert not any(button.label.startswith("Compare all") for button in app.button)
 

@@ -253,3 +253,19 @@ def test_token_matrix_has_a_row_per_token():
     assert traces(no_class, "heatmap")[0].y[0] == "reg 1"
     with pytest.raises(ValueError, match=r"\(N, D\)"):
         figures.token_matrix(tokens[0], 0, "t")
+
+
+def test_patch_size_tradeoff_shows_tokens_time_and_accuracy_side_by_side():
+    rows = [
+        {"patch size": patch, "grid": f"{32 // patch}x{32 // patch}", "tokens": 1 + (32 // patch) ** 2,
+         "forward ms": 10.0 / patch, "prediction": "circle", "probability": 0.9, "held-out accuracy": 0.95}
+        for patch in (2, 4, 8)
+    ]
+    fig = figures.patch_size_tradeoff(rows, current=4)
+    tokens, times, probabilities, accuracy = fig.data
+    assert list(tokens.y) == [257, 65, 17] and list(times.y) == [5.0, 2.5, 1.25]
+    assert list(probabilities.text) == ["circle"] * 3 and list(accuracy.y) == [0.95] * 3
+    assert list(tokens.marker.color).count("#e45756") == 1  # the current patch size
+    # Without a held-out set there is no accuracy line.
+    without = [{**row, "held-out accuracy": None} for row in rows]
+    assert len(figures.patch_size_tradeoff(without, current=4).data) == 3

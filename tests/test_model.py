@@ -87,3 +87,36 @@ def test_bad_config_is_a_clear_error(changes, message):
 def test_unknown_config_field_is_named():
     with pytest.raises(ValueError, match="unknown ViTConfig fields: colour"):
         vx.ViTConfig.from_dict({"colour": "red"})
+
+
+@pytest.mark.parametrize("changes", VARIANTS.values(), ids=VARIANTS.keys())
+@pytest.mark.parametrize("patch_size", [2, 8])
+def test_a_forward_at_another_patch_size_equals_the_resized_model(changes, patch_size):
+    model = randomize(vx.ViT(tiny_config(**changes)))
+    x = torch.randn(2, 3, *model.config.img_size)
+    with torch.no_grad():
+        flexible = model(x, patch_size=patch_size)
+        resized = vx.resize_model(model, patch_size=patch_size)(x)
+    torch.testing.assert_close(flexible, resized, rtol=1e-5, atol=1e-5)
+    assert model.config.patch_size == 4 and model.patch_embed.proj.weight.shape[-1] == 4  # untouched
+
+
+def test_gradients_reach_the_underlying_weights_through_the_resize():
+    model = randomize(vx.ViT(tiny_config())).train()
+    model(torch.randn(2, 3, 16, 16), patch_size=2).sum().backward()
+    assert model.patch_embed.proj.weight.grad.abs().sum() > 0
+    assert model.pos_embed.grad[0, 1:].abs().sum() > 0  # the grid part, resampled to 8 x 8
+
+
+def test_a_patch_size_that_does_not_tile_the_input_says_so():
+    model = vx.ViT(tiny_config())
+    with pytest.raises(ValueError, match="patch size 3 does not tile 16x16 images"):
+        model(torch.randn(1, 3, 16, 16), patch_size=3)
+
+
+def test_the_pi_resize_operator_is_computed_once_per_pair_of_sizes():
+    from vit_explorer.model import pi_resize_operator
+
+    first = pi_resize_operator(4, 8, torch.device("cpu"), torch.float32)
+    assert pi_resize_operator(4, 8, torch.device("cpu"), torch.float32) is first
+    assert first.shape == (64, 16)

@@ -148,7 +148,7 @@ def test_training_run_failure_is_reported_not_raised(tmp_path):
 
 
 def test_diverging_loss_fails_with_a_sentence(tmp_path, monkeypatch):
-    diverged = lambda self, x: self.forward_head(self.forward_features(x)) * math.nan  # noqa: E731
+    diverged = lambda self, x, patch_size=None: self.forward_head(self.forward_features(x)) * math.nan  # noqa: E731
     monkeypatch.setattr(vx.ViT, "forward", diverged)
     run = training.TrainingRun(small_config(tmp_path, snapshot_every=0)).start()
     assert run.join(60)
@@ -184,3 +184,34 @@ def test_cuda_bf16_and_compile(tmp_path, compile_model):
     losses = [e.loss for e in events if isinstance(e, training.StepEvent)]
     assert all(math.isfinite(loss) for loss in losses)
     assert vx.load_model(done.checkpoint).config.class_names == SHAPE_CLASSES
+
+
+def _record_training_patch_sizes(monkeypatch) -> list:
+    """The patch_size of every training-mode forward from now on."""
+    drawn, original = [], vx.ViT.forward
+
+    def forward(self, x, patch_size=None):
+        if self.training:
+            drawn.append(patch_size)
+        return original(self, x, patch_size)
+
+    monkeypatch.setattr(vx.ViT, "forward", forward)
+    return drawn
+
+
+def test_flexivit_training_draws_a_patch_size_per_step(tmp_path, monkeypatch):
+    drawn = _record_training_patch_sizes(monkeypatch)
+    config = small_config(tmp_path, patch_sizes=(2, 4, 8), epochs=3, snapshot_every=0)
+    events = list(training.train(config))
+    assert len(drawn) == 12 and set(drawn) == {2, 4, 8}  # 4 steps per epoch, every size used
+    done = events[-1]
+    assert sorted(done.test_accuracy_by_patch_size) == [2, 4, 8]
+    assert done.test_accuracy_by_patch_size[4] == done.test_accuracy  # 4 is the model's own size
+    sidecar = training.load_history(done.checkpoint)
+    assert sidecar["train_config"]["patch_sizes"] == [2, 4, 8]
+    assert TrainConfig.from_dict(sidecar["train_config"]).patch_sizes == (2, 4, 8)
+    assert vx.load_model(done.checkpoint).config.patch_size == 4  # the weights keep their own shape
+    # The same seed draws the same sizes, as every DDP rank and a resumed run must.
+    first, drawn[:] = list(drawn), []
+    list(training.train(config.replace(out_dir=str(tmp_path / "again"))))
+    assert drawn == first

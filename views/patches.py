@@ -24,39 +24,56 @@ result = selection.capture()
 image = selection.display_image()
 grid_h, grid_w = result.grid_size
 
-left, right = st.columns(2)
-with left:
-    st.plotly_chart(selection.memo("image with grid", compute=lambda: figures.image_with_grid(image, result.grid_size)))
-    st.caption(
-        f"{grid_h} x {grid_w} = {grid_h * grid_w} patches of {config.patch_size} x"
-        f" {config.patch_size} pixels, plus {config.num_prefix_tokens} prefix token(s):"
-        f" {config.num_tokens} tokens in all."
+st.plotly_chart(selection.memo("image with grid", compute=lambda: figures.image_with_grid(image, result.grid_size)))
+st.caption(
+    f"{grid_h} x {grid_w} = {grid_h * grid_w} patches of {config.patch_size} x"
+    f" {config.patch_size} pixels, plus {config.num_prefix_tokens} prefix token(s):"
+    f" {config.num_tokens} tokens in all."
+)
+
+st.subheader("Smaller patches: more tokens, more detail, more cost")
+st.write(
+    "The same weights at every patch size, side by side: how many tokens the transformer handles,"
+    " how long one forward pass of this image takes (measured just now on this server), and how"
+    " well the model does, on this image and, where the model comes with a dataset, on held-out"
+    " images it never trained on."
+)
+# Every patch size is a forward pass or two at that size (plus the held-out batch): for a
+# real-size model that is dozens of forward passes' worth, so it runs when asked.
+cost = selection.comparison_cost()
+rows = None
+if config.num_classes == 0:
+    st.info(ui.NO_CLASSIFIER.format(what="The prediction at each patch size"))
+else:
+    rows = selection.predictions_by_patch_size(run=ui.is_quick(base, forwards=cost))
+if rows is None and config.num_classes and st.button(
+    f"Compare all {len(options)} patch sizes",
+    help=f"About {cost:.0f} forward passes of this model at its own patch size.",
+):
+    rows = selection.predictions_by_patch_size()
+if rows is not None:
+    st.plotly_chart(figures.patch_size_tradeoff(rows, config.patch_size))
+    st.dataframe(
+        rows, hide_index=True,
+        column_config={
+            "forward ms": st.column_config.NumberColumn("forward (ms)", format="%.2f"),
+            "probability": st.column_config.NumberColumn(format="%.3f"),
+            "held-out accuracy": st.column_config.NumberColumn(
+                f"accuracy on {ui.HELD_OUT_IMAGES} held-out images", format="percent"
+            ),
+        },
     )
-with right:
-    cost = ui.patch_size_comparison_cost(base)
-    # Every patch size is one forward pass of a resized model: for a real-size model that is
-    # dozens of forward passes' worth, so it runs when asked.
-    rows = None
-    if config.num_classes == 0:
-        st.info(ui.NO_CLASSIFIER.format(what="The prediction at each patch size"))
-    else:
-        rows = selection.predictions_by_patch_size(run=ui.is_quick(base, forwards=cost))
-    if rows is None and config.num_classes and st.button(
-        f"Compare all {len(options)} patch sizes",
-        help=f"About {cost:.0f} forward passes of this model at its own patch size.",
-    ):
-        rows = selection.predictions_by_patch_size()
-    if rows is not None:
-        st.plotly_chart(figures.patch_size_predictions(rows, config.patch_size))
-        st.caption(
-            "A model is most sure of itself at the patch size it was trained with; far from it the"
-            " resampled weights see the world at the wrong scale."
-        )
-    elif config.num_classes:
-        st.caption(
-            f"Running this image at all {len(options)} patch sizes costs about {cost:.0f} forward"
-            " passes of this model, so it runs when you press the button."
-        )
+    st.caption(
+        "A model trained at one patch size is most sure of itself there; far from it the"
+        " resampled weights see the world at the wrong scale. A FlexiViT (trained at several"
+        " sizes, like the shipped shapes model) holds up at all of them: then the patch size"
+        " becomes a dial between cost and detail."
+    )
+elif config.num_classes:
+    st.caption(
+        f"Running this image at all {len(options)} patch sizes costs about {cost:.0f} forward"
+        " passes of this model, so it runs when you press the button."
+    )
 
 st.subheader("The patch sequence")
 st.write(

@@ -4,8 +4,8 @@ from pathlib import Path
 import streamlit as st
 
 from vit_explorer import analysis, figures, ui
+from vit_explorer.config import PRESETS, TrainConfig, ViTConfig, parse_patch_sizes
 from vit_explorer.runs import RunRefused, ordinal
-from vit_explorer.config import PRESETS, TrainConfig, ViTConfig
 from vit_explorer.data import SHAPE_CLASSES, native_image_size
 from vit_explorer.train import model_config
 
@@ -56,6 +56,11 @@ with st.form("train_form"):
         help="Shapes renders 16000 new images per epoch (the defaults reach about 97% in under a"
         " minute on a 2-core CPU); fewer images make a quicker run.",
     )
+    flexi_sizes = left.text_input(
+        "Patch sizes (FlexiViT)", placeholder="e.g. 2,4,8",
+        help="Train each step at a patch size drawn from these, one set of weights resized on the"
+        " fly (FlexiViT), so that the model works at all of them; empty: only its own patch size.",
+    )
     launched = st.form_submit_button("Launch training", type="primary")
 
 if launched:
@@ -71,6 +76,7 @@ if launched:
         config = TrainConfig(
             dataset=dataset, model=model, epochs=epochs, batch_size=batch_size, lr=lr,
             train_size=train_size or None, snapshot_every=10, log_every=5,
+            patch_sizes=parse_patch_sizes(flexi_sizes),
         )
         model_config(config)  # a patch size that does not tile the images fails here, not later
     except ValueError as error:

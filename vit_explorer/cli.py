@@ -6,6 +6,16 @@ import sys
 from pathlib import Path
 
 
+def _patch_sizes(text: str) -> tuple[int, ...] | None:
+    """--patch-sizes 4,8,16 -> (4, 8, 16); argparse shows a bad list as a usage error."""
+    from .config import parse_patch_sizes
+
+    try:
+        return parse_patch_sizes(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def _add_train(subparsers) -> None:
     from .config import PRESETS, TrainConfig
 
@@ -27,6 +37,9 @@ def _add_train(subparsers) -> None:
     ):
         parser.add_argument(flag, type=int, help=f"{help_text}; overrides the preset")
     parser.add_argument("--mlp-ratio", type=float, help="MLP width / token width; overrides the preset")
+    parser.add_argument("--patch-sizes", type=_patch_sizes, metavar="P,P,...",
+                        help="FlexiViT: train each step at a patch size drawn from these (e.g. 4,8,16),"
+                        " resizing the --patch-size weights on the fly, so that one model works at all")
     parser.add_argument("--epochs", type=int, default=defaults.epochs)
     parser.add_argument("--batch-size", type=int, default=defaults.batch_size, help="per process")
     parser.add_argument("--lr", type=float, default=defaults.lr, help="peak learning rate")
@@ -71,6 +84,7 @@ def _train_config(args: argparse.Namespace):
         device=args.device, precision=args.precision, compile=args.compile,
         augment=not args.no_augment, data_root=args.data_root, out_dir=args.out, name=args.name,
         train_size=args.train_size, test_size=args.test_size, resume=args.resume,
+        patch_sizes=args.patch_sizes,
     )
 
 
@@ -81,9 +95,10 @@ def _run_train(args: argparse.Namespace) -> int:
 
     from tqdm import tqdm
 
-    from .train import DoneEvent, EpochEvent, StepEvent, train
+    from .train import DoneEvent, EpochEvent, StepEvent, model_config, train
 
     config = _train_config(args)
+    model_config(config)  # patch sizes that do not tile the images fail here, in one sentence
     show = int(os.environ.get("RANK", "0")) == 0  # under torchrun only rank 0 reports
     stop = threading.Event()
     previous = signal.getsignal(signal.SIGINT)
@@ -119,6 +134,8 @@ def _run_train(args: argparse.Namespace) -> int:
                 how = "stopped early" if event.stopped else "trained"
                 tqdm.write(f"{how} in {event.seconds:.1f} s: test accuracy {event.test_accuracy:.4f},"
                       f" checkpoint {event.checkpoint}")
+                for patch, accuracy in (event.test_accuracy_by_patch_size or {}).items():
+                    tqdm.write(f"  at patch {patch}: test accuracy {accuracy:.4f}")
     finally:
         if bar is not None:
             bar.close()
@@ -140,6 +157,11 @@ def _add_evaluate(subparsers) -> None:
     parser.add_argument("--test-size", type=int, help="evaluate on the first N test images (default all;"
                         " shapes: 2000 freshly rendered)")
     parser.add_argument("--batch-size", type=int, default=500)
+    parser.add_argument("--patch-size", type=int,
+                        help="evaluate at this patch size, the weights resized to it (FlexiViT PI-resize);"
+                        " default the model's own")
+    parser.add_argument("--image-size", type=int,
+                        help="evaluate at this image size, the position embeddings resampled; default the model's own")
     parser.set_defaults(run=_run_evaluate)
 
 
@@ -148,11 +170,19 @@ def _run_evaluate(args: argparse.Namespace) -> int:
 
     if args.batch_size < 1 or (args.test_size is not None and args.test_size < 1):
         raise ValueError("--batch-size and --test-size must be at least 1")
-    accuracy, count = evaluate_checkpoint(
+    for flag, value in (("--patch-size", args.patch_size), ("--image-size", args.image_size)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be at least 1, not {value}")
+    accuracy, count, config = evaluate_checkpoint(
         args.weights, args.dataset, device=args.device, data_root=args.data_root,
-        test_size=args.test_size, batch_size=args.batch_size,
+        test_size=args.test_size, batch_size=args.batch_size, patch_size=args.patch_size,
+        image_size=args.image_size,
     )
-    print(f"{Path(args.weights).name} on the {args.dataset} test split ({count} images)")
+    (height, width), (grid_h, grid_w) = config.img_size, config.grid_size
+    print(
+        f"{Path(args.weights).name} at {height}x{width} px, patch {config.patch_size} ({grid_h}x{grid_w} grid),"
+        f" on the {args.dataset} test split ({count} images)"
+    )
     print(f"accuracy: {accuracy:.4f}")
     return 0
 

@@ -155,6 +155,18 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+def parse_patch_sizes(text: str) -> tuple[int, ...] | None:
+    """"4,8,16" -> (4, 8, 16) for TrainConfig.patch_sizes; blank -> None (no FlexiViT training)."""
+    parts = [part.strip() for part in text.split(",") if part.strip()]
+    if not parts:
+        return None
+    if not all(part.isdigit() and int(part) > 0 for part in parts):
+        raise ValueError(
+            f"{text!r} is not a list of patch sizes; give positive whole numbers separated by commas, like 4,8,16"
+        )
+    return tuple(int(part) for part in parts)
+
+
 @dataclass(frozen=True)
 class TrainConfig(_JsonConfig):
     """One training run: data, model, optimisation, hardware and where the checkpoint goes."""
@@ -181,8 +193,15 @@ class TrainConfig(_JsonConfig):
     snapshot_every: int = 50  # steps between attention snapshots of the probe image; 0: never
     log_every: int = 10  # steps between StepEvents (each one waits for the device)
     resume: bool = False  # continue from the checkpoint in out_dir
+    # FlexiViT (Beyer et al. 2023): each step runs at a patch size drawn from these, the weights
+    # resized on the fly from the model's own patch size; None: always the model's own size.
+    patch_sizes: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
+        if self.patch_sizes is not None:
+            object.__setattr__(self, "patch_sizes", tuple(sorted({int(p) for p in self.patch_sizes})))
+            if not self.patch_sizes or self.patch_sizes[0] < 1:
+                raise ValueError("patch_sizes must hold at least one positive patch size")
         if isinstance(self.model, dict):
             object.__setattr__(self, "model", ViTConfig.from_dict(self.model))
         if isinstance(self.model, str) and self.model not in PRESETS:

@@ -5,6 +5,7 @@ B batch, N tokens, D embed dim, nh heads, hd head dim, gh x gw the patch grid.
 """
 from __future__ import annotations
 
+import functools
 from contextvars import ContextVar
 from typing import Any
 
@@ -21,29 +22,100 @@ from .config import ViTConfig
 ACTIVE_RECORDER: ContextVar[Any] = ContextVar("vit_explorer_recorder", default=None)
 
 
+# --- FlexiViT resizing (Beyer et al. 2023): one set of weights at any patch size -----------------
+
+
+def resize_matrix(old_size: tuple[int, int], new_size: tuple[int, int]) -> torch.Tensor:
+    """(old_h*old_w, new_h*new_w) float64: row i is the bilinear resize of the i-th one-hot old patch."""
+    basis = torch.eye(old_size[0] * old_size[1], dtype=torch.float64)
+    basis = rearrange(basis, "n (h w) -> n 1 h w", h=old_size[0])
+    resized = F.interpolate(basis, size=new_size, mode="bilinear", align_corners=False, antialias=True)
+    return rearrange(resized, "n 1 h w -> n (h w)")
+
+
+@functools.lru_cache(maxsize=64)
+def pi_resize_operator(
+    old_patch: int, new_patch: int, device: torch.device = torch.device("cpu"), dtype: torch.dtype = torch.float64
+) -> torch.Tensor:
+    """(new*new, old*old): pinv(B^T), the map PI-resize applies to flattened kernels.
+
+    A pure function of the sizes, so it is computed once per (sizes, device, dtype) and shared:
+    callers must never modify it in place.
+    """
+    if dtype != torch.float64 or torch.device(device).type != "cpu":
+        return pi_resize_operator(old_patch, new_patch).to(device, dtype)
+    resize_t = resize_matrix((old_patch, old_patch), (new_patch, new_patch))
+    return torch.linalg.pinv(resize_t)
+
+
+def resample_patch_embed(weight: torch.Tensor, new_patch: int) -> torch.Tensor:
+    """FlexiViT's PI-resize of a (D, C, p, p) patch-embedding kernel; differentiable.
+
+    With B the bilinear resize x -> B x of a patch, the new kernel w' solves B^T w' = w in the
+    least-squares sense (w' = pinv(B^T) w), so <B x, w'> = <x, w>: an upsampled patch gets the
+    very embedding the original patch got. Exact when upsampling, best possible when shrinking.
+    Computed in the kernel's dtype, so that it can run on every training step.
+    """
+    operator = pi_resize_operator(weight.shape[-1], new_patch, weight.device, weight.dtype)
+    kernels = rearrange(weight, "d c ph pw -> (ph pw) (d c)")
+    resampled = operator @ kernels  # (new*new, D*C)
+    return rearrange(resampled, "(ph pw) (d c) -> d c ph pw", ph=new_patch, c=weight.shape[1])
+
+
+def resample_pos_embed(
+    pos_embed: torch.Tensor,
+    old_grid: tuple[int, int],
+    new_grid: tuple[int, int],
+    num_prefix_tokens: int,
+) -> torch.Tensor:
+    """Bicubically resample (1, prefix + gh*gw, D) position embeddings to a new grid; differentiable.
+
+    The prefix tokens' embeddings are kept as they are; an unchanged grid returns the input.
+    """
+    if tuple(old_grid) == tuple(new_grid):
+        return pos_embed
+    prefix, grid = pos_embed[:, :num_prefix_tokens], pos_embed[:, num_prefix_tokens:]
+    grid = rearrange(grid.float(), "1 (gh gw) d -> 1 d gh gw", gh=old_grid[0])
+    grid = F.interpolate(grid, size=tuple(new_grid), mode="bicubic", align_corners=False, antialias=True)
+    grid = rearrange(grid, "1 d gh gw -> 1 (gh gw) d").to(pos_embed.dtype)
+    return torch.cat([prefix, grid], dim=1)
+
+
+# --- the model ----------------------------------------------------------------------------------
+
+
 class PatchEmbed(nn.Module):
     """Cut the image into non-overlapping p x p patches and project each one to D dimensions.
 
     A Conv2d with kernel = stride = p is exactly the seeds' "flatten each patch, then nn.Linear":
     each output position sees one patch and nothing else, and the kernel is that linear map's
     weight reshaped to (D, C, p, p). The conv just does the cut and the matmul in one fused call.
+    ``patch_size`` runs this call at another patch size with the PI-resized kernel (FlexiViT),
+    computed from the parameter on the fly, so gradients reach the kernel and nothing is changed.
     """
 
     def __init__(self, config: ViTConfig):
         super().__init__()
         self.img_size = config.img_size
+        self.patch_size = config.patch_size
         self.proj = nn.Conv2d(
             config.in_chans, config.embed_dim, kernel_size=config.patch_size, stride=config.patch_size,
             bias=config.patch_bias,
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, patch_size: int | None = None) -> torch.Tensor:
+        height, width = self.img_size
         if tuple(x.shape[-2:]) != self.img_size:
-            height, width = self.img_size
             raise ValueError(
                 f"input is {x.shape[-2]}x{x.shape[-1]} pixels but the model expects {height}x{width}"
             )
-        x = self.proj(x)  # (B, D, gh, gw)
+        if patch_size is None or patch_size == self.patch_size:
+            x = self.proj(x)  # (B, D, gh, gw)
+        else:
+            if patch_size < 1 or height % patch_size or width % patch_size:
+                raise ValueError(f"patch size {patch_size} does not tile {height}x{width} images")
+            weight = resample_patch_embed(self.proj.weight, patch_size)
+            x = F.conv2d(x, weight, self.proj.bias, stride=patch_size)  # (B, D, gh, gw)
         return rearrange(x, "b d gh gw -> b (gh gw) d")
 
 
@@ -250,27 +322,43 @@ class ViT(nn.Module):
         # no gradient back to the blocks on the first step, and slowed early learning measurably
         # (shapes, tiny preset: 71% vs 77% test accuracy after 1,000 steps).
 
-    def _pos_embed(self, x: torch.Tensor) -> torch.Tensor:
-        """Add position embeddings and prepend [class, distillation, register tokens] to (B, gh*gw, D)."""
+    def grid_size(self, patch_size: int | None = None) -> tuple[int, int]:
+        """The patch grid of this model's input at ``patch_size`` (default: its own)."""
+        height, width = self.config.img_size
+        patch = patch_size or self.config.patch_size
+        return (height // patch, width // patch)
+
+    def _pos_embed(self, x: torch.Tensor, patch_size: int | None = None) -> torch.Tensor:
+        """Add position embeddings and prepend [class, distillation, register tokens] to (B, gh*gw, D).
+
+        At another patch size the grid part of the position embeddings is resampled to the new
+        grid for this call (bicubic, differentiable), as FlexiViT does.
+        """
+        embed_prefix = 0 if self.config.no_embed_class else self.num_prefix_tokens
+        pos_embed = resample_pos_embed(
+            self.pos_embed, self.config.grid_size, self.grid_size(patch_size), embed_prefix
+        )
         prefix = [
             token.expand(x.shape[0], -1, -1)
             for token in (self.cls_token, self.dist_token, self.reg_token)
             if token is not None
         ]
         if self.config.no_embed_class:
-            x = x + self.pos_embed
+            x = x + pos_embed
             x = torch.cat(prefix + [x], dim=1) if prefix else x
         else:
             x = torch.cat(prefix + [x], dim=1) if prefix else x
-            x = x + self.pos_embed
+            x = x + pos_embed
         return self.pos_drop(x)  # (B, N, D)
 
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+    def forward_features(self, x: torch.Tensor, patch_size: int | None = None) -> torch.Tensor:
+        """(B, C, H, W) -> (B, N, D) tokens after the final norm; ``patch_size`` runs this call at
+        another patch size (FlexiViT: resized kernel and position embeddings, model unchanged)."""
         recorder = ACTIVE_RECORDER.get()
-        x = self.patch_embed(x)  # (B, gh*gw, D)
+        x = self.patch_embed(x, patch_size)  # (B, gh*gw, D)
         if recorder is not None:
             recorder.patch_embeddings(self, x)
-        x = self.norm_pre(self._pos_embed(x))  # (B, N, D)
+        x = self.norm_pre(self._pos_embed(x, patch_size))  # (B, N, D)
         if recorder is not None:
             recorder.tokens(self, x)
         for block in self.blocks:
@@ -298,5 +386,5 @@ class ViT(nn.Module):
         x = self.head_drop(self.fc_norm(self.pool(x)))
         return x if pre_logits else self.head(x)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_head(self.forward_features(x))
+    def forward(self, x: torch.Tensor, patch_size: int | None = None) -> torch.Tensor:
+        return self.forward_head(self.forward_features(x, patch_size))

@@ -34,7 +34,7 @@ from .data import (
     DEFAULT_DATA_ROOT, DeviceLoader, ImageDataset, load_dataset, native_image_size, shapes_dataset,
 )
 from .model import ViT
-from .weights import load_model, save_model
+from .weights import load_model, resize_model, save_model
 
 # The shipped model, trained on shapes by `python -m vit_explorer train` (see weights/README.md).
 DEFAULT_WEIGHTS = Path(__file__).resolve().parent.parent / "weights" / "vit_shapes.safetensors"
@@ -83,6 +83,8 @@ class DoneEvent:
     stopped: bool  # True when stopped early; the checkpoint then holds the weights so far
     test_accuracy: float
     seconds: float
+    # FlexiViT runs: patch size -> test accuracy of the final weights at that size
+    test_accuracy_by_patch_size: dict[int, float] | None = None
 
 
 Event = StepEvent | EpochEvent | SnapshotEvent | DoneEvent
@@ -121,6 +123,13 @@ def model_config(config: TrainConfig, dataset: ImageDataset | None = None) -> Vi
         base = config.model if image_size is None else config.model.replace(image_size=image_size)
     else:
         base = ViTConfig(image_size=image_size or native_image_size(config.dataset), **PRESETS[config.model])
+    height, width = base.img_size
+    for patch in config.patch_sizes or ():
+        if height % patch or width % patch:
+            raise ValueError(
+                f"patch size {patch} does not tile {height}x{width} images; FlexiViT patch sizes"
+                f" must divide the image size"
+            )
     if dataset is None:
         return base
     return base.replace(
@@ -180,15 +189,18 @@ def load_history(checkpoint: str | Path) -> dict:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, loader: DeviceLoader, bf16: bool = False) -> tuple[float, float]:
-    """(mean loss, accuracy) over the loader's data, summed over all ranks under DDP."""
+def evaluate(
+    model: nn.Module, loader: DeviceLoader, bf16: bool = False, patch_size: int | None = None
+) -> tuple[float, float]:
+    """(mean loss, accuracy) over the loader's data at ``patch_size`` (default: the model's own),
+    summed over all ranks under DDP."""
     was_training = model.training
     model.eval()
     device = loader.dataset.images.device
     totals = torch.zeros(3, device=device, dtype=torch.float64)  # loss sum, correct, count
     for images, labels in loader.epoch(0):
         with _autocast(device, bf16):
-            logits = model(images)
+            logits = model(images, patch_size=patch_size)
         totals[0] += F.cross_entropy(logits.float(), labels, reduction="sum")
         totals[1] += (logits.argmax(-1) == labels).sum()
         totals[2] += labels.numel()
@@ -302,6 +314,7 @@ def _train(config, stop, rank, world_size, device, started_at) -> Iterator[Event
     model.train()
     stopped = False
     test_accuracy = history["epochs"][-1]["test_accuracy"] if history["epochs"] else float("nan")
+    flexi_sizes = config.patch_sizes
     for epoch in range(step // steps_per_epoch, config.epochs):
         epoch_started = time.perf_counter()
         sums, seen = torch.zeros(2, device=device), 0  # this epoch's loss sum, correct; images
@@ -315,8 +328,14 @@ def _train(config, stop, rank, world_size, device, started_at) -> Iterator[Event
             lr = learning_rate(step, total_steps, config)
             for group in optimizer.param_groups:
                 group["lr"] = lr
+            # FlexiViT: a patch size per step, a pure function of seed and step, so that every
+            # DDP rank and a resumed run draw the same one.
+            patch = (
+                flexi_sizes[np.random.default_rng((config.seed, step)).integers(len(flexi_sizes))]
+                if flexi_sizes else None
+            )
             with _autocast(device, bf16):
-                logits = step_model(images)
+                logits = step_model(images, patch_size=patch)
                 loss = F.cross_entropy(logits.float(), labels, label_smoothing=config.label_smoothing)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -368,11 +387,18 @@ def _train(config, stop, rank, world_size, device, started_at) -> Iterator[Event
         save(finished=False)
     if is_main and config.snapshot_every and step % config.snapshot_every:
         yield _snapshot(model, probe, probe_image, step)
+    by_patch_size = None
+    if flexi_sizes:
+        by_patch_size = {patch: evaluate(model, test_loader, bf16, patch)[1] for patch in flexi_sizes}
+        if is_main:
+            sidecar = json.loads(paths["sidecar"].read_text())
+            sidecar["test_accuracy_by_patch_size"] = {str(patch): value for patch, value in by_patch_size.items()}
+            _write_json(paths["sidecar"], sidecar)
     if world_size > 1:
         dist.barrier()  # the checkpoint exists before any rank reports it
     yield DoneEvent(
         checkpoint=str(paths["checkpoint"]), stopped=stopped, test_accuracy=test_accuracy,
-        seconds=time.perf_counter() - started_at,
+        seconds=time.perf_counter() - started_at, test_accuracy_by_patch_size=by_patch_size,
     )
 
 
@@ -674,11 +700,15 @@ class TrainingRun:
 
 def evaluate_checkpoint(
     weights: str | Path, dataset: str = "shapes", *, device: str = "auto", data_root: str | Path | None = None,
-    test_size: int | None = None, batch_size: int = 500,
-) -> tuple[float, int]:
-    """(test accuracy, number of test images) of a checkpoint on a dataset's test split."""
+    test_size: int | None = None, batch_size: int = 500, patch_size: int | None = None,
+    image_size: int | None = None,
+) -> tuple[float, int, ViTConfig]:
+    """(test accuracy, number of test images, the config evaluated) of a checkpoint on a
+    dataset's test split, at another patch and/or image size if asked (FlexiViT resize)."""
     target = resolve_device(device)
     model = load_model(weights).to(target)
+    if patch_size is not None or image_size is not None:
+        model = resize_model(model, patch_size=patch_size, image_size=image_size)
     config = model.config
     root = Path(data_root).expanduser() if data_root else DEFAULT_DATA_ROOT
     test_set = load_dataset(dataset, "test", image_size=config.img_size, root=root, size=test_size, device=target)
@@ -691,4 +721,4 @@ def evaluate_checkpoint(
     test_set.mean, test_set.std = config.mean, config.std
     loader = DeviceLoader(test_set, batch_size, train=False)
     _, accuracy = evaluate(model, loader)
-    return accuracy, len(test_set)
+    return accuracy, len(test_set), config

@@ -17,6 +17,7 @@ import secrets
 import shutil
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +33,7 @@ from .analysis import attribution, display_image
 from .cache import ByteBoundedCache, trim_to_quota
 from .capture import Capture, capture
 from .config import TrainConfig
-from .data import SHAPE_CLASSES, shapes_sample
+from .data import SHAPE_CLASSES, SHAPES_TEST_SEED, ImageDataset, shapes_dataset, shapes_sample
 from .images import load_image, preprocess
 from .model import ViT
 from .weights import load_model, load_pretrained, resize_model
@@ -56,6 +57,9 @@ UPLOADS_QUOTA_BYTES = int(float(os.environ.get("VIT_EXPLORER_UPLOADS_MB") or 409
 _UPLOADS_LOCK = threading.Lock()  # one upload at a time writes and trims the folder
 # Work a view does unasked: about 3 forward passes of a ViT-S/16 at 224 (multiply-adds).
 QUICK_COST = 13e9
+# Held-out images per patch size on the Patches page: the shipped model's comparison at all its
+# patch sizes then stays within QUICK_COST (and is computed once per model for everybody).
+HELD_OUT_IMAGES = 128
 T = TypeVar("T")
 # What a page says in place of a view that needs class scores, for a model without a classifier.
 NO_CLASSIFIER = (
@@ -268,30 +272,72 @@ def is_quick(config, forwards: float = 1.0) -> bool:
     return forwards * forward_cost(config) <= QUICK_COST
 
 
-def predictions_by_patch_size(model: ViT, image: Image.Image) -> list[dict]:
-    """The top-1 prediction of the model resized to each allowed patch size."""
-    names = model.config.class_names
-    rows = []
-    for patch in patch_size_options(model.config):
-        resized = model if patch == model.config.patch_size else resize_model(model, patch_size=patch)
-        x = preprocess(image, resized.config).to(DEVICE)
+def _timed_forward(model: ViT, x: torch.Tensor, patch_size: int) -> tuple[torch.Tensor, float]:
+    """(probabilities, milliseconds): the faster of two passes, so that the first pass's one-off
+    work (allocations, the PI-resize operator) does not count as the patch size's cost."""
+    times = []
+    for _ in range(2):
+        started = time.perf_counter()
         with torch.no_grad():
-            probabilities = resized(x).float().softmax(dim=-1)[0].cpu()
+            probabilities = model(x, patch_size=patch_size).float().softmax(dim=-1)[0].cpu()
+        times.append(time.perf_counter() - started)
+    return probabilities, 1000 * min(times)
+
+
+def predictions_by_patch_size(model: ViT, image: Image.Image) -> list[dict]:
+    """Per allowed patch size: grid, tokens, the measured forward time of this image and the
+    top-1 prediction. The shared model runs at each size per call (FlexiViT), unchanged."""
+    config = model.config
+    names = config.class_names
+    x = preprocess(image, config).to(DEVICE)
+    rows = []
+    for patch in patch_size_options(config):
+        probabilities, milliseconds = _timed_forward(model, x, patch)
         best = int(probabilities.argmax())
-        grid_h, grid_w = resized.config.grid_size
+        grid_h, grid_w = model.grid_size(patch)
         rows.append({
             "patch size": patch,
             "grid": f"{grid_h}x{grid_w}",
-            "tokens": resized.config.num_tokens,
+            "tokens": config.num_prefix_tokens + grid_h * grid_w,
+            "forward ms": milliseconds,
             "prediction": names[best] if names else f"class {best}",
             "probability": float(probabilities[best]),
         })
     return rows
 
 
-def patch_size_comparison_cost(config) -> float:
-    """What trying every patch size costs, in forward passes of the model at its own size."""
-    return sum(forward_cost(config, patch) for patch in patch_size_options(config)) / forward_cost(config)
+def has_held_out(config) -> bool:
+    """Whether the Patches page can test the model on a held-out batch of its dataset: only the
+    built-in shapes, which render offline in a blink (another dataset may need a download)."""
+    return config.class_names == SHAPE_CLASSES
+
+
+def held_out_set(config) -> ImageDataset:
+    """A batch of the shapes test stream at the model's input size."""
+    # Past the sample pictures of the sidebar, which come from the start of the same test stream.
+    return shapes_dataset(HELD_OUT_IMAGES, config.img_size, SHAPES_TEST_SEED, "test", start=SHAPE_SAMPLES)
+
+
+def held_out_accuracy_by_patch_size(model: ViT, dataset: ImageDataset) -> dict[int, float]:
+    """Patch size -> accuracy of the model on ``dataset`` at that size (one batch per size)."""
+    config = model.config
+    mean = torch.tensor(config.mean, device=DEVICE).view(1, -1, 1, 1)
+    std = torch.tensor(config.std, device=DEVICE).view(1, -1, 1, 1)
+    images = (dataset.images.to(DEVICE).float() / 255 - mean) / std
+    labels = dataset.labels.to(DEVICE)
+    accuracy = {}
+    for patch in patch_size_options(config):
+        with torch.no_grad():
+            predicted = model(images, patch_size=patch).argmax(dim=-1)
+        accuracy[patch] = float((predicted == labels).float().mean())
+    return accuracy
+
+
+def patch_size_comparison_cost(config, held_out: bool = False) -> float:
+    """What trying every patch size costs, in forward passes of the model at its own size: two
+    passes of the image per size (one timed), and the held-out batch at each size if asked."""
+    per_size = 2 + (HELD_OUT_IMAGES if held_out else 0)
+    return per_size * sum(forward_cost(config, patch) for patch in patch_size_options(config)) / forward_cost(config)
 
 
 @dataclass(frozen=True)
@@ -334,15 +380,34 @@ class Selection:
             spinner="Tracing the class back to the patches ...",
         )
 
+    def comparison_cost(self) -> float:
+        """What ``predictions_by_patch_size`` would compute now, in forward passes (the held-out
+        accuracy is per model, so it counts only until somebody has computed it)."""
+        config = self.base_model.config
+        held_out = has_held_out(config) and self._held_out_key not in shared_results()
+        return patch_size_comparison_cost(config, held_out=held_out)
+
+    @property
+    def _held_out_key(self) -> tuple:
+        return (self.model_key, "held-out accuracy by patch size")
+
     def predictions_by_patch_size(self, run: bool = True) -> list[dict] | None:
-        """The base model's top-1 prediction at every allowed patch size (one forward each).
+        """Per allowed patch size: tokens, forward time and top-1 prediction of this image, and
+        the accuracy on a held-out batch of the model's dataset where it has one ("held-out
+        accuracy", else None).
 
         With ``run=False`` only what somebody already computed for this model and image, or None.
         """
         key = (self.model_key, self.config.img_size, self.image_key, "predictions by patch size")
         if not run and key not in shared_results():
             return None
-        return memo(key, lambda: predictions_by_patch_size(self.base_model, self.image), "Trying every patch size ...")
+        model = self.base_model
+        rows = memo(key, lambda: predictions_by_patch_size(model, self.image), "Trying every patch size ...")
+        accuracy = {} if not has_held_out(model.config) else memo(
+            self._held_out_key, lambda: held_out_accuracy_by_patch_size(model, held_out_set(model.config)),
+            f"Testing every patch size on {HELD_OUT_IMAGES} held-out images ...",
+        )
+        return [{**row, "held-out accuracy": accuracy.get(row["patch size"])} for row in rows]
 
     def model_input(self) -> torch.Tensor:
         return preprocess(self.image, self.config)  # (1, C, H, W)

@@ -17,14 +17,13 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from einops import rearrange
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 from safetensors.torch import save as safetensors_bytes
 
 from .config import IMAGENET_MEAN, IMAGENET_STD, ViTConfig
-from .model import ViT
+from .model import ViT, resample_patch_embed, resample_pos_embed, resize_matrix
 
 CONFIG_KEY = "vit_explorer.config"  # safetensors metadata entry that marks a project checkpoint
 TORCHVISION_VITS = ("vit_b_16", "vit_b_32", "vit_l_16", "vit_l_32", "vit_h_14")
@@ -663,61 +662,13 @@ def _load_torchvision(name: str) -> ViT:
 # ----------------------------------------------------------------------------- resizing
 
 
-def _resize_matrix(
-    old_size: tuple[int, int], new_size: tuple[int, int], device: torch.device | str = "cpu"
-) -> torch.Tensor:
-    """(old_h*old_w, new_h*new_w): row i is the bilinear resize of the i-th one-hot old patch."""
-    basis = torch.eye(old_size[0] * old_size[1], dtype=torch.float64, device=device)
-    basis = rearrange(basis, "n (h w) -> n 1 h w", h=old_size[0])
-    resized = F.interpolate(
-        basis, size=new_size, mode="bilinear", align_corners=False, antialias=True
-    )
-    return rearrange(resized, "n 1 h w -> n (h w)")
-
-
 def resize_patches(x: torch.Tensor, old_patch: int, new_patch: int) -> torch.Tensor:
     """Resize each p x p patch of (B, C, H, W) images on its own, as PI-resize's matrix does."""
     patches = rearrange(
         x.double(), "b c (gh ph) (gw pw) -> b c gh gw (ph pw)", ph=old_patch, pw=old_patch
     )
-    resized = patches @ _resize_matrix((old_patch, old_patch), (new_patch, new_patch), x.device)
+    resized = patches @ resize_matrix((old_patch, old_patch), (new_patch, new_patch)).to(x.device)
     return rearrange(resized, "b c gh gw (ph pw) -> b c (gh ph) (gw pw)", ph=new_patch).to(x.dtype)
-
-
-def resample_patch_embed(weight: torch.Tensor, new_patch: int) -> torch.Tensor:
-    """FlexiViT's PI-resize (Beyer et al. 2023) of a (D, C, p, p) patch-embedding kernel.
-
-    With B the bilinear resize x -> B x of a patch, the new kernel w' solves B^T w' = w in the
-    least-squares sense (w' = pinv(B^T) w), so <B x, w'> = <x, w>: an upsampled patch gets the
-    very embedding the original patch got. Exact when upsampling, best possible when shrinking.
-    """
-    old_patch = weight.shape[-1]
-    resize_t = _resize_matrix((old_patch, old_patch), (new_patch, new_patch), weight.device)
-    kernels = rearrange(weight.double(), "d c ph pw -> (ph pw) (d c)")
-    resampled = torch.linalg.pinv(resize_t) @ kernels  # (new*new, D*C)
-    resampled = rearrange(resampled, "(ph pw) (d c) -> d c ph pw", ph=new_patch, c=weight.shape[1])
-    return resampled.to(weight.dtype)
-
-
-def resample_pos_embed(
-    pos_embed: torch.Tensor,
-    old_grid: tuple[int, int],
-    new_grid: tuple[int, int],
-    num_prefix_tokens: int,
-) -> torch.Tensor:
-    """Bicubically resample (1, prefix + gh*gw, D) position embeddings to a new grid.
-
-    The prefix tokens' embeddings are kept as they are; an unchanged grid returns the input.
-    """
-    if tuple(old_grid) == tuple(new_grid):
-        return pos_embed
-    prefix, grid = pos_embed[:, :num_prefix_tokens], pos_embed[:, num_prefix_tokens:]
-    grid = rearrange(grid.float(), "1 (gh gw) d -> 1 d gh gw", gh=old_grid[0])
-    grid = F.interpolate(
-        grid, size=tuple(new_grid), mode="bicubic", align_corners=False, antialias=True
-    )
-    grid = rearrange(grid, "1 d gh gw -> 1 (gh gw) d").to(pos_embed.dtype)
-    return torch.cat([prefix, grid], dim=1)
 
 
 def resize_model(model: ViT, patch_size: int | None = None, image_size=None) -> ViT:
@@ -729,9 +680,9 @@ def resize_model(model: ViT, patch_size: int | None = None, image_size=None) -> 
     )
     state = {key: value.detach().clone() for key, value in model.state_dict().items()}
     if new.patch_size != old.patch_size:
-        state["patch_embed.proj.weight"] = resample_patch_embed(
-            state["patch_embed.proj.weight"], new.patch_size
-        )
+        # In float64 (then back), the most exact copy; a forward at patch_size= uses the kernel's dtype.
+        weight = state["patch_embed.proj.weight"]
+        state["patch_embed.proj.weight"] = resample_patch_embed(weight.double(), new.patch_size).to(weight.dtype)
     prefix = 0 if old.no_embed_class else old.num_prefix_tokens
     state["pos_embed"] = resample_pos_embed(
         state["pos_embed"], old.grid_size, new.grid_size, prefix
