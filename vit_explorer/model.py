@@ -308,6 +308,10 @@ class ViT(nn.Module):
         self._init_weights()
 
     def _init_weights(self) -> None:
+        if self.pos_embed.is_meta:
+            # Built on "meta" to adopt a checkpoint's tensors: nothing to fill, and init ops on
+            # meta tensors import torch._dynamo (3 s on the first model a process loads).
+            return
         nn.init.trunc_normal_(self.pos_embed, std=0.02)
         for token in (self.cls_token, self.dist_token, self.reg_token):
             if token is not None:
