@@ -365,6 +365,32 @@ def _where(layer: int | str | None) -> str:
     return f"layer {layer}" if layer is not None else "one layer"
 
 
+def _head_panels(image: np.ndarray, overlays: list, columns: int) -> tuple[go.Figure, int]:
+    """One panel per head: the image with that head's overlay, titled "head h"; (figure, rows).
+
+    One PNG for all panels and one call for all traces: per-panel add_trace re-validates the
+    whole figure, which made these figures the slowest part of a rerun.
+    """
+    heads = len(overlays)
+    columns = min(columns, heads)
+    rows = math.ceil(heads / columns)
+    fig = make_subplots(
+        rows=rows, cols=columns, subplot_titles=[f"head {h}" for h in range(heads)],
+        horizontal_spacing=0.02, vertical_spacing=0.06 if rows > 1 else 0.0,
+    )
+    source = png_data_uri(image)
+    positions = [divmod(head, columns) for head in range(heads)]
+    traces = [trace for overlay in overlays for trace in (go.Image(source=source, hoverinfo="skip"), overlay)]
+    fig.add_traces(
+        traces,
+        rows=[row + 1 for row, _ in positions for _ in range(2)],
+        cols=[col + 1 for _, col in positions for _ in range(2)],
+    )
+    for row, col in positions:
+        _image_axes(fig, row + 1, col + 1)
+    return fig, rows
+
+
 def attention_heads_grid(
     image, maps, opacity: float = 0.6, layer: int | str | None = None, columns: int = 4,
     query: str = "class token",
@@ -375,32 +401,10 @@ def attention_heads_grid(
     maps = _float_array(maps)
     if maps.ndim != 3:
         raise ValueError(f"maps must be (H, gh, gw), not {maps.shape}")
-    heads = maps.shape[0]
-    columns = min(columns, heads)
-    rows = math.ceil(heads / columns)
-    fig = make_subplots(
-        rows=rows, cols=columns, subplot_titles=[f"head {h}" for h in range(heads)],
-        horizontal_spacing=0.02, vertical_spacing=0.06 if rows > 1 else 0.0,
-    )
-    # One PNG for all panels and one call for all traces: per-panel add_trace re-validates the
-    # whole figure, which made this figure the slowest part of a rerun.
-    source = png_data_uri(image)
-    traces, trace_rows, trace_cols = [], [], []
-    for head, head_map in enumerate(maps):
-        row, col = divmod(head, columns)
-        traces += [
-            go.Image(source=source, hoverinfo="skip"),
-            _patch_heatmap(
-                head_map, image.shape[:2], label=f"head {head}", coloraxis="coloraxis",
-                opacity=opacity,
-            ),
-        ]
-        trace_rows += [row + 1] * 2
-        trace_cols += [col + 1] * 2
-    fig.add_traces(traces, rows=trace_rows, cols=trace_cols)
-    for head in range(heads):
-        row, col = divmod(head, columns)
-        _image_axes(fig, row + 1, col + 1)
+    fig, rows = _head_panels(image, [
+        _patch_heatmap(head_map, image.shape[:2], label=f"head {head}", coloraxis="coloraxis", opacity=opacity)
+        for head, head_map in enumerate(maps)
+    ], columns)
     where = _where(layer)
     fig.update_layout(
         title=_title(f"Attention of the {query} in {where}, per head"),
@@ -420,26 +424,14 @@ def attention_masks_grid(
     masks = _array(masks).astype(bool)
     if masks.ndim != 3:
         raise ValueError(f"masks must be (H, gh, gw), not {masks.shape}")
-    heads = masks.shape[0]
-    columns = min(columns, heads)
-    rows = math.ceil(heads / columns)
-    fig = make_subplots(
-        rows=rows, cols=columns, subplot_titles=[f"head {h}" for h in range(heads)],
-        horizontal_spacing=0.02, vertical_spacing=0.06 if rows > 1 else 0.0,
-    )
-    for head, mask in enumerate(masks):
-        row, col = divmod(head, columns)
-        fig.add_trace(_image_trace(image, hover=False), row=row + 1, col=col + 1)
-        # Dropped patches under a dark veil, kept ones clear: the mask reads as a cut-out.
-        fig.add_trace(
-            _patch_heatmap(
-                (~mask).astype(float), image.shape[:2], value_name="dropped", label=f"head {head}",
-                colorscale=[[0, "rgba(0,0,0,0)"], [1, "rgba(0,0,0,0.75)"]], zmin=0, zmax=1,
-                showscale=False,
-            ),
-            row=row + 1, col=col + 1,
+    # Dropped patches under a dark veil, kept ones clear: the mask reads as a cut-out.
+    fig, rows = _head_panels(image, [
+        _patch_heatmap(
+            (~mask).astype(float), image.shape[:2], value_name="dropped", label=f"head {head}",
+            colorscale=[[0, "rgba(0,0,0,0)"], [1, "rgba(0,0,0,0.75)"]], zmin=0, zmax=1, showscale=False,
         )
-        _image_axes(fig, row + 1, col + 1)
+        for head, mask in enumerate(masks)
+    ], columns)
     where = _where(layer)
     fig.update_layout(
         title=_title(f"Patches holding {mass:.0%} of the {query}'s attention in {where}, per head"),
