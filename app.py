@@ -141,12 +141,17 @@ with st.sidebar:
                         on_click=ui.request_model, args=(model_key,), width="stretch",
                     )
 
-    active = ui.active_runs()
-    waiting = ui.run_manager().queued()
+    def my_runs() -> tuple[dict, list[str]]:
+        """This person's training and waiting runs: only they poll, so that a class browsing
+        beside one run does not rerun every session's sidebar every two seconds."""
+        running = {run_id: run for run_id, run in ui.active_runs().items() if ui.owns_run(run_id)}
+        return running, [run_id for run_id in ui.run_manager().queued() if ui.owns_run(run_id)]
+
+    active, waiting = my_runs()
 
     @st.fragment(run_every=2.0 if active or waiting else None)
     def training_status() -> None:
-        running, queued = ui.active_runs(), ui.run_manager().queued()
+        running, queued = my_runs()
         if set(running) != set(active) or queued != waiting:
             st.rerun()  # a run has ended or started: the model picker can offer it now
         for run_id, run in running.items():

@@ -472,7 +472,9 @@ def _memory_status(field: str) -> int:
 def _train_in_child(config_json: str, connection, stop, threads: int, memory_limit: int | None) -> None:
     """A spawned process's whole life: train, send every event back, end with an _Ended."""
     with contextlib.suppress(OSError):
-        os.nice(5)  # the server's sessions come first
+        # Well below the server: on a small machine the people browsing come first and the run
+        # takes what they leave (at nice 5 eight sessions beside one run stalled the app).
+        os.nice(15)
     torch.set_num_threads(threads)
     config = TrainConfig.from_json(config_json)
     error = None
