@@ -119,6 +119,12 @@ def model_at(model_key: str, patch_size: int, image_size: tuple[int, int]) -> Vi
     )
 
 
+def token_count(config, patch_size: int, image_size: tuple[int, int] | None = None) -> int:
+    """Tokens the model has at ``patch_size`` on an input of ``image_size`` (its own by default)."""
+    height, width = image_size or config.img_size
+    return config.num_prefix_tokens + (height // patch_size) * (width // patch_size)
+
+
 def attention_bytes(config, tokens: int | None = None) -> int:
     """Bytes of one image's float32 attention, every layer and head."""
     tokens = config.num_tokens if tokens is None else tokens
@@ -131,7 +137,7 @@ def image_size_problem(config, image_size: tuple[int, int]) -> str | None:
     patch = config.patch_size
     if height < patch or width < patch or height % patch or width % patch:
         return f"The input size must be a multiple of the patch size ({patch} px) on both sides."
-    tokens = config.num_prefix_tokens + (height // patch) * (width // patch)
+    tokens = token_count(config, patch, image_size)
     if attention_bytes(config, tokens) > MAX_ATTENTION_BYTES:
         return (
             f"At {height}x{width} px this model has {tokens} tokens and its attention would take"
@@ -148,8 +154,7 @@ def patch_size_options(config) -> list[int]:
     for patch in range(2, min(height, width) + 1):
         if height % patch or width % patch:
             continue
-        tokens = config.num_prefix_tokens + (height // patch) * (width // patch)
-        if attention_bytes(config, tokens) <= MAX_ATTENTION_BYTES:
+        if attention_bytes(config, token_count(config, patch)) <= MAX_ATTENTION_BYTES:
             options.append(patch)
     return sorted(set(options) | {config.patch_size})
 
@@ -259,9 +264,7 @@ def memo(key: tuple, compute: Callable[[], T], spinner: str | None = None) -> T:
 
 def forward_cost(config, patch_size: int | None = None) -> float:
     """Multiply-adds of one forward pass (blocks only), to compare patch sizes and models."""
-    height, width = config.img_size
-    patch = patch_size or config.patch_size
-    tokens = config.num_prefix_tokens + (height // patch) * (width // patch)
+    tokens = token_count(config, patch_size or config.patch_size)
     dim = config.embed_dim
     per_token = (4 + 2 * config.mlp_ratio) * dim * dim  # qkv + proj + MLP
     return config.depth * (tokens * per_token + 2 * tokens * tokens * dim)
