@@ -32,6 +32,14 @@ def test_a_value_larger_than_the_budget_is_returned_but_not_kept():
     assert "big" not in cache and "small" in cache
 
 
+def test_a_value_that_shares_storage_counts_only_what_it_holds_of_its_own():
+    cache = ByteBoundedCache(max_bytes=1000)
+    base = torch.zeros(200)  # 800 bytes
+    cache.get_or_compute("base", lambda: base)
+    view = cache.get_or_compute("view", lambda: (base, torch.zeros(10)), size=lambda value: nbytes(value[1]))
+    assert view[0] is base and "base" in cache and cache.total_bytes == 840
+
+
 def test_many_threads_asking_for_one_key_compute_it_once():
     cache, calls, results = ByteBoundedCache(max_bytes=10**6), [], []
 

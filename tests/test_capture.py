@@ -66,6 +66,19 @@ def test_capture_of_some_layers_matches_the_full_capture():
         vx.capture(model, x, layers=[7])
 
 
+def test_recording_two_passes_keeps_each_pass_its_own_weights():
+    """Detached weights go into one buffer per pass: a second pass must not overwrite the first's."""
+    model = randomize(vx.ViT(tiny_config(depth=2)))
+    first_input, second_input = torch.randn(2, 1, 3, 16, 16)
+    with torch.no_grad(), record_attention(model, [0, 1]) as recorded:
+        model(first_input)
+        first = dict(recorded)
+        model(second_input)
+    assert not torch.equal(first[1], recorded[1])
+    torch.testing.assert_close(first[1], vx.capture(model, first_input).attentions[:, 1])
+    torch.testing.assert_close(recorded[1], vx.capture(model, second_input).attentions[:, 1])
+
+
 def hook_count(model: torch.nn.Module) -> int:
     return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
 

@@ -3,6 +3,7 @@ import base64
 import io
 
 import numpy as np
+import plotly.colors
 import plotly.graph_objects as go
 import pytest
 import torch
@@ -83,15 +84,28 @@ def test_position_similarity_grid_tiles_each_patch_map():
     similarity = np.random.default_rng(2).uniform(-1, 1, size=(2, 3, 2, 3))
     fig = figures.position_similarity_grid(similarity)
     title_of(fig)
-    heatmap = traces(fig, "heatmap")[0]
-    mosaic = np.array(heatmap.z, dtype=float)
-    assert mosaic.shape == (2 * 2 + 1, 3 * 3 + 2)
-    # The tile of patch (1, 2) starts at row 1 * (2 + 1), column 2 * (3 + 1).
-    assert np.allclose(mosaic[3:5, 8:11], similarity[1, 2])
-    assert np.isnan(mosaic[2]).all()
-    assert (heatmap.zmin, heatmap.zmax, heatmap.zmid) == (-1, 1, 0)
-    assert "RdBu" in str(heatmap.colorscale) or heatmap.colorscale[0][1] != heatmap.colorscale[-1][1]
-    assert list(heatmap.customdata[3, 8]) == [1, 2, 0, 0]
+    mosaic = pixels(traces(fig, "image")[0])
+    assert mosaic.shape == (2 * 2 + 1, 3 * 3 + 2, 3)
+    # The tile of patch (1, 2) starts at row 1 * (2 + 1), column 2 * (3 + 1), coloured as a
+    # heatmap from -1 to 1 would colour it; the gaps between tiles are white.
+    expected = plotly.colors.sample_colorscale("RdBu_r", ((similarity[1, 2] + 1) / 2).ravel().tolist())
+    expected = np.array([plotly.colors.unlabel_rgb(colour) for colour in expected]).reshape(2, 3, 3)
+    assert np.abs(mosaic[3:5, 8:11].astype(int) - expected).max() <= 1
+    assert (mosaic[2] == 255).all()
+    # Hovering a tile names its patch; the transparent hover layer carries the colour bar.
+    hover = traces(fig, "heatmap")[0]
+    assert (hover.zmin, hover.zmax) == (-1, 1) and hover.showscale
+    assert (hover.x0 + 2 * hover.dx, hover.y0 + 1 * hover.dy) == (9.0, 3.5)  # centre of tile (1, 2)
+    assert list(hover.customdata[1, 2]) == [1, 2]
+
+
+def test_colour_mapped_matches_plotly_colour_scales():
+    values = np.array([[-0.5, 0.0], [0.25, np.nan]])
+    colours = figures.colour_mapped(values, "Viridis", -0.5, 0.25)
+    expected = plotly.colors.sample_colorscale("Viridis", [0.0, 0.5 / 0.75, 1.0])
+    expected = [plotly.colors.unlabel_rgb(colour) for colour in expected]
+    assert np.abs(colours[[0, 0, 1], [0, 1, 0]].astype(int) - np.array(expected)).max() <= 1
+    assert list(colours[1, 1]) == [255, 255, 255]
 
 
 def test_embedding_filters_figure_shows_every_filter():

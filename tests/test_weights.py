@@ -420,6 +420,18 @@ def test_resize_model_leaves_the_original_untouched():
         vx.resize_model(model, patch_size=5)
 
 
+def test_resize_model_can_share_the_weights_it_does_not_resample():
+    model = _tiny()
+    copied = vx.resize_model(model, patch_size=4, image_size=48)
+    shared = vx.resize_model(model, patch_size=4, image_size=48, share_weights=True)
+    with torch.no_grad():
+        torch.testing.assert_close(shared(_images(48)), copied(_images(48)))
+    assert shared.blocks[0].attn.qkv.weight.data_ptr() == model.blocks[0].attn.qkv.weight.data_ptr()
+    assert copied.blocks[0].attn.qkv.weight.data_ptr() != model.blocks[0].attn.qkv.weight.data_ptr()
+    assert shared.pos_embed.shape != model.pos_embed.shape
+    assert shared.patch_embed.proj.weight.shape[-1] == 4
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_resize_model_on_the_gpu_matches_the_cpu():
     on_cpu = vx.resize_model(_tiny(), patch_size=4, image_size=48)

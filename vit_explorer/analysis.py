@@ -352,10 +352,13 @@ def mean_attention_distance(
             f"attentions over {attentions.shape[-1]} tokens do not fit {num_prefix_tokens}"
             f" prefix tokens and a {grid_h}x{grid_w} grid"
         )
-    patch_attention = attentions[..., num_prefix_tokens:, num_prefix_tokens:].float()
-    centres = patch_centres(grid_size, patch_size).to(patch_attention.device)
+    centres = patch_centres(grid_size, patch_size).to(attentions.device)
     distances = torch.cdist(centres, centres)  # (P, P)
-    per_query = (patch_attention * distances).sum(dim=-1)  # (B, L, H, P)
+    # A layer at a time, as a contraction: no (B, L, H, P, P) product is ever materialised.
+    per_query = torch.stack([
+        torch.einsum("bhqk,qk->bhq", attentions[:, layer, :, num_prefix_tokens:, num_prefix_tokens:].float(), distances)
+        for layer in range(attentions.shape[1])
+    ], dim=1)  # (B, L, H, P)
     return reduce(per_query, "b l h p -> l h", "mean")
 
 
@@ -365,10 +368,13 @@ def attention_entropy(attentions: torch.Tensor) -> torch.Tensor:
     0 for one-hot rows, log N for uniform rows: how focused each head is.
     """
     _check_attentions(attentions)
-    attentions = attentions.float()
-    # 0 * log 0 = 0: xlogy does that without NaNs.
-    row_entropy = -torch.special.xlogy(attentions, attentions).sum(dim=-1)  # (B, L, H, N)
-    return row_entropy.mean(dim=-1)
+    per_layer = []
+    for layer in range(attentions.shape[1]):  # a layer at a time keeps the temporaries small
+        weights = attentions[:, layer].float()  # (B, H, N, N)
+        # 0 * log 0 = 0: the clamp keeps log finite there, and costs less than xlogy's branches.
+        row_entropy = -(weights * weights.clamp_min(torch.finfo(torch.float32).tiny).log()).sum(dim=-1)
+        per_layer.append(row_entropy.mean(dim=-1))  # (B, H)
+    return torch.stack(per_layer, dim=1)
 
 
 # --- tokens through the depth ----------------------------------------------------------------

@@ -69,7 +69,9 @@ class ByteBoundedCache:
         with self._lock:
             return key in self._entries
 
-    def get_or_compute(self, key: Hashable, compute: Callable[[], T]) -> T:
+    def get_or_compute(self, key: Hashable, compute: Callable[[], T], size: Callable[[T], int] = nbytes) -> T:
+        """The value of ``key``, computed now if missing; ``size`` says what a value holds of its
+        own (by default everything it references)."""
         while True:
             with self._lock:
                 if key in self._entries:
@@ -91,21 +93,21 @@ class ByteBoundedCache:
                 if key in self._in_flight:
                     continue
             # The other computation left nothing behind: compute it here.
-            return self._compute_and_store(key, compute)
+            return self._compute_and_store(key, compute, size)
         try:
-            return self._compute_and_store(key, compute)
+            return self._compute_and_store(key, compute, size)
         finally:
             with self._lock:
                 self._in_flight.pop(key, None)
             in_flight.release()
 
-    def _compute_and_store(self, key: Hashable, compute: Callable[[], T]) -> T:
+    def _compute_and_store(self, key: Hashable, compute: Callable[[], T], size: Callable[[T], int]) -> T:
         value = compute()
-        size = nbytes(value)
+        held = size(value)
         with self._lock:
-            if size <= self.max_bytes and key not in self._entries:
-                self._entries[key] = (value, size)
-                self.total_bytes += size
+            if held <= self.max_bytes and key not in self._entries:
+                self._entries[key] = (value, held)
+                self.total_bytes += held
                 while self.total_bytes > self.max_bytes:
                     _, (_, evicted) = self._entries.popitem(last=False)
                     self.total_bytes -= evicted

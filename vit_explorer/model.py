@@ -119,6 +119,16 @@ class PatchEmbed(nn.Module):
         return rearrange(x, "b d gh gw -> b (gh gw) d")
 
 
+class Softmax(nn.Softmax):
+    """``nn.Softmax`` that can write into a given tensor: a capture's recorder hands it the slot of
+    its attention buffer, so the weights are stored without a second copy of them all."""
+
+    def forward(self, input: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if out is None:
+            return super().forward(input)
+        return torch.softmax(input, self.dim, out=out)
+
+
 class Attention(nn.Module):
     """Multi-head self-attention.
 
@@ -136,7 +146,7 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
         self.fused_attn = True
         self.qkv = nn.Linear(config.embed_dim, config.embed_dim * 3, bias=config.qkv_bias)
-        self.attend = nn.Softmax(dim=-1)
+        self.attend = Softmax(dim=-1)
         self.attn_drop = nn.Dropout(config.attn_drop_rate)
         self.proj = nn.Linear(config.embed_dim, config.embed_dim)
         self.proj_drop = nn.Dropout(config.drop_rate)
@@ -151,7 +161,9 @@ class Attention(nn.Module):
             )
         else:
             # Scale before the softmax (scaling after it, as some tutorials do, is a bug).
-            attn = self.attend((q * self.scale) @ k.transpose(-2, -1))  # (B, nh, N, N)
+            scores = (q * self.scale) @ k.transpose(-2, -1)  # (B, nh, N, N)
+            out = None if recorder is None else recorder.attention_out(self, scores)
+            attn = self.attend(scores) if out is None else self.attend(scores, out=out)
             if recorder is not None:
                 recorder.attention(self, attn)
             x = self.attn_drop(attn) @ v  # (B, nh, N, hd)

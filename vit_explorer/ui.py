@@ -30,7 +30,7 @@ from PIL import Image
 
 from . import catalogue, resources, runs, train
 from .analysis import attribution, display_image
-from .cache import ByteBoundedCache, trim_to_quota
+from .cache import ByteBoundedCache, nbytes, trim_to_quota
 from .capture import Capture, capture
 from .config import TrainConfig
 from .data import SHAPE_CLASSES, SHAPES_TEST_SEED, ImageDataset, shapes_dataset, shapes_sample
@@ -114,9 +114,17 @@ def model_at(model_key: str, patch_size: int, image_size: tuple[int, int]) -> Vi
         ("resized", model_key, patch_size, image_size),
         lambda: _with_spinner(
             "Resizing the model ...",
-            lambda: resize_model(model, patch_size=patch_size, image_size=image_size).eval(),
+            lambda: resize_model(model, patch_size=patch_size, image_size=image_size, share_weights=True).eval(),
         ),
+        size=lambda resized: _own_bytes(resized, model),
     )
+
+
+def _own_bytes(resized: ViT, base: ViT) -> int:
+    """Bytes of the resampled tensors of a resized model: the rest is the base model's storage,
+    counted with the base model (which model_at touches first, so it outlives its resized ones)."""
+    base_storage = {tensor.data_ptr() for tensor in base.state_dict().values()}
+    return sum(nbytes(tensor) for tensor in resized.state_dict().values() if tensor.data_ptr() not in base_storage)
 
 
 def token_count(config, patch_size: int, image_size: tuple[int, int] | None = None) -> int:
