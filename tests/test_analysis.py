@@ -489,3 +489,26 @@ def test_cuda_model_gives_the_cpu_results():
     assert rollout.is_cuda and torch.allclose(rollout.sum(-1), torch.ones(2, 8, device="cuda"))
     distance = analysis.mean_attention_distance(capture.attentions.cuda(), (2, 3), 4, 2)
     assert torch.allclose(distance.cpu(), analysis.mean_attention_distance(capture.attentions, (2, 3), 4, 2))
+
+
+def test_the_analyses_read_a_half_precision_capture_as_they_read_a_full_one():
+    model = tiny_model(depth=3)
+    x = torch.randn(1, 3, 8, 12)
+    full = vx.capture(model, x)
+    half = vx.capture(model, x, attention_dtype=torch.float16)
+    close = dict(atol=2e-3, rtol=2e-3)
+    for query in (None, 2):
+        maps = analysis.head_maps(half, 1, query)
+        assert maps.dtype == torch.float32
+        torch.testing.assert_close(maps, analysis.head_maps(full, 1, query), **close)
+    torch.testing.assert_close(
+        analysis.attention_rollout(half.attentions, num_prefix_tokens=1),
+        analysis.attention_rollout(full.attentions, num_prefix_tokens=1), **close,
+    )
+    torch.testing.assert_close(
+        analysis.attention_entropy(half.attentions), analysis.attention_entropy(full.attentions), **close
+    )
+    torch.testing.assert_close(
+        analysis.mean_attention_distance(half.attentions, half.grid_size, 4, 1),
+        analysis.mean_attention_distance(full.attentions, full.grid_size, 4, 1), **close,
+    )

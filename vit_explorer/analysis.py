@@ -32,6 +32,11 @@ def _check_attentions(attentions: torch.Tensor) -> None:
         )
 
 
+def _full_precision(values: torch.Tensor) -> torch.Tensor:
+    """float32 for half-precision values (a float16 capture), anything else as it is."""
+    return values.float() if values.dtype in (torch.float16, torch.bfloat16) else values
+
+
 def _has_class_token(num_prefix_tokens: int, class_token: bool | None) -> bool:
     # A capture only knows how many prefix tokens there are; registers without a class token
     # (timm's *_reg*_gap models) need class_token=False from model.config.class_token.
@@ -118,11 +123,11 @@ def attention_rollout(
         raise AnalysisError(f"start_layer must be in 0..{layers - 1}, not {start_layer}")
     if not 0.0 <= discard_ratio < 1.0:
         raise AnalysisError(f"discard_ratio must be in [0, 1), not {discard_ratio}")
-    attentions = attentions.float()
-    identity = torch.eye(tokens, dtype=attentions.dtype, device=attentions.device)
+    identity = torch.eye(tokens, device=attentions.device)
     rollout = identity.expand(attentions.shape[0], tokens, tokens)
     for layer in range(start_layer, layers):
-        fused = _fuse_heads(attentions[:, layer], head_fusion)  # (B, N, N)
+        # In float32 a layer at a time: a float16 capture is never copied whole.
+        fused = _fuse_heads(attentions[:, layer].float(), head_fusion)  # (B, N, N)
         fused = _discard_smallest(fused, discard_ratio, num_prefix_tokens)
         mixed = 0.5 * fused + 0.5 * identity
         mixed = mixed / mixed.sum(dim=-1, keepdim=True)
@@ -208,11 +213,11 @@ def query_map(
         )
     if query is None:
         if _has_class_token(num_prefix_tokens, class_token):
-            row = matrix[..., 0, :]
+            row = _full_precision(matrix[..., 0, :])
         else:
-            row = matrix[..., num_prefix_tokens:, :].mean(dim=-2)
+            row = _full_precision(matrix[..., num_prefix_tokens:, :]).mean(dim=-2)
     else:
-        row = matrix[..., num_prefix_tokens + patch_index(query, grid_size), :]
+        row = _full_precision(matrix[..., num_prefix_tokens + patch_index(query, grid_size), :])
     return rearrange(row[..., num_prefix_tokens:], "... (gh gw) -> ... gh gw", gh=grid_h)
 
 

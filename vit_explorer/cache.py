@@ -2,7 +2,7 @@
 folder trimmed to a quota on disk.
 
 Streamlit's ``st.cache_data`` copies (pickles) its value on every hit: a ViT-B/16 capture at
-patch 8 is about 360 MB, so every rerun would copy it. Values here are shared as they are, so they
+patch 8 is about 200 MB, so every rerun would copy it. Values here are shared as they are, so they
 must be treated as read-only (captures, analysis results, plotly figures: nothing in the app
 mutates them). Two threads that ask for the same missing key compute it once; the second waits.
 """

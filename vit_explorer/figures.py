@@ -176,22 +176,22 @@ def _patch_heatmap(
     )
 
 
-def _axes_name(axis) -> str:
-    return axis.plotly_name.replace("axis", "")  # "xaxis2" -> "x2"
-
-
-def _image_axes(fig: go.Figure, row: int | None = None, col: int | None = None) -> None:
-    """Image convention: y grows downwards, square pixels, no ticks."""
-    if row is None:
-        x_name = "x"
+def _image_axes(fig: go.Figure, cells: Sequence[tuple[int, int]] | None = None, columns: int = 1) -> None:
+    """Image convention: y grows downwards, square pixels, no ticks; for the figure's only axes,
+    or for the subplots at ``cells`` (row, col) of a make_subplots grid ``columns`` wide, in one
+    layout update (an update per axis re-validates the whole figure: for 12 panels that took
+    longer than drawing them)."""
+    if cells is None:
         fig.update_xaxes(visible=False, constrain="domain")
-        fig.update_yaxes(visible=False, autorange="reversed", scaleanchor=x_name, constrain="domain")
+        fig.update_yaxes(visible=False, autorange="reversed", scaleanchor="x", constrain="domain")
         return
-    subplot = fig.get_subplot(row, col)
-    subplot.xaxis.update(visible=False, constrain="domain")
-    subplot.yaxis.update(
-        visible=False, autorange="reversed", scaleanchor=_axes_name(subplot.xaxis), constrain="domain"
-    )
+    layout = {}
+    for row, col in cells:
+        index = (row - 1) * columns + col  # make_subplots numbers its axes row by row
+        suffix = "" if index == 1 else str(index)
+        layout[f"xaxis{suffix}"] = dict(visible=False, constrain="domain")
+        layout[f"yaxis{suffix}"] = dict(visible=False, autorange="reversed", scaleanchor=f"x{suffix}", constrain="domain")
+    fig.update_layout(layout)
 
 
 def _panel_height(image_shape: tuple[int, ...], rows: int, width: int) -> int:
@@ -310,8 +310,7 @@ def token_pca_image(colors, image) -> go.Figure:
         ),
         row=1, col=2,
     )
-    for col in (1, 2):
-        _image_axes(fig, 1, col)
+    _image_axes(fig, [(1, 1), (1, 2)], columns=2)
     fig.update_layout(
         title=_title("Token PCA: patches with similar tokens get similar colours"),
         margin=MARGIN, height=_panel_height(image.shape, 1, 1.5 * CELL_PIXELS),
@@ -433,8 +432,7 @@ def _head_panels(image: np.ndarray, overlays: list, columns: int) -> tuple[go.Fi
         rows=[row + 1 for row, _ in positions for _ in range(2)],
         cols=[col + 1 for _, col in positions for _ in range(2)],
     )
-    for row, col in positions:
-        _image_axes(fig, row + 1, col + 1)
+    _image_axes(fig, [(row + 1, col + 1) for row, col in positions], columns)
     return fig, rows
 
 
@@ -686,7 +684,7 @@ def token_norms_figure(
         ),
         row=1, col=2,
     )
-    _image_axes(fig, 1, 1)
+    _image_axes(fig, [(1, 1)], columns=2)
     fig.update_xaxes(title="token (prefix tokens in red)", row=1, col=2)
     fig.update_yaxes(title="L2 norm", row=1, col=2)
     where = f" after block {layer}" if layer is not None else ""
