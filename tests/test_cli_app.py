@@ -41,3 +41,19 @@ def test_unknown_arguments_are_refused_outside_app(capsys):
     with pytest.raises(SystemExit):
         cli.main(["evaluate", "--weights", "x", "--bogus"])
     assert "unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
+def test_an_installed_app_gets_every_file_of_the_checkout_it_reads():
+    """pip install puts the app under share/vit_explorer: the same layout as the checkout, the
+    server settings (.streamlit/config.toml: upload size, no file watcher) included."""
+    tomllib = pytest.importorskip("tomllib")
+    data_files = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["data-files"]
+    installed = {}
+    for target, patterns in data_files.items():
+        for pattern in patterns:
+            for path in ROOT.glob(pattern):
+                installed[path] = target
+    needed = [ROOT / "app.py", ROOT / ".streamlit" / "config.toml", *ROOT.glob("views/*.py"),
+              *ROOT.glob("assets/samples/*"), *ROOT.glob("weights/*")]
+    for path in needed:
+        assert installed.get(path) == str(Path("share/vit_explorer") / path.parent.relative_to(ROOT)).rstrip("/."), path

@@ -157,6 +157,20 @@ def test_attention_matrix_labels_tokens():
     assert figures.token_labels(3, 1, class_token=False) == ["reg 1", "patch 0", "patch 1"]
 
 
+def test_a_large_attention_matrix_is_drawn_in_blocks_of_their_largest_weight():
+    attention = torch.softmax(torch.randn(1 + 9, 1 + 9, generator=torch.Generator().manual_seed(0)), dim=-1)
+    fig = figures.attention_matrix(attention, num_prefix_tokens=1, max_cells=5)
+    assert "blocks of 3 x 3" in title_of(fig)
+    heatmap = traces(fig, "heatmap")[0]
+    z = np.array(heatmap.z)
+    assert z.shape == (4, 4)  # the class token, then patches 0-2, 3-5, 6-8
+    assert list(heatmap.x) == ["CLS", "patches 0-2", "patches 3-5", "patches 6-8"]
+    assert np.isclose(z[0, 0], attention[0, 0]) and np.isclose(z[0, 2], attention[0, 4:7].max())
+    assert np.isclose(z[3, 1], attention[7:10, 1:4].max())
+    uneven = figures.attention_matrix(attention[:9, :9], num_prefix_tokens=1, max_cells=5)
+    assert list(traces(uneven, "heatmap")[0].x)[-1] == "patches 6-7"
+
+
 def test_layer_head_figures_carry_the_values():
     values = np.arange(6.0).reshape(3, 2)
     heatmap_fig = figures.layer_head_heatmap(values, "Entropy per head", "nats", layers=[1, 4, 7])

@@ -496,20 +496,37 @@ def token_labels(
 
 def attention_matrix(
     attention, num_prefix_tokens: int, title: str = "Attention matrix", class_token: bool = True,
-    dist_token: bool = False,
+    dist_token: bool = False, max_cells: int = 400,
 ) -> go.Figure:
-    """The full (N, N) attention matrix: row = query token, column = key token."""
+    """The full (N, N) attention matrix: row = query token, column = key token.
+
+    Past ``max_cells`` tokens the patches are drawn in blocks of k x k (k as small as fits),
+    each cell the largest weight in its block, so a single strong key still shows: a 785-token
+    matrix on a screen some 700 px wide is otherwise 3.4 MB sent to draw sub-pixel cells. The
+    prefix tokens keep a row and a column each.
+    """
     attention = _float_array(attention)
     if attention.ndim != 2 or attention.shape[0] != attention.shape[1]:
         raise ValueError(f"an attention matrix must be (N, N), not {attention.shape}")
     tokens = attention.shape[0]
+    labels = token_labels(tokens, num_prefix_tokens, class_token, dist_token)
+    block = max(1, math.ceil((tokens - num_prefix_tokens) / max(max_cells - num_prefix_tokens, 1)))
+    if block > 1:
+        starts = list(range(num_prefix_tokens)) + list(range(num_prefix_tokens, tokens, block))
+        attention = np.maximum.reduceat(np.maximum.reduceat(attention, starts, axis=0), starts, axis=1)
+        labels = labels[:num_prefix_tokens] + [
+            f"patches {start - num_prefix_tokens}-{min(start + block, tokens) - 1 - num_prefix_tokens}"
+            for start in starts[num_prefix_tokens:]
+        ]
+        title = f"{title} (patches in blocks of {block} x {block}: each cell the largest weight in its block)"
+    cells = attention.shape[0]
     # Token names as category coordinates: the hover names both tokens without an N x N
     # customdata array (a 577-token matrix would carry 666k strings).
-    labels = token_labels(tokens, num_prefix_tokens, class_token, dist_token)
+    value = "attention" if block == 1 else "largest attention"
     fig = go.Figure(
         go.Heatmap(
             z=attention.astype(np.float32), x=labels, y=labels, colorscale=VALUE_SCALE,  # half the JSON
-            hovertemplate="query %{y}<br>key %{x}<br>attention %{z:.4g}<extra></extra>",
+            hovertemplate=f"query %{{y}}<br>key %{{x}}<br>{value} %{{z:.4g}}<extra></extra>",
             colorbar=dict(title="attention"),
         )
     )
@@ -517,8 +534,8 @@ def attention_matrix(
         # Lines between the prefix tokens and the patches.
         edge = num_prefix_tokens - 0.5
         line = dict(color="white", width=1, dash="dot")
-        fig.add_shape(type="line", x0=edge, x1=edge, y0=-0.5, y1=tokens - 0.5, line=line)
-        fig.add_shape(type="line", x0=-0.5, x1=tokens - 0.5, y0=edge, y1=edge, line=line)
+        fig.add_shape(type="line", x0=edge, x1=edge, y0=-0.5, y1=cells - 0.5, line=line)
+        fig.add_shape(type="line", x0=-0.5, x1=cells - 0.5, y0=edge, y1=edge, line=line)
     fig.update_xaxes(title="key token", constrain="domain", showgrid=False, type="category")
     fig.update_yaxes(
         title="query token", autorange="reversed", scaleanchor="x", constrain="domain",
