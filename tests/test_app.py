@@ -155,6 +155,20 @@ def test_moving_sliders_never_recomputes_the_forward_pass(monkeypatch):
     assert len(calls) == 2  # a new patch size is a new model: one more forward pass
 
 
+def test_the_app_keeps_the_attention_it_captures_in_half_precision(monkeypatch):
+    captured = []
+
+    def keeping_capture(*args, **kwargs):
+        captured.append(vx.capture(*args, **kwargs))
+        return captured[-1]
+
+    monkeypatch.setattr(ui, "capture", keeping_capture)
+    app = open_app("views/attention.py")
+    assert not app.exception and len(captured) == 1
+    assert captured[0].attentions.dtype == torch.float16  # half the bytes of every cached capture
+    assert captured[0].tokens.dtype == torch.float32
+
+
 def test_patch_size_changes_the_grid_everywhere():
     app = open_app("views/patches.py")
     assert title_matching(app, "^Input image as a").startswith("Input image as a 8 x 8 grid")
