@@ -358,19 +358,15 @@ def _run_app(args: argparse.Namespace) -> int:
     import os
 
     from . import resources
-    from .train import DEFAULT_WEIGHTS
 
     script = resources.app_script()
     if not script.is_file():
         raise FileNotFoundError(f"the app is not installed: {script} is missing")
-    environment = dict(os.environ)
-    # Installed, the shipped model sits under share/ rather than beside the package.
-    if "VIT_EXPLORER_DEFAULT_MODEL" not in environment and not DEFAULT_WEIGHTS.is_file():
-        environment["VIT_EXPLORER_DEFAULT_MODEL"] = str(resources.shipped_weights())
     command = [sys.executable, "-m", "streamlit", "run", str(script), *args.streamlit_args]
-    # Become the streamlit process (no child left behind when this one is stopped).
+    # Become the streamlit process (no child left behind when this one is stopped); in the app's
+    # folder, so that streamlit reads its .streamlit/config.toml.
     os.chdir(script.parent)
-    os.execve(sys.executable, command, environment)
+    os.execve(sys.executable, command, dict(os.environ))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
+from . import resources
 from .capture import capture
 from .config import PRESETS, TrainConfig, ViTConfig
 from .data import (
@@ -36,8 +37,9 @@ from .data import (
 from .model import ViT
 from .weights import load_model, resize_model, save_model
 
-# The shipped model, trained on shapes by `python -m vit_explorer train` (see weights/README.md).
-DEFAULT_WEIGHTS = Path(__file__).resolve().parent.parent / "weights" / "vit_shapes.safetensors"
+# The shipped model, trained on shapes by `python -m vit_explorer train` (see weights/README.md):
+# beside the package in a checkout, under share/vit_explorer once installed.
+DEFAULT_WEIGHTS = resources.shipped_weights()
 
 
 class TrainingError(ValueError):

@@ -507,7 +507,7 @@ def set_kept(widget_key: str, value: Any) -> None:
 def model_options() -> dict[str, str]:
     """Model key -> label: the shipped model, ImageNet ViT-B/16, finished runs and uploads."""
     weights = default_weights().resolve()
-    shipped = weights in (train.DEFAULT_WEIGHTS.resolve(), resources.shipped_weights().resolve())
+    shipped = weights == train.DEFAULT_WEIGHTS.resolve()
     # A server started with VIT_EXPLORER_DEFAULT_MODEL says which checkpoint it opens with.
     options = {DEFAULT_MODEL: "Shipped shapes ViT (offline)" if shipped else f"Default: {weights.name}"}
     for name, entry in catalogue.CATALOGUE.items():
