@@ -280,15 +280,17 @@ def test_a_checkpoint_without_class_token_on_a_wide_image_with_registers(tmp_pat
         assert not app.exception and errors(app) == [], page
 
 
-def test_pretrained_offline_says_so_and_keeps_the_previous_model(monkeypatch):
-    def offline(name):
-        raise vx.CheckpointError(f"could not download the {name} weights (no internet?): no route")
+def test_pretrained_offline_says_so_and_keeps_the_previous_model(monkeypatch, tmp_path):
+    from vit_explorer import catalogue
 
-    monkeypatch.setattr(ui, "load_pretrained", offline)
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))  # nothing downloaded yet
+    monkeypatch.setenv(catalogue.TORCHVISION_URL_VARIABLE, "http://127.0.0.1:9")  # discard port: refused
     app = open_app("views/pipeline.py")
     app.selectbox(key="model_picker").set_value(ui.PRETRAINED_MODEL).run()
     assert not app.exception
-    assert any("no internet" in error for error in errors(app))
+    (error,) = errors(app)
+    assert error.startswith("Could not load that model: could not download ImageNet ViT-B/16 (torchvision)")
+    assert "(no internet?)" in error and "\n" not in error
     assert app.selectbox(key="model_picker").value == "default"
     assert app.session_state["model_key"] == "default"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import urllib.error
+from pathlib import Path
 
 import pytest
 import torch
@@ -140,31 +140,83 @@ def test_torchvision_pre_logits_is_refused(tmp_path):
         vx.load_model(tmp_path / "pre.pth")
 
 
-def test_load_pretrained_converts_torchvision_weights(monkeypatch):
-    import torchvision.models._api as api
+@pytest.fixture
+def torchvision_mirror(tmp_path, monkeypatch):
+    """A mirror of download.pytorch.org/models on 127.0.0.1 serving tmp_path/mirror, and torch.hub's
+    cache (where torchvision looks for its weights) in tmp_path/torch."""
+    import functools
+    import http.server
+    import threading
 
-    # A narrow stand-in for the ImageNet weights: the real ones need the internet.
-    fake = _torchvision_vit(
-        image_size=224, patch_size=16, num_layers=1, hidden_dim=64, num_heads=1, num_classes=1000
-    )
-    monkeypatch.setattr(api, "load_state_dict_from_url", lambda url, *a, **k: fake.state_dict())
-    model = vx.load_pretrained("vit_b_16")
+    root = tmp_path / "mirror"
+    root.mkdir()
+    handler = type("Quiet", (http.server.SimpleHTTPRequestHandler,), {"log_message": lambda *args: None})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(handler, directory=str(root)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    address = f"http://127.0.0.1:{server.server_address[1]}"
+    monkeypatch.setenv("VIT_EXPLORER_TORCHVISION_URL", address)
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    yield root, address, server
+    server.shutdown()
+    server.server_close()
+
+
+def _narrow_imagenet_vit():
+    """A narrow stand-in for torchvision's ImageNet ViT-B/16: same input, patch and head, one layer."""
+    return _torchvision_vit(image_size=224, patch_size=16, num_layers=1, hidden_dim=64, num_heads=1, num_classes=1000)
+
+
+def test_load_pretrained_downloads_and_converts_torchvision_weights(torchvision_mirror, monkeypatch):
+    import hashlib
+
+    from vit_explorer import catalogue
+
+    root, address, server = torchvision_mirror
+    fake = _narrow_imagenet_vit()
+    torch.save(fake.state_dict(), root / "weights.pth")
+    # torch.hub names a file after its hash: serve it under the name its content has.
+    name = f"vit_b_16-{hashlib.sha256((root / 'weights.pth').read_bytes()).hexdigest()[:8]}.pth"
+    (root / "weights.pth").rename(root / name)
+    monkeypatch.setattr(catalogue, "torchvision_url", lambda model: f"{address}/{name}")
+    assert not catalogue.is_downloaded("vit_b_16")
+    seen = []
+    model = vx.load_pretrained("vit_b_16", progress=lambda done, total: seen.append((done, total)))
+    size = (root / name).stat().st_size
+    assert seen[-1] == (size, size)
     assert model.config.img_size == (224, 224) and model.config.patch_size == 16
     assert model.config.class_names[:2] == ("tench", "goldfish")
     assert model.config.mean == vx.config.IMAGENET_MEAN
     x = torch.randn(1, 3, 224, 224)
     torch.testing.assert_close(model(x), fake(x), atol=1e-5, rtol=1e-5)
+    # Where torchvision's own loader looks, and nothing else beside it.
+    cached = catalogue.torchvision_path("vit_b_16")
+    assert cached.parent == Path(os.environ["TORCH_HOME"]) / "hub" / "checkpoints"
+    assert [path.name for path in cached.parent.iterdir()] == [name]
+    server.shutdown()  # cached: no server needed any more
+    assert catalogue.is_downloaded("vit_b_16")
+    assert vx.load_pretrained("vit_b_16").config == model.config
 
 
-def test_load_pretrained_offline_is_a_clear_error(monkeypatch):
-    import torchvision.models._api as api
+def test_a_torchvision_file_with_the_wrong_checksum_is_refused_and_not_kept(torchvision_mirror):
+    from vit_explorer import catalogue
 
-    def offline(*args, **kwargs):
-        raise urllib.error.URLError("Name or service not known")
+    root, _, _ = torchvision_mirror
+    torch.save(_narrow_imagenet_vit().state_dict(), root / "vit_b_16-c867db91.pth")  # the real name
+    with pytest.raises(vx.CheckpointError, match=r"^the downloaded file does not match its checksum \(c867db91"):
+        vx.load_pretrained("vit_b_16")
+    assert not catalogue.is_downloaded("vit_b_16")
+    assert not list(catalogue.torchvision_path("vit_b_16").parent.iterdir())
 
-    monkeypatch.setattr(api, "load_state_dict_from_url", offline)
-    with pytest.raises(vx.CheckpointError, match=r"could not download .* \(no internet\?\)"):
+
+def test_load_pretrained_offline_is_a_clear_error(torchvision_mirror):
+    _, address, server = torchvision_mirror
+    server.shutdown()
+    server.server_close()  # nothing listens on the port any more: as good as offline
+    with pytest.raises(vx.CheckpointError) as refused:
         vx.load_pretrained()
+    message = str(refused.value)
+    assert message.startswith(f"could not download ImageNet ViT-B/16 (torchvision) from {address}/vit_b_16-c867db91.pth")
+    assert "(no internet?)" in message and "\n" not in message
     with pytest.raises(vx.CheckpointError, match="unknown pretrained model"):
         vx.load_pretrained("resnet50")
 

@@ -2,14 +2,17 @@
 
 ``load_pretrained(name)`` (vit_explorer.weights) reads an entry of :data:`CATALOGUE`. The timm
 entries are the safetensors files timm publishes on the Hugging Face Hub; torchvision's ViT-B/16
-comes through torchvision's own downloader. A download is written to a temporary file beside its
-final place, checked (a safetensors header whose tensors have exactly the shapes the entry's
-architecture expects) and only then renamed into place, so a half or wrong file is never loaded.
+is torchvision's file, kept in torch.hub's cache where torchvision finds it. A download is written
+to a temporary file beside its final place, checked (a safetensors header whose tensors have
+exactly the shapes the entry's architecture expects; torchvision's file against the hash in its
+name) and only then renamed into place, so a half or wrong file is never loaded.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import struct
 import urllib.error
 import urllib.request
@@ -26,6 +29,8 @@ from .model import ViT
 # The Hub the timm files come from; tests point it at a server of their own on loopback.
 HUB_URL_VARIABLE = "VIT_EXPLORER_HUB_URL"
 DEFAULT_HUB_URL = "https://huggingface.co"
+# A mirror of download.pytorch.org/models for torchvision's ViTs (same file names).
+TORCHVISION_URL_VARIABLE = "VIT_EXPLORER_TORCHVISION_URL"
 CACHE_VARIABLE = "VIT_EXPLORER_CACHE"
 CHUNK_BYTES = 1 << 20
 
@@ -173,18 +178,43 @@ def entry(name: str) -> CatalogueEntry:
     return CATALOGUE[name]
 
 
+def _torchvision_model(name: str) -> str | None:
+    """The torchvision model name of a torchvision entry ("torchvision:vit_b_16"), else None."""
+    kind, _, model = entry(name).source.partition(":")
+    return model if kind == "torchvision" else None
+
+
 def url(name: str) -> str:
+    model = _torchvision_model(name)
+    if model is not None:
+        return torchvision_url(model)
     repository = entry(name).source
     hub = (os.environ.get(HUB_URL_VARIABLE) or DEFAULT_HUB_URL).rstrip("/")
     return f"{hub}/{repository}/resolve/main/model.safetensors"
 
 
+def torchvision_url(model: str) -> str:
+    """Where torchvision publishes a model's ImageNet weights, or the mirror that
+    VIT_EXPLORER_TORCHVISION_URL names."""
+    import torchvision.models
+
+    published = torchvision.models.get_model_weights(model).DEFAULT.url
+    mirror = os.environ.get(TORCHVISION_URL_VARIABLE)
+    return f"{mirror.rstrip('/')}/{published.rsplit('/', 1)[1]}" if mirror else published
+
+
+def torchvision_path(model: str) -> Path:
+    """Where torchvision's own loader finds the file: torch.hub's checkpoints folder."""
+    return Path(torch.hub.get_dir()) / "checkpoints" / torchvision_url(model).rsplit("/", 1)[1]
+
+
 def cached_path(name: str) -> Path:
-    return cache_dir() / f"{name}.safetensors"
+    model = _torchvision_model(name)
+    return torchvision_path(model) if model is not None else cache_dir() / f"{name}.safetensors"
 
 
 def is_downloaded(name: str) -> bool:
-    return entry(name).source.startswith("torchvision:") or cached_path(name).is_file()
+    return cached_path(name).is_file()
 
 
 def _header_shapes(path: Path) -> dict[str, tuple[int, ...]]:
@@ -244,10 +274,43 @@ def download(name: str, progress: Callable[[int, int | None], None] | None = Non
     ``progress(done_bytes, total_bytes or None)`` is called as the bytes arrive. The file is
     written beside its final place under a temporary name, checked, and renamed into place.
     """
-    target = cached_path(name)
+    model = _torchvision_model(name)
+    if model is not None:
+        return download_torchvision(model, progress, title=entry(name).title)
+    return _fetch(entry(name).title, url(name), cached_path(name), lambda path: check_file(name, path), progress)
+
+
+def download_torchvision(
+    model: str, progress: Callable[[int, int | None], None] | None = None, title: str | None = None,
+) -> Path:
+    """A torchvision ViT's weights in torch.hub's cache (where torchvision loads them from),
+    downloaded first if they are not there yet; checked against the hash in the file's name."""
+    target = torchvision_path(model)
+    return _fetch(
+        title or f"torchvision's {model}", torchvision_url(model), target,
+        lambda path: _check_hash(path, target.name), progress,
+    )
+
+
+def _check_hash(path: Path, name: str) -> None:
+    """torch.hub's convention for ``name``: "model-<first hex digits of the file's SHA-256>.pth"."""
+    expected = re.search(r"-([a-f0-9]+)\.", name)
+    if expected is None:
+        return
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        while chunk := file.read(CHUNK_BYTES):
+            digest.update(chunk)
+    if not digest.hexdigest().startswith(expected.group(1)):
+        raise DownloadError(f"the downloaded file does not match its checksum ({expected.group(1)}...)")
+
+
+def _fetch(
+    title: str, source: str, target: Path, check: Callable[[Path], None],
+    progress: Callable[[int, int | None], None] | None,
+) -> Path:
     if target.is_file():
         return target
-    source = url(name)
     target.parent.mkdir(parents=True, exist_ok=True)
     temporary = target.parent / f".{target.name}.{uuid.uuid4().hex}.tmp"
     try:
@@ -260,18 +323,14 @@ def download(name: str, progress: Callable[[int, int | None], None] | None = Non
                 if progress is not None:
                     progress(done, total)
             if total is not None and done != total:
-                raise DownloadError(f"the download of {name} stopped after {done} of {total} bytes")
-        check_file(name, temporary)
+                raise DownloadError(f"the download of {title} stopped after {done} of {total} bytes")
+        check(temporary)
         os.replace(temporary, target)
     except urllib.error.HTTPError as error:
-        raise DownloadError(
-            f"could not download {entry(name).title}: {source} answered {error.code} {error.reason}"
-        ) from None
+        raise DownloadError(f"could not download {title}: {source} answered {error.code} {error.reason}") from None
     except (urllib.error.URLError, TimeoutError, ConnectionError) as error:
         reason = getattr(error, "reason", error)
-        raise DownloadError(
-            f"could not download {entry(name).title} from {source} (no internet?): {reason}"
-        ) from None
+        raise DownloadError(f"could not download {title} from {source} (no internet?): {reason}") from None
     finally:
         temporary.unlink(missing_ok=True)
     return target

@@ -623,7 +623,7 @@ def load_pretrained(name: str = "vit_b_16", progress=None) -> ViT:
     from . import catalogue
 
     if name in TORCHVISION_VITS:
-        return _load_torchvision(name)
+        return _load_torchvision(name, progress)
     if name not in catalogue.CATALOGUE:
         raise CheckpointError(
             f"unknown pretrained model {name!r}; choose one of"
@@ -640,18 +640,23 @@ def load_pretrained(name: str = "vit_b_16", progress=None) -> ViT:
     return _build(state, entry.vit_config(), name)
 
 
-def _load_torchvision(name: str) -> ViT:
+def _load_torchvision(name: str, progress=None) -> ViT:
     """A torchvision ImageNet-pretrained ViT (downloaded once into torchvision's cache)."""
     import torchvision.models
 
+    from . import catalogue
+
     weights = torchvision.models.get_model_weights(name).DEFAULT
+    entry = catalogue.CATALOGUE.get(name)
     try:
-        state = weights.get_state_dict(progress=False, check_hash=True)
-    except (OSError, RuntimeError) as error:  # URLError is an OSError; a bad hash a RuntimeError
-        reason = getattr(error, "reason", error)
-        raise CheckpointError(
-            f"could not download the {name} weights from {weights.url} (no internet?): {reason}"
-        ) from None
+        # Into torchvision's own cache (torch.hub's checkpoints), with progress and our checks.
+        path = catalogue.download_torchvision(name, progress, title=entry.title if entry else None)
+    except OSError as error:
+        raise CheckpointError(str(error)) from None
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except (OSError, RuntimeError, pickle.UnpicklingError) as error:
+        raise CheckpointError(f"could not read the {name} weights in {path}: {error}") from None
     converted, known = _from_torchvision(state)
     known.update(
         image_size=weights.meta["min_size"][0], class_names=tuple(weights.meta["categories"])
