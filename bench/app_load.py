@@ -11,6 +11,7 @@ session's image. Page time: from the click (or the upload) until the page is idl
 content is drawn. Prints p50 / p95 page times per N and every error and mix-up seen.
 
     python -m bench.app_load [N ...]      # default: 1 4 8
+    python -m bench.app_load --vit-b16 1 4  # the same with a ViT-B/16-sized model (random weights)
 """
 from __future__ import annotations
 
@@ -63,26 +64,37 @@ class SessionReport:
 def make_probes(count: int, folder: Path, weights: Path = DEFAULT_WEIGHTS, first: int = 0) -> list[Probe]:
     """``count`` PNGs of shapes (test stream images ``first`` on), cycling through the classes.
 
-    For each, the first image of its class that the model classifies as that class, so that
-    sessions with different classes expect different predictions.
+    For the shapes model, the first image of each class that it classifies as that class, so
+    that sessions with different classes expect different predictions; another model (a random
+    ViT-B/16) predicts what it predicts, and the probability tells the sessions apart.
     """
     model = vx.load_model(weights)
+    config = model.config
+    names = list(config.class_names or [f"class {index}" for index in range(config.num_classes)])
     folder.mkdir(parents=True, exist_ok=True)
     probes = []
     for number in range(first, first + count):
         label = number % len(SHAPE_CLASSES)
         for attempt in range(20):  # labels cycle through the classes: index % classes == label
             index = FIRST_SAMPLE + len(SHAPE_CLASSES) * (20 * number + attempt) + label
-            image, name = shapes_sample(index, model.config.img_size)
-            cap = vx.capture(model, vx.preprocess(image, model.config))
+            image, name = shapes_sample(index, config.img_size)
+            cap = vx.capture(model, vx.preprocess(image, config))
             probabilities = cap.logits[0].softmax(dim=-1)
             best = int(probabilities.argmax())
-            if model.config.class_names[best] == name:
+            if names[best] == name or config.class_names != SHAPE_CLASSES:
                 break
         path = folder / f"session{number + 1}_{name}_{index}.png"
         image.save(path)
-        probes.append(Probe(path, model.config.class_names[best], 100 * float(probabilities[best])))
+        probes.append(Probe(path, names[best], 100 * float(probabilities[best])))
     return probes
+
+
+def random_vit_b16(folder: Path) -> Path:
+    """A ViT-B/16-sized checkpoint with random weights (nothing downloaded)."""
+    torch.manual_seed(0)
+    path = folder / "vit_b16_random.safetensors"
+    vx.save_model(vx.ViT(vx.ViTConfig(image_size=224, patch_size=16, num_classes=1000)), path)
+    return path
 
 
 # --- driving one page ---------------------------------------------------------------------------
@@ -300,14 +312,18 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=180, help="seconds any one wait may take")
     parser.add_argument("--no-training", action="store_true", help="for comparison: no training run meanwhile")
     parser.add_argument("--verbose", action="store_true", help="also print every session's step times")
+    parser.add_argument("--vit-b16", action="store_true", help="a random ViT-B/16 as the app's model")
     args = parser.parse_args()
-    print(f"streamlit app.py on 127.0.0.1, shipped shapes model, torch {torch.__version__},"
-          f" {torch.get_num_threads()} threads; {'no' if args.no_training else 'one'} training run active throughout")
     folder = Path(tempfile.mkdtemp(prefix="vit_explorer_load_"))  # kept: the server log and screenshots
+    weights = random_vit_b16(folder) if args.vit_b16 else DEFAULT_WEIGHTS
+    print(f"streamlit app.py on 127.0.0.1, {'a random ViT-B/16' if args.vit_b16 else 'shipped shapes model'},"
+          f" torch {torch.__version__}, {torch.get_num_threads()} threads;"
+          f" {'no' if args.no_training else 'one'} training run active throughout")
     firsts = [sum(args.sessions[:i]) for i in range(len(args.sessions))]
-    rounds = [make_probes(n, folder / "images", first=first) for n, first in zip(args.sessions, firsts)]
+    rounds = [make_probes(n, folder / "images", weights, first) for n, first in zip(args.sessions, firsts)]
     log = folder / "streamlit.log"
-    with serve_app({"VIT_EXPLORER_RUNS_DIR": str(folder / "runs")}, log=log) as url:
+    environment = {"VIT_EXPLORER_RUNS_DIR": str(folder / "runs"), "VIT_EXPLORER_DEFAULT_MODEL": str(weights)}
+    with serve_app(environment, log=log) as url:
         results, training_errors = asyncio.run(load_test(
             url, rounds, args.timeout * 1000, not args.no_training, shots=folder / "failed"
         ))
