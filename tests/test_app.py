@@ -169,6 +169,25 @@ def test_the_app_keeps_the_attention_it_captures_in_half_precision(monkeypatch):
     assert captured[0].tokens.dtype == torch.float32
 
 
+def test_a_resized_model_shares_its_base_weights_and_is_evicted_before_its_base(monkeypatch):
+    from vit_explorer.cache import nbytes
+
+    base = ui.base_model(ui.DEFAULT_MODEL)
+    size = base.config.img_size
+    resized = ui.model_at(ui.DEFAULT_MODEL, 8, size)
+    assert resized.blocks[0].attn.qkv.weight.data_ptr() == base.blocks[0].attn.qkv.weight.data_ptr()
+    own = ui.shared_models().total_bytes - nbytes(base)
+    assert 0 < own < nbytes(resized.blocks)  # counted: the resampled tensors only
+    # Room for the base and one resized model: whatever needs room next (another model) evicts
+    # the resized one, never the base whose storage the resized model holds.
+    st.cache_resource.clear()
+    monkeypatch.setattr(ui, "MODELS_BYTES", nbytes(base) + 3 * own // 2)
+    ui.model_at(ui.DEFAULT_MODEL, 8, size)
+    models = ui.shared_models()
+    models.get_or_compute(("another model",), lambda: torch.zeros(own // 4))
+    assert ("base", ui.DEFAULT_MODEL) in models and ("resized", ui.DEFAULT_MODEL, 8, size) not in models
+
+
 def test_patch_size_changes_the_grid_everywhere():
     app = open_app("views/patches.py")
     assert title_matching(app, "^Input image as a").startswith("Input image as a 8 x 8 grid")

@@ -111,7 +111,7 @@ def model_at(model_key: str, patch_size: int, image_size: tuple[int, int]) -> Vi
     image_size = tuple(image_size)
     if patch_size == model.config.patch_size and image_size == model.config.img_size:
         return model
-    return shared_models().get_or_compute(
+    resized = shared_models().get_or_compute(
         ("resized", model_key, patch_size, image_size),
         lambda: _with_spinner(
             "Resizing the model ...",
@@ -119,11 +119,14 @@ def model_at(model_key: str, patch_size: int, image_size: tuple[int, int]) -> Vi
         ),
         size=lambda resized: _own_bytes(resized, model),
     )
+    # The resized model holds the base model's storage, counted with the base: touched last, the
+    # base is never the least recently used of the two, so it is not evicted while they live.
+    base_model(model_key)
+    return resized
 
 
 def _own_bytes(resized: ViT, base: ViT) -> int:
-    """Bytes of the resampled tensors of a resized model: the rest is the base model's storage,
-    counted with the base model (which model_at touches first, so it outlives its resized ones)."""
+    """Bytes of the resampled tensors of a resized model: the rest is the base model's storage."""
     base_storage = {tensor.data_ptr() for tensor in base.state_dict().values()}
     return sum(nbytes(tensor) for tensor in resized.state_dict().values() if tensor.data_ptr() not in base_storage)
 
