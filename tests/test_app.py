@@ -15,7 +15,7 @@ from streamlit.testing.v1 import AppTest
 
 import vit_explorer as vx
 from vit_explorer import train, ui
-from vit_explorer.data import SHAPE_CLASSES
+from vit_explorer.data import SHAPE_CLASSES, shapes_sample
 
 APP = str(Path(__file__).resolve().parent.parent / "app.py")
 PAGES = ["views/pipeline.py", "views/patches.py", "views/attention.py", "views/train.py"]
@@ -491,6 +491,18 @@ def test_every_page_renders_for_the_new_families(tmp_path, changes):
     if changes.get("global_pool") == "map":
         assert "attention-pool probe in the pooling head" in title_matching(app, "^Attention of the")
         assert "attention-pool probe" in title_matching(app, "^Rollout")
+
+
+def test_an_uploaded_shapes_picture_is_not_taken_for_a_photo():
+    picture = io.BytesIO()
+    shapes_sample(0, (32, 32))[0].save(picture, format="PNG")
+    app = open_app("views/pipeline.py")
+    app.file_uploader(key="image_upload").set_value(("shapes.png", picture.getvalue(), "image/png")).run()
+    assert not app.exception and app.session_state["image_key"].startswith("upload:")
+    assert not app.sidebar.warning
+    app.file_uploader(key="image_upload").set_value(("cat.png", PHOTO.read_bytes(), "image/png")).run()
+    (warning,) = [warning.value for warning in app.sidebar.warning]
+    assert warning.startswith("This model was trained on synthetic shapes")
 
 
 def test_a_photo_on_the_shapes_model_says_why_and_offers_the_catalogue():

@@ -572,6 +572,8 @@ def unreadable_photo_reason(selection: Selection) -> str | None:
     config = selection.config
     height, width = config.img_size
     if config.class_names == SHAPE_CLASSES:
+        if selection.image.size == (width, height):
+            return None  # a shapes picture saved at the model's size and uploaded again, most likely
         return (
             f"This model was trained on synthetic shapes at {height}x{width} pixels, so a photo"
             " means nothing to it; a pretrained model below reads photos."
