@@ -360,8 +360,9 @@ def mean_attention_distance(
     centres = patch_centres(grid_size, patch_size).to(attentions.device)
     distances = torch.cdist(centres, centres)  # (P, P)
     # A layer at a time, as a contraction: no (B, L, H, P, P) product is ever materialised.
+    patch_attention = attentions[..., num_prefix_tokens:, num_prefix_tokens:]  # a view
     per_query = torch.stack([
-        torch.einsum("bhqk,qk->bhq", attentions[:, layer, :, num_prefix_tokens:, num_prefix_tokens:].float(), distances)
+        torch.einsum("bhqk,qk->bhq", patch_attention[:, layer].float(), distances)
         for layer in range(attentions.shape[1])
     ], dim=1)  # (B, L, H, P)
     return reduce(per_query, "b l h p -> l h", "mean")

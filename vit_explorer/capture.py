@@ -54,9 +54,9 @@ class Recorder:
     the same model object record nothing here, and nothing on the model is switched or hooked.
     ``attentions`` maps layer -> (B, nh, N, N); with ``keep_graph`` the tensors stay on the
     autograd graph (retaining their gradients), as gradient-weighted attribution needs, otherwise
-    they are detached CPU copies in ``attention_dtype``. With ``tokens`` the patch embeddings and every block's
-    input and output are kept as well, and the attention pool's probe attention (a model with a
-    MAP head) as ``pool_attention``.
+    they are detached CPU copies in ``attention_dtype``. With ``tokens`` the patch embeddings and
+    every block's input and output are kept as well, and the attention pool's probe attention (a
+    model with a MAP head) as ``pool_attention``.
     """
 
     def __init__(
@@ -105,7 +105,9 @@ class Recorder:
         """Where ``module``'s softmax may write its weights directly: their slot in this pass's
         buffer when they are to be kept detached and already have its dtype, on the CPU; else None."""
         index = self._layer_of.get(module)
-        if self.keep_graph or index is None or scores.dtype != self.attention_dtype or scores.device.type != "cpu":
+        if self.keep_graph or index is None:
+            return None
+        if scores.dtype != self.attention_dtype or scores.device.type != "cpu":
             return None
         if scores.requires_grad and torch.is_grad_enabled():
             return None  # a softmax with out= cannot be differentiated

@@ -276,25 +276,22 @@ def download(name: str, progress: Callable[[int, int | None], None] | None = Non
     """
     model = _torchvision_model(name)
     if model is not None:
-        return download_torchvision(model, progress, title=entry(name).title)
+        return download_torchvision(model, progress)
     return _fetch(entry(name).title, url(name), cached_path(name), lambda path: check_file(name, path), progress)
 
 
-def download_torchvision(
-    model: str, progress: Callable[[int, int | None], None] | None = None, title: str | None = None,
-) -> Path:
+def download_torchvision(model: str, progress: Callable[[int, int | None], None] | None = None) -> Path:
     """A torchvision ViT's weights in torch.hub's cache (where torchvision loads them from),
     downloaded first if they are not there yet; checked against the hash in the file's name."""
+    source = f"torchvision:{model}"
+    title = next((known.title for known in CATALOGUE.values() if known.source == source), f"torchvision's {model}")
     target = torchvision_path(model)
-    return _fetch(
-        title or f"torchvision's {model}", torchvision_url(model), target,
-        lambda path: _check_hash(path, target.name), progress,
-    )
+    return _fetch(title, torchvision_url(model), target, lambda path: _check_hash(path, target.name), progress)
 
 
 def _check_hash(path: Path, name: str) -> None:
     """torch.hub's convention for ``name``: "model-<first hex digits of the file's SHA-256>.pth"."""
-    expected = re.search(r"-([a-f0-9]+)\.", name)
+    expected = re.search(torch.hub.HASH_REGEX, name)
     if expected is None:
         return
     digest = hashlib.sha256()

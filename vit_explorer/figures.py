@@ -190,7 +190,9 @@ def _image_axes(fig: go.Figure, cells: Sequence[tuple[int, int]] | None = None, 
         index = (row - 1) * columns + col  # make_subplots numbers its axes row by row
         suffix = "" if index == 1 else str(index)
         layout[f"xaxis{suffix}"] = dict(visible=False, constrain="domain")
-        layout[f"yaxis{suffix}"] = dict(visible=False, autorange="reversed", scaleanchor=f"x{suffix}", constrain="domain")
+        layout[f"yaxis{suffix}"] = dict(
+            visible=False, autorange="reversed", scaleanchor=f"x{suffix}", constrain="domain"
+        )
     fig.update_layout(layout)
 
 
@@ -338,10 +340,12 @@ def position_similarity_grid(similarity) -> go.Figure:
     mosaic = _mosaic(tiles, grid_w, 1, np.nan)
     tile_h, tile_w = grid_h + 1, grid_w + 1  # a tile and its gap, in mosaic cells
     rows, cols = np.indices((grid_h, grid_w))
+    colours = colour_mapped(mosaic, SIMILARITY_SCALE, -1, 1)
     fig = go.Figure([
-        go.Image(source=image_data_uri(colour_mapped(mosaic, SIMILARITY_SCALE, -1, 1), lossless=True), hoverinfo="skip"),
+        go.Image(source=image_data_uri(colours, lossless=True), hoverinfo="skip"),
         go.Heatmap(
-            z=np.zeros((grid_h, grid_w)), opacity=0.0, x0=(grid_w - 1) / 2, dx=tile_w, y0=(grid_h - 1) / 2, dy=tile_h,
+            z=np.zeros((grid_h, grid_w)), opacity=0.0,
+            x0=(grid_w - 1) / 2, dx=tile_w, y0=(grid_h - 1) / 2, dy=tile_h,
             customdata=np.stack([rows, cols], axis=-1),
             hovertemplate="patch (%{customdata[0]}, %{customdata[1]}) against every patch<extra></extra>",
             colorscale=SIMILARITY_SCALE, zmin=-1, zmax=1, showscale=True, colorbar=dict(title="cosine"),

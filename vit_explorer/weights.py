@@ -647,10 +647,9 @@ def _load_torchvision(name: str, progress=None) -> ViT:
     from . import catalogue
 
     weights = torchvision.models.get_model_weights(name).DEFAULT
-    entry = catalogue.CATALOGUE.get(name)
     try:
         # Into torchvision's own cache (torch.hub's checkpoints), with progress and our checks.
-        path = catalogue.download_torchvision(name, progress, title=entry.title if entry else None)
+        path = catalogue.download_torchvision(name, progress)
     except OSError as error:
         raise CheckpointError(str(error)) from None
     try:
