@@ -38,7 +38,9 @@ def _is_number(value: Any) -> bool:
 
 def _numbers(name: str, values: Any) -> tuple[float, ...]:
     if not isinstance(values, (list, tuple)) or not all(_is_number(value) for value in values):
-        raise ValueError(f"{name} must be a list of numbers, one per input channel, not {_brief(values)}")
+        raise ValueError(
+            f"{name} must be a list of numbers, one per input channel, not {_brief(values)}"
+        )
     return tuple(float(value) for value in values)
 
 
@@ -108,7 +110,9 @@ class ViTConfig(_JsonConfig):
         set_field("mean", _numbers("mean", self.mean))
         set_field("std", _numbers("std", self.std))
         if not all(s > 0 for s in self.std):
-            raise ValueError(f"std must be positive for every channel (inputs are divided by it), not {self.std}")
+            raise ValueError(
+                f"std must be positive for every channel (inputs are divided by it), not {self.std}"
+            )
 
         height, width = self.img_size
         if height % self.patch_size or width % self.patch_size:
@@ -136,20 +140,17 @@ class ViTConfig(_JsonConfig):
 
     def _check_types(self) -> None:
         """Types and ranges, so that a config read from a file fails here with a sentence, not later."""
-        if isinstance(self.image_size, (list, tuple)) and len(self.image_size) == 2:
-            for side in self.image_size:
-                _check_whole("image_size", side, 1)
-        else:
-            if not isinstance(self.image_size, int) or isinstance(self.image_size, bool):
-                raise ValueError(f"image_size must be a whole number or (height, width), not {_brief(self.image_size)}")
-            _check_whole("image_size", self.image_size, 1)
+        pair = isinstance(self.image_size, (list, tuple)) and len(self.image_size) == 2
+        for side in self.image_size if pair else [self.image_size]:
+            _check_whole("image_size", side, 1)
         minimums = {
             "patch_size": 1, "in_chans": 1, "num_classes": 0, "embed_dim": 1, "depth": 1,
             "num_heads": 1, "reg_tokens": 0,
         }
         for name, minimum in minimums.items():
             _check_whole(name, getattr(self, name), minimum)
-        for name in ("qkv_bias", "class_token", "dist_token", "no_embed_class", "pre_norm", "patch_bias"):
+        flags = ("qkv_bias", "class_token", "dist_token", "no_embed_class", "pre_norm", "patch_bias")
+        for name in flags:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, not {_brief(getattr(self, name))}")
         if self.fc_norm is not None and not isinstance(self.fc_norm, bool):
@@ -157,7 +158,9 @@ class ViTConfig(_JsonConfig):
         if not _is_number(self.mlp_ratio) or self.mlp_ratio <= 0:
             raise ValueError(f"mlp_ratio must be a positive number, not {_brief(self.mlp_ratio)}")
         if not _is_number(self.layer_norm_eps) or self.layer_norm_eps <= 0:
-            raise ValueError(f"layer_norm_eps must be a positive number, not {_brief(self.layer_norm_eps)}")
+            raise ValueError(
+                f"layer_norm_eps must be a positive number, not {_brief(self.layer_norm_eps)}"
+            )
         if self.init_values is not None and not _is_number(self.init_values):
             raise ValueError(f"init_values must be a number or None, not {_brief(self.init_values)}")
         for name in ("drop_rate", "attn_drop_rate", "drop_path_rate"):

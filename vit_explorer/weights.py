@@ -26,7 +26,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 from safetensors.torch import save as safetensors_bytes
 
-from .config import IMAGENET_MEAN, IMAGENET_STD, ViTConfig, _brief
+from .config import IMAGENET_MEAN, IMAGENET_STD, ViTConfig, _brief, _is_number
 from .model import ViT, resample_patch_embed, resample_pos_embed, resize_matrix
 
 CONFIG_KEY = "vit_explorer.config"  # safetensors metadata entry that marks a project checkpoint
@@ -38,7 +38,7 @@ HF_SHARD_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.jso
 MAX_BLOCKS = 256
 MAX_TENSORS = 10_000
 MAX_CHECKPOINT_BYTES = 4 * 2**30
-MAX_HEADER_BYTES = 4 * 2**20  # a safetensors header, a pickle or a JSON file: names and shapes only
+MAX_HEADER_BYTES = 2**20  # a safetensors header, a pickle or a JSON file: names and shapes only
 
 
 class CheckpointError(ValueError):
@@ -223,7 +223,11 @@ def _check_loaded(tensors: dict[str, torch.Tensor], name: str, file_size: int) -
     if len(tensors) > MAX_TENSORS:
         raise CheckpointError(f"{name} holds {len(tensors)} tensors; a ViT has fewer than {MAX_TENSORS}")
     odd = next(
-        (key for key, value in tensors.items() if value.layout != torch.strided or value.device.type != "cpu"),
+        (
+            key
+            for key, value in tensors.items()
+            if value.layout != torch.strided or value.device.type != "cpu"
+        ),
         None,
     )
     if odd is not None:
@@ -421,7 +425,7 @@ def _merge_qkv(separate: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.
 def _from_huggingface(
     state: dict[str, torch.Tensor], hf_config: dict
 ) -> tuple[dict[str, torch.Tensor], dict]:
-    model_type = _hf_setting(hf_config, "model_type", "vit", lambda value: isinstance(value, str), "a name")
+    model_type = _hf_setting(hf_config, "model_type", "vit")
     if model_type not in HF_MODEL_TYPES:
         raise CheckpointError(
             f"Hugging Face model type {model_type!r} is not supported; we read"
@@ -429,14 +433,13 @@ def _from_huggingface(
         )
     tower = model_type.startswith(("clip", "siglip"))
     if model_type in ("clip", "siglip"):  # the whole model: its settings for the image tower
-        vision = _hf_setting(hf_config, "vision_config", {}, lambda value: isinstance(value, dict), "an object of settings")
-        hf_config = {**hf_config, **vision}
+        hf_config = {**hf_config, **_hf_setting(hf_config, "vision_config", {})}
         state = {
             key.removeprefix("vision_model."): value
             for key, value in state.items()
             if key.startswith("vision_model.")
         }
-    activation = _hf_setting(hf_config, "hidden_act", "gelu", lambda value: isinstance(value, str), "a name")
+    activation = _hf_setting(hf_config, "hidden_act", "gelu")
     if activation not in HF_ACTIVATIONS:
         raise CheckpointError(
             f"Hugging Face activation {activation!r} is not supported, only"
@@ -481,9 +484,7 @@ def _from_huggingface(
     converted.update(_merge_qkv(separate_qkv))
 
     known: dict = {
-        "layer_norm_eps": float(
-            _hf_setting(hf_config, "layer_norm_eps", 1e-12, lambda value: _positive(value, float), "a positive number")
-        ),
+        "layer_norm_eps": float(_hf_setting(hf_config, "layer_norm_eps", 1e-12)),
         "act_layer": HF_ACTIVATIONS[activation],
     }
     if tower:
@@ -497,28 +498,20 @@ def _from_huggingface(
         # into the token itself, as timm's DINOv2 layout (no_embed_class) does.
         class_position = converted["pos_embed"][:, :1]
         if converted["cls_token"].shape != class_position.shape:  # an addition must not broadcast
-            raise CheckpointError("the Hugging Face checkpoint's class token and position embeddings do not fit")
+            raise CheckpointError(
+                "the Hugging Face checkpoint's class token and position embeddings do not fit"
+            )
         converted["cls_token"] = converted["cls_token"] + class_position
         converted["pos_embed"] = converted["pos_embed"][:, 1:]
         known["no_embed_class"] = True
-    if "num_attention_heads" in hf_config:
-        known["num_heads"] = _hf_setting(hf_config, "num_attention_heads", None, lambda value: _positive(value, int), "a positive whole number")
-    if "image_size" in hf_config:
-        known["image_size"] = _hf_setting(
-            hf_config, "image_size", None,
-            lambda value: _positive(value, int) or (
-                isinstance(value, list) and len(value) == 2 and all(_positive(side, int) for side in value)
-            ),
-            "a positive whole number or [height, width]",
-        )
-    for ours, theirs in (("mean", "image_mean"), ("std", "image_std")):
+    for ours, theirs in (
+        ("num_heads", "num_attention_heads"), ("image_size", "image_size"),
+        ("mean", "image_mean"), ("std", "image_std"),
+    ):
         if theirs in hf_config:
-            known[ours] = tuple(_hf_setting(
-                hf_config, theirs, None,
-                lambda value: isinstance(value, list) and all(_finite(number) for number in value),
-                "a list of numbers, one per channel",
-            ))
-    labels = _hf_setting(hf_config, "id2label", {}, lambda value: isinstance(value, dict) or value is None, "an object from class numbers to names") or {}
+            value = _hf_setting(hf_config, theirs)
+            known[ours] = tuple(value) if isinstance(value, list) else value
+    labels = _hf_setting(hf_config, "id2label", {}) or {}
     num_classes = converted["head.weight"].shape[0] if "head.weight" in converted else 0
     names = [labels.get(str(index)) for index in range(num_classes)]
     if any(name is not None and not isinstance(name, str) for name in names):
@@ -529,39 +522,63 @@ def _from_huggingface(
     return converted, known
 
 
-def _finite(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def _convert_huggingface(
     state: dict[str, torch.Tensor], hf_config: dict, name: str
 ) -> tuple[dict[str, torch.Tensor], dict]:
     try:
         return _from_huggingface(state, hf_config)
-    except (RuntimeError, IndexError) as error:  # q, k and v (or SigLIP's pool) that do not fit together
+    except (RuntimeError, IndexError):  # q, k and v (or SigLIP's pool) that do not fit together
         raise CheckpointError(f"{name}'s tensors do not fit together as a Hugging Face ViT's") from None
 
 
-def _positive(value, kind: type) -> bool:
-    """A positive finite number of ``kind`` (int; float takes ints too), never a bool."""
-    return _finite(value) and value > 0 and (kind is float or isinstance(value, int))
+def _whole(value) -> bool:
+    return _is_number(value) and isinstance(value, int) and value > 0
 
 
-def _hf_setting(hf_config: dict, key: str, default, valid, expected: str):
-    """``hf_config[key]`` (or ``default``), refused with a sentence unless ``valid``."""
+# The config.json settings we read: a check of each, and what it must be in words.
+_HF_SETTINGS = {
+    "model_type": (lambda value: isinstance(value, str), "a name"),
+    "vision_config": (lambda value: isinstance(value, dict), "an object of settings"),
+    "hidden_act": (lambda value: isinstance(value, str), "a name"),
+    "layer_norm_eps": (lambda value: _is_number(value) and value > 0, "a positive number"),
+    "num_attention_heads": (_whole, "a positive whole number"),
+    "image_size": (
+        lambda value: _whole(value)
+        or (isinstance(value, list) and len(value) == 2 and all(map(_whole, value))),
+        "a positive whole number or [height, width]",
+    ),
+    "image_mean": (
+        lambda value: isinstance(value, list) and all(map(_is_number, value)),
+        "a list of numbers, one per channel",
+    ),
+    "image_std": (
+        lambda value: isinstance(value, list) and all(map(_is_number, value)),
+        "a list of numbers, one per channel",
+    ),
+    "id2label": (
+        lambda value: value is None or isinstance(value, dict),
+        "an object from class numbers to names",
+    ),
+}
+
+
+def _hf_setting(hf_config: dict, key: str, default=None):
+    """``hf_config[key]`` (or ``default``), refused with a sentence unless it is what it must be."""
     if key not in hf_config:
         return default
-    value = hf_config[key]
-    if not valid(value):
-        raise CheckpointError(f"config.json's {key} must be {expected}, not {_brief(value)}")
-    return value
+    valid, expected = _HF_SETTINGS[key]
+    if not valid(hf_config[key]):
+        raise CheckpointError(f"config.json's {key} must be {expected}, not {_brief(hf_config[key])}")
+    return hf_config[key]
 
 
 def _folder_file(folder: Path, relative, what: str) -> Path:
     """The file ``relative`` names inside ``folder``; refused if it leads outside the folder
     (``..``, an absolute path, a symlink out), before anything there is opened, and in the same
     words whether or not such a file exists, so that an upload cannot probe the server's disk."""
-    outside = CheckpointError(f"{what} in {folder.name} leads outside the model folder, which is refused")
+    outside = CheckpointError(
+        f"{what} in {folder.name} leads outside the model folder, which is refused"
+    )
     if not isinstance(relative, str) or not relative or "\0" in relative:
         raise outside
     parts = Path(relative).parts
@@ -572,13 +589,18 @@ def _folder_file(folder: Path, relative, what: str) -> Path:
     if not target.is_relative_to(inside):
         raise outside
     if not target.is_file():
-        raise CheckpointError(f"{what} in {folder.name} is {_brief(relative)}, which is not a file in the folder")
+        raise CheckpointError(
+            f"{what} in {folder.name} is {_brief(relative)}, which is not a file in the folder"
+        )
     return target
 
 
 def _read_json(path: Path, what: str, folder_name: str):
     if path.stat().st_size > MAX_HEADER_BYTES:
-        raise CheckpointError(f"{what} in {folder_name} is over {MAX_HEADER_BYTES // 2**20} MB, far more than a config needs")
+        raise CheckpointError(
+            f"{what} in {folder_name} is over {MAX_HEADER_BYTES // 2**20} MB,"
+            " far more than a config needs"
+        )
     try:
         return json.loads(path.read_bytes())
     except (ValueError, RecursionError, UnicodeDecodeError):  # JSONDecodeError is a ValueError
@@ -594,10 +616,7 @@ def _huggingface_config(folder: Path, name: str) -> dict:
         if file_name == "config.json" or os.path.lexists(folder / file_name):
             settings = _read_json(_folder_file(folder, file_name, file_name), file_name, folder.name)
             if not isinstance(settings, dict):
-                raise CheckpointError(
-                    f"{file_name} in {folder.name} is not a JSON object of settings"
-                    f" (it holds {type(settings).__name__ if settings is not None else 'null'})"
-                )
+                raise CheckpointError(f"{file_name} in {folder.name} is not a JSON object of settings")
             hf_config.update(settings)
     return hf_config
 
@@ -621,12 +640,15 @@ def _huggingface_weights(folder: Path) -> dict[str, torch.Tensor]:
             f"{index_name} in {folder.name} has no weight_map from tensor names to shard files"
         )
     # Every shard is checked before any is read.
-    shards = {_folder_file(folder, shard, f"a shard named in {index_name}") for shard in set(weight_map.values())}
+    what = f"a shard named in {index_name}"
+    shards = {_folder_file(folder, shard, what) for shard in set(weight_map.values())}
     state: dict[str, torch.Tensor] = {}
     for shard in sorted(shards):
         state.update(_read_tensors(shard)[0])
         if len(state) > MAX_TENSORS:
-            raise CheckpointError(f"{folder.name}'s shards hold over {MAX_TENSORS} tensors; a ViT has fewer")
+            raise CheckpointError(
+                f"{folder.name}'s shards hold over {MAX_TENSORS} tensors; a ViT has fewer"
+            )
     return state
 
 
@@ -658,7 +680,9 @@ def _block_count(state: dict[str, torch.Tensor], name: str) -> int:
     if len(indices) > MAX_BLOCKS:
         raise CheckpointError(f"{name} has {len(indices)} blocks; we load ViTs of up to {MAX_BLOCKS}")
     if indices != {str(index) for index in range(len(indices))}:
-        raise CheckpointError(f"{name}'s blocks are not numbered 0, 1, 2, ... without gaps, as a ViT's are")
+        raise CheckpointError(
+            f"{name}'s blocks are not numbered 0, 1, 2, ... without gaps, as a ViT's are"
+        )
     return len(indices)
 
 
@@ -692,7 +716,8 @@ def _infer_config(
     for source in (known, requested):
         if source.get("depth", depth) != depth:
             raise CheckpointError(
-                f"{name}'s config says depth {_brief(source['depth'])}, but the file holds {depth} blocks"
+                f"{name}'s config says depth {_brief(source['depth'])},"
+                f" but the file holds {depth} blocks"
             )
     class_token = "cls_token" in state
     dist_token = "dist_token" in state
