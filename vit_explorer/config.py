@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,7 +16,7 @@ ACTIVATIONS = ("gelu", "gelu_tanh", "quick_gelu")  # the MLP activations ViTConf
 
 
 def _pair(value: int | tuple[int, int] | list[int]) -> tuple[int, int]:
-    if isinstance(value, int):
+    if isinstance(value, numbers.Integral):
         return (value, value)
     height, width = value
     return (int(height), int(width))
@@ -28,12 +29,12 @@ def _brief(value: Any) -> str:
 
 
 def _check_whole(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
         raise ValueError(f"{name} must be a whole number of at least {minimum}, not {_brief(value)}")
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _numbers(name: str, values: Any) -> tuple[float, ...]:
@@ -103,7 +104,7 @@ class ViTConfig(_JsonConfig):
         # Normalise JSON lists to tuples so that configs compare and hash equal after a round trip.
         set_field = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
         self._check_types()
-        if not isinstance(self.image_size, int):
+        if isinstance(self.image_size, (list, tuple)):
             set_field("image_size", _pair(self.image_size))
         if self.class_names is not None:
             set_field("class_names", tuple(str(name) for name in self.class_names))
