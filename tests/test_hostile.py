@@ -297,11 +297,15 @@ def _corpus(root: Path) -> dict[str, tuple[Path, str]]:
     (cases["index without weight_map"][0] / "model.safetensors.index.json").write_text("{}")
 
     # Depth and size claims a small file cannot back.
-    deep = single("metadata depth 10**9", "says depth 1000000000, but the file holds 2 blocks", "deep.safetensors")
+    deep = single("metadata depth 10**9", "with depth 1000000000: its tensors have depth 2", "deep.safetensors")
     _project_file(deep, depth=10**9)
-    deep = single("metadata depth 100000", "says depth 100000, but the file holds 2 blocks", "deep.safetensors")
+    deep = single("metadata depth 100000", "with depth 100000: its tensors have depth 2", "deep.safetensors")
     _project_file(deep, depth=100_000)
-    _project_file(single("metadata embed_dim 10**9", "does not fit", "wide.safetensors"), embed_dim=10**9, num_heads=1)
+    wide = single("metadata embed_dim 10**9", "with embed_dim 1000000000: its tensors have embed_dim 16", "wide.safetensors")
+    _project_file(wide, embed_dim=10**9, num_heads=1)
+    _project_file(single("metadata mlp_ratio 1e300", "with mlp_ratio 1e[+]300: its tensors", "wide.safetensors"), mlp_ratio=1e300)
+    wide = single("metadata num_classes 10**20", "with num_classes 100000000000000000000:", "wide.safetensors")
+    _project_file(wide, num_classes=10**20)
     state = _tiny_state()
     state["blocks.999999999.attn.qkv.weight"] = state["blocks.0.attn.qkv.weight"].clone()
     torch.save(state, single("timm key blocks.999999999", "not numbered 0, 1, 2", "deep.pth"))
@@ -392,7 +396,9 @@ CASE_NAMES = [
     "shard absolute path to nothing", "shard symlink to a real checkpoint", "shard symlink to nothing",
     "weights symlink to a real checkpoint", "weights symlink to nothing", "config.json symlink out",
     "shard that is a folder", "index without weight_map",
-    "metadata depth 10**9", "metadata depth 100000", "metadata embed_dim 10**9", "timm key blocks.999999999",
+    "metadata depth 10**9", "metadata depth 100000", "metadata embed_dim 10**9", "metadata mlp_ratio 1e300",
+    "metadata num_classes 10**20",
+    "timm key blocks.999999999",
     "timm key blocks.999999999 (safetensors)", "patch kernel with 0 channels out", "patch kernel 0x0",
     "zip bomb declaring 2 GiB", "zip bomb declaring 600 MiB", "stride-0 view of one fp16 value",
     "legacy pickle declaring 2 GiB", "torch.save with code", "raw pickle with code", "legacy pickle with code",

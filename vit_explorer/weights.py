@@ -686,6 +686,28 @@ def _block_count(state: dict[str, torch.Tensor], name: str) -> int:
     return len(indices)
 
 
+def _check_sizes(config: ViTConfig, state: dict[str, torch.Tensor], name: str) -> ViTConfig:
+    """The sizes a file's metadata (or the caller) may claim must be those of its tensors: a
+    model of a claimed depth or width is never built, not even on "meta"."""
+    kernel = state["patch_embed.proj.weight"]  # (D, C, p, p)
+    hidden = state["blocks.0.mlp.fc1.weight"].shape[0]
+    from_tensors = {
+        "depth": _block_count(state, name),
+        "embed_dim": kernel.shape[0],
+        "in_chans": kernel.shape[1],
+        "num_classes": state["head.weight"].shape[0] if "head.weight" in state else 0,
+        "reg_tokens": state["reg_token"].shape[1] if "reg_token" in state else 0,
+        "mlp_ratio": hidden / kernel.shape[0],
+    }
+    for field, value in from_tensors.items():
+        claimed = getattr(config, field)
+        if (int(config.embed_dim * claimed) != hidden) if field == "mlp_ratio" else claimed != value:
+            raise CheckpointError(
+                f"{name} cannot be built with {field} {_brief(claimed)}: its tensors have {field} {value}"
+            )
+    return config
+
+
 def _infer_config(
     state: dict[str, torch.Tensor], known: dict, requested: dict, name: str
 ) -> ViTConfig:
@@ -713,12 +735,6 @@ def _infer_config(
             f"{name} has non-square patches ({patch_h}x{patch_w}), which we do not support"
         )
     depth = _block_count(state, name)
-    for source in (known, requested):
-        if source.get("depth", depth) != depth:
-            raise CheckpointError(
-                f"{name}'s config says depth {_brief(source['depth'])},"
-                f" but the file holds {depth} blocks"
-            )
     class_token = "cls_token" in state
     dist_token = "dist_token" in state
     reg_tokens = state["reg_token"].shape[1] if "reg_token" in state else 0
@@ -777,7 +793,7 @@ def _infer_config(
             if grid is not None:
                 fields["no_embed_class"] = no_embed_class
                 fields["image_size"] = image_size if image_size is not None else grid[0] * patch_size
-                return ViTConfig(**fields)
+                return _check_sizes(ViTConfig(**fields), state, name)
     except CheckpointError:
         raise
     except ValueError as error:  # a setting the file or the caller gave is not a valid ViTConfig
@@ -859,9 +875,9 @@ def _model_from_state(
         config = _infer_config(state, known, rest, name)
     try:
         model = _build(state, config, name)
-    except RuntimeError as error:  # sizes torch cannot make, e.g. an absurd override
+    except (RuntimeError, TypeError) as error:  # sizes torch cannot make
         last_line = str(error).strip().splitlines()[-1].strip()
-        raise CheckpointError(f"{name} does not fit the requested config ({last_line})") from None
+        raise CheckpointError(f"{name} does not fit its config ({last_line})") from None
     return resize_model(model, **geometry) if geometry else model
 
 
