@@ -2,6 +2,9 @@
 
 Every format is converted to our (timm-named) state dict first; the config is then inferred from
 the tensor shapes alone, so one code path builds and checks the model whatever the source was.
+Files may come from anyone (the class server's uploads): no pickle code runs, what a file declares
+is checked against its size before anything is allocated, and nothing outside a model's folder
+is read.
 """
 
 from __future__ import annotations
@@ -699,11 +702,14 @@ def _check_sizes(config: ViTConfig, state: dict[str, torch.Tensor], name: str) -
         "reg_tokens": state["reg_token"].shape[1] if "reg_token" in state else 0,
         "mlp_ratio": hidden / kernel.shape[0],
     }
+    claimed = {field: getattr(config, field) for field in from_tensors}
+    if int(config.embed_dim * config.mlp_ratio) == hidden:  # Mlp's own rounding of the ratio
+        claimed["mlp_ratio"] = from_tensors["mlp_ratio"]
     for field, value in from_tensors.items():
-        claimed = getattr(config, field)
-        if (int(config.embed_dim * claimed) != hidden) if field == "mlp_ratio" else claimed != value:
+        if claimed[field] != value:
             raise CheckpointError(
-                f"{name} cannot be built with {field} {_brief(claimed)}: its tensors have {field} {value}"
+                f"{name} cannot be built with {field} {_brief(claimed[field])}:"
+                f" its tensors have {field} {value}"
             )
     return config
 
@@ -845,7 +851,8 @@ def _build(state: dict[str, torch.Tensor], config: ViTConfig, name: str) -> ViT:
     for key, shape in expected.items():
         if tuple(state[key].shape) != shape:
             raise CheckpointError(
-                f"{name} does not fit the config: {key} has shape {tuple(state[key].shape)}, not {shape}"
+                f"{name} does not fit the config: {key} has shape {tuple(state[key].shape)},"
+                f" not {shape}"
             )
         if not state[key].is_floating_point():
             raise CheckpointError(f"{name}'s {key} holds {state[key].dtype} values, not weights")
