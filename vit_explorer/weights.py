@@ -770,6 +770,8 @@ def _infer_config(
         "global_pool": "map" if attention_pool else "mean" if mean_pool else "cls",
         "pre_norm": "norm_pre.weight" in state,
         "patch_bias": "patch_embed.proj.bias" in state,
+        # A CLIP image tower (norm_pre, no patch bias) is built by timm with LayerNorm eps 1e-5.
+        "layer_norm_eps": 1e-5 if "norm_pre.weight" in state and "patch_embed.proj.bias" not in state else 1e-6,
         # Mean pooling without fc_norm weights means the final norm comes before the pooling.
         "fc_norm": None if "fc_norm.weight" in state or not mean_pool else False,
         # LayerScale's init value only matters for training from scratch; the weights set gamma.
