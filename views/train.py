@@ -28,15 +28,18 @@ st.write(
 )
 st.caption(
     "Everyone on this server sees every run, but only the person who launched a run can stop it"
-    " (this page's address carries your token: keep it to keep control after a reload). Each run"
-    " trains in its own process; a run too large for the server is refused, and when all slots"
-    " are busy a run waits its turn."
+    " (once you launch one, the page's address carries your token: keep it to keep control after a"
+    " reload). Each run trains in its own process; a run too large for the server is refused, and"
+    " when all slots are busy a run waits its turn."
 )
 
 # The architecture is the numbers on screen: a preset only fills them in, and any other numbers
 # are a custom model (no form, so that choosing a preset shows its numbers at once).
-ARCHITECTURE = {"patch_size": "Patch size", "embed_dim": "Dim", "depth": "Depth", "num_heads": "Heads",
-                "mlp_ratio": "MLP ratio"}
+# Field -> (label, lowest, highest, step).
+ARCHITECTURE = {
+    "patch_size": ("Patch size", 1, 64, 1), "embed_dim": ("Dim", 8, 1024, 8), "depth": ("Depth", 1, 24, 1),
+    "num_heads": ("Heads", 1, 16, 1), "mlp_ratio": ("MLP ratio", 0.5, 8.0, 0.5),
+}
 
 
 def fill_in_preset() -> None:
@@ -57,12 +60,8 @@ left.selectbox(
     f" depth {PRESETS[name]['depth']}, {PRESETS[name]['num_heads']} heads, MLP ratio {PRESETS[name]['mlp_ratio']:g}",
     help="A preset fills in the numbers below; change any of them for a model of your own.",
 )
-columns = dict(zip(ARCHITECTURE, left.columns(len(ARCHITECTURE))))
-limits = {"patch_size": (1, 64, 1), "embed_dim": (8, 1024, 8), "depth": (1, 24, 1), "num_heads": (1, 16, 1),
-          "mlp_ratio": (0.5, 8.0, 0.5)}
-for name, label in ARCHITECTURE.items():
-    low, high, step = limits[name]
-    columns[name].number_input(label, low, high, step=step, **kept[name])
+for column, (name, (label, lowest, highest, step)) in zip(left.columns(len(ARCHITECTURE)), ARCHITECTURE.items()):
+    column.number_input(label, lowest, highest, step=step, **kept[name])
 threads = ui.run_manager().limits.threads
 epochs = right.number_input("Epochs", 1, 200, DEFAULTS.epochs)
 batch_size = right.number_input("Batch size", 1, 4096, DEFAULTS.batch_size)
