@@ -106,6 +106,18 @@ def test_the_estimate_grows_with_what_costs_memory():
     assert total(train_size=100_000) > total()
 
 
+def test_a_flexivit_run_is_estimated_and_admitted_at_its_smallest_patch_size():
+    flexi = TrainConfig(model="small", patch_sizes=(1, 4), device="cpu")
+    at_patch_1 = TrainConfig(model=vx.ViTConfig(image_size=32, **{**vx.config.PRESETS["small"], "patch_size": 1}),
+                             device="cpu")
+    assert runs.estimate_memory(flexi).activations == runs.estimate_memory(at_patch_1).activations
+    limits = runs.Limits(max_runs=1, queue_size=1, memory=4 * runs.GB, threads=1)
+    with pytest.raises(runs.RunRefused, match=r"use a larger patch size \(patch 1 gives 1025 tokens per image\)"):
+        runs.admit(flexi, limits)
+    # Patch sizes above the model's own cost no more than the model's own.
+    assert runs.estimate_memory(flexi.replace(patch_sizes=(4, 8))) == runs.estimate_memory(flexi.replace(patch_sizes=None))
+
+
 def test_limits_come_from_the_environment(monkeypatch):
     monkeypatch.setenv("VIT_EXPLORER_MAX_RUNS", "3")
     monkeypatch.setenv("VIT_EXPLORER_RUN_QUEUE", "0")

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from .config import TrainConfig
+from .config import TrainConfig, ViTConfig
 from .data import SHAPE_CLASSES, TORCHVISION_DATASETS
 from .model import ViT
 from .train import TrainingError, TrainingRun, load_history, model_config, resolve_device
@@ -97,6 +97,13 @@ def _forward_floats(batch: int, tokens: int, dim: int, hidden: int, heads: int, 
     return (block + 2 * batch * heads * tokens**2) * (depth + 1)
 
 
+def _at_smallest_patch(config: TrainConfig) -> ViTConfig:
+    """The run's model at the smallest patch size it will run at, the one with the most tokens:
+    a FlexiViT run draws a patch size per step from ``patch_sizes``, its model's own among them or not."""
+    vit = model_config(config)
+    return vit.replace(patch_size=min((vit.patch_size, *(config.patch_sizes or ()))))
+
+
 def estimate_memory(config: TrainConfig) -> MemoryEstimate:
     """An upper bound on ``config``'s peak memory, from the config alone (nothing is allocated)."""
     train_n, test_n, classes = _dataset_sizes(config)
@@ -104,7 +111,7 @@ def estimate_memory(config: TrainConfig) -> MemoryEstimate:
     height, width = vit.img_size
     pixels = vit.in_chans * height * width
     hidden = int(vit.embed_dim * vit.mlp_ratio)
-    tokens = vit.num_tokens
+    tokens = _at_smallest_patch(config).num_tokens
     # Parameters, gradients, two AdamW moments and two parameter-sized foreach temporaries.
     model = 6 * 4 * _parameter_count(vit)
     shape = dict(tokens=tokens, dim=vit.embed_dim, hidden=hidden, heads=vit.num_heads, depth=vit.depth)
@@ -176,7 +183,7 @@ def _gb(size: int) -> str:
 def admit(config: TrainConfig, limits: Limits) -> MemoryEstimate:
     """The run's estimate if it fits; else RunRefused with the estimate, the limit and what to lower."""
     estimate = estimate_memory(config)
-    vit = model_config(config)
+    vit = _at_smallest_patch(config)
     lower = (
         f"lower the batch size ({config.batch_size}), use a larger patch size (patch {vit.patch_size}"
         f" gives {vit.num_tokens} tokens per image) or a smaller dim or depth ({vit.embed_dim}, {vit.depth})"
