@@ -1,5 +1,8 @@
 """Runs of a shared server: training in a process of its own, admission, the queue, owners."""
+import json
+import logging
 import os
+import shutil
 import signal
 
 import pytest
@@ -182,4 +185,46 @@ def test_a_fresh_manager_finds_the_runs_of_the_last_one(tmp_path):
     assert after[finished].progress == 1.0 and 0 < after[stopped].progress < 1
     assert again.owner_of(finished) is None and not again.stop(stopped, owner="alice")
     assert again.launch(small_config(tmp_path), owner="bob") == "run 3"
+    again.shutdown()
+
+
+def _with(saved: dict, path: tuple, value) -> dict:
+    """A deep copy of a sidecar with one value (at a path of keys) replaced."""
+    copy = json.loads(json.dumps(saved))
+    *parents, last = path
+    target = copy
+    for key in parents:
+        target = target[key]
+    target[last] = value
+    return copy
+
+
+def test_malformed_sidecars_are_skipped_and_logged_never_fatal(tmp_path, caplog):
+    manager = runs.RunManager(tmp_path, PLENTY, process=False)
+    good = manager.launch(small_config(tmp_path), owner="alice")
+    assert manager.runs()[good].join(60) and manager.runs()[good].status == "finished"
+    checkpoint = manager.runs()[good].checkpoint
+    saved = training.load_history(checkpoint)
+    malformed = {
+        "a list": [1, 2],
+        "null step": _with(saved, ("step",), None),
+        "text epochs": _with(saved, ("train_config", "epochs"), "3"),
+        "unknown field": _with(saved, ("train_config", "colour"), "red"),
+        "no history": _with(saved, ("history",), None),
+        "steps of numbers": _with(saved, ("history", "steps"), [1, 2]),
+        "a step without its loss": _with(saved, ("history", "steps", 0, "loss"), None),
+        "finished as text": _with(saved, ("finished",), "yes"),
+        "no test accuracy": _with(saved, ("test_accuracy",), "high"),
+    }
+    raw = {"not json": b"{\"step\": ", "not utf-8": b"\xff\xfe{}", "nested too deep": b"[" * 100_000 + b"]" * 100_000}
+    for number, content in enumerate([*(json.dumps(value).encode() for value in malformed.values()), *raw.values()], 7):
+        shutil.copy(checkpoint, tmp_path / f"broken_{number}.safetensors")
+        (tmp_path / f"broken_{number}.json").write_bytes(content)
+
+    with caplog.at_level(logging.WARNING, logger="vit_explorer.runs"):
+        again = runs.RunManager(tmp_path, PLENTY, process=False)  # the server restarts: it must not fail
+    assert list(again.runs()) == [good]
+    skipped = sorted(record.getMessage().split()[5] for record in caplog.records)
+    assert skipped == sorted(str(tmp_path / f"broken_{number}.json") for number in range(7, 7 + len(malformed) + len(raw)))
+    assert again.launch(small_config(tmp_path), owner="bob") == "run 2"
     again.shutdown()

@@ -12,6 +12,7 @@ Limits come from the environment (see ``Limits.from_environment``).
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 import threading
@@ -25,7 +26,7 @@ import torch
 from .config import TrainConfig, ViTConfig
 from .data import SHAPE_CLASSES, TORCHVISION_DATASETS
 from .model import ViT
-from .train import TrainingError, TrainingRun, load_history, model_config, resolve_device
+from .train import TrainingError, TrainingRun, model_config, resolve_device
 
 GB = 2**30
 # A spawned training process after importing torch and this package: 519 MB resident (VmHWM),
@@ -37,6 +38,8 @@ SPLIT_SIZES = {"shapes": (16_000, 2_000), "cifar10": (50_000, 10_000), "mnist": 
 EVAL_BATCH = 500  # train.py evaluates in batches of 500
 RENDER_CHUNK = 256  # shapes are rendered 256 images at a time, with about 24 float maps each
 MAX_LISTED_RUNS = 50  # ended runs kept in the list (their files stay in the runs folder)
+
+logger = logging.getLogger(__name__)
 
 
 class RunRefused(Exception):
@@ -232,8 +235,10 @@ class RunManager:
                 continue
             try:
                 found.append((int(number.group(1)), TrainingRun.restored(checkpoint)))
-            except (TrainingError, OSError, ValueError, KeyError):
-                continue  # a half-written or foreign file: not a run of ours
+            except TrainingError as error:  # its sentence names the file
+                logger.warning("not listed as a run: %s", error)
+            except Exception as error:  # whatever one file holds, the server and the other runs go on
+                logger.warning("not listed as a run: %s could not be read (%s: %s)", sidecar, type(error).__name__, error)
         for number, run in sorted(found, key=lambda item: item[0])[-MAX_LISTED_RUNS:]:
             self._runs[f"run {number}"] = run
 

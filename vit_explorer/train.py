@@ -187,7 +187,34 @@ def load_history(checkpoint: str | Path) -> dict:
     sidecar = Path(checkpoint).with_suffix(".json")
     if not sidecar.is_file():
         raise TrainingError(f"{sidecar} does not exist; it is written next to every training checkpoint")
-    return json.loads(sidecar.read_text())
+    try:
+        saved = json.loads(sidecar.read_text())
+    except (ValueError, RecursionError):  # not UTF-8, not JSON, or nested beyond the parser's depth
+        saved = None
+    if not isinstance(saved, dict):
+        raise TrainingError(f"{sidecar} is not a training sidecar (a JSON object)")
+    return saved
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _saved_history(saved: dict, sidecar: Path) -> tuple[list[dict], list[dict]]:
+    """(steps, epochs) of a sidecar, each record with every field of its event as a number; else
+    a TrainingError, so that a damaged or foreign file never reaches a figure."""
+    history = saved.get("history")
+    records = {"steps": StepEvent, "epochs": EpochEvent}
+    if isinstance(history, dict) and all(
+        isinstance(history.get(key), list) and all(
+            isinstance(record, dict)
+            and all(_is_number(record.get(field.name)) for field in dataclasses.fields(event))
+            for record in history[key]
+        )
+        for key, event in records.items()
+    ):
+        return list(history["steps"]), list(history["epochs"])
+    raise TrainingError(f"{sidecar} does not hold a training history of steps and epochs")
 
 
 @torch.no_grad()
@@ -532,19 +559,32 @@ class TrainingRun:
         self._progress = 0.0
         self._pace_from: tuple[float, float] | None = None  # (time, progress) at the first step
         if config.resume:
-            with contextlib.suppress(TrainingError, OSError, ValueError):
-                history = load_history(checkpoint_paths(config)["checkpoint"])["history"]
-                self._steps, self._epochs = list(history["steps"]), list(history["epochs"])
+            with contextlib.suppress(TrainingError, OSError):
+                paths = checkpoint_paths(config)
+                self._steps, self._epochs = _saved_history(load_history(paths["checkpoint"]), paths["sidecar"])
 
     @classmethod
     def restored(cls, checkpoint: str | Path) -> "TrainingRun":
-        """A run that ended earlier (in another server's life), rebuilt from its checkpoint's sidecar."""
+        """A run that ended earlier (in another server's life), rebuilt from its checkpoint's
+        sidecar; a TrainingError says in one sentence why a sidecar cannot be one."""
+        sidecar = Path(checkpoint).with_suffix(".json")
         saved = load_history(checkpoint)
-        run = cls(TrainConfig.from_dict(saved["train_config"]))
-        run._steps, run._epochs = list(saved["history"]["steps"]), list(saved["history"]["epochs"])
+        steps, epochs = _saved_history(saved, sidecar)
+        accuracy = saved.get("test_accuracy")
+        if not (
+            isinstance(saved.get("finished"), bool)
+            and all(_is_number(saved.get(key)) and math.isfinite(saved[key]) for key in ("step", "total_steps"))
+            and (accuracy is None or _is_number(accuracy))
+        ):
+            raise TrainingError(f"{sidecar} lacks a run's finished, step, total_steps or test_accuracy")
+        try:
+            config = TrainConfig.from_dict(saved.get("train_config"))
+        except (TypeError, ValueError, AttributeError) as error:
+            raise TrainingError(f"{sidecar} holds no valid training configuration ({error})") from None
+        run = cls(config)
+        run._steps, run._epochs = steps, epochs
         run._status = "finished" if saved["finished"] else "stopped"
-        run._progress = saved["step"] / max(saved["total_steps"], 1)
-        accuracy = saved["test_accuracy"]
+        run._progress = min(max(saved["step"] / max(saved["total_steps"], 1), 0.0), 1.0)
         run._done = DoneEvent(
             checkpoint=str(checkpoint), stopped=not saved["finished"],
             test_accuracy=math.nan if accuracy is None else accuracy, seconds=math.nan,
