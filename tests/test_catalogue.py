@@ -344,5 +344,6 @@ def test_abandoned_temporary_files_are_removed_and_live_ones_kept(hub):
 
 def test_a_bad_timeout_setting_is_one_sentence(hub, monkeypatch):
     monkeypatch.setenv(catalogue.TIMEOUT_VARIABLE, "soon")
-    with pytest.raises(catalogue.DownloadError, match="^VIT_EXPLORER_DOWNLOAD_TIMEOUT must be a number of seconds above 0, not 'soon'$"):
+    expected = "^VIT_EXPLORER_DOWNLOAD_TIMEOUT must be a number of seconds above 0, not 'soon'$"
+    with pytest.raises(catalogue.DownloadError, match=expected):
         catalogue.download("tiny_clip")

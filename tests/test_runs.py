@@ -55,15 +55,44 @@ def test_a_process_run_streams_its_events_and_stays_under_its_estimate(tmp_path,
     assert run.peak_rss <= estimate <= 2 * run.peak_rss
 
 
-def test_a_killed_run_process_fails_alone_with_a_sentence(tmp_path):
-    run = training.TrainingRun(small_config(tmp_path, epochs=500), process=True).start()
+OUT_OF_MEMORY = (
+    "the run's process was ended by the operating system, most likely for lack of memory;"
+    " lower the batch size, use a larger patch size (fewer tokens) or a smaller model"
+)
+
+
+def test_a_run_process_killed_from_outside_fails_alone_and_is_not_blamed_on_memory(tmp_path):
+    run = training.TrainingRun(small_config(tmp_path, epochs=500), process=True, memory_limit=16 * runs.GB).start()
     wait_for_a_step(run)
-    os.kill(run.pid, signal.SIGKILL)  # what the OOM killer does
+    os.kill(run.pid, signal.SIGKILL)  # someone ends it, well within its memory
     assert run.join(60)
     assert run.status == "failed" and run.checkpoint is None
-    assert run.error == (
-        "the run's process was ended by the operating system, most likely for lack of memory;"
-        " lower the batch size, use a larger patch size (fewer tokens) or a smaller model"
+    assert run.error.startswith("the run's process was killed from outside after using ")
+    assert run.error.endswith(" of the 16.0 GB it may use, not for lack of memory; it can be started again")
+
+
+def test_a_run_process_killed_at_its_memory_limit_is_blamed_on_memory(tmp_path):
+    limit = 100 * 2**20  # less than torch alone holds: the process outgrows it while it starts
+    run = training.TrainingRun(small_config(tmp_path, epochs=500), process=True, memory_limit=limit).start()
+    while (run.peak_rss or 0) < limit and not run.join(0.05):
+        pass
+    assert run.status == "running", run.error
+    os.kill(run.pid, signal.SIGKILL)  # what the kernel's OOM killer does to a process beyond its memory
+    assert run.join(60)
+    assert run.status == "failed" and run.error == OUT_OF_MEMORY and run.peak_rss >= limit
+
+
+def test_a_kill_is_blamed_on_memory_when_the_kernel_counted_one_or_the_run_was_near_its_limit():
+    killed, within = -signal.SIGKILL, dict(peak_rss=2**30, memory_limit=16 * 2**30)
+    assert training.exit_sentence(killed, **within, oom_killed=True) == OUT_OF_MEMORY
+    assert training.exit_sentence(killed, peak_rss=15 * 2**30, memory_limit=16 * 2**30, oom_killed=False) == OUT_OF_MEMORY
+    assert training.exit_sentence(killed, **within, oom_killed=False) == (
+        "the run's process was killed from outside after using 1.0 GB of the 16.0 GB it may use,"
+        " not for lack of memory; it can be started again"
+    )
+    # Without the kernel's count (no /proc/vmstat), a kill well within the limit could be either.
+    assert training.exit_sentence(killed, **within).startswith(
+        "the run's process was killed, from outside or for lack of memory; if it was memory, lower the batch size"
     )
 
 
@@ -118,7 +147,8 @@ def test_a_flexivit_run_is_estimated_and_admitted_at_its_smallest_patch_size():
     with pytest.raises(runs.RunRefused, match=r"use a larger patch size \(patch 1 gives 1025 tokens per image\)"):
         runs.admit(flexi, limits)
     # Patch sizes above the model's own cost no more than the model's own.
-    assert runs.estimate_memory(flexi.replace(patch_sizes=(4, 8))) == runs.estimate_memory(flexi.replace(patch_sizes=None))
+    own_only = runs.estimate_memory(flexi.replace(patch_sizes=None))
+    assert runs.estimate_memory(flexi.replace(patch_sizes=(4, 8))) == own_only
 
 
 def test_limits_come_from_the_environment(monkeypatch):
@@ -225,6 +255,7 @@ def test_malformed_sidecars_are_skipped_and_logged_never_fatal(tmp_path, caplog)
         again = runs.RunManager(tmp_path, PLENTY, process=False)  # the server restarts: it must not fail
     assert list(again.runs()) == [good]
     skipped = sorted(record.getMessage().split()[5] for record in caplog.records)
-    assert skipped == sorted(str(tmp_path / f"broken_{number}.json") for number in range(7, 7 + len(malformed) + len(raw)))
+    numbers = range(7, 7 + len(malformed) + len(raw))
+    assert skipped == sorted(str(tmp_path / f"broken_{number}.json") for number in numbers)
     assert again.launch(small_config(tmp_path), owner="bob") == "run 2"
     again.shutdown()

@@ -503,7 +503,9 @@ def _fetch(
                     f"{failed}: it took longer than {seconds:g} s ({TIMEOUT_VARIABLE} allows more)"
                 ) from None
             if isinstance(error, urllib.error.HTTPError):
-                raise DownloadError(f"could not download {title}: {source} answered {error.code} {error.reason}") from None
+                raise DownloadError(
+                    f"could not download {title}: {source} answered {error.code} {error.reason}"
+                ) from None
             if isinstance(error, http.client.HTTPException):
                 raise DownloadError(f"{failed}: the server's answer was broken ({_broken_answer(error)})") from None
             if isinstance(error, urllib.error.URLError) and isinstance(error.reason, OSError):

@@ -238,7 +238,9 @@ class RunManager:
             except TrainingError as error:  # its sentence names the file
                 logger.warning("not listed as a run: %s", error)
             except Exception as error:  # whatever one file holds, the server and the other runs go on
-                logger.warning("not listed as a run: %s could not be read (%s: %s)", sidecar, type(error).__name__, error)
+                logger.warning(
+                    "not listed as a run: %s could not be read (%s: %s)", sidecar, type(error).__name__, error
+                )
         for number, run in sorted(found, key=lambda item: item[0])[-MAX_LISTED_RUNS:]:
             self._runs[f"run {number}"] = run
 

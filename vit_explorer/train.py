@@ -469,16 +469,41 @@ def readable_error(error: BaseException) -> str:
     return f"training failed: {type(error).__name__}" + (f": {first_line}" if first_line else "")
 
 
-def exit_sentence(exitcode: int) -> str:
-    """Why a run's process ended without reporting, in one sentence."""
+# A killed run whose peak memory came this close to its limit is taken to have run out of it.
+NEAR_MEMORY_LIMIT = 0.9
+MEMORY_SAMPLE_SECONDS = 0.5  # how often the parent reads a run process's peak memory
+
+
+def exit_sentence(
+    exitcode: int, *, peak_rss: int | None = None, memory_limit: int | None = None, oom_killed: bool | None = None,
+) -> str:
+    """Why a run's process ended without reporting, in one sentence. A SIGKILL is blamed on
+    memory when the kernel counted an out-of-memory kill meanwhile (``oom_killed``; None: the
+    count is unknown) or the process's peak memory came near its limit; else someone ended it."""
     if exitcode == -signal.SIGKILL:
-        return (
-            "the run's process was ended by the operating system, most likely for lack of memory;"
-            " lower the batch size, use a larger patch size (fewer tokens) or a smaller model"
+        lower = "lower the batch size, use a larger patch size (fewer tokens) or a smaller model"
+        near_limit = peak_rss is not None and memory_limit is not None and peak_rss >= NEAR_MEMORY_LIMIT * memory_limit
+        if oom_killed or near_limit:
+            return f"the run's process was ended by the operating system, most likely for lack of memory; {lower}"
+        if oom_killed is None:
+            return f"the run's process was killed, from outside or for lack of memory; if it was memory, {lower}"
+        used = "" if peak_rss is None else f" after using {peak_rss / 2**30:.1f} GB" + (
+            "" if memory_limit is None else f" of the {memory_limit / 2**30:.1f} GB it may use"
         )
+        return f"the run's process was killed from outside{used}, not for lack of memory; it can be started again"
     if exitcode < 0:
         return f"the run's process was ended by signal {signal.Signals(-exitcode).name}"
     return f"the run's process exited unexpectedly (exit code {exitcode})"
+
+
+def _oom_kills() -> int | None:
+    """How many processes the kernel has killed for lack of memory since boot (None: unknown)."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/vmstat").read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == "oom_kill":
+                return int(value)
+    return None
 
 
 @dataclass
@@ -489,13 +514,13 @@ class _Ended:
     peak_rss: int
 
 
-def _memory_status(field: str) -> int:
-    """A Vm* field of /proc/self/status in bytes (VmHWM: the peak resident memory)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
+def _memory_status(field: str, pid: int | str = "self") -> int:
+    """A Vm* field of /proc/<pid>/status in bytes (VmHWM: the peak resident memory)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         name, _, value = line.partition(":")
         if name == field:
             return int(value.split()[0]) * 1024
-    raise OSError(f"/proc/self/status has no {field}")
+    raise OSError(f"/proc/{pid}/status has no {field}")
 
 
 def _train_in_child(config_json: str, connection, stop, threads: int, memory_limit: int | None) -> None:
@@ -652,21 +677,29 @@ class TrainingRun:
             args=(self.config.to_json(), sender, self._stop, self._threads, self._memory_limit),
         )
         ended = None
+        # Should the child be killed before it reports, these tell whether memory was why: its
+        # peak memory as seen from here (peak_rss), and the kernel's count of out-of-memory kills.
+        oom_kills = _oom_kills()
         try:
             process.start()
             self._process = process
             sender.close()  # the child holds the only sending end: its exit ends recv() below
             while True:
-                try:
-                    message = receiver.recv()
-                except EOFError:
-                    break
-                if isinstance(message, _Ended):
-                    ended = message
-                elif isinstance(message, SnapshotEvent):
-                    self._record(dataclasses.replace(message, attentions=torch.from_numpy(message.attentions)))
-                else:
-                    self._record(message)
+                if receiver.poll(MEMORY_SAMPLE_SECONDS):
+                    try:
+                        message = receiver.recv()
+                    except EOFError:
+                        break
+                    if isinstance(message, _Ended):
+                        ended = message
+                    elif isinstance(message, SnapshotEvent):
+                        self._record(dataclasses.replace(message, attentions=torch.from_numpy(message.attentions)))
+                    else:
+                        self._record(message)
+                with contextlib.suppress(OSError, ValueError):  # gone, or a zombie without memory
+                    peak = _memory_status("VmHWM", process.pid)
+                    with self._lock:
+                        self._peak_rss = max(self._peak_rss or 0, peak)
             process.join()
         except BaseException as failure:  # could not start or hear the child: this run fails alone
             if process.is_alive():
@@ -675,10 +708,17 @@ class TrainingRun:
             ended = _Ended(readable_error(failure), 0)
         finally:
             receiver.close()
-        with self._lock:
-            if ended is not None:
-                self._peak_rss = ended.peak_rss or None
-        self._end(ended.error if ended is not None else exit_sentence(process.exitcode or 0))
+        if ended is not None:
+            with self._lock:
+                self._peak_rss = ended.peak_rss or self._peak_rss  # its own count: exact
+            error = ended.error
+        else:
+            now = _oom_kills()
+            error = exit_sentence(
+                process.exitcode or 0, peak_rss=self.peak_rss, memory_limit=self._memory_limit,
+                oom_killed=None if None in (now, oom_kills) else now > oom_kills,
+            )
+        self._end(error)
 
     @property
     def pid(self) -> int | None:
@@ -687,7 +727,9 @@ class TrainingRun:
 
     @property
     def peak_rss(self) -> int | None:
-        """The training process's peak resident memory in bytes, once it has ended (process mode)."""
+        """The training process's peak resident memory in bytes (process mode): so far while it
+        runs (read every MEMORY_SAMPLE_SECONDS), then its own exact count once it has ended (a
+        killed process's last reading)."""
         with self._lock:
             return self._peak_rss
 
