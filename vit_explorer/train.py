@@ -108,13 +108,24 @@ def resolve_device(name: str = "auto") -> torch.device:
     return device
 
 
+def check_run_name(name: str) -> str:
+    """``name`` if it is a plain file name, which keeps a run's files inside its output folder;
+    else a TrainingError."""
+    if name in (".", "..") or any(character in name for character in "/\\\0"):
+        raise TrainingError(
+            f"the run name {name!r} must be a plain file name, without /, \\ or .. (its files go in the output folder)"
+        )
+    return name
+
+
 def checkpoint_paths(config: TrainConfig) -> dict[str, Path]:
     """The checkpoint, its JSON sidecar (history + TrainConfig) and the optimizer state."""
-    stem = Path(config.out_dir).expanduser() / config.run_name
+    folder, name = Path(config.out_dir).expanduser(), check_run_name(config.run_name)
+    # Appended, not with_suffix: a name with a dot ("vit.v2") keeps all of itself.
     return {
-        "checkpoint": stem.with_suffix(".safetensors"),
-        "sidecar": stem.with_suffix(".json"),
-        "state": stem.with_suffix(".state.pt"),
+        "checkpoint": folder / f"{name}.safetensors",
+        "sidecar": folder / f"{name}.json",
+        "state": folder / f"{name}.state.pt",
     }
 
 
