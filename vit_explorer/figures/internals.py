@@ -1,0 +1,197 @@
+"""Inside one layer: a token's vectors as strips of numbers, keys and values as matrices, one
+query's scores and softmax on the image grid, the softmax scale, where a head's output comes
+from and the MLP's hidden units (the "Inside a layer" page and ``inspect --head --query``)."""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from ._base import (
+    ATTENTION_SCALE, MARGIN, SIMILARITY_SCALE, _float_array, _image_axes, _image_trace, _patch_heatmap,
+    _rgb_uint8, _title,
+)
+
+QUERY_COLOUR = "#00e5ff"
+
+
+def _symmetric_limit(values: np.ndarray) -> float:
+    return float(np.abs(values).max()) or 1.0
+
+
+def vector_strips(
+    vectors: Mapping[str, object], title: str, group: int | None = None, value_name: str = "value"
+) -> go.Figure:
+    """Vectors of one length D as strips of numbers, one row each (named by the keys), on one
+    colour scale centred on 0 (red positive, blue negative); hover gives each number. ``group``
+    draws a line every ``group`` numbers (the heads inside a concatenated vector)."""
+    names = list(vectors)
+    rows = np.stack([_float_array(vectors[name]).reshape(-1) for name in names])  # (R, D)
+    limit = _symmetric_limit(rows)
+    fig = go.Figure(
+        go.Heatmap(
+            z=rows.astype(np.float32), y=names, colorscale=SIMILARITY_SCALE, zmin=-limit, zmax=limit,
+            hovertemplate=f"%{{y}}, number %{{x}}<br>{value_name} %{{z:.4g}}<extra></extra>",
+            colorbar=dict(title=value_name, thickness=12),
+        )
+    )
+    if group and rows.shape[1] > group:
+        line = dict(color="black", width=1)
+        fig.update_layout(shapes=[
+            dict(type="line", x0=edge - 0.5, x1=edge - 0.5, y0=-0.5, y1=len(names) - 0.5, line=line)
+            for edge in range(group, rows.shape[1], group)
+        ])
+    fig.update_xaxes(title=f"{rows.shape[1]} numbers", showgrid=False)
+    fig.update_yaxes(autorange="reversed", type="category", showgrid=False)
+    fig.update_layout(title=_title(title), margin=MARGIN, height=140 + 36 * len(names))
+    return fig
+
+
+def key_value_matrices(keys, values, query_token: int, labels: Sequence[str], title: str) -> go.Figure:
+    """This head's keys K and values V (N, hd) side by side, one row per token, the query's
+    row outlined (its key is what other queries compare against; it attends with q)."""
+    keys, values = _float_array(keys), _float_array(values)
+    if keys.ndim != 2 or keys.shape != values.shape or keys.shape[0] != len(labels):
+        raise ValueError(f"keys {keys.shape} and values {values.shape} must be (N, hd) for {len(labels)} tokens")
+    fig = make_subplots(
+        rows=1, cols=2, subplot_titles=(f"keys K {keys.shape}", f"values V {values.shape}"),
+        horizontal_spacing=0.12,
+    )
+    for col, (matrix, name, x) in enumerate(((keys, "k", 0.44), (values, "v", 1.0)), start=1):
+        limit = _symmetric_limit(matrix)
+        fig.add_trace(
+            go.Heatmap(
+                z=matrix.astype(np.float32), y=list(labels), colorscale=SIMILARITY_SCALE, zmin=-limit,
+                zmax=limit, colorbar=dict(title=name, x=x, thickness=10),
+                hovertemplate=f"%{{y}}, number %{{x}}<br>{name} %{{z:.4g}}<extra></extra>",
+            ),
+            row=1, col=col,
+        )
+        fig.add_shape(
+            type="rect", x0=-0.5, x1=matrix.shape[1] - 0.5, y0=query_token - 0.5, y1=query_token + 0.5,
+            line=dict(color=QUERY_COLOUR, width=2), row=1, col=col,
+        )
+    fig.update_xaxes(title="head dimension", showgrid=False)
+    fig.update_yaxes(autorange="reversed", type="category", showgrid=False, showticklabels=len(labels) <= 40)
+    fig.update_layout(
+        title=_title(f"{title} (the query's row outlined)"), margin=MARGIN,
+        height=min(900, 240 + 6 * len(labels)),
+    )
+    return fig
+
+
+def token_values_on_grid(
+    image, values, grid_size: tuple[int, int], num_prefix_tokens: int, prefix_labels: Sequence[str],
+    title: str, value_name: str, query_patch: int | None = None, centred: bool = False,
+) -> go.Figure:
+    """One value per key token (N,): the patches' drawn on the image grid, the prefix tokens'
+    (class, distillation, registers) as bars beside it. ``centred`` colours around 0 (scores
+    before the softmax); otherwise from 0 up (attention weights). The query patch is outlined."""
+    image = _rgb_uint8(image)
+    values = _float_array(values).reshape(-1)
+    grid_h, grid_w = grid_size
+    if values.shape[0] != num_prefix_tokens + grid_h * grid_w or len(prefix_labels) != num_prefix_tokens:
+        raise ValueError(f"{values.shape[0]} values do not fit {num_prefix_tokens} prefix tokens and a {grid_h}x{grid_w} grid")
+    if centred:
+        limit = _symmetric_limit(values)
+        colours = dict(colorscale=SIMILARITY_SCALE, zmin=-limit, zmax=limit)
+    else:
+        colours = dict(colorscale=ATTENTION_SCALE, zmin=0.0, zmax=float(values.max()) or 1.0)
+    columns = 2 if num_prefix_tokens else 1
+    fig = make_subplots(
+        rows=1, cols=columns, column_widths=[0.8, 0.2] if columns == 2 else None, horizontal_spacing=0.12,
+        subplot_titles=("patch tokens", "prefix tokens") if columns == 2 else None,
+    )
+    fig.add_trace(_image_trace(image, hover=False), row=1, col=1)
+    fig.add_trace(
+        _patch_heatmap(
+            values[num_prefix_tokens:].reshape(grid_h, grid_w), image.shape[:2], value_name,
+            opacity=0.85, colorbar=dict(title=value_name, thickness=12), **colours,
+        ),
+        row=1, col=1,
+    )
+    if query_patch is not None:
+        height, width = image.shape[:2]
+        row, col = divmod(int(query_patch), grid_w)
+        dy, dx = height / grid_h, width / grid_w
+        fig.add_shape(
+            type="rect", x0=col * dx - 0.5, x1=(col + 1) * dx - 0.5, y0=row * dy - 0.5, y1=(row + 1) * dy - 0.5,
+            line=dict(color=QUERY_COLOUR, width=3), row=1, col=1,
+        )
+    _image_axes(fig, [(1, 1)], columns=columns)
+    if columns == 2:
+        fig.add_trace(
+            go.Bar(
+                x=list(prefix_labels), y=values[:num_prefix_tokens], marker_color="#e45756", showlegend=False,
+                hovertemplate=f"%{{x}}<br>{value_name} %{{y:.4g}}<extra></extra>",
+            ),
+            row=1, col=2,
+        )
+        fig.update_yaxes(title=value_name, row=1, col=2)
+    fig.update_layout(title=_title(title), margin=MARGIN)
+    return fig
+
+
+def softmax_scale_figure(sweep: Mapping[str, Sequence[float]], chosen: float, title: str) -> go.Figure:
+    """Entropy and largest weight of one attention row against the softmax scale, as multiples
+    of the model's 1/sqrt(hd) (``sweep`` from vit_explorer.internals.scale_sweep); the chosen
+    multiple and the model's own (1) are marked."""
+    factors = list(sweep["factor"])
+    fig = make_subplots(specs=[[{"secondary_y": True}]])
+    fig.add_trace(go.Scatter(
+        x=factors, y=list(sweep["entropy"]), name="entropy (nats)", mode="lines+markers",
+        hovertemplate="scale x%{x:.3g}<br>entropy %{y:.3f} nats<extra></extra>",
+    ))
+    fig.add_trace(go.Scatter(
+        x=factors, y=list(sweep["largest weight"]), name="largest weight", mode="lines+markers",
+        hovertemplate="scale x%{x:.3g}<br>largest weight %{y:.3f}<extra></extra>",
+    ), secondary_y=True)
+    fig.add_vline(x=1.0, line=dict(color="grey", dash="dot"), annotation_text="the model's 1/sqrt(hd)")
+    if chosen != 1.0:
+        fig.add_vline(x=chosen, line=dict(color=QUERY_COLOUR, width=2), annotation_text="chosen")
+    fig.update_xaxes(type="log", title="scale, as a multiple of 1/sqrt(hd)")
+    fig.update_yaxes(title="entropy (nats)", rangemode="tozero", secondary_y=False)
+    fig.update_yaxes(title="largest weight", range=[0, 1.05], secondary_y=True)
+    fig.update_layout(title=_title(title), margin=MARGIN, legend=dict(orientation="h", y=-0.25))
+    return fig
+
+
+def head_sources_figure(sources: Sequence[Mapping], labels: Sequence[str], title: str) -> go.Figure:
+    """The keys that make most of a head's output (vit_explorer.internals.head_output_sources):
+    each one's attention weight beside its share of the output."""
+    names = [labels[source["token"]] for source in sources]
+    fig = go.Figure([
+        go.Bar(
+            y=names, x=[source["weight"] for source in sources], orientation="h", name="attention weight a_j",
+            hovertemplate="%{y}<br>weight %{x:.4f}<extra></extra>",
+        ),
+        go.Bar(
+            y=names, x=[source["share"] for source in sources], orientation="h", name="share of the output",
+            hovertemplate="%{y}<br>share %{x:.1%}<extra></extra>",
+        ),
+    ])
+    fig.update_yaxes(autorange="reversed", type="category")
+    fig.update_xaxes(title="weight, share")
+    fig.update_layout(
+        title=_title(title), margin=MARGIN, barmode="group", height=160 + 44 * len(names),
+        legend=dict(orientation="h", y=-0.2),
+    )
+    return fig
+
+
+def mlp_activations_figure(sorted_values, near_zero: float, title: str) -> go.Figure:
+    """One token's MLP hidden units after the nonlinearity, sorted from the largest; the band of
+    near-zero values is shaded."""
+    values = _float_array(sorted_values).reshape(-1)
+    fig = go.Figure(go.Scatter(
+        x=np.arange(values.shape[0]), y=values.astype(np.float32), mode="lines", fill="tozeroy",
+        hovertemplate="rank %{x}<br>activation %{y:.4g}<extra></extra>", showlegend=False,
+    ))
+    fig.add_hrect(y0=-near_zero, y1=near_zero, fillcolor="grey", opacity=0.25, line_width=0,
+                  annotation_text=f"near zero (|h| < {near_zero:g})")
+    fig.update_xaxes(title=f"hidden unit, sorted ({values.shape[0]} units)")
+    fig.update_yaxes(title="activation")
+    fig.update_layout(title=_title(title), margin=MARGIN)
+    return fig
