@@ -18,6 +18,7 @@ prefix, num_patches = result.num_prefix_tokens, grid_h * grid_w
 labels = figures.token_labels(result.num_tokens, prefix, config.class_token, config.dist_token)
 
 CLASS_QUERY = -1  # the class token, as on the Attention page (which shares layer, head and query)
+ACTIVATIONS = {"gelu": "GELU", "gelu_tanh": "GELU (tanh)", "quick_gelu": "QuickGELU"}
 queries = ([CLASS_QUERY] if config.class_token else []) + list(range(num_patches))
 centre = (grid_h // 2) * grid_w + grid_w // 2
 
@@ -69,13 +70,10 @@ token = 0 if query == CLASS_QUERY else prefix + query
 name = labels[token]
 dim, head_dim, hidden = config.embed_dim, steps.head_dim, steps.mlp_hidden.shape[-1]
 query_patch = None if query == CLASS_QUERY else query
-where = f"layer {layer}, head {head}"
-
-
-def figure(*key, compute):
-    """A figure of this page, once per (layer, head, query, ...) for everybody."""
-    return selection.memo("inside", layer, head, query, *key, compute=compute)
-
+activation = ACTIVATIONS.get(config.act_layer, config.act_layer)
+figs = selection.memo("inside figures", layer, head, query, compute=lambda: figures.inside_layer_figures(
+    image, steps, result.grid_size, labels, head, token, query_patch, activation
+))
 
 with st.expander(f"1. {name} enters layer {layer}, and LayerNorm", expanded=True):
     st.latex(r"\mathrm{LN}(x) = \gamma \odot \frac{x - \mu}{\sqrt{\sigma^2 + \epsilon}} + \beta")
@@ -84,7 +82,7 @@ with st.expander(f"1. {name} enters layer {layer}, and LayerNorm", expanded=True
         + (f"layer {layer - 1}" if layer else "the embedding (patch projection plus position)")
         + ". LayerNorm subtracts its mean μ and divides by its standard deviation σ, so that every"
         " token reaches attention on the same scale whatever its size; the learned γ and β then"
-        " stretch and shift each of the numbers."
+        " stretch and shift each of the numbers. Hover over the strips for every number."
     )
     mean, std = selection.memo("inside norm", layer, token, compute=lambda: inside.layer_norm_statistics(
         steps.input[0, token], steps.norm_eps
@@ -92,10 +90,7 @@ with st.expander(f"1. {name} enters layer {layer}, and LayerNorm", expanded=True
     left, right = st.columns(2)
     left.metric("mean μ", f"{mean:.4g}")
     right.metric("standard deviation sqrt(σ² + ε)", f"{std:.4g}")
-    st.plotly_chart(figure("norm strips", compute=lambda: figures.vector_strips(
-        {"x": steps.input[0, token], "LN(x)": steps.norm1[0, token]},
-        f"{name} before and after LayerNorm ({dim} numbers each)",
-    )))
+    st.plotly_chart(figs["layernorm"])
 
 with st.expander(f"2. Head {head}'s query, keys and values", expanded=True):
     st.latex(
@@ -105,16 +100,12 @@ with st.expander(f"2. Head {head}'s query, keys and values", expanded=True):
     )
     st.write(
         f"Each of the {heads} heads has its own three matrices. The query q says what this token is"
-        f" looking for; every token's key k_j says what it offers to be found by, and its value v_j"
+        " looking for; every token's key k_j says what it offers to be found by, and its value v_j"
         f" what it hands over when found. With {heads} heads of {head_dim} numbers, q, k and v together"
         f" take the {dim} numbers of LN(x) to {3 * dim}."
     )
-    st.plotly_chart(figure("query strip", compute=lambda: figures.vector_strips(
-        {"q": steps.q[0, head, token]}, f"Query q of {name}, {where} ({head_dim} numbers)"
-    )))
-    st.plotly_chart(figure("keys and values", compute=lambda: figures.key_value_matrices(
-        steps.k[0, head], steps.v[0, head], token, labels, f"Keys and values of all {steps.num_tokens} tokens, {where}"
-    )))
+    st.plotly_chart(figs["query"])
+    st.plotly_chart(figs["keys_values"])
 
 with st.expander("3. Scores and the softmax", expanded=True):
     st.latex(
@@ -129,15 +120,8 @@ with st.expander("3. Scores and the softmax", expanded=True):
         " positive and sum to 1: the attention row, the same numbers the Attention page draws for"
         " this layer, head and query."
     )
-    prefix_labels = labels[:prefix]
-    st.plotly_chart(figure("scores", compute=lambda: figures.token_values_on_grid(
-        image, steps.scores[0, head, token], result.grid_size, prefix, prefix_labels,
-        f"Scores of {name} for every key, {where}, before the softmax", "score", query_patch, centred=True,
-    )))
-    st.plotly_chart(figure("attention", compute=lambda: figures.token_values_on_grid(
-        image, steps.attention[0, head, token], result.grid_size, prefix, prefix_labels,
-        f"Attention of {name}, {where}: the softmax of the scores", "attention", query_patch,
-    )))
+    st.plotly_chart(figs["scores"])
+    st.plotly_chart(figs["attention"])
     entropy, largest = selection.memo("inside softmax", layer, head, token, compute=lambda: inside.softmax_statistics(
         steps.attention[0, head, token]
     ))
@@ -148,23 +132,22 @@ with st.expander("3. Scores and the softmax", expanded=True):
     ))
     right.metric("largest weight", f"{largest:.3f}")
 
-    st.markdown("**What the scaling does.** Try another scale for this query's softmax: only this"
-                " chart changes; the model and everybody else's view keep 1/sqrt(d_head).")
+    st.markdown("**What the scaling does.** Try another scale for this query's softmax: only the two"
+                " charts below change; the model and everybody else's view keep 1/sqrt(d_head).")
     factor = st.select_slider(
         "Softmax scale, as a multiple of 1/sqrt(d_head)", inside.SCALE_FACTORS,
         format_func=lambda factor: f"x{factor:g} ({factor * steps.scale:.3g})",
         **ui.keep("softmax_scale", 1.0, lambda factor: factor in inside.SCALE_FACTORS),
     )
+    scaled = selection.memo(
+        "inside scale figures", layer, head, query, factor,
+        compute=lambda: figures.softmax_scale_figures(
+            image, steps, result.grid_size, labels, head, token, factor, query_patch
+        ),
+    )
     sweep_column, row_column = st.columns(2)
-    sweep_column.plotly_chart(figure("scale sweep", factor, compute=lambda: figures.softmax_scale_figure(
-        inside.scale_sweep(steps, head, token, inside.SCALE_FACTORS), factor,
-        f"How the scale sharpens the softmax of {name}, {where}",
-    )))
-    row_column.plotly_chart(figure("rescaled attention", factor, compute=lambda: figures.token_values_on_grid(
-        image, inside.rescaled_attention(steps, head, token, factor * steps.scale), result.grid_size, prefix,
-        prefix_labels, f"Attention of {name} at x{factor:g} the model's scale" + (" (its own)" if factor == 1 else " (not the model's)"),
-        "attention", query_patch,
-    )))
+    sweep_column.plotly_chart(scaled["scale_sweep"])
+    row_column.plotly_chart(scaled["rescaled_attention"])
 
 with st.expander("4. The head's output, all heads together, and the residual add", expanded=True):
     st.latex(
@@ -174,64 +157,55 @@ with st.expander("4. The head's output, all heads together, and the residual add
     st.write(
         f"The head hands back the weighted sum of the values: {head_dim} numbers, mostly those of the"
         " tokens it weighs most. A token's share is how much of the output points its way (the"
-        " shares sum to 1; a value pointing against the output counts negative)."
+        " shares of all tokens sum to 1; a value pointing against the output counts negative)."
     )
-    st.plotly_chart(figure("sources", compute=lambda: figures.head_sources_figure(
-        inside.head_output_sources(steps, head, token), labels, f"Where head {head}'s output for {name} comes from"
-    )))
+    st.plotly_chart(figs["head_sources"])
     st.write(
         f"The {heads} heads' outputs are put side by side ({heads} x {head_dim} = {dim} numbers; the"
         " lines separate the heads) and the output projection W_o mixes them into one vector of"
         f" {dim} numbers, which is added to the token: the residual stream keeps x and adds what"
         " attention found."
-        + (" This model scales the branch by a learned LayerScale γ₁ first." if steps.layer_scale1 is not None else "")
+        + (" This model first scales the branch by a learned LayerScale γ₁." if steps.layer_scale1 is not None
+           else "")
     )
-    st.plotly_chart(figure("concatenation", compute=lambda: figures.vector_strips(
-        {"heads side by side": steps.concatenated[0, token], "W_o [...] + b_o": steps.attn_out[0, token]},
-        f"All {heads} heads of {name} and the output projection, layer {layer}", group=head_dim,
-    )))
+    st.plotly_chart(figs["heads_projection"])
     attention_change = selection.memo("inside attention add", layer, token, compute=lambda: inside.residual_change(
         steps.input[0, token], steps.attention_branch[0, token], steps.middle[0, token]
     ))
-    columns = st.columns(4)
-    for column, (label, value) in zip(columns, attention_change.items()):
+    for column, (label, value) in zip(st.columns(4), attention_change.items()):
         column.metric(label, f"{value:.4g}")
-    st.plotly_chart(figure("attention add", compute=lambda: figures.vector_strips(
-        {"x": steps.input[0, token], "added by attention": steps.attention_branch[0, token], "x'": steps.middle[0, token]},
-        f"The first residual add for {name}, layer {layer}",
-    )))
+    st.plotly_chart(figs["attention_residual"])
 
 with st.expander(f"5. The MLP, and {name} leaving layer {layer}", expanded=True):
-    activation = {"gelu": "GELU", "gelu_tanh": "GELU (tanh)", "quick_gelu": "QuickGELU"}.get(config.act_layer, config.act_layer)
     st.latex(
-        r"h = \mathrm{" + activation.split(" ")[0] + r"}\big(W_1\,\mathrm{LN}(x') + b_1\big) \in \mathbb{R}^{" + str(hidden)
-        + r"},\qquad y = x' + " + (r"\gamma_2 \odot " if steps.layer_scale2 is not None else "") + r"(W_2\,h + b_2)"
+        r"h = \mathrm{" + activation.split(" ")[0] + r"}\big(W_1\,\mathrm{LN}(x') + b_1\big) \in \mathbb{R}^{"
+        + str(hidden) + r"},\qquad y = x' + " + (r"\gamma_2 \odot " if steps.layer_scale2 is not None else "")
+        + r"(W_2\,h + b_2)"
     )
     st.write(
-        f"Attention mixed the tokens; the MLP now works on each token alone. A second LayerNorm,"
+        "Attention mixed the tokens; the MLP now works on each token alone. A second LayerNorm,"
         f" then {hidden} hidden units: each one is a learned pattern, and {activation} lets it through"
         " when the token matches it and nearly silences it when not. The second layer turns the units"
         f" that fire back into {dim} numbers, added to the token as before."
+        + (" LayerScale γ₂ scales them first." if steps.layer_scale2 is not None else "")
     )
-    activity = selection.memo("inside mlp", layer, token, compute=lambda: inside.mlp_activity(steps.mlp_hidden[0, token]))
+    activity = selection.memo(
+        "inside mlp", layer, token, compute=lambda: inside.mlp_activity(steps.mlp_hidden[0, token])
+    )
+    units = activity["units"]
     columns = st.columns(3)
-    columns[0].metric("hidden units", f"{activity['units']}")
-    columns[1].metric("firing", f"{activity['firing']} ({activity['firing'] / activity['units']:.0%})")
-    columns[2].metric("near zero", f"{activity['near zero']} ({activity['near zero'] / activity['units']:.0%})")
-    st.plotly_chart(figure("mlp units", compute=lambda: figures.mlp_activations_figure(
-        activity["sorted"], inside.NEAR_ZERO, f"The {hidden} hidden units of {name}, layer {layer}, after {activation}"
-    )))
+    columns[0].metric("hidden units", f"{units}")
+    firing, silent = activity["firing"], activity["near zero"]
+    columns[1].metric(f"firing (≥ {inside.NEAR_ZERO:g})", f"{firing} ({firing / units:.0%})")
+    columns[2].metric(f"near zero (|h| < {inside.NEAR_ZERO:g})", f"{silent} ({silent / units:.0%})")
+    st.plotly_chart(figs["mlp_units"])
     mlp_change = selection.memo("inside mlp add", layer, token, compute=lambda: inside.residual_change(
         steps.middle[0, token], steps.mlp_branch[0, token], steps.output[0, token]
     ))
-    columns = st.columns(4)
-    for column, (label, value) in zip(columns, mlp_change.items()):
+    for column, (label, value) in zip(st.columns(4), mlp_change.items()):
         column.metric(label, f"{value:.4g}")
-    st.plotly_chart(figure("mlp add", compute=lambda: figures.vector_strips(
-        {"x'": steps.middle[0, token], "added by the MLP": steps.mlp_branch[0, token], "y": steps.output[0, token]},
-        f"The second residual add: {name} leaving layer {layer}",
-    )))
+    st.plotly_chart(figs["mlp_residual"])
     st.write(
-        f"y is what layer {layer + 1} receives" if layer + 1 < depth
-        else "y goes to the final LayerNorm and the head (the Pipeline page, step 8)"
+        f"y is what layer {layer + 1} receives." if layer + 1 < depth
+        else "y goes to the final LayerNorm and the head (the Pipeline page, step 8)."
     )

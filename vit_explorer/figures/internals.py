@@ -93,7 +93,9 @@ def token_values_on_grid(
     values = _float_array(values).reshape(-1)
     grid_h, grid_w = grid_size
     if values.shape[0] != num_prefix_tokens + grid_h * grid_w or len(prefix_labels) != num_prefix_tokens:
-        raise ValueError(f"{values.shape[0]} values do not fit {num_prefix_tokens} prefix tokens and a {grid_h}x{grid_w} grid")
+        raise ValueError(
+            f"{values.shape[0]} values do not fit {num_prefix_tokens} prefix tokens and a {grid_h}x{grid_w} grid"
+        )
     if centred:
         limit = _symmetric_limit(values)
         colours = dict(colorscale=SIMILARITY_SCALE, zmin=-limit, zmax=limit)
@@ -195,3 +197,85 @@ def mlp_activations_figure(sorted_values, near_zero: float, title: str) -> go.Fi
     fig.update_yaxes(title="activation")
     fig.update_layout(title=_title(title), margin=MARGIN)
     return fig
+
+
+def inside_layer_figures(
+    image, steps, grid_size: tuple[int, int], labels: Sequence[str], head: int, token: int,
+    query_patch: int | None = None, activation: str = "the activation",
+) -> dict[str, go.Figure]:
+    """The "Inside a layer" page's figures for one head and query token, by step, from a
+    vit_explorer.internals.LayerInternals (image 0): what the page shows and ``inspect --head
+    --query`` writes. ``labels`` name the N tokens (figures.token_labels); ``query_patch`` is
+    outlined on the image; ``activation`` names the MLP's nonlinearity."""
+    from .. import internals as inside  # the per-token analyses the page shows
+
+    name, layer, prefix = labels[token], steps.layer, len(labels) - grid_size[0] * grid_size[1]
+    where, dim, heads = f"layer {layer}, head {head}", steps.input.shape[-1], steps.num_heads
+    prefix_labels = list(labels[:prefix])
+    hidden = steps.mlp_hidden.shape[-1]
+    return {
+        "layernorm": vector_strips(
+            {"x": steps.input[0, token], "LN(x)": steps.norm1[0, token]},
+            f"{name} before and after LayerNorm ({dim} numbers each)",
+        ),
+        "query": vector_strips(
+            {"q": steps.q[0, head, token]}, f"Query q of {name}, {where} ({steps.head_dim} numbers)"
+        ),
+        "keys_values": key_value_matrices(
+            steps.k[0, head], steps.v[0, head], token, labels,
+            f"Keys and values of all {steps.num_tokens} tokens, {where}",
+        ),
+        "scores": token_values_on_grid(
+            image, steps.scores[0, head, token], grid_size, prefix, prefix_labels,
+            f"Scores of {name} for every key, {where}, before the softmax", "score", query_patch, centred=True,
+        ),
+        "attention": token_values_on_grid(
+            image, steps.attention[0, head, token], grid_size, prefix, prefix_labels,
+            f"Attention of {name}, {where}: the softmax of the scores", "attention", query_patch,
+        ),
+        "head_sources": head_sources_figure(
+            inside.head_output_sources(steps, head, token), labels, f"Where head {head}'s output for {name} comes from"
+        ),
+        "heads_projection": vector_strips(
+            {"heads side by side": steps.concatenated[0, token], "W_o [...] + b_o": steps.attn_out[0, token]},
+            f"All {heads} heads of {name} and the output projection, layer {layer}", group=steps.head_dim,
+        ),
+        "attention_residual": vector_strips(
+            {"x": steps.input[0, token], "added by attention": steps.attention_branch[0, token],
+             "x'": steps.middle[0, token]},
+            f"The first residual add for {name}, layer {layer}",
+        ),
+        "mlp_units": mlp_activations_figure(
+            inside.mlp_activity(steps.mlp_hidden[0, token])["sorted"], inside.NEAR_ZERO,
+            f"The {hidden} hidden units of {name}, layer {layer}, after {activation}",
+        ),
+        "mlp_residual": vector_strips(
+            {"x'": steps.middle[0, token], "added by the MLP": steps.mlp_branch[0, token], "y": steps.output[0, token]},
+            f"The second residual add: {name} leaving layer {layer}",
+        ),
+    }
+
+
+def softmax_scale_figures(
+    image, steps, grid_size: tuple[int, int], labels: Sequence[str], head: int, token: int, factor: float,
+    query_patch: int | None = None,
+) -> dict[str, go.Figure]:
+    """The scale control's figures: the entropy and largest weight of the query's softmax at
+    every multiple of 1/sqrt(hd) (vit_explorer.internals.SCALE_FACTORS), and its attention at
+    ``factor`` times the model's scale; the model and its recorded numbers are not changed."""
+    from .. import internals as inside
+
+    name, where = labels[token], f"layer {steps.layer}, head {head}"
+    prefix = len(labels) - grid_size[0] * grid_size[1]
+    own = " (its own)" if factor == 1 else " (not the model's)"
+    return {
+        "scale_sweep": softmax_scale_figure(
+            inside.scale_sweep(steps, head, token, inside.SCALE_FACTORS), factor,
+            f"How the scale sharpens the softmax of {name}, {where}",
+        ),
+        "rescaled_attention": token_values_on_grid(
+            image, inside.rescaled_attention(steps, head, token, factor * steps.scale), grid_size, prefix,
+            list(labels[:prefix]), f"Attention of {name} at x{factor:g} the model's scale{own}", "attention",
+            query_patch,
+        ),
+    }
