@@ -18,7 +18,6 @@ prefix, num_patches = result.num_prefix_tokens, grid_h * grid_w
 labels = figures.token_labels(result.num_tokens, prefix, config.class_token, config.dist_token)
 
 CLASS_QUERY = -1  # the class token, as on the Attention page (which shares layer, head and query)
-ACTIVATIONS = {"gelu": "GELU", "gelu_tanh": "GELU (tanh)", "quick_gelu": "QuickGELU"}
 queries = ([CLASS_QUERY] if config.class_token else []) + list(range(num_patches))
 centre = (grid_h // 2) * grid_w + grid_w // 2
 
@@ -70,7 +69,7 @@ token = 0 if query == CLASS_QUERY else prefix + query
 name = labels[token]
 dim, head_dim, hidden = config.embed_dim, steps.head_dim, steps.mlp_hidden.shape[-1]
 query_patch = None if query == CLASS_QUERY else query
-activation = ACTIVATIONS.get(config.act_layer, config.act_layer)
+activation = inside.ACTIVATION_NAMES[config.act_layer]
 figs = selection.memo("inside figures", layer, head, query, compute=lambda: figures.inside_layer_figures(
     image, steps, result.grid_size, labels, head, token, query_patch, activation
 ))
