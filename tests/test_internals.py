@@ -2,6 +2,7 @@
 recompose the block exactly, match capture's attention, and exploring them changes nothing."""
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -188,3 +189,32 @@ def test_layer_norm_residual_and_mlp_summaries():
     assert activity["firing"] + activity["near zero"] <= activity["units"]
     assert torch.all(activity["sorted"][:-1] >= activity["sorted"][1:])
     assert activity["near zero"] == int((steps.mlp_hidden[0, token].abs() < inside.NEAR_ZERO).sum())
+
+
+def test_the_figures_draw_the_recorded_numbers():
+    from vit_explorer import figures
+
+    model = family_model(FAMILIES["registers, distillation token, LayerScale"])
+    cap = vx.capture(model, images()[:1], internals=1)
+    steps, prefix = cap.internals, model.config.num_prefix_tokens
+    labels = figures.token_labels(cap.num_tokens, prefix, class_token=True, dist_token=True)
+    image = torch.rand(16, 16, 3)
+    head, patch = 3, 5
+    token = prefix + patch
+    figs = {
+        **figures.inside_layer_figures(image, steps, cap.grid_size, labels, head, token, patch, "GELU"),
+        **figures.softmax_scale_figures(image, steps, cap.grid_size, labels, head, token, 2.0, patch),
+    }
+    assert all(fig.layout.title.text.strip() for fig in figs.values())
+    attention = figs["attention"]
+    (grid,) = [trace for trace in attention.data if trace.type == "heatmap"]
+    (bars,) = [trace for trace in attention.data if trace.type == "bar"]
+    row = steps.attention[0, head, token].numpy()
+    np.testing.assert_allclose(np.asarray(grid.z).reshape(-1), row[prefix:])
+    np.testing.assert_allclose(bars.y, row[:prefix])
+    assert list(bars.x) == ["CLS", "DIST", "reg 1", "reg 2"]
+    strips = figs["heads_projection"]
+    assert len(strips.layout.shapes) == steps.num_heads - 1  # a line between heads
+    np.testing.assert_allclose(np.asarray(strips.data[0].z)[1], steps.attn_out[0, token].numpy())
+    with pytest.raises(ValueError, match="do not fit"):
+        figures.token_values_on_grid(image, row[1:], cap.grid_size, prefix, labels[:prefix], "t", "attention")

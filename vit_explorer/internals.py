@@ -23,6 +23,8 @@ import torch
 NEAR_ZERO = 0.05
 # The scale control's choices, as multiples of the model's own 1/sqrt(hd).
 SCALE_FACTORS = (1 / 8, 1 / 4, 1 / 2, 1.0, 2.0, 4.0, 8.0)
+# The curve of entropy and largest weight against the scale: a quarter octave apart over that range.
+SWEEP_FACTORS = tuple(2 ** (step / 4) for step in range(-12, 13))
 # How the page and its formulas name each MLP nonlinearity (ViTConfig.act_layer).
 ACTIVATION_NAMES = {"gelu": "GELU", "gelu_tanh": "GELU (tanh)", "quick_gelu": "QuickGELU"}
 

@@ -3,15 +3,14 @@ query's scores and softmax on the image grid, the softmax scale, where a head's 
 from and the MLP's hidden units (the "Inside a layer" page and ``inspect --head --query``)."""
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 import plotly.graph_objects as go
-from plotly.subplots import make_subplots
 
 from ._base import (
-    ATTENTION_SCALE, MARGIN, SIMILARITY_SCALE, _float_array, _image_axes, _image_trace, _patch_heatmap,
-    _rgb_uint8, _title,
+    ATTENTION_SCALE, MARGIN, SIMILARITY_SCALE, _float_array, _image_trace, _patch_heatmap, _rgb_uint8, _title,
 )
 
 QUERY_COLOUR = "#00e5ff"
@@ -19,6 +18,17 @@ QUERY_COLOUR = "#00e5ff"
 
 def _symmetric_limit(values: np.ndarray) -> float:
     return float(np.abs(values).max()) or 1.0
+
+
+def _panel_title(text: str, x: float) -> dict:
+    """A subplot title as make_subplots writes it, centred above the panel at paper ``x``."""
+    return dict(text=text, x=x, y=1.0, xref="paper", yref="paper", xanchor="center", yanchor="bottom",
+                showarrow=False, font=dict(size=14))
+
+
+# The figures below write their layout in one go, without make_subplots, add_shape(row=, col=)
+# or add_vline: each of those re-validates the figure, which made this page's figures cost more
+# than running the layer they show.
 
 
 def vector_strips(
@@ -30,23 +40,23 @@ def vector_strips(
     names = list(vectors)
     rows = np.stack([_float_array(vectors[name]).reshape(-1) for name in names])  # (R, D)
     limit = _symmetric_limit(rows)
-    fig = go.Figure(
+    line = dict(color="black", width=1)
+    shapes = [
+        dict(type="line", x0=edge - 0.5, x1=edge - 0.5, y0=-0.5, y1=len(names) - 0.5, line=line)
+        for edge in range(group, rows.shape[1], group)
+    ] if group else []
+    return go.Figure(
         go.Heatmap(
             z=rows.astype(np.float32), y=names, colorscale=SIMILARITY_SCALE, zmin=-limit, zmax=limit,
             hovertemplate=f"%{{y}}, number %{{x}}<br>{value_name} %{{z:.4g}}<extra></extra>",
             colorbar=dict(title=value_name, thickness=12),
-        )
+        ),
+        layout=dict(
+            title=_title(title), margin=MARGIN, height=140 + 36 * len(names), shapes=shapes,
+            xaxis=dict(title=f"{rows.shape[1]} numbers", showgrid=False),
+            yaxis=dict(autorange="reversed", type="category", showgrid=False),
+        ),
     )
-    if group and rows.shape[1] > group:
-        line = dict(color="black", width=1)
-        fig.update_layout(shapes=[
-            dict(type="line", x0=edge - 0.5, x1=edge - 0.5, y0=-0.5, y1=len(names) - 0.5, line=line)
-            for edge in range(group, rows.shape[1], group)
-        ])
-    fig.update_xaxes(title=f"{rows.shape[1]} numbers", showgrid=False)
-    fig.update_yaxes(autorange="reversed", type="category", showgrid=False)
-    fig.update_layout(title=_title(title), margin=MARGIN, height=140 + 36 * len(names))
-    return fig
 
 
 def key_value_matrices(keys, values, query_token: int, labels: Sequence[str], title: str) -> go.Figure:
@@ -55,31 +65,33 @@ def key_value_matrices(keys, values, query_token: int, labels: Sequence[str], ti
     keys, values = _float_array(keys), _float_array(values)
     if keys.ndim != 2 or keys.shape != values.shape or keys.shape[0] != len(labels):
         raise ValueError(f"keys {keys.shape} and values {values.shape} must be (N, hd) for {len(labels)} tokens")
-    fig = make_subplots(
-        rows=1, cols=2, subplot_titles=(f"keys K {keys.shape}", f"values V {values.shape}"),
-        horizontal_spacing=0.12,
-    )
-    for col, (matrix, name, x) in enumerate(((keys, "k", 0.44), (values, "v", 1.0)), start=1):
+    traces, shapes, layout = [], [], {}
+    panels = ((keys, "k", "K", (0.0, 0.4), 0.43), (values, "v", "V", (0.56, 0.96), 0.99))
+    for index, (matrix, name, symbol, domain, bar_x) in enumerate(panels, start=1):
+        suffix = "" if index == 1 else str(index)
         limit = _symmetric_limit(matrix)
-        fig.add_trace(
-            go.Heatmap(
-                z=matrix.astype(np.float32), y=list(labels), colorscale=SIMILARITY_SCALE, zmin=-limit,
-                zmax=limit, colorbar=dict(title=name, x=x, thickness=10),
-                hovertemplate=f"%{{y}}, number %{{x}}<br>{name} %{{z:.4g}}<extra></extra>",
-            ),
-            row=1, col=col,
+        traces.append(go.Heatmap(
+            z=matrix.astype(np.float32), y=list(labels), colorscale=SIMILARITY_SCALE, zmin=-limit, zmax=limit,
+            colorbar=dict(title=name, x=bar_x, thickness=10), xaxis=f"x{suffix}", yaxis=f"y{suffix}",
+            hovertemplate=f"%{{y}}, number %{{x}}<br>{name} %{{z:.4g}}<extra></extra>",
+        ))
+        shapes.append(dict(
+            type="rect", xref=f"x{suffix}", yref=f"y{suffix}", x0=-0.5, x1=matrix.shape[1] - 0.5,
+            y0=query_token - 0.5, y1=query_token + 0.5, line=dict(color=QUERY_COLOUR, width=2),
+        ))
+        layout[f"xaxis{suffix}"] = dict(domain=domain, anchor=f"y{suffix}", title="head dimension", showgrid=False)
+        layout[f"yaxis{suffix}"] = dict(
+            anchor=f"x{suffix}", autorange="reversed", type="category", showgrid=False,
+            showticklabels=len(labels) <= 40,
         )
-        fig.add_shape(
-            type="rect", x0=-0.5, x1=matrix.shape[1] - 0.5, y0=query_token - 0.5, y1=query_token + 0.5,
-            line=dict(color=QUERY_COLOUR, width=2), row=1, col=col,
-        )
-    fig.update_xaxes(title="head dimension", showgrid=False)
-    fig.update_yaxes(autorange="reversed", type="category", showgrid=False, showticklabels=len(labels) <= 40)
-    fig.update_layout(
-        title=_title(f"{title} (the query's row outlined)"), margin=MARGIN,
-        height=min(900, 240 + 6 * len(labels)),
-    )
-    return fig
+    panel_titles = [
+        _panel_title(f"{symbol}: {matrix.shape[0]} x {matrix.shape[1]}", sum(domain) / 2)
+        for matrix, _, symbol, domain, _ in panels
+    ]
+    return go.Figure(traces, layout=dict(
+        title=_title(f"{title} (the query's row outlined)"), margin=MARGIN, shapes=shapes,
+        annotations=panel_titles, height=min(900, 240 + 6 * len(labels)), **layout,
+    ))
 
 
 def token_values_on_grid(
@@ -101,39 +113,40 @@ def token_values_on_grid(
         colours = dict(colorscale=SIMILARITY_SCALE, zmin=-limit, zmax=limit)
     else:
         colours = dict(colorscale=ATTENTION_SCALE, zmin=0.0, zmax=float(values.max()) or 1.0)
-    columns = 2 if num_prefix_tokens else 1
-    fig = make_subplots(
-        rows=1, cols=columns, column_widths=[0.8, 0.2] if columns == 2 else None, horizontal_spacing=0.12,
-        subplot_titles=("patch tokens", "prefix tokens") if columns == 2 else None,
-    )
-    fig.add_trace(_image_trace(image, hover=False), row=1, col=1)
-    fig.add_trace(
+    height, width = image.shape[:2]
+    grid_domain = (0.0, 0.7) if num_prefix_tokens else (0.0, 1.0)
+    traces = [
+        _image_trace(image, hover=False),
         _patch_heatmap(
-            values[num_prefix_tokens:].reshape(grid_h, grid_w), image.shape[:2], value_name,
-            opacity=0.85, colorbar=dict(title=value_name, thickness=12), **colours,
+            values[num_prefix_tokens:].reshape(grid_h, grid_w), (height, width), value_name, opacity=0.85,
+            colorbar=dict(title=value_name, thickness=12, x=grid_domain[1] + 0.01), **colours,
         ),
-        row=1, col=1,
+    ]
+    layout = dict(
+        xaxis=dict(domain=grid_domain, visible=False, constrain="domain"),
+        yaxis=dict(visible=False, autorange="reversed", scaleanchor="x", constrain="domain"),
     )
+    shapes, annotations = [], []
     if query_patch is not None:
-        height, width = image.shape[:2]
         row, col = divmod(int(query_patch), grid_w)
         dy, dx = height / grid_h, width / grid_w
-        fig.add_shape(
-            type="rect", x0=col * dx - 0.5, x1=(col + 1) * dx - 0.5, y0=row * dy - 0.5, y1=(row + 1) * dy - 0.5,
-            line=dict(color=QUERY_COLOUR, width=3), row=1, col=1,
+        shapes.append(dict(
+            type="rect", xref="x", yref="y", x0=col * dx - 0.5, x1=(col + 1) * dx - 0.5, y0=row * dy - 0.5,
+            y1=(row + 1) * dy - 0.5, line=dict(color=QUERY_COLOUR, width=3),
+        ))
+    if num_prefix_tokens:
+        traces.append(go.Bar(
+            x=list(prefix_labels), y=values[:num_prefix_tokens], marker_color="#e45756", showlegend=False,
+            xaxis="x2", yaxis="y2", hovertemplate=f"%{{x}}<br>{value_name} %{{y:.4g}}<extra></extra>",
+        ))
+        layout.update(
+            xaxis2=dict(domain=(0.84, 1.0), anchor="y2"),
+            yaxis2=dict(anchor="x2", title=value_name, side="right"),
         )
-    _image_axes(fig, [(1, 1)], columns=columns)
-    if columns == 2:
-        fig.add_trace(
-            go.Bar(
-                x=list(prefix_labels), y=values[:num_prefix_tokens], marker_color="#e45756", showlegend=False,
-                hovertemplate=f"%{{x}}<br>{value_name} %{{y:.4g}}<extra></extra>",
-            ),
-            row=1, col=2,
-        )
-        fig.update_yaxes(title=value_name, row=1, col=2)
-    fig.update_layout(title=_title(title), margin=MARGIN)
-    return fig
+        annotations = [_panel_title("patch tokens", 0.35), _panel_title("prefix tokens", 0.92)]
+    return go.Figure(traces, layout=dict(
+        title=_title(title), margin=MARGIN, shapes=shapes, annotations=annotations, **layout,
+    ))
 
 
 def softmax_scale_figure(sweep: Mapping[str, Sequence[float]], chosen: float, title: str) -> go.Figure:
@@ -141,62 +154,82 @@ def softmax_scale_figure(sweep: Mapping[str, Sequence[float]], chosen: float, ti
     of the model's 1/sqrt(hd) (``sweep`` from vit_explorer.internals.scale_sweep); the chosen
     multiple and the model's own (1) are marked."""
     factors = list(sweep["factor"])
-    fig = make_subplots(specs=[[{"secondary_y": True}]])
-    fig.add_trace(go.Scatter(
-        x=factors, y=list(sweep["entropy"]), name="entropy (nats)", mode="lines+markers",
-        hovertemplate="scale x%{x:.3g}<br>entropy %{y:.3f} nats<extra></extra>",
-    ))
-    fig.add_trace(go.Scatter(
-        x=factors, y=list(sweep["largest weight"]), name="largest weight", mode="lines+markers",
-        hovertemplate="scale x%{x:.3g}<br>largest weight %{y:.3f}<extra></extra>",
-    ), secondary_y=True)
-    fig.add_vline(x=1.0, line=dict(color="grey", dash="dot"), annotation_text="the model's 1/sqrt(hd)")
+    marks = [(1.0, "the model's 1/sqrt(hd)", dict(color="grey", dash="dot"))]
     if chosen != 1.0:
-        fig.add_vline(x=chosen, line=dict(color=QUERY_COLOUR, width=2), annotation_text="chosen")
-    fig.update_xaxes(type="log", title="scale, as a multiple of 1/sqrt(hd)")
-    fig.update_yaxes(title="entropy (nats)", rangemode="tozero", secondary_y=False)
-    fig.update_yaxes(title="largest weight", range=[0, 1.05], secondary_y=True)
-    fig.update_layout(title=_title(title), margin=MARGIN, legend=dict(orientation="h", y=-0.25))
-    return fig
+        marks.append((chosen, "chosen", dict(color=QUERY_COLOUR, width=2)))
+    return go.Figure(
+        [
+            go.Scatter(
+                x=factors, y=list(sweep["entropy"]), name="entropy (nats)", mode="lines",
+                hovertemplate="scale x%{x:.3g}<br>entropy %{y:.3f} nats<extra></extra>",
+            ),
+            go.Scatter(
+                x=factors, y=list(sweep["largest weight"]), name="largest weight", mode="lines",
+                yaxis="y2", hovertemplate="scale x%{x:.3g}<br>largest weight %{y:.3f}<extra></extra>",
+            ),
+        ],
+        layout=dict(
+            title=_title(title), margin=MARGIN, legend=dict(orientation="h", y=-0.25),
+            xaxis=dict(type="log", title="scale, as a multiple of 1/sqrt(hd)"),
+            yaxis=dict(title="entropy (nats)", rangemode="tozero"),
+            yaxis2=dict(title="largest weight", range=[0, 1.05], overlaying="y", side="right", showgrid=False),
+            shapes=[
+                dict(type="line", xref="x", yref="paper", x0=x, x1=x, y0=0, y1=1, line=line)
+                for x, _, line in marks
+            ],
+            annotations=[
+                dict(text=text, x=math.log10(x), xref="x", y=1.0, yref="paper", yanchor="bottom", showarrow=False)
+                for x, text, _ in marks
+            ],
+        ),
+    )
 
 
 def head_sources_figure(sources: Sequence[Mapping], labels: Sequence[str], title: str) -> go.Figure:
     """The keys that make most of a head's output (vit_explorer.internals.head_output_sources):
     each one's attention weight beside its share of the output."""
     names = [labels[source["token"]] for source in sources]
-    fig = go.Figure([
-        go.Bar(
-            y=names, x=[source["weight"] for source in sources], orientation="h", name="attention weight a_j",
-            hovertemplate="%{y}<br>weight %{x:.4f}<extra></extra>",
+    return go.Figure(
+        [
+            go.Bar(
+                y=names, x=[source["weight"] for source in sources], orientation="h",
+                name="attention weight a_j", hovertemplate="%{y}<br>weight %{x:.4f}<extra></extra>",
+            ),
+            go.Bar(
+                y=names, x=[source["share"] for source in sources], orientation="h", name="share of the output",
+                hovertemplate="%{y}<br>share %{x:.1%}<extra></extra>",
+            ),
+        ],
+        layout=dict(
+            title=_title(title), margin=MARGIN, barmode="group", height=160 + 44 * len(names),
+            legend=dict(orientation="h", y=-0.2), xaxis=dict(title="weight, share"),
+            yaxis=dict(autorange="reversed", type="category"),
         ),
-        go.Bar(
-            y=names, x=[source["share"] for source in sources], orientation="h", name="share of the output",
-            hovertemplate="%{y}<br>share %{x:.1%}<extra></extra>",
-        ),
-    ])
-    fig.update_yaxes(autorange="reversed", type="category")
-    fig.update_xaxes(title="weight, share")
-    fig.update_layout(
-        title=_title(title), margin=MARGIN, barmode="group", height=160 + 44 * len(names),
-        legend=dict(orientation="h", y=-0.2),
     )
-    return fig
 
 
 def mlp_activations_figure(sorted_values, near_zero: float, title: str) -> go.Figure:
     """One token's MLP hidden units after the nonlinearity, sorted from the largest; the band of
     near-zero values is shaded."""
     values = _float_array(sorted_values).reshape(-1)
-    fig = go.Figure(go.Scatter(
-        x=np.arange(values.shape[0]), y=values.astype(np.float32), mode="lines", fill="tozeroy",
-        hovertemplate="rank %{x}<br>activation %{y:.4g}<extra></extra>", showlegend=False,
-    ))
-    fig.add_hrect(y0=-near_zero, y1=near_zero, fillcolor="grey", opacity=0.25, line_width=0,
-                  annotation_text=f"near zero (|h| < {near_zero:g})")
-    fig.update_xaxes(title=f"hidden unit, sorted ({values.shape[0]} units)")
-    fig.update_yaxes(title="activation")
-    fig.update_layout(title=_title(title), margin=MARGIN)
-    return fig
+    return go.Figure(
+        go.Scatter(
+            x=np.arange(values.shape[0]), y=values.astype(np.float32), mode="lines", fill="tozeroy",
+            hovertemplate="rank %{x}<br>activation %{y:.4g}<extra></extra>", showlegend=False,
+        ),
+        layout=dict(
+            title=_title(title), margin=MARGIN,
+            xaxis=dict(title=f"hidden unit, sorted ({values.shape[0]} units)"), yaxis=dict(title="activation"),
+            shapes=[dict(
+                type="rect", xref="paper", yref="y", x0=0, x1=1, y0=-near_zero, y1=near_zero,
+                fillcolor="grey", opacity=0.25, line_width=0,
+            )],
+            annotations=[dict(
+                text=f"near zero (|h| < {near_zero:g})", xref="paper", x=1.0, xanchor="right", yref="y",
+                y=near_zero, yanchor="bottom", showarrow=False,
+            )],
+        ),
+    )
 
 
 def inside_layer_figures(
@@ -261,7 +294,7 @@ def softmax_scale_figures(
     query_patch: int | None = None,
 ) -> dict[str, go.Figure]:
     """The scale control's figures: the entropy and largest weight of the query's softmax at
-    every multiple of 1/sqrt(hd) (vit_explorer.internals.SCALE_FACTORS), and its attention at
+    multiple of 1/sqrt(hd) from 1/8 to 8 (vit_explorer.internals.SWEEP_FACTORS), and its attention at
     ``factor`` times the model's scale; the model and its recorded numbers are not changed."""
     from .. import internals as inside
 
@@ -270,7 +303,7 @@ def softmax_scale_figures(
     own = " (its own)" if factor == 1 else " (not the model's)"
     return {
         "scale_sweep": softmax_scale_figure(
-            inside.scale_sweep(steps, head, token, inside.SCALE_FACTORS), factor,
+            inside.scale_sweep(steps, head, token, inside.SWEEP_FACTORS), factor,
             f"How the scale sharpens the softmax of {name}, {where}",
         ),
         "rescaled_attention": token_values_on_grid(
