@@ -93,7 +93,7 @@ with st.expander(f"1. {name} enters layer {layer}, and LayerNorm", expanded=True
 
 with st.expander(f"2. Head {head}'s query, keys and values", expanded=True):
     st.latex(
-        r"q = W_q\,\mathrm{LN}(x) + b_q \in \mathbb{R}^{" + str(head_dim) + r"},\qquad"
+        r"q = W_q\,\mathrm{LN}(x) + b_q \in \mathbb{R}^{" + str(head_dim) + r"},\qquad "
         r"K = \mathrm{LN}(X)\,W_k^\top + b_k,\quad V = \mathrm{LN}(X)\,W_v^\top + b_v \in \mathbb{R}^{"
         + f"{steps.num_tokens}" + r"\times" + f"{head_dim}" + "}"
     )
@@ -108,7 +108,7 @@ with st.expander(f"2. Head {head}'s query, keys and values", expanded=True):
 
 with st.expander("3. Scores and the softmax", expanded=True):
     st.latex(
-        r"s_j = \frac{q \cdot k_j}{\sqrt{d_{head}}} = \frac{q \cdot k_j}{\sqrt{" + str(head_dim) + r"}},\qquad"
+        r"s_j = \frac{q \cdot k_j}{\sqrt{d_{head}}} = \frac{q \cdot k_j}{\sqrt{" + str(head_dim) + r"}},\qquad "
         r"a_j = \frac{e^{s_j}}{\sum_{j'} e^{s_{j'}}}"
     )
     st.write(
@@ -144,9 +144,8 @@ with st.expander("3. Scores and the softmax", expanded=True):
             image, steps, result.grid_size, labels, head, token, factor, query_patch
         ),
     )
-    sweep_column, row_column = st.columns(2)
-    sweep_column.plotly_chart(scaled["scale_sweep"])
-    row_column.plotly_chart(scaled["rescaled_attention"])
+    st.plotly_chart(scaled["scale_sweep"])
+    st.plotly_chart(scaled["rescaled_attention"])
 
 with st.expander("4. The head's output, all heads together, and the residual add", expanded=True):
     st.latex(
@@ -197,6 +196,10 @@ with st.expander(f"5. The MLP, and {name} leaving layer {layer}", expanded=True)
     firing, silent = activity["firing"], activity["near zero"]
     columns[1].metric(f"firing (≥ {inside.NEAR_ZERO:g})", f"{firing} ({firing / units:.0%})")
     columns[2].metric(f"near zero (|h| < {inside.NEAR_ZERO:g})", f"{silent} ({silent / units:.0%})")
+    st.caption(
+        f"The other {units - firing - silent} units are below zero: {activation} does not cut negative inputs"
+        " to exactly 0 but lets a little through (at most about -0.17), so they pull back slightly."
+    )
     st.plotly_chart(figs["mlp_units"])
     mlp_change = selection.memo("inside mlp add", layer, token, compute=lambda: inside.residual_change(
         steps.middle[0, token], steps.mlp_branch[0, token], steps.output[0, token]

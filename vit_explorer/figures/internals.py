@@ -154,6 +154,8 @@ def softmax_scale_figure(sweep: Mapping[str, Sequence[float]], chosen: float, ti
     of the model's 1/sqrt(hd) (``sweep`` from vit_explorer.internals.scale_sweep); the chosen
     multiple and the model's own (1) are marked."""
     factors = list(sweep["factor"])
+    # Powers of two: plotly's own log ticks (2, 5, 1, 2, 5) read as nonsense on a range this narrow.
+    ticks = [2.0**power for power in range(math.ceil(math.log2(min(factors))), math.floor(math.log2(max(factors))) + 1)]
     marks = [(1.0, "the model's 1/sqrt(hd)", dict(color="grey", dash="dot"))]
     if chosen != 1.0:
         marks.append((chosen, "chosen", dict(color=QUERY_COLOUR, width=2)))
@@ -170,9 +172,15 @@ def softmax_scale_figure(sweep: Mapping[str, Sequence[float]], chosen: float, ti
         ],
         layout=dict(
             title=_title(title), margin=MARGIN, legend=dict(orientation="h", y=-0.25),
-            xaxis=dict(type="log", title="scale, as a multiple of 1/sqrt(hd)"),
+            xaxis=dict(
+                type="log", title="scale, as a multiple of 1/sqrt(hd)", tickvals=ticks,
+                ticktext=[f"x{tick:g}" if tick >= 1 else f"x1/{1 / tick:g}" for tick in ticks],
+            ),
             yaxis=dict(title="entropy (nats)", rangemode="tozero"),
-            yaxis2=dict(title="largest weight", range=[0, 1.05], overlaying="y", side="right", showgrid=False),
+            yaxis2=dict(
+                title="largest weight", range=[0, 1.05], overlaying="y", side="right", showgrid=False,
+                tickmode="linear", tick0=0, dtick=0.2,
+            ),
             shapes=[
                 dict(type="line", xref="x", yref="paper", x0=x, x1=x, y0=0, y1=1, line=line)
                 for x, _, line in marks
