@@ -47,8 +47,7 @@ class LayerInternals:
     attn_out: torch.Tensor  # (B, N, D) output projection of the concatenated heads
     middle: torch.Tensor  # (B, N, D) after the first residual add
     norm2: torch.Tensor  # (B, N, D) LayerNorm before the MLP
-    mlp_pre: torch.Tensor  # (B, N, hidden) first MLP layer, before the nonlinearity
-    mlp_hidden: torch.Tensor  # (B, N, hidden) after it
+    mlp_hidden: torch.Tensor  # (B, N, hidden) the MLP's hidden units, after the nonlinearity
     mlp_out: torch.Tensor  # (B, N, D) second MLP layer
     output: torch.Tensor  # (B, N, D) tokens leaving the layer
     layer_scale1: torch.Tensor | None = None  # (D,) LayerScale of the attention branch, if any
@@ -166,11 +165,14 @@ def residual_change(before: torch.Tensor, branch: torch.Tensor, after: torch.Ten
 
 
 def mlp_activity(hidden: torch.Tensor, near_zero: float = NEAR_ZERO) -> dict:
-    """One token's hidden units after the nonlinearity (hidden,): sorted from the largest, how
-    many fire (above ``near_zero``) and how many are near zero (|h| < ``near_zero``)."""
+    """One token's hidden units after the nonlinearity (hidden,): sorted from the largest (with
+    their unit indices), how many fire (at least ``near_zero``) and how many are near zero
+    (|h| < ``near_zero``)."""
     values = hidden.double()
+    ordered = values.sort(descending=True)
     return {
-        "sorted": values.sort(descending=True).values,
+        "sorted": ordered.values,
+        "units by activation": ordered.indices,
         "firing": int((values >= near_zero).sum()),
         "near zero": int((values.abs() < near_zero).sum()),
         "units": values.numel(),

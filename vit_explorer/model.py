@@ -199,11 +199,10 @@ class Mlp(nn.Module):
         self.drop2 = nn.Dropout(config.drop_rate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        pre_activation = self.fc1(x)  # (B, N, hidden)
-        hidden = self.act(pre_activation)
+        hidden = self.act(self.fc1(x))  # (B, N, hidden)
         recorder = ACTIVE_RECORDER.get()
         if recorder is not None:
-            recorder.internals(self, mlp_pre=pre_activation, mlp_hidden=hidden)
+            recorder.internals(self, mlp_hidden=hidden)
         return self.drop2(self.fc2(self.drop1(hidden)))
 
 

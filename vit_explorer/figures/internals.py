@@ -216,14 +216,15 @@ def head_sources_figure(sources: Sequence[Mapping], labels: Sequence[str], title
     )
 
 
-def mlp_activations_figure(sorted_values, near_zero: float, title: str) -> go.Figure:
-    """One token's MLP hidden units after the nonlinearity, sorted from the largest; the band of
-    near-zero values is shaded."""
+def mlp_activations_figure(sorted_values, units, near_zero: float, title: str) -> go.Figure:
+    """One token's MLP hidden units after the nonlinearity, sorted from the largest (``units``:
+    which unit each value is, for the hover); the band of near-zero values is shaded."""
     values = _float_array(sorted_values).reshape(-1)
     return go.Figure(
         go.Scatter(
             x=np.arange(values.shape[0]), y=values.astype(np.float32), mode="lines", fill="tozeroy",
-            hovertemplate="rank %{x}<br>activation %{y:.4g}<extra></extra>", showlegend=False,
+            customdata=_float_array(units).reshape(-1).astype(np.int64), showlegend=False,
+            hovertemplate="unit %{customdata} (rank %{x})<br>activation %{y:.4g}<extra></extra>",
         ),
         layout=dict(
             title=_title(title), margin=MARGIN,
@@ -254,6 +255,7 @@ def inside_layer_figures(
     where, dim, heads = f"layer {layer}, head {head}", steps.input.shape[-1], steps.num_heads
     prefix_labels = list(labels[:prefix])
     hidden = steps.mlp_hidden.shape[-1]
+    activity = inside.mlp_activity(steps.mlp_hidden[0, token])
     return {
         "layernorm": vector_strips(
             {"x": steps.input[0, token], "LN(x)": steps.norm1[0, token]},
@@ -287,7 +289,7 @@ def inside_layer_figures(
             f"The first residual add for {name}, layer {layer}",
         ),
         "mlp_units": mlp_activations_figure(
-            inside.mlp_activity(steps.mlp_hidden[0, token])["sorted"], inside.NEAR_ZERO,
+            activity["sorted"], activity["units by activation"], inside.NEAR_ZERO,
             f"The {hidden} hidden units of {name}, layer {layer}, after {activation}",
         ),
         "mlp_residual": vector_strips(
