@@ -1,7 +1,8 @@
 """Record what happens inside a ViT during one forward pass.
 
-A Recorder (lucidrains' idea) receives the patch embedding, every block's input and output and
-the softmax of the attention layers asked for. It is found through a context variable rather
+A Recorder (lucidrains' idea) receives the patch embedding, every block's input and output, the
+softmax of the attention layers asked for and, for one layer asked, every step inside it
+(vit_explorer.internals). It is found through a context variable rather
 than hooks, so that one model object can be captured, attributed and run plainly from many
 threads at once (the app serves a class from one copy of each model): each call records only its
 own pass, and the model is never switched or hooked.
