@@ -735,7 +735,12 @@ def prediction_caveats(selection: Selection, probabilities: torch.Tensor) -> lis
     caveats = []
     reason = unreadable_photo_reason(selection)
     if reason is not None:
-        caveats.append(f"Read nothing into this prediction: {reason[0].lower()}{reason[1:]}")
+        # The reason ends by pointing "below" to the sidebar's models: here, the sidebar is named.
+        cause = reason.partition(";")[0]
+        caveats.append(
+            f"Read nothing into this prediction: {cause[0].lower()}{cause[1:]}; the sidebar offers models"
+            " that read photos."
+        )
     if near_chance(probabilities):
         classes = probabilities.shape[-1]
         caveats.append(
