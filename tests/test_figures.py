@@ -192,7 +192,7 @@ def test_attention_overlays_start_clear_at_zero_and_outline_the_query():
 
 
 def test_attention_heads_share_one_scale_from_zero_or_each_have_their_own():
-    maps = np.random.default_rng(4).random((5, *GRID)) * np.arange(1, 6)[:, None, None] / 100
+    maps = np.random.default_rng(4).random((5, *GRID)) * np.linspace(0.6, 1.0, 5)[:, None, None]
     shared = figures.attention_heads_grid(IMAGE, maps, layer=3)
     assert "one colour scale shared by all heads" in title_of(shared)
     assert shared.layout.coloraxis.cmin == 0 and shared.layout.coloraxis.cmax == pytest.approx(maps.max())
@@ -206,6 +206,21 @@ def test_attention_heads_share_one_scale_from_zero_or_each_have_their_own():
         assert_clear_at_zero(heatmap.colorscale)
     with pytest.raises(ValueError, match="scale must be one of"):
         figures.attention_heads_grid(IMAGE, maps, scale="log")
+
+
+def test_uniform_attention_is_drawn_pale_and_flat_not_in_full_colour():
+    """Every weight 1/6 over 6 patches: topping the scale at the largest value would paint the
+    whole image in the top colour; the scale reaches 3x the uniform weight instead."""
+    uniform = np.full((4, *GRID), 1 / 6)
+    assert figures.attention_heads_grid(IMAGE, uniform).layout.coloraxis.cmax == pytest.approx(0.5)
+    for heatmap in traces(figures.attention_heads_grid(IMAGE, uniform, scale="per head"), "heatmap"):
+        assert heatmap.zmax == pytest.approx(0.5)
+    rollout = traces(figures.attention_overlay(IMAGE, uniform[0], weights=True), "heatmap")[0]
+    assert rollout.zmax == pytest.approx(0.5)
+    # Relevance is not a share of anything: its scale tops at its largest value.
+    assert traces(figures.attention_overlay(IMAGE, uniform[0]), "heatmap")[0].zmax == pytest.approx(1 / 6)
+    matrix = traces(figures.attention_matrix(np.full((8, 8), 1 / 8), 1), "heatmap")[0]
+    assert matrix.zmax == pytest.approx(3 / 8)
 
 
 def test_the_query_patch_is_outlined_in_every_head_panel_and_mask():

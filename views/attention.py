@@ -172,7 +172,7 @@ def rollout_overlay():
     return figures.attention_overlay(
         image, rollout_map, opacity=opacity,
         title=f"Rollout through all {depth} layers, query: {query_label(query)}", value_name="rollout",
-        query_patch=query_arg,
+        query_patch=query_arg, weights=True,
     )
 
 

@@ -105,10 +105,15 @@ def _colour_table(scale: str, steps: int = 1024) -> np.ndarray:
     return table
 
 
-def attention_top(values) -> float:
-    """The top of an attention colour scale that starts at 0: the largest value (1 where all
-    are 0). Starting at 0, not at the smallest value, keeps near-uniform attention looking flat."""
-    top = float(np.max(values)) if np.size(values) else 0.0
+UNIFORM_TOP = 3.0  # a scale of attention weights reaches at least this many times the uniform weight
+
+
+def attention_top(values, uniform: float = 0.0) -> float:
+    """The top of an attention colour scale that starts at 0: the largest value, and at least
+    ``UNIFORM_TOP`` x ``uniform``, the weight of every key under uniform attention (1 where all
+    is 0). Starting at 0, not at the smallest value, keeps near-uniform attention flat; the
+    floor keeps it pale, where topping out at its own largest value painted it all in full colour."""
+    top = max(float(np.max(values)) if np.size(values) else 0.0, UNIFORM_TOP * uniform)
     return top if top > 0 else 1.0
 
 

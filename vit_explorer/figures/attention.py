@@ -38,17 +38,20 @@ def _query_outline(patch: int | None, grid_size: tuple[int, int], image_size: tu
 
 def attention_overlay(
     image, attention_map, opacity: float = 0.85, title: str = "Attention", value_name: str = "attention",
-    query_patch: int | None = None,
+    query_patch: int | None = None, weights: bool = False,
 ) -> go.Figure:
     """A (gh, gw) map (attention, rollout, relevance) laid over the image, one cell per patch, on
-    a scale from 0 (transparent) to its largest value; ``query_patch`` (row-major) is outlined."""
+    a scale from 0 (transparent) to its largest value; ``query_patch`` (row-major) is outlined.
+    ``weights``: the map is one query's weights over the patches (attention, rollout), so the
+    scale reaches at least a few times the uniform weight and even attention stays pale."""
     image = _rgb_uint8(image)
     attention_map = _check_map(_float_array(attention_map))
+    top = attention_top(attention_map, 1 / attention_map.size if weights else 0.0)
     fig = go.Figure(_image_trace(image, hover=False))
     fig.add_trace(
         _patch_heatmap(
-            attention_map, image.shape[:2], value_name, colorscale=ATTENTION_SCALE, zmin=0,
-            zmax=attention_top(attention_map), opacity=opacity, colorbar=dict(title=f"{value_name}<br>(0 = clear)"),
+            attention_map, image.shape[:2], value_name, colorscale=ATTENTION_SCALE, zmin=0, zmax=top,
+            opacity=opacity, colorbar=dict(title=f"{value_name}<br>(0 = clear)"),
         )
     )
     _image_axes(fig)
@@ -115,9 +118,10 @@ def attention_heads_grid(
     if scale not in HEAD_SCALES:
         raise ValueError(f"scale must be one of {HEAD_SCALES}, not {scale!r}")
     shared = scale == "shared"
+    uniform = 1 / maps[0].size  # each patch's weight under uniform attention (a bound: prefix tokens share it)
     colours = (
         [dict(coloraxis="coloraxis")] * len(maps) if shared
-        else [dict(colorscale=ATTENTION_SCALE, zmin=0, zmax=attention_top(head_map), showscale=False)
+        else [dict(colorscale=ATTENTION_SCALE, zmin=0, zmax=attention_top(head_map, uniform), showscale=False)
               for head_map in maps]
     )
     fig, rows = _head_panels(image, [
@@ -132,7 +136,7 @@ def attention_heads_grid(
     )
     if shared:
         fig.update_layout(coloraxis=dict(
-            colorscale=ATTENTION_SCALE, cmin=0, cmax=attention_top(maps),
+            colorscale=ATTENTION_SCALE, cmin=0, cmax=attention_top(maps, uniform),
             colorbar=dict(title="attention<br>(all heads,<br>0 = clear)"),
         ))
     return fig
@@ -208,7 +212,7 @@ def attention_matrix(
     fig = go.Figure(
         go.Heatmap(
             z=attention.astype(np.float32), x=labels, y=labels, colorscale=VALUE_SCALE,  # half the JSON
-            zmin=0, zmax=attention_top(attention),  # from 0: uniform rows look flat, not structured
+            zmin=0, zmax=attention_top(attention, 1 / tokens),  # uniform rows look flat and pale
             hovertemplate=f"query %{{y}}<br>key %{{x}}<br>{value} %{{z:.4g}}<extra></extra>",
             colorbar=dict(title=value.replace(" ", "<br>")),
         )
