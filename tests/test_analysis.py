@@ -544,3 +544,10 @@ def test_near_chance_is_within_a_factor_of_chance_that_grows_with_the_classes(cl
     rest = (1 - top) / max(classes - 1, 1)
     probabilities = torch.tensor([top] + [rest] * (classes - 1))
     assert analysis.near_chance(probabilities) is guess
+
+
+def test_attention_evenness_in_chunks_equals_the_whole_at_once():
+    rows = torch.softmax(torch.randn(70, 2**16, generator=torch.Generator().manual_seed(0)) * 3, dim=-1)
+    entropy = -(rows * rows.clamp_min(torch.finfo(torch.float32).tiny).log()).sum(dim=-1)
+    expected = float(entropy.mean()) / math.log(2**16)  # 64 rows a chunk: two chunks
+    assert analysis.attention_evenness(rows) == pytest.approx(expected, rel=1e-5)

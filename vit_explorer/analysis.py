@@ -396,9 +396,13 @@ def attention_evenness(rows: torch.Tensor) -> float:
     keys = rows.shape[-1]
     if keys < 2:
         return 0.0
-    weights = rows.float()
-    entropy = -(weights * weights.clamp_min(torch.finfo(torch.float32).tiny).log()).sum(dim=-1)
-    return float(entropy.mean()) / math.log(keys)
+    rows = rows.reshape(-1, keys)
+    total = 0.0
+    # A few million weights at a time: a large model's whole attention in float32 is gigabytes.
+    for chunk in rows.split(max(1, 2**22 // keys)):
+        weights = chunk.float()
+        total += float(-(weights * weights.clamp_min(torch.finfo(torch.float32).tiny).log()).sum())
+    return total / rows.shape[0] / math.log(keys)
 
 
 def near_uniform(evenness: float, threshold: float = NEAR_UNIFORM) -> bool:
