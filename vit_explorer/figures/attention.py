@@ -109,7 +109,8 @@ def attention_heads_grid(
 ) -> go.Figure:
     """Every head's attention map (H, gh, gw) over the image, one panel per head, each from 0
     (transparent) up: on one shared scale so that heads can be compared (``scale="shared"``), or
-    each to its own largest value (``"per head"``), which shows the pattern of a faint head.
+    each to its own largest value (``"per head"``), which shows the pattern of a faint head; a scale
+    never tops out below 3x the uniform weight, so that attention spread evenly stays pale.
     ``query_patch`` (row-major index, None for a token without a patch) is outlined in every panel."""
     image = _rgb_uint8(image)
     maps = _float_array(maps)
