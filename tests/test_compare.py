@@ -70,8 +70,8 @@ def test_the_same_model_at_another_patch_size_side_by_side(captures):
     titles = figure_titles(app)
     assert titles and all(title.strip() for title in titles)
     assert len(titles) == 8  # top-5, head maps, rollout and token PCA of each
-    assert "A's layer 3 (of 4)" in title_matching(app, "^Attention of the class token in A's")
-    assert "B's layer 3 (of 4)" in title_matching(app, "^Attention of the class token in B's")
+    assert "in layer 3 (of 4)" in title_matching(app, "^A: attention of the class token")
+    assert "in layer 3 (of 4)" in title_matching(app, "^B: attention of the class token")
     # A's capture is the one the Attention page made: only B's pass is new.
     assert len(captures) == 2 and captures[1].patch_size == 2
 
@@ -80,7 +80,7 @@ def test_the_same_model_at_another_patch_size_side_by_side(captures):
     assert len(captures) == 4
     # Widgets cost no forward pass.
     widget(app.slider, "A's layer").set_value(1).run()
-    assert "B's layer 1 (of 4)" in title_matching(app, "in B's")
+    assert "in layer 1 (of 4)" in title_matching(app, "^B: attention")
     widget(app.radio, "Query").set_value("image point").run()
     widget(app.slider, "Point across (% of the width)").set_value(10.0).run()
     widget(app.slider, "Point down (% of the height)").set_value(90.0).run()
@@ -118,12 +118,12 @@ def test_a_checkpoint_of_another_depth_and_no_head_beside_the_default(tmp_path, 
     titles = figure_titles(app)
     assert all(title.strip() for title in titles) and len(titles) == 7  # B has no top-5
     assert any("B's prediction needs class scores" in info.value for info in app.info)
-    assert "B's layer 1 (of 2)" in title_matching(app, "in B's")
+    assert "in layer 1 (of 2)" in title_matching(app, "^B: attention")
     widget(app.slider, "A's layer").set_value(1).run()  # 1 * 1 / 3 = 0.33
-    assert "B's layer 0 (of 2)" in title_matching(app, "in B's")
+    assert "in layer 0 (of 2)" in title_matching(app, "^B: attention")
     assert "after layer 0 (of 2)" in title_matching(app, "^B: token PCA")
     widget(app.slider, "A's layer").set_value(2).run()  # 2 * 1 / 3 = 0.67
-    assert "B's layer 1 (of 2)" in title_matching(app, "in B's")
+    assert "in layer 1 (of 2)" in title_matching(app, "^B: attention")
     assert len(captures) == before and not app.exception
     app.selectbox(key="image_picker").set_value("shapes:2").run()
     assert len(captures) == before + 2 and {config.depth for config in captures[-2:]} == {4, 2}

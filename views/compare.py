@@ -116,11 +116,13 @@ query_patches = {side: None for side in sides}
 if query_kind == POINT_QUERY:
     across_column, down_column = st.columns(2)
     across = across_column.slider(
-        "Point across (% of the width)", 0.0, 100.0, step=0.1, help="From the left edge; or click a picture below.",
+        "Point across (% of the width)", 0.0, 100.0, step=0.1, format="%.1f",
+        help="From the left edge; or click a picture below.",
         **ui.keep("compare_across", 50.0),
     )
     down = down_column.slider(
-        "Point down (% of the height)", 0.0, 100.0, step=0.1, help="From the top edge; or click a picture below.",
+        "Point down (% of the height)", 0.0, 100.0, step=0.1, format="%.1f",
+        help="From the top edge; or click a picture below.",
         **ui.keep("compare_down", 50.0),
     )
     st.caption("The same point falls in a different patch of each grid: each model's patch under it is outlined.")
@@ -144,12 +146,21 @@ def query_text(side: str) -> str:
 
 for column, (side, chosen) in zip(st.columns(2), sides.items()):
     result, patch, own_layer = results[side], query_patches[side], layers[side]
+    # The Attention page's keys, so that either page reuses what the other computed.
+    evenness = chosen.memo("attention evenness", own_layer, compute=lambda: analysis.attention_evenness(
+        result.attentions[0, own_layer]
+    ))
+    if analysis.near_uniform(evenness):
+        column.info(
+            f"{side}'s heads spread their attention almost evenly here (mean entropy {evenness:.0%} of the"
+            " uniform log N), as an untrained model's do: the differences in its maps are noise."
+        )
     maps = chosen.memo("head maps", own_layer, -1 if patch is None else patch, compute=lambda: analysis.head_maps(
         result, own_layer, patch, class_token=chosen.config.class_token,
-    ))  # (H, gh, gw); the Attention page's key, so either page reuses the other's maps
-    column.plotly_chart(chosen.memo("compare heads", side, own_layer, patch, compute=lambda: figures.attention_heads_grid(
-        images[side], maps, layer=f"{side}'s layer {own_layer} (of {depths[side]})", query=query_text(side),
-        query_patch=patch, columns=3,
+    ))  # (H, gh, gw)
+    column.plotly_chart(chosen.memo("compare heads", side, own_layer, patch, compute=lambda: figures.side_heads_grid(
+        images[side], maps, side, f"layer {own_layer} (of {depths[side]})", query_text(side), patch,
+        columns=2 if len(maps) <= 4 else 3,  # half a page: head titles side by side must not overlap
     )), key=f"compare_heads_{side}")
 
 st.subheader("Rollout through all layers")
@@ -165,7 +176,7 @@ for column, (side, chosen) in zip(st.columns(2), sides.items()):
     ))  # (1, N, N); the Attention page's key at its default settings
     column.plotly_chart(chosen.memo("compare rollout", side, patch, compute=lambda: figures.attention_overlay(
         images[side], analysis.query_map(rollout[0], result.grid_size, prefix, patch, class_token=chosen.config.class_token),
-        title=f"{side}: rollout through all {depths[side]} layers, query: {query_text(side)}", value_name="rollout",
+        title=f"{side}: rollout through all {depths[side]} layers<br>query: {query_text(side)}", value_name="rollout",
         query_patch=patch, weights=True,
     )), key=f"compare_rollout_{side}")
 
