@@ -129,7 +129,9 @@ def disk_bytes(path: Path) -> int:
         return info.st_size
     total = 0
     for folder, folders, files in os.walk(path):  # os.walk never enters linked folders
-        total += sum(os.lstat(os.path.join(folder, name)).st_size for name in (*folders, *files))
+        for name in (*folders, *files):
+            entry = os.lstat(os.path.join(folder, name))
+            total += 0 if stat.S_ISDIR(entry.st_mode) else entry.st_size
     return total
 
 

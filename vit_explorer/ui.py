@@ -726,7 +726,7 @@ def _loading_problem(model_key: str, names: Sequence[str]) -> str | None:
     try:
         base_model(model_key)
     except (ValueError, OSError) as error:
-        return f"Could not load that model: {error}"
+        return f"Could not load that model: {error}."
     except Exception:  # a hostile file may break a loader anywhere: the page must not break with it
         return f"Could not load {', '.join(names)}: it is not a checkpoint this app can read."
     return None
@@ -744,7 +744,7 @@ def add_image_upload(file) -> str | None:
     try:
         load_image(data)  # decoded once here, so that a bad file is refused before it is kept
     except ValueError as error:
-        return f"Could not use {file.name}: {error}"
+        return f"Could not use {file.name}: {error}."
     digest = hashlib.sha256(data).hexdigest()[:16]
     error = _store_upload(uploaded_image_path(digest).name, data)
     if error:
