@@ -57,7 +57,8 @@ def _image_uploader() -> None:
     file = st.file_uploader(
         "Upload an image", type=ui.IMAGE_TYPES, max_upload_size=ui.IMAGE_UPLOAD_MB,
         key=ui.upload_key("image_upload"),
-        help=f"A picture PIL can read (PNG, JPEG, WebP, GIF: first frame, TIFF, BMP), up to {ui.IMAGE_UPLOAD_MB} MB.",
+        help=f"A picture PIL can read (PNG, JPEG, WebP, GIF: first frame, TIFF, BMP), up to"
+        f" {ui.IMAGE_UPLOAD_MB} MB.",
     )
     if file is not None:
         state["image_error"] = ui.add_image_upload(file)

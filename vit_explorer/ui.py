@@ -53,7 +53,8 @@ def default_uploads_dir() -> Path:
     configured = os.environ.get("VIT_EXPLORER_UPLOADS_DIR")
     if configured:
         return Path(configured)
-    return Path(os.environ.get(catalogue.CACHE_VARIABLE) or Path.home() / ".cache" / "vit_explorer") / "uploads"
+    cache = os.environ.get(catalogue.CACHE_VARIABLE) or Path.home() / ".cache" / "vit_explorer"
+    return Path(cache) / "uploads"
 
 
 UPLOADS_DIR = default_uploads_dir()
@@ -705,13 +706,16 @@ def add_checkpoint_upload(files: Sequence) -> str | None:
             "Upload one checkpoint file, or a Hugging Face model's config.json together with"
             " its weights."
         )
-    if len(set(names)) < len(names) or any(name in ("", ".", "..") or Path(name).name != name for name in names):
-        return "Upload files with plain, distinct names."
+    plain = all(name not in ("", ".", "..") and Path(name).name == name for name in names)
+    if not plain or len(set(names)) < len(names):
+        return "Upload files with plain, distinct names."  # a name with a path could write elsewhere
     digest = _upload_digest(files)
     # A Hugging Face ViT is its folder: config.json beside its weights.
-    model_key = f"file:{UPLOADS_DIR / digest}" if "config.json" in names else f"file:{UPLOADS_DIR / digest / names[0]}"
+    target = UPLOADS_DIR / digest if "config.json" in names else UPLOADS_DIR / digest / names[0]
+    model_key = f"file:{target}"
     error = _store_upload(
-        digest, {file.name: file.getvalue() for file in files}, check=lambda: _loading_problem(model_key, names)
+        digest, {file.name: file.getvalue() for file in files},
+        check=lambda: _loading_problem(model_key, names),
     )
     if error:
         return error
