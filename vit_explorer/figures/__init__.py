@@ -1,0 +1,32 @@
+"""Plotly figure builders shared by the app and ``python -m vit_explorer inspect``.
+
+Builders are pure: arrays in (numpy or torch), a ``go.Figure`` out, nothing drawn or saved.
+Images are (H, W, 3) uint8 (floats in [0, 1] are accepted); maps over the patch grid are
+(gh, gw) and are drawn one cell per patch on top of the image, so non-square grids and images
+of any size line up. One module per topic; every public builder is importable from here.
+:func:`write_figures` turns figures into files.
+"""
+from ._base import ATTENTION_SCALE, SIMILARITY_SCALE, VALUE_SCALE, colour_mapped, image_data_uri, token_labels
+from .attention import (
+    HEAD_SCALES, attention_heads_grid, attention_masks_grid, attention_matrix, attention_overlay, layer_head_heatmap,
+    layer_head_scatter, matrix_block,
+)
+from .embeddings import (
+    embedding_filters_figure, position_similarity_grid, token_matrix, token_norms_figure, token_pca_image,
+)
+from .files import FigureExportError, find_browser, write_figures
+from .patches import image_with_grid, input_image, patch_picker, patch_sequence, patch_size_tradeoff
+from .predictions import logit_lens_figure, topk_bar
+from .training import training_curves
+
+__all__ = [
+    "ATTENTION_SCALE", "SIMILARITY_SCALE", "VALUE_SCALE", "colour_mapped", "image_data_uri", "token_labels",
+    "HEAD_SCALES", "attention_heads_grid", "attention_masks_grid", "attention_matrix", "attention_overlay",
+    "layer_head_heatmap", "layer_head_scatter", "matrix_block",
+    "embedding_filters_figure", "position_similarity_grid", "token_matrix", "token_norms_figure",
+    "token_pca_image",
+    "FigureExportError", "find_browser", "write_figures",
+    "image_with_grid", "input_image", "patch_picker", "patch_sequence", "patch_size_tradeoff",
+    "logit_lens_figure", "topk_bar",
+    "training_curves",
+]

@@ -1,0 +1,176 @@
+"""Tokens and embeddings: token PCA, position-embedding similarity, the patch-embedding
+filters, token matrices and token norms."""
+from __future__ import annotations
+
+import numpy as np
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from ._base import (
+    VALUE_SCALE, SIMILARITY_SCALE, CELL_PIXELS, MARGIN, _array, _float_array, _rgb_uint8, _mosaic,
+    _patch_positions, colour_mapped, image_data_uri, _image_trace, _image_axes, _panel_height, _title,
+    token_labels,
+)
+
+
+def token_pca_image(colors, image) -> go.Figure:
+    """The image beside its patch tokens coloured by their first three principal components."""
+    image = _rgb_uint8(image)
+    colors = _array(colors)
+    if colors.ndim != 3 or colors.shape[-1] not in (1, 3):
+        raise ValueError(f"colors must be (gh, gw, 3) or (gh, gw, 1), not {colors.shape}")
+    grid_h, grid_w = colors.shape[:2]
+    height, width = image.shape[:2]
+    fig = make_subplots(
+        rows=1, cols=2, subplot_titles=("input", "patch tokens, PCA as RGB"),
+        horizontal_spacing=0.03,
+    )
+    fig.add_trace(_image_trace(image), row=1, col=1)
+    dy, dx = height / grid_h, width / grid_w
+    fig.add_trace(
+        _image_trace(
+            _rgb_uint8(colors.astype(np.float64)), lossless=True, x0=dx / 2 - 0.5, dx=dx, y0=dy / 2 - 0.5, dy=dy
+        ),
+        row=1, col=2,
+    )
+    _image_axes(fig, [(1, 1), (1, 2)], columns=2)
+    fig.update_layout(
+        title=_title("Token PCA: patches with similar tokens get similar colours"),
+        margin=MARGIN, height=_panel_height(image.shape, 1, 1.5 * CELL_PIXELS),
+    )
+    return fig
+
+
+def position_similarity_grid(similarity) -> go.Figure:
+    """ViT paper Fig. 7 (centre): tile (i, j) shows the cosine similarity of patch (i, j)'s
+    position embedding to every other patch's. similarity: (gh, gw, gh, gw).
+
+    The (gh*gw)^2 values are drawn as one colour-mapped PNG (at patch 8 on 224 px that is 660k
+    values, 12 MB as a heatmap); an invisible cell over each tile names its patch on hover and
+    carries the colour bar.
+    """
+    similarity = _float_array(similarity)
+    if similarity.ndim != 4:
+        raise ValueError(f"similarity must be (gh, gw, gh, gw), not {similarity.shape}")
+    grid_h, grid_w = similarity.shape[:2]
+    # (gh*gw, gh, gw) tiles, one per query position, laid out on the grid with 1-cell gaps.
+    tiles = similarity.reshape(grid_h * grid_w, grid_h, grid_w)
+    mosaic = _mosaic(tiles, grid_w, 1, np.nan)
+    tile_h, tile_w = grid_h + 1, grid_w + 1  # a tile and its gap, in mosaic cells
+    rows, cols = np.indices((grid_h, grid_w))
+    colours = colour_mapped(mosaic, SIMILARITY_SCALE, -1, 1)
+    fig = go.Figure([
+        go.Image(source=image_data_uri(colours, lossless=True), hoverinfo="skip"),
+        go.Heatmap(
+            z=np.zeros((grid_h, grid_w)), opacity=0.0,
+            x0=(grid_w - 1) / 2, dx=tile_w, y0=(grid_h - 1) / 2, dy=tile_h,
+            customdata=np.stack([rows, cols], axis=-1),
+            hovertemplate="patch (%{customdata[0]}, %{customdata[1]}) against every patch<extra></extra>",
+            colorscale=SIMILARITY_SCALE, zmin=-1, zmax=1, showscale=True, colorbar=dict(title="cosine"),
+        ),
+    ])
+    fig.update_xaxes(
+        title="input patch column", tickvals=[col * tile_w + (grid_w - 1) / 2 for col in range(grid_w)],
+        ticktext=list(range(grid_w)), showgrid=False, zeroline=False, constrain="domain",
+    )
+    fig.update_yaxes(
+        title="input patch row", tickvals=[row * tile_h + (grid_h - 1) / 2 for row in range(grid_h)],
+        ticktext=list(range(grid_h)), autorange="reversed", scaleanchor="x", showgrid=False,
+        zeroline=False, constrain="domain",
+    )
+    # Two short lines: the app draws this in half a page, where one long line was cut off.
+    fig.update_layout(
+        title=_title("Position embedding similarity<br><sup>each tile: one patch against all patches</sup>"),
+        margin={**MARGIN, "t": 80}, plot_bgcolor="white",
+    )
+    return fig
+
+
+def embedding_filters_figure(filters, columns: int = 7) -> go.Figure:
+    """ViT paper Fig. 7 (left): principal components of the patch-embedding filters.
+
+    filters: (k, p, p, C) in [0, 1], as ``analysis.embedding_filters`` returns them.
+    """
+    filters = _float_array(filters)
+    if filters.ndim != 4:
+        raise ValueError(f"filters must be (k, p, p, C), not {filters.shape}")
+    count, patch = filters.shape[:2]
+    tiles = np.stack([_rgb_uint8(tile) for tile in filters])
+    mosaic = _mosaic(tiles, min(columns, count), max(1, patch // 4), fill=255)
+    fig = go.Figure(_image_trace(mosaic))
+    _image_axes(fig)
+    fig.update_layout(
+        title=_title(f"Patch embedding filters: the first {count} principal components"),
+        margin=MARGIN,
+    )
+    return fig
+
+
+def token_matrix(tokens, num_prefix_tokens: int, title: str, class_token: bool = True,
+                 max_tokens: int = 256, max_dims: int = 128, dist_token: bool = False) -> go.Figure:
+    """A sequence of token vectors (N, D) as a heatmap: one row per token, one column per
+    dimension; large sequences show their first ``max_tokens`` rows and ``max_dims`` columns."""
+    tokens = _float_array(tokens)
+    if tokens.ndim != 2:
+        raise ValueError(f"tokens must be (N, D), not {tokens.shape}")
+    count, dims = tokens.shape
+    shown = tokens[:max_tokens, :max_dims]
+    labels = token_labels(count, num_prefix_tokens, class_token, dist_token)[: shown.shape[0]]
+    limit = float(np.abs(shown).max()) or 1.0
+    fig = go.Figure(
+        go.Heatmap(
+            z=shown, y=labels, colorscale=SIMILARITY_SCALE, zmin=-limit, zmax=limit,
+            hovertemplate="%{y}, dimension %{x}<br>value %{z:.4g}<extra></extra>",
+            colorbar=dict(title="value"),
+        )
+    )
+    fig.update_xaxes(title="embedding dimension")
+    fig.update_yaxes(title="token", autorange="reversed", type="category", showticklabels=count <= 40)
+    cut = "" if shown.shape == tokens.shape else f" (first {shown.shape[0]} x {shown.shape[1]} shown)"
+    fig.update_layout(title=_title(f"{title}: {count} x {dims}{cut}"), margin=MARGIN)
+    return fig
+
+
+def token_norms_figure(
+    norms, grid_size: tuple[int, int], num_prefix_tokens: int, layer: int | None = None,
+    class_token: bool = True, dist_token: bool = False,
+) -> go.Figure:
+    """Token L2 norms (N,) of one layer: a map of the patch norms (artifact tokens stand out as
+    isolated bright patches, Darcet et al. 2023) beside the norm of every token."""
+    norms = _float_array(norms).reshape(-1)
+    grid_h, grid_w = grid_size
+    if norms.shape[0] != num_prefix_tokens + grid_h * grid_w:
+        raise ValueError(
+            f"{norms.shape[0]} norms do not fit {num_prefix_tokens} prefix tokens and a"
+            f" {grid_h}x{grid_w} grid"
+        )
+    labels = token_labels(norms.shape[0], num_prefix_tokens, class_token, dist_token)
+    fig = make_subplots(
+        rows=1, cols=2, column_widths=[0.45, 0.55], horizontal_spacing=0.16,
+        subplot_titles=("patch tokens on the grid", "every token"),
+    )
+    patch_norms = norms[num_prefix_tokens:].reshape(grid_h, grid_w)
+    fig.add_trace(
+        go.Heatmap(
+            z=patch_norms, colorscale=VALUE_SCALE, customdata=_patch_positions(grid_size),
+            hovertemplate="patch %{customdata[0]} (row %{customdata[1]}, col %{customdata[2]})"
+            "<br>norm %{z:.4g}<extra></extra>",
+            colorbar=dict(title="norm", x=0.39, thickness=12),
+        ),
+        row=1, col=1,
+    )
+    colours = ["#e45756"] * num_prefix_tokens + ["#4c78a8"] * (norms.shape[0] - num_prefix_tokens)
+    fig.add_trace(
+        go.Bar(
+            x=list(range(norms.shape[0])), y=norms, marker_color=colours, customdata=labels,
+            hovertemplate="token %{x} (%{customdata})<br>norm %{y:.4g}<extra></extra>",
+            showlegend=False,
+        ),
+        row=1, col=2,
+    )
+    _image_axes(fig, [(1, 1)], columns=2)
+    fig.update_xaxes(title="token (prefix tokens in red)", row=1, col=2)
+    fig.update_yaxes(title="L2 norm", row=1, col=2)
+    where = f" after block {layer}" if layer is not None else ""
+    fig.update_layout(title=_title(f"Token norms{where}"), margin=MARGIN)
+    return fig

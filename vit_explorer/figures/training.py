@@ -1,0 +1,66 @@
+"""Training: loss, accuracy and learning-rate curves of a run."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from ._base import MARGIN, _title
+
+
+def _epoch_steps(history: Mapping) -> list[float]:
+    """x position (a step) of each epoch summary: where that epoch ended.
+
+    Epochs (1-based, as ``vit_explorer.train`` counts them) have equal step counts, so epoch e of
+    E ends at step e * total_steps / E; without step records, the epoch number itself.
+    """
+    steps = history.get("steps", [])
+    if not steps:
+        return [record["epoch"] for record in history.get("epochs", [])]
+    total_steps = steps[-1]["total_steps"]
+    return [
+        record["epoch"] * total_steps / record["epochs"] for record in history.get("epochs", [])
+    ]
+
+
+def training_curves(history: Mapping | None) -> go.Figure:
+    """Loss, accuracy and learning rate of a training run (``TrainingRun.history``): per-step
+    training values as lines, per-epoch test values as markers. Empty history: empty axes."""
+    history = history or {}
+    steps = history.get("steps", [])
+    epochs = history.get("epochs", [])
+    fig = make_subplots(
+        rows=1, cols=3, subplot_titles=("loss", "accuracy", "learning rate"),
+        horizontal_spacing=0.08,
+    )
+    step_x = [record["step"] for record in steps]
+    epoch_x = _epoch_steps(history)
+    train = dict(mode="lines", line=dict(color="#4c78a8"), legendgroup="train")
+    test = dict(mode="lines+markers", line=dict(color="#e45756"), legendgroup="test")
+    fig.add_trace(go.Scatter(x=step_x, y=[r["loss"] for r in steps], name="train (per step)",
+                             **train), row=1, col=1)
+    fig.add_trace(go.Scatter(x=step_x, y=[r["accuracy"] for r in steps], showlegend=False,
+                             name="train (per step)", **train), row=1, col=2)
+    fig.add_trace(go.Scatter(x=step_x, y=[r["lr"] for r in steps], showlegend=False,
+                             name="learning rate", **train), row=1, col=3)
+    fig.add_trace(go.Scatter(x=epoch_x, y=[r["test_loss"] for r in epochs], name="test (per epoch)",
+                             **test), row=1, col=1)
+    fig.add_trace(go.Scatter(x=epoch_x, y=[r["test_accuracy"] for r in epochs], showlegend=False,
+                             name="test (per epoch)", **test), row=1, col=2)
+    fig.update_xaxes(title="step")
+    fig.update_yaxes(range=[0, 1], row=1, col=2)
+    fig.update_yaxes(exponentformat="e", row=1, col=3)
+    if steps:
+        latest = steps[-1]
+        title = (
+            f"Training: step {latest['step']} of {latest['total_steps']},"
+            f" loss {latest['loss']:.3f}, accuracy {latest['accuracy']:.1%}"
+        )
+        if epochs:
+            title += f"; test accuracy {epochs[-1]['test_accuracy']:.1%}"
+    else:
+        title = "Training curves (nothing logged yet)"
+    fig.update_layout(title=_title(title), margin=MARGIN,
+                      legend=dict(orientation="h", y=-0.2))
+    return fig
