@@ -125,7 +125,7 @@ def test_an_upload_into_a_linked_folder_is_refused_and_touches_nothing_there(mon
         f"Uploads are off: the uploads folder {tmp_path / 'linked'} is a symbolic link; set"
         " VIT_EXPLORER_UPLOADS_DIR to a private folder of the user running this server."
     ]
-    assert app.session_state["image_key"] == "shapes:0"
+    assert app.session_state["image_key"] == ui.DEFAULT_IMAGE
     assert contents(tmp_path / "outside") == outside
 
 
