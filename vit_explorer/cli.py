@@ -64,8 +64,11 @@ def _add_train(subparsers) -> None:
 def _train_config(args: argparse.Namespace):
     from .config import PRESETS, TrainConfig, ViTConfig
     from .data import check_dataset_name, native_image_size
+    from .train import check_run_name
 
     check_dataset_name(args.dataset)
+    if args.name:
+        check_run_name(args.name)  # before any work: its files must stay in --out
     overrides = {
         field: value for field, value in (
             ("patch_size", args.patch_size), ("embed_dim", args.embed_dim), ("depth", args.depth),
