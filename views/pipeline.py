@@ -133,6 +133,10 @@ st.code(
     f"{config.depth} x [ ({tokens}, {dim}) -> attention ({config.num_heads}, {tokens}, {tokens})"
     f" -> MLP {dim}->{int(dim * config.mlp_ratio)}->{dim} ] -> ({tokens}, {dim})"
 )
+st.page_link(
+    "views/inside.py", icon=":material/calculate:",
+    label="Open one layer: its LayerNorm, queries, keys, values, softmax and MLP with this image's numbers",
+)
 evenness = selection.memo(
     "attention evenness", "all layers", compute=lambda: analysis.attention_evenness(result.attentions[0])
 )
