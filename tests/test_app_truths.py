@@ -78,10 +78,10 @@ def test_a_random_model_says_its_attention_is_uniform_and_its_prediction_a_guess
 @pytest.mark.skipif(not train.DEFAULT_WEIGHTS.is_file(), reason="the shipped model is not there yet")
 @pytest.mark.parametrize("page", ["views/pipeline.py", "views/attention.py"])
 def test_the_trained_model_on_a_sample_it_gets_right_shows_neither_note(monkeypatch, page):
-    monkeypatch.delenv("VIT_EXPLORER_DEFAULT_MODEL")  # the shipped model; the first sample is a circle
+    monkeypatch.delenv("VIT_EXPLORER_DEFAULT_MODEL")  # the shipped model on its default sample, a ring
     app = open_page(page)
     if page == "views/pipeline.py":
-        assert any("The model says **circle**" in text.value for text in app.markdown)
+        assert any("The model says **ring**" in text.value for text in app.markdown)
     assert not [note for note in notes(app) if UNIFORM.search(note) or "close to chance" in note]
 
 
