@@ -66,11 +66,16 @@ with st.sidebar:
             "Model", list(options), format_func=options.get, key="model_picker",
             on_change=_on_model_picked,
             help="The shipped model works offline; each pretrained model downloads once from its"
-            " publisher.\n\n" + ui.model_cards(),
+            " publisher. What each one is: below, under \"The pretrained models\".",
         )
+        whole = ui.model_options(whole=True).get(state["model_key"])
+        if whole and whole != options.get(state["model_key"]):
+            st.caption(whole)  # the picker had to shorten it
         card = ui.model_card(state["model_key"])
         if card:
             st.caption(card)
+        with st.expander("The pretrained models"):
+            st.markdown(ui.model_cards())
         if model_error:
             st.error(model_error)
         try:
@@ -135,11 +140,15 @@ with st.sidebar:
             reason = ui.unreadable_photo_reason(selection)
             if reason:
                 st.warning(reason)
-                for model_key in PHOTO_MODELS:
+                # Only models that can be had: downloaded, or their publisher answers.
+                offered = [model_key for model_key in PHOTO_MODELS if ui.obtainable(model_key)]
+                for model_key in offered:
                     st.button(
                         f"Explore with {options[model_key].split(' (')[0]}", key=f"try:{model_key}",
                         on_click=ui.request_model, args=(model_key,), width="stretch",
                     )
+                if not offered:
+                    st.info(ui.CATALOGUE_OFFLINE)
 
     def my_runs() -> tuple[dict, list[str]]:
         """This person's training and waiting runs: only they poll, so that a class browsing
