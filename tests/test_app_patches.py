@@ -213,4 +213,14 @@ def test_a_long_checkpoint_name_is_cut_in_the_middle_and_shown_whole_below(tiny_
     label = app.selectbox(key="model_picker").format_func("default")
     assert len(label) <= ui.MAX_LABEL and "…" in label
     assert label.startswith("Default: vit_small") and label.endswith("tensors")
-    assert long_name.name in [caption.value for caption in app.sidebar.caption]
+    assert any(long_name.name in caption.value for caption in app.sidebar.caption)
+
+
+def test_a_resampled_kernel_is_laid_out_as_the_kernel_and_embeds_as_the_conv():
+    """A transposed 224 x 224 kernel made every pass at that patch size seconds long."""
+    model = vx.ViT(vx.ViTConfig(image_size=64, patch_size=16, num_classes=0, embed_dim=32, depth=1, num_heads=2))
+    kernel = vx.model.resample_patch_embed(model.patch_embed.proj.weight, 64)
+    assert kernel.is_contiguous()
+    x = torch.randn(2, 3, 64, 64)
+    expected = torch.nn.functional.conv2d(x, kernel, model.patch_embed.proj.bias, stride=64).flatten(2).transpose(1, 2)
+    torch.testing.assert_close(model.patch_embed(x, patch_size=64), expected, atol=1e-4, rtol=1e-4)
