@@ -68,12 +68,12 @@ with st.sidebar:
             help="The shipped model works offline; each pretrained model downloads once from its"
             " publisher. What each one is: below, under \"The pretrained models\".",
         )
-        whole = ui.model_options(whole=True).get(state["model_key"])
-        if whole and whole != options.get(state["model_key"]):
-            st.caption(whole)  # the picker had to shorten it
         card = ui.model_card(state["model_key"])
+        whole = ui.model_options(whole=True).get(state["model_key"])
         if card:
-            st.caption(card)
+            st.caption(card)  # it begins with the model's whole title
+        elif whole and whole != options.get(state["model_key"]):
+            st.caption(whole)  # the picker had to shorten it
         with st.expander("The pretrained models"):
             st.markdown(ui.model_cards())
         if model_error:
@@ -144,7 +144,7 @@ with st.sidebar:
                 offered = [model_key for model_key in PHOTO_MODELS if ui.obtainable(model_key)]
                 for model_key in offered:
                     st.button(
-                        f"Explore with {options[model_key].split(' (')[0]}", key=f"try:{model_key}",
+                        f"Explore with {ui.model_title(model_key)}", key=f"try:{model_key}",
                         on_click=ui.request_model, args=(model_key,), width="stretch",
                     )
                 if not offered:

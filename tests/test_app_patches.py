@@ -121,6 +121,7 @@ def test_the_caption_says_what_the_table_shows():
         for patch, tokens, ms, accuracy in [(4, 65, 3.0, 0.95), (8, 17, 1.0, 0.98), (16, 5, 0.5, 0.23), (32, 2, 0.4, 0.14)]
     ]
     summary = ui.patch_size_summary(rows, trained=8)
+    assert summary.startswith("A pass at patch 4 (65 tokens) took 7.5x as long as at patch 32 (2 tokens).")
     assert "does best at patch 8 (98%; trained at 8)" in summary
     assert "patch 4 stay within 5 points" in summary
     assert "at patches 16 and 32 it falls to 23% and 14%" in summary
@@ -181,8 +182,12 @@ def test_offline_a_downloaded_model_is_still_offered(offline):
     app.selectbox(key="image_picker").set_value("photo:chelsea.png").run()
     assert photo_buttons(app) == ["Explore with DINO ViT-S/16"]
     options = app.selectbox(key="model_picker")
-    assert options.format_func("pretrained:dino_vits16") == "DINO ViT-S/16 (downloaded)"
-    assert options.format_func("pretrained:deit_s") == "DeiT-S (88 MB, downloads once)"
+    assert options.format_func("pretrained:dino_vits16") == "Downloaded: DINO ViT-S/16"
+    assert options.format_func("pretrained:deit_s") == "88 MB download: DeiT-S"
+    # Long titles are cut in the middle; what choosing the model costs stays readable.
+    labels = options.options
+    assert all(len(label) <= ui.MAX_LABEL for label in labels), labels
+    assert options.format_func("pretrained:vit_b_16").startswith("346 MB download: ")
 
 
 def test_a_reachable_publisher_offers_its_models(offline, monkeypatch):

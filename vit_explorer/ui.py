@@ -462,12 +462,16 @@ HELD_OUT_MARGIN = 0.05
 
 def patch_size_summary(rows: Sequence[dict], trained: int) -> str:
     """What the comparison table shows, in a sentence or two derived from its rows."""
-    slowest = max(rows, key=lambda row: row["forward ms"])
-    fastest = min(rows, key=lambda row: row["forward ms"])
+    most = max(rows, key=lambda row: row["tokens"])
+    fewest = min(rows, key=lambda row: row["tokens"])
+    ratio = most["forward ms"] / fewest["forward ms"]
     sentences = [
-        f"A pass at patch {slowest['patch size']} ({slowest['tokens']} tokens) took"
-        f" {slowest['forward ms'] / fastest['forward ms']:.0f}x as long as at patch"
-        f" {fastest['patch size']} ({fastest['tokens']} tokens)."
+        f"A pass at patch {most['patch size']} ({most['tokens']} tokens) took {ratio:.1f}x as long as"
+        f" at patch {fewest['patch size']} ({fewest['tokens']} tokens)."
+        if ratio >= 1.5 else
+        f"A pass at patch {most['patch size']} ({most['tokens']} tokens) took about as long as at"
+        f" patch {fewest['patch size']} ({fewest['tokens']} tokens): for this model the time went to"
+        " fixed costs (or to other work on this server), not to the tokens."
     ]
     held_out = {row["patch size"]: row["held-out accuracy"] for row in rows if row.get("held-out accuracy") is not None}
     if held_out:
@@ -673,8 +677,8 @@ def set_kept(widget_key: str, value: Any) -> None:
     st.session_state[kept_key(widget_key)] = value
 
 
-# Model labels longer than this are cut in the sidebar's picker: a file or run name is shortened
-# in the middle (its start and end tell checkpoints apart) and the app shows the whole label below.
+# Model labels longer than this are cut in the sidebar's picker (and in its open list): a name is
+# shortened in the middle (its start and end tell checkpoints apart), the whole label shown below.
 MAX_LABEL = 30
 
 
@@ -686,15 +690,19 @@ def model_options(whole: bool = False) -> dict[str, str]:
     # A server started with VIT_EXPLORER_DEFAULT_MODEL says which checkpoint it opens with.
     options = {DEFAULT_MODEL: "Shipped shapes ViT (offline)" if shipped else f"Default: {weights.name}"}
     for name, entry in catalogue.CATALOGUE.items():
-        where = "downloaded" if catalogue.is_downloaded(name) else f"{entry.size_bytes / 1e6:.0f} MB, downloads once"
-        options[f"pretrained:{name}"] = f"{entry.title} ({where})"
+        # The state first: a long title may be cut, what selecting it costs never is.
+        where = "Downloaded" if catalogue.is_downloaded(name) else f"{entry.size_bytes / 1e6:.0f} MB download"
+        options[f"pretrained:{name}"] = f"{where}: {entry.title}"
     for run_id, run in training_runs().items():
         if run.checkpoint is not None:
             options[f"file:{run.checkpoint}"] = f"Trained here: {run_id}"
     options.update(st.session_state["uploaded_models"])
-    if whole:
-        return options
-    return {key: label if key.startswith("pretrained:") else _fit(label) for key, label in options.items()}
+    return options if whole else {key: _fit(label) for key, label in options.items()}
+
+
+def model_title(model_key: str) -> str:
+    """A catalogue model's title ("DINO ViT-S/16")."""
+    return catalogue.entry(model_key.removeprefix("pretrained:")).title
 
 
 def _fit(label: str) -> str:
