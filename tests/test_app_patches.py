@@ -198,7 +198,7 @@ def test_a_reachable_publisher_offers_its_models(offline, monkeypatch):
     try:
         app = open_app("views/pipeline.py")
         app.selectbox(key="image_picker").set_value("photo:chelsea.png").run()
-        assert photo_buttons(app) == ["Explore with DINO ViT-S/16", "Explore with DeiT-S", "Explore with CLIP ViT-B/16"]
+        assert photo_buttons(app) == ["Explore with DINO ViT-S/16", "Explore with DeiT-S", "Explore with CLIP ViT-B/16 (OpenAI)"]
     finally:
         listener.close()
 
