@@ -688,7 +688,7 @@ def model_options(whole: bool = False) -> dict[str, str]:
     weights = default_weights().resolve()
     shipped = weights == train.DEFAULT_WEIGHTS.resolve()
     # A server started with VIT_EXPLORER_DEFAULT_MODEL says which checkpoint it opens with.
-    options = {DEFAULT_MODEL: "Shipped shapes ViT (offline)" if shipped else f"Default: {weights.name}"}
+    options = {DEFAULT_MODEL: "Shipped shapes ViT (offline)" if shipped else f"Default: {weights.stem}"}
     for name, entry in catalogue.CATALOGUE.items():
         # The state first: a long title may be cut, what selecting it costs never is.
         where = "Downloaded" if catalogue.is_downloaded(name) else f"{entry.size_bytes / 1e6:.0f} MB download"
