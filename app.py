@@ -92,7 +92,9 @@ with st.sidebar:
             st.caption(f"{ui.describe(selection.config)}{resized}.")
             st.caption(f"{ui.parameter_count(selection.model):,} parameters.")
             native = ui.base_model(state["model_key"]).config
-            with st.expander(f"Input size: {selection.config.img_size[0]}x{selection.config.img_size[1]} px"):
+            # One label whatever the size (the caption above gives it): a new label would be a new
+            # expander, drawn closed after every edit.
+            with st.expander("Input size"):
                 st.caption(
                     f"Trained at {native.img_size[0]}x{native.img_size[1]} px. Another size (not"
                     " necessarily square) interpolates the position embeddings to the new grid."
@@ -170,6 +172,7 @@ with st.sidebar:
 
     training_status()
 
+ui.keep_in_address()
 if selection is None and page.title != "Train":
     st.info("Choose another model in the sidebar, or train one on the Train page.")
     st.stop()

@@ -259,7 +259,7 @@ def test_a_bad_image_upload_says_why_and_keeps_the_previous_image():
     app.file_uploader(key="image_upload").set_value(("notes.png", b"just some text", "image/png")).run()
     assert not app.exception
     assert len(errors(app)) == 1 and errors(app)[0].startswith("Could not use notes.png:")
-    assert app.selectbox(key="image_picker").value == "shapes:0"
+    assert app.selectbox(key="image_picker").value == ui.DEFAULT_IMAGE
     assert title_matching(app, "^Attention of the")  # the page still works
 
 
@@ -316,12 +316,11 @@ def test_pretrained_offline_says_so_and_keeps_the_previous_model(monkeypatch, tm
 
 def test_a_one_epoch_training_run_produces_metrics_and_becomes_the_model():
     app = open_app("views/train.py")
-    form = app.get("form")[0]
-    widget(form.number_input, "Epochs").set_value(1)
-    widget(form.number_input, "Training images (0: the whole dataset)").set_value(256)
-    widget(form.number_input, "Batch size").set_value(64)
-    widget(form.text_input, "Patch sizes (FlexiViT)").set_value("4, 8")
-    app.get("form_submit_button")[0].click().run()
+    widget(app.number_input, "Epochs").set_value(1)
+    widget(app.number_input, "Training images (0: the whole dataset)").set_value(256)
+    widget(app.number_input, "Batch size").set_value(64)
+    widget(app.text_input, "Patch sizes (FlexiViT)").set_value("4, 8")
+    widget(app.button, "Launch training").click().run()
     assert not app.exception and errors(app) == []
     (run,) = ui.training_runs().values()
     assert run.config.patch_sizes == (4, 8)
@@ -339,10 +338,9 @@ def test_a_one_epoch_training_run_produces_metrics_and_becomes_the_model():
 
 def test_an_impossible_custom_model_is_refused_with_a_sentence():
     app = open_app("views/train.py")
-    form = app.get("form")[0]
-    widget(form.selectbox, "Model size").set_value("custom")
-    widget(form.number_input, "Patch size").set_value(5)  # does not tile 32 x 32 images
-    app.get("form_submit_button")[0].click().run()
+    widget(app.selectbox, "Model size").set_value("custom")
+    widget(app.number_input, "Patch size").set_value(5)  # does not tile 32 x 32 images
+    widget(app.button, "Launch training").click().run()
     assert not app.exception
     assert errors(app) == ["Cannot train that: image size 32x32 is not divisible by patch size 5"]
     assert ui.training_runs() == {}
@@ -350,11 +348,10 @@ def test_an_impossible_custom_model_is_refused_with_a_sentence():
 
 def test_a_model_too_large_for_the_server_is_refused_before_it_starts():
     app = open_app("views/train.py")
-    form = app.get("form")[0]
-    widget(form.selectbox, "Model size").set_value("custom")
+    widget(app.selectbox, "Model size").set_value("custom")
     for label, value in [("Patch size", 1), ("Dim", 1024), ("Depth", 24), ("Heads", 16), ("Batch size", 4096)]:
-        widget(form.number_input, label).set_value(value)
-    app.get("form_submit_button")[0].click().run()
+        widget(app.number_input, label).set_value(value)
+    widget(app.button, "Launch training").click().run()
     assert not app.exception
     (error,) = errors(app)
     assert error.startswith("This run would need about ") and "a run may use on this server" in error
@@ -363,10 +360,9 @@ def test_a_model_too_large_for_the_server_is_refused_before_it_starts():
 
 
 def launch(app: AppTest, epochs: int) -> None:
-    form = app.get("form")[0]
-    widget(form.number_input, "Epochs").set_value(epochs)
-    widget(form.number_input, "Training images (0: the whole dataset)").set_value(256)
-    app.get("form_submit_button")[0].click().run()
+    widget(app.number_input, "Epochs").set_value(epochs)
+    widget(app.number_input, "Training images (0: the whole dataset)").set_value(256)
+    widget(app.button, "Launch training").click().run()
     assert not app.exception and errors(app) == []
 
 
@@ -377,16 +373,17 @@ def progress_texts(app: AppTest) -> list[str]:
 def test_runs_wait_their_turn_and_only_their_owner_stops_them(monkeypatch):
     monkeypatch.setenv("VIT_EXPLORER_MAX_RUNS", "1")
     alice = open_app("views/train.py")
-    token = alice.query_params[ui.OWNER_PARAM]
-    assert token  # created on the first visit
+    assert ui.OWNER_PARAM not in alice.query_params  # no token in an address that may be shared
     launch(alice, epochs=200)
+    token = alice.query_params[ui.OWNER_PARAM]
+    assert token  # created with her first run
     launch(alice, epochs=1)
     assert "run 2 queued: 1st in line; it starts by itself when a slot frees" in progress_texts(alice)
     assert widget(alice.button, "Withdraw")
 
     # Someone else watches alice's run but cannot stop it.
     bob = open_app("views/train.py")
-    assert bob.query_params[ui.OWNER_PARAM] != token
+    assert bob.query_params.get(ui.OWNER_PARAM) != token
     bob.selectbox(key="watched_run").set_value("run 1").run()
     assert bob.selectbox(key="watched_run").options == [
         f"run {number}: shapes, tiny model (read-only)" for number in (1, 2)
@@ -414,8 +411,8 @@ def test_runs_wait_their_turn_and_only_their_owner_stops_them(monkeypatch):
 ])
 def test_flexivit_patch_sizes_that_cannot_work_are_refused_with_a_sentence(sizes, error):
     app = open_app("views/train.py")
-    widget(app.get("form")[0].text_input, "Patch sizes (FlexiViT)").set_value(sizes)
-    app.get("form_submit_button")[0].click().run()
+    widget(app.text_input, "Patch sizes (FlexiViT)").set_value(sizes)
+    widget(app.button, "Launch training").click().run()
     assert not app.exception
     assert errors(app) == [f"Cannot train that: {error}"]
     assert ui.training_runs() == {}
@@ -568,3 +565,107 @@ def test_the_input_size_can_change_and_a_too_large_one_is_refused():
     assert title_matching(app, "^Input image as a").startswith("Input image as a 8 x 8 grid")
     app.number_input(key="input_width").set_value(30).run()
     assert errors(app)[0].startswith("The input size must be a multiple of the patch size (4 px)")
+
+
+def test_the_owner_token_survives_moving_between_pages_and_a_reload():
+    app = open_app("views/train.py")
+    launch(app, epochs=200)
+    token = app.query_params[ui.OWNER_PARAM]
+    # Streamlit's page navigation drops the address's parameters.
+    app.query_params.clear()
+    app.switch_page("views/attention.py").run()
+    assert app.query_params[ui.OWNER_PARAM] == token
+    app.query_params.clear()
+    app.switch_page("views/train.py").run()
+    assert app.query_params[ui.OWNER_PARAM] == token
+    assert widget(app.button, "Stop")
+    assert not any("only they can stop it" in caption.value for caption in app.caption)
+    # A reload: a new session with the address it had.
+    again = AppTest.from_file(APP, default_timeout=60)
+    again.query_params[ui.OWNER_PARAM] = token
+    again.run().switch_page("views/train.py").run()
+    run = ui.training_runs()["run 1"]
+    widget(again.button, "Stop").click().run()
+    assert run.join(timeout=60) and run.status == "stopped", run.error
+
+
+def test_the_chosen_image_survives_a_reload():
+    app = open_app("views/attention.py")
+    assert app.selectbox(key="image_picker").value == ui.DEFAULT_IMAGE
+    assert ui.IMAGE_PARAM not in app.query_params  # the default needs no parameter
+    app.selectbox(key="image_picker").set_value("shapes:2").run()
+    assert app.query_params[ui.IMAGE_PARAM] == "shapes:2"
+    again = AppTest.from_file(APP, default_timeout=60)
+    again.query_params[ui.IMAGE_PARAM] = "shapes:2"
+    again.run().switch_page("views/attention.py").run()
+    assert not again.exception
+    assert again.selectbox(key="image_picker").value == "shapes:2"
+
+
+@pytest.mark.parametrize("image_key", ["shapes:99", "shapes:-1", "photo:missing.png", "upload:0123abcd", "nonsense"])
+def test_an_unknown_image_in_the_address_falls_back_to_the_default(image_key):
+    app = AppTest.from_file(APP, default_timeout=60)
+    app.query_params[ui.IMAGE_PARAM] = image_key
+    app.run()
+    assert not app.exception and errors(app) == []
+    assert app.selectbox(key="image_picker").value == ui.DEFAULT_IMAGE
+    assert ui.IMAGE_PARAM not in app.query_params
+
+
+def test_an_uploaded_image_survives_a_reload():
+    app = open_app("views/pipeline.py")
+    app.file_uploader(key="image_upload").set_value(("cat.png", PHOTO.read_bytes(), "image/png")).run()
+    image_key = app.session_state["image_key"]
+    assert app.query_params[ui.IMAGE_PARAM] == image_key
+    again = AppTest.from_file(APP, default_timeout=60)
+    again.query_params[ui.IMAGE_PARAM] = image_key
+    again.run()
+    assert not again.exception
+    assert again.selectbox(key="image_picker").value == image_key
+
+
+def test_a_width_only_input_size_change_takes_effect_and_keeps_the_expander():
+    app = open_app("views/patches.py")
+    labels = [expander.label for expander in app.sidebar.expander]
+    app.number_input(key="input_width").set_value(64).run()
+    assert not app.exception and errors(app) == []
+    assert any("32x64 px input, patch 4 -> 8x16 grid" in caption.value for caption in app.sidebar.caption)
+    assert title_matching(app, "^Input image as a").startswith("Input image as a 8 x 16 grid")
+    # The same label: Streamlit keeps the expander (and whether it is open) across the edit.
+    assert [expander.label for expander in app.sidebar.expander] == labels
+
+
+def test_a_preset_fills_in_the_numbers_and_an_edited_number_makes_the_model_custom():
+    app = open_app("views/train.py")
+    widget(app.selectbox, "Model size").set_value("small").run()
+    shown = {label: widget(app.number_input, label).value for label in ("Patch size", "Dim", "Depth", "Heads")}
+    assert shown == {"Patch size": 4, "Dim": 128, "Depth": 6, "Heads": 4}
+    widget(app.selectbox, "Model size").set_value("tiny").run()
+    widget(app.number_input, "Depth").set_value(2).run()
+    assert widget(app.selectbox, "Model size").value == "custom"
+    widget(app.number_input, "Epochs").set_value(1)
+    widget(app.number_input, "Training images (0: the whole dataset)").set_value(64)
+    widget(app.button, "Launch training").click().run()
+    assert not app.exception and errors(app) == []
+    (run,) = ui.training_runs().values()
+    model = train.model_config(run.config)
+    assert (model.patch_size, model.embed_dim, model.depth, model.num_heads, model.mlp_ratio) == (8, 64, 2, 4, 2.0)
+    assert run.join(timeout=120), run.error
+
+
+def test_the_train_page_says_what_a_run_gets(monkeypatch):
+    monkeypatch.setenv("VIT_EXPLORER_RUN_THREADS", "3")
+    app = open_app("views/train.py")
+    help_text = widget(app.number_input, "Training images (0: the whole dataset)").help
+    assert "3 CPU threads at low priority" in help_text
+    assert "2-core CPU" not in help_text
+
+
+@pytest.mark.skipif(not train.DEFAULT_WEIGHTS.is_file(), reason="the shipped model is not there yet")
+def test_the_app_opens_on_a_sample_the_shipped_model_gets_right_and_is_sure_of():
+    model = vx.load_model(train.DEFAULT_WEIGHTS).eval()
+    image, label = shapes_sample(int(ui.DEFAULT_IMAGE.removeprefix("shapes:")), model.config.img_size)
+    with torch.no_grad():
+        probabilities = model(vx.preprocess(image, model.config)).softmax(-1)[0]
+    assert SHAPE_CLASSES[int(probabilities.argmax())] == label
+    assert float(probabilities.max()) > 0.9

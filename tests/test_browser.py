@@ -6,6 +6,7 @@ missing. Screenshots of every step go to $VIT_EXPLORER_SCREENSHOTS, or to pytest
 import os
 import re
 from pathlib import Path
+from urllib.parse import parse_qs, urlparse
 
 import pytest
 import torch
@@ -116,4 +117,41 @@ def test_the_app_in_chromium(server, shots):
         go_to(page, "Attention")
         expect(page.locator('[data-testid="stException"]')).to_have_count(0)
         page.screenshot(path=shots / "6_trained_attention.png", full_page=True)
+        browser.close()
+
+
+def test_moving_between_pages_keeps_the_control_of_a_run(server, shots):
+    """Streamlit's page links drop the address's parameters: the owner token must come back."""
+    expect = sync_api.expect
+    expect.set_options(timeout=60_000)
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(**CHROMIUM_LAUNCH)
+        page = browser.new_page(viewport={"width": 1400, "height": 1600})
+        page.set_default_timeout(60_000)
+        page.goto(server)
+        page.get_by_role("heading", name="Pipeline", level=1).wait_for()
+        settle(page)
+        go_to(page, "Train")
+        page.get_by_role("spinbutton", name="Epochs").fill("200")  # still running when we come back
+        page.get_by_role("spinbutton", name="Epochs").press("Enter")
+        settle(page)
+        page.get_by_role("button", name="Launch training").click()
+        stop = page.get_by_test_id("stMainBlockContainer").get_by_role("button", name="Stop")  # not the header's
+        stop.wait_for()
+        page.wait_for_url(re.compile(r"[?&]owner="))
+        token = parse_qs(urlparse(page.url).query)["owner"]
+
+        go_to(page, "Attention")
+        expect(page.get_by_text(re.compile(r"Attention of the class token"))).to_be_visible()
+        page.wait_for_url(re.compile(r"[?&]owner="))
+        assert parse_qs(urlparse(page.url).query)["owner"] == token
+        go_to(page, "Train")
+        expect(stop).to_be_visible()
+        expect(page.get_by_text("only they can stop it")).to_have_count(0)
+        assert parse_qs(urlparse(page.url).query)["owner"] == token
+        page.screenshot(path=shots / "7_train_again.png", full_page=True)
+
+        stop.click()
+        # The run's process sees the request at its next step: at nice 15 on a busy machine, a while.
+        expect(page.get_by_text(re.compile(r"run 1 stopped"))).to_be_visible(timeout=240_000)
         browser.close()

@@ -20,9 +20,9 @@ TIMM_FAMILIES = {
     "deit distilled headless": ("deit_small_distilled_patch16_224", dict(num_classes=0), {}),
     "clip openai (quick gelu)": (
         "vit_base_patch16_clip_quickgelu_224", dict(num_classes=6),
-        dict(layer_norm_eps=1e-5, act_layer="quick_gelu"),
+        dict(act_layer="quick_gelu"),
     ),
-    "clip headless": ("vit_base_patch16_clip_224", dict(num_classes=0), dict(layer_norm_eps=1e-5)),
+    "clip headless": ("vit_base_patch16_clip_224", dict(num_classes=0), {}),
     "siglip map head": ("vit_base_patch16_siglip_224", dict(num_classes=0), {}),
     "siglip map head + classifier": ("vit_base_patch16_siglip_224", dict(num_classes=4), {}),
     "dinov2 registers": ("vit_small_patch14_reg4_dinov2", dict(num_classes=0), {}),
@@ -67,6 +67,7 @@ def test_weights_reveal_the_architecture(tmp_path):
     assert deit.config.dist_token and deit.config.num_prefix_tokens == 2
     clip = load_from_timm(timm_reference("vit_base_patch16_clip_224", num_classes=0), tmp_path / "c.safetensors")
     assert clip.config.pre_norm and not clip.config.patch_bias and clip.config.num_classes == 0
+    assert clip.config.layer_norm_eps == 1e-5  # as timm builds a CLIP tower; a plain ViT has 1e-6
     siglip = load_from_timm(timm_reference("vit_base_patch16_siglip_224", num_classes=0), tmp_path / "s.safetensors")
     assert siglip.config.global_pool == "map" and not siglip.config.class_token
 

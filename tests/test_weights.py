@@ -402,6 +402,28 @@ def test_unreadable_files_are_clear_errors(tmp_path):
         vx.load_model(tmp_path / "missing.safetensors")
 
 
+def test_a_compressed_archive_of_honest_size_loads(tmp_path):
+    """The zip-bomb bound leaves room for an archive some tool saved deflated (torch reads it)."""
+    import zipfile
+
+    model = _tiny()
+    torch.save(model.state_dict(), tmp_path / "stored.pth")
+    with zipfile.ZipFile(tmp_path / "stored.pth") as source, zipfile.ZipFile(
+        tmp_path / "deflated.pth", "w", zipfile.ZIP_DEFLATED
+    ) as target:
+        for info in source.infolist():
+            target.writestr(info.filename, source.read(info.filename))
+    assert (tmp_path / "deflated.pth").stat().st_size < (tmp_path / "stored.pth").stat().st_size
+    loaded = vx.load_model(tmp_path / "deflated.pth", num_heads=2)
+    assert torch.equal(loaded(_images()), model(_images()))
+
+
+def test_a_file_in_the_pre_1_6_format_is_refused_with_what_to_do(tmp_path):
+    torch.save(_tiny().state_dict(), tmp_path / "old.pth", _use_new_zipfile_serialization=False)
+    with pytest.raises(vx.CheckpointError, match="old.pth is a Python pickle.*save it again with a current torch.save"):
+        vx.load_model(tmp_path / "old.pth")
+
+
 def test_state_dict_that_is_not_a_vit_is_refused(tmp_path):
     import torchvision
 

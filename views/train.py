@@ -18,7 +18,6 @@ DATASETS = {
 CUSTOM = "custom"
 DEFAULTS, DEFAULT_MODEL = TrainConfig(), PRESETS[TrainConfig().model]
 state = st.session_state
-ui.owner_token()  # into the address on the first visit, so that a reload keeps this person's runs
 
 st.title("Train")
 st.write(
@@ -29,49 +28,64 @@ st.write(
 )
 st.caption(
     "Everyone on this server sees every run, but only the person who launched a run can stop it"
-    " (this page's address carries your token: keep it to keep control after a reload). Each run"
-    " trains in its own process; a run too large for the server is refused, and when all slots"
-    " are busy a run waits its turn."
+    " (once you launch one, the page's address carries your token: keep it to keep control after a"
+    " reload). Each run trains in its own process; a run too large for the server is refused, and"
+    " when all slots are busy a run waits its turn."
 )
 
-with st.form("train_form"):
-    left, right = st.columns(2)
-    dataset = left.selectbox("Dataset", list(DATASETS), format_func=DATASETS.get)
-    preset = left.selectbox(
-        "Model size", [*PRESETS, CUSTOM],
-        format_func=lambda name: "custom (the four numbers below)" if name == CUSTOM
-        else f"{name}: dim {PRESETS[name]['embed_dim']}, depth {PRESETS[name]['depth']},"
-        f" {PRESETS[name]['num_heads']} heads, patch {PRESETS[name]['patch_size']}",
-    )
-    patch_column, dim_column, depth_column, heads_column = left.columns(4)
-    patch_size = patch_column.number_input("Patch size", 1, 64, DEFAULT_MODEL["patch_size"])
-    embed_dim = dim_column.number_input("Dim", 8, 1024, DEFAULT_MODEL["embed_dim"], step=8)
-    depth = depth_column.number_input("Depth", 1, 24, DEFAULT_MODEL["depth"])
-    num_heads = heads_column.number_input("Heads", 1, 16, DEFAULT_MODEL["num_heads"])
-    epochs = right.number_input("Epochs", 1, 200, DEFAULTS.epochs)
-    batch_size = right.number_input("Batch size", 1, 4096, DEFAULTS.batch_size)
-    lr = right.number_input("Peak learning rate", 1e-5, 1.0, DEFAULTS.lr, format="%.5f")
-    train_size = right.number_input(
-        "Training images (0: the whole dataset)", 0, 1_000_000, 0, step=500,
-        help="Shapes renders 16000 new images per epoch (the defaults reach about 97% in under a"
-        " minute on a 2-core CPU); fewer images make a quicker run.",
-    )
-    flexi_sizes = left.text_input(
-        "Patch sizes (FlexiViT)", placeholder="e.g. 2,4,8",
-        help="Train each step at a patch size drawn from these, one set of weights resized on the"
-        " fly (FlexiViT), so that the model works at all of them; empty: only its own patch size.",
-    )
-    launched = st.form_submit_button("Launch training", type="primary")
+# The architecture is the numbers on screen: a preset only fills them in, and any other numbers
+# are a custom model (no form, so that choosing a preset shows its numbers at once).
+# Field -> (label, lowest, highest, step).
+ARCHITECTURE = {
+    "patch_size": ("Patch size", 1, 64, 1), "embed_dim": ("Dim", 8, 1024, 8), "depth": ("Depth", 1, 24, 1),
+    "num_heads": ("Heads", 1, 16, 1), "mlp_ratio": ("MLP ratio", 0.5, 8.0, 0.5),
+}
+
+
+def fill_in_preset() -> None:
+    if state["train_preset"] != CUSTOM:
+        for name, value in PRESETS[state["train_preset"]].items():
+            ui.set_kept(f"train_{name}", value)
+
+
+left, right = st.columns(2)
+dataset = left.selectbox("Dataset", list(DATASETS), format_func=DATASETS.get)
+kept = {name: ui.keep(f"train_{name}", DEFAULT_MODEL[name]) for name in ARCHITECTURE}
+architecture = {name: state[f"train_{name}"] for name in ARCHITECTURE}
+state["train_preset"] = next((name for name, numbers in PRESETS.items() if numbers == architecture), CUSTOM)
+left.selectbox(
+    "Model size", [*PRESETS, CUSTOM], key="train_preset", on_change=fill_in_preset,
+    format_func=lambda name: "custom: the numbers below, edited" if name == CUSTOM
+    else f"{name}: patch {PRESETS[name]['patch_size']}, dim {PRESETS[name]['embed_dim']},"
+    f" depth {PRESETS[name]['depth']}, {PRESETS[name]['num_heads']} heads, MLP ratio {PRESETS[name]['mlp_ratio']:g}",
+    help="A preset fills in the numbers below; change any of them for a model of your own.",
+)
+for column, (name, (label, lowest, highest, step)) in zip(left.columns(len(ARCHITECTURE)), ARCHITECTURE.items()):
+    column.number_input(label, lowest, highest, step=step, **kept[name])
+threads = ui.run_manager().limits.threads
+epochs = right.number_input("Epochs", 1, 200, DEFAULTS.epochs)
+batch_size = right.number_input("Batch size", 1, 4096, DEFAULTS.batch_size)
+lr = right.number_input("Peak learning rate", 1e-5, 1.0, DEFAULTS.lr, format="%.5f")
+train_size = right.number_input(
+    "Training images (0: the whole dataset)", 0, 1_000_000, 0, step=500,
+    help=f"Shapes renders 16000 new images per epoch. A run here gets {threads} CPU"
+    f" thread{'s' if threads > 1 else ''} at low priority, so that the people exploring come first:"
+    " with one thread the defaults (10 epochs) took about 2 minutes on an idle core and reached"
+    " about 98% test accuracy (91% after 5 epochs), and longer on a busy server; fewer images"
+    " make a quicker run.",
+)
+flexi_sizes = left.text_input(
+    "Patch sizes (FlexiViT)", placeholder="e.g. 2,4,8",
+    help="Train each step at a patch size drawn from these, one set of weights resized on the"
+    " fly (FlexiViT), so that the model works at all of them; empty: only its own patch size.",
+)
+launched = st.button("Launch training", type="primary")
 
 if launched:
     try:
+        preset = state["train_preset"]
         model = (
-            ViTConfig(
-                image_size=native_image_size(dataset), patch_size=patch_size, embed_dim=embed_dim,
-                depth=depth, num_heads=num_heads,
-            )
-            if preset == CUSTOM
-            else preset
+            ViTConfig(image_size=native_image_size(dataset), **architecture) if preset == CUSTOM else preset
         )
         config = TrainConfig(
             dataset=dataset, model=model, epochs=epochs, batch_size=batch_size, lr=lr,

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,10 +16,33 @@ ACTIVATIONS = ("gelu", "gelu_tanh", "quick_gelu")  # the MLP activations ViTConf
 
 
 def _pair(value: int | tuple[int, int] | list[int]) -> tuple[int, int]:
-    if isinstance(value, int):
+    if isinstance(value, numbers.Integral):
         return (value, value)
     height, width = value
     return (int(height), int(width))
+
+
+def _brief(value: Any) -> str:
+    """A value for an error message, cut short: it may come from a hostile file."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _check_whole(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"{name} must be a whole number of at least {minimum}, not {_brief(value)}")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _numbers(name: str, values: Any) -> tuple[float, ...]:
+    if not isinstance(values, (list, tuple)) or not all(_is_number(value) for value in values):
+        raise ValueError(
+            f"{name} must be a list of numbers, one per input channel, not {_brief(values)}"
+        )
+    return tuple(float(value) for value in values)
 
 
 class _JsonConfig:
@@ -78,19 +103,24 @@ class ViTConfig(_JsonConfig):
     def __post_init__(self) -> None:
         # Normalise JSON lists to tuples so that configs compare and hash equal after a round trip.
         set_field = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
-        if not isinstance(self.image_size, int):
+        self._check_types()
+        if isinstance(self.image_size, (list, tuple)):
             set_field("image_size", _pair(self.image_size))
         if self.class_names is not None:
             set_field("class_names", tuple(str(name) for name in self.class_names))
-        set_field("mean", tuple(float(m) for m in self.mean))
-        set_field("std", tuple(float(s) for s in self.std))
+        set_field("mean", _numbers("mean", self.mean))
+        set_field("std", _numbers("std", self.std))
+        if not all(s > 0 for s in self.std):
+            raise ValueError(
+                f"std must be positive for every channel (inputs are divided by it), not {self.std}"
+            )
 
         height, width = self.img_size
-        if self.patch_size < 1 or height % self.patch_size or width % self.patch_size:
+        if height % self.patch_size or width % self.patch_size:
             raise ValueError(
                 f"image size {height}x{width} is not divisible by patch size {self.patch_size}"
             )
-        if self.num_heads < 1 or self.embed_dim % self.num_heads:
+        if self.embed_dim % self.num_heads:
             raise ValueError(
                 f"embed_dim {self.embed_dim} is not divisible by num_heads {self.num_heads}"
             )
@@ -102,14 +132,46 @@ class ViTConfig(_JsonConfig):
             raise ValueError("dist_token=True needs class_token=True and global_pool='cls' (DeiT)")
         if self.act_layer not in ACTIVATIONS:
             raise ValueError(f"act_layer must be one of {', '.join(ACTIVATIONS)}, not {self.act_layer!r}")
-        if self.reg_tokens < 0:
-            raise ValueError(f"reg_tokens must be >= 0, not {self.reg_tokens}")
         if self.class_names is not None and len(self.class_names) != self.num_classes:
             raise ValueError(
                 f"{len(self.class_names)} class names given for {self.num_classes} classes"
             )
         if len(self.mean) != self.in_chans or len(self.std) != self.in_chans:
             raise ValueError(f"mean and std need one value per input channel ({self.in_chans})")
+
+    def _check_types(self) -> None:
+        """Types and ranges, so that a config read from a file fails here with a sentence, not later."""
+        pair = isinstance(self.image_size, (list, tuple)) and len(self.image_size) == 2
+        for side in self.image_size if pair else [self.image_size]:
+            _check_whole("image_size", side, 1)
+        minimums = {
+            "patch_size": 1, "in_chans": 1, "num_classes": 0, "embed_dim": 1, "depth": 1,
+            "num_heads": 1, "reg_tokens": 0,
+        }
+        for name, minimum in minimums.items():
+            _check_whole(name, getattr(self, name), minimum)
+        flags = ("qkv_bias", "class_token", "dist_token", "no_embed_class", "pre_norm", "patch_bias")
+        for name in flags:
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, not {_brief(getattr(self, name))}")
+        if self.fc_norm is not None and not isinstance(self.fc_norm, bool):
+            raise ValueError(f"fc_norm must be true, false or None, not {_brief(self.fc_norm)}")
+        if not _is_number(self.mlp_ratio) or self.mlp_ratio <= 0:
+            raise ValueError(f"mlp_ratio must be a positive number, not {_brief(self.mlp_ratio)}")
+        if not _is_number(self.layer_norm_eps) or self.layer_norm_eps <= 0:
+            raise ValueError(
+                f"layer_norm_eps must be a positive number, not {_brief(self.layer_norm_eps)}"
+            )
+        if self.init_values is not None and not _is_number(self.init_values):
+            raise ValueError(f"init_values must be a number or None, not {_brief(self.init_values)}")
+        for name in ("drop_rate", "attn_drop_rate", "drop_path_rate"):
+            if not _is_number(getattr(self, name)) or not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"{name} must be in [0, 1), not {_brief(getattr(self, name))}")
+        if self.class_names is not None and not isinstance(self.class_names, (list, tuple)):
+            raise ValueError(f"class_names must be a list of names, not {_brief(self.class_names)}")
+        for name in ("global_pool", "act_layer"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"{name} must be a string, not {_brief(getattr(self, name))}")
 
     @property
     def img_size(self) -> tuple[int, int]:

@@ -198,6 +198,9 @@ def describe(config) -> str:
 # --- images --------------------------------------------------------------------------------------
 
 SHAPE_SAMPLES = len(SHAPE_CLASSES)
+# The picture the app opens on: a sample the shipped model classifies right and surely.
+DEFAULT_IMAGE = "shapes:4"  # ring, 99.97% (shapes:0, a circle, is only 61% sure)
+IMAGE_PARAM = "image"  # the address parameter that keeps the chosen image across a reload
 
 
 def photo_names() -> list[str]:
@@ -615,9 +618,40 @@ class Selection:
 def init_state() -> None:
     state = st.session_state
     state.setdefault("model_key", DEFAULT_MODEL)
-    state.setdefault("image_key", "shapes:0")
     state.setdefault("uploaded_models", {})  # model key -> label
     state.setdefault("uploaded_images", {})  # image key -> label (the bytes are in UPLOADS_DIR)
+    if "image_key" not in state:  # a new session, or a reload: the address says which image
+        state["image_key"] = _image_in_address()
+    if "owner_token" not in state and st.query_params.get(OWNER_PARAM):
+        state["owner_token"] = st.query_params[OWNER_PARAM]
+
+
+def keep_in_address() -> None:
+    """Write the owner token and the chosen image into the page's address on every run: a reload
+    then keeps them, and Streamlit's page navigation, which drops the address's parameters, does
+    not take a person's runs from them. A person who never trained has no token to keep, and the
+    default image needs no parameter."""
+    state = st.session_state
+    image_key = state["image_key"] if state["image_key"] != DEFAULT_IMAGE else None
+    for param, value in ((OWNER_PARAM, state.get("owner_token")), (IMAGE_PARAM, image_key)):
+        if value is None:
+            st.query_params.pop(param, None)
+        elif st.query_params.get(param) != value:
+            st.query_params[param] = value
+
+
+def _image_in_address() -> str:
+    """The image key in the address if it names a picture this server still has, else the default."""
+    image_key = st.query_params.get(IMAGE_PARAM, "")
+    kind, _, reference = image_key.partition(":")
+    if kind == "shapes" and reference.isdigit() and int(reference) < SHAPE_SAMPLES:
+        return image_key
+    if kind == "photo" and reference in photo_names():
+        return image_key
+    if kind == "upload" and reference.isalnum() and uploaded_image_path(reference).is_file():
+        st.session_state["uploaded_images"][image_key] = "Uploaded image"
+        return image_key
+    return DEFAULT_IMAGE
 
 
 def selection() -> Selection:
@@ -625,7 +659,7 @@ def selection() -> Selection:
     kind, _, digest = state["image_key"].partition(":")
     if kind == "upload" and not uploaded_image_path(digest).is_file():
         # Cleaned up for newer uploads (the folder has a quota): back to a built-in picture.
-        state["image_key"] = "shapes:0"
+        state["image_key"] = DEFAULT_IMAGE
         state["image_notice"] = "Your uploaded image was removed to make room for newer uploads; upload it again."
     size = image_size()
     patch = patch_size(size)
@@ -637,10 +671,12 @@ def selection() -> Selection:
 def image_size() -> tuple[int, int]:
     """The input size chosen in the sidebar, if valid for the current model, else its own."""
     config = base_model(st.session_state["model_key"]).config
-    chosen = tuple(st.session_state.get(kept_key(key)) for key in ("input_height", "input_width"))
-    if None in chosen or image_size_problem(config, chosen):
-        return config.img_size
-    return chosen
+    # A side never edited has no kept value: it stays the model's own.
+    chosen = tuple(
+        st.session_state.get(kept_key(key), native)
+        for key, native in zip(("input_height", "input_width"), config.img_size)
+    )
+    return config.img_size if image_size_problem(config, chosen) else chosen
 
 
 def patch_size(image_size: tuple[int, int]) -> int:
@@ -927,12 +963,14 @@ def training_runs() -> dict[str, train.TrainingRun]:
 
 
 def owner_token() -> str:
-    """This person's token: in the page's address, so that a reload keeps their runs theirs."""
-    token = st.query_params.get(OWNER_PARAM)
-    if not token:
-        token = secrets.token_urlsafe(12)
-        st.query_params[OWNER_PARAM] = token
-    return token
+    """This person's token, created when they first launch a run: kept in the session and in the
+    page's address (keep_in_address), so that neither moving between pages nor a reload takes
+    their runs from them."""
+    state = st.session_state
+    if "owner_token" not in state:
+        state["owner_token"] = secrets.token_urlsafe(12)
+        st.query_params[OWNER_PARAM] = state["owner_token"]
+    return state["owner_token"]
 
 
 def start_run(config: TrainConfig) -> str:
@@ -948,12 +986,13 @@ def stop_run(run_id: str) -> None:
 
 
 def owns_run(run_id: str) -> bool:
-    return run_manager().owns(run_id, owner_token())
+    token = st.session_state.get("owner_token")
+    return token is not None and run_manager().owns(run_id, token)
 
 
 def someone_elses_run(run_id: str) -> bool:
     """Launched by another person (runs found in the runs folder after a restart are no one's)."""
-    return run_manager().owner_of(run_id) not in (None, owner_token())
+    return run_manager().owner_of(run_id) not in (None, st.session_state.get("owner_token"))
 
 
 def active_runs() -> dict[str, train.TrainingRun]:

@@ -2,17 +2,24 @@
 
 Every format is converted to our (timm-named) state dict first; the config is then inferred from
 the tensor shapes alone, so one code path builds and checks the model whatever the source was.
+Files may come from anyone (the class server's uploads): no pickle code runs, what a file declares
+is checked against its size before anything is allocated, and nothing outside a model's folder
+is read.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import math
 import os
 import pickle
+import pickletools
 import re
+import struct
 import uuid
+import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -22,13 +29,19 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 from safetensors.torch import save as safetensors_bytes
 
-from .config import IMAGENET_MEAN, IMAGENET_STD, ViTConfig
+from .config import IMAGENET_MEAN, IMAGENET_STD, ViTConfig, _brief, _is_number
 from .model import ViT, resample_patch_embed, resample_pos_embed, resize_matrix
 
 CONFIG_KEY = "vit_explorer.config"  # safetensors metadata entry that marks a project checkpoint
 TORCHVISION_VITS = ("vit_b_16", "vit_b_32", "vit_l_16", "vit_l_32", "vit_h_14")
 HF_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 HF_SHARD_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+# Bounds on what one uploaded checkpoint can make the server hold or do. The largest published
+# ViTs fit well inside them (ViT-22B: 48 blocks, ~800 tensors; ViT-H/14: 2.5 GB).
+MAX_BLOCKS = 256
+MAX_TENSORS = 10_000
+MAX_CHECKPOINT_BYTES = 4 * 2**30
+MAX_HEADER_BYTES = 2**20  # a safetensors header, a pickle or a JSON file: names and shapes only
 
 
 class CheckpointError(ValueError):
@@ -97,8 +110,19 @@ def _looks_like_safetensors(path: Path) -> bool:
 
 
 def _safetensors_header(path: Path) -> dict[str, str]:
+    with open(path, "rb") as file:
+        (header_bytes,) = struct.unpack("<Q", file.read(8))
+    if header_bytes > MAX_HEADER_BYTES:
+        raise CheckpointError(
+            f"{path.name} has a {header_bytes / 2**20:.0f} MB header, far more than the names and"
+            " shapes of a ViT's tensors need"
+        )
     try:
         with safe_open(str(path), framework="pt") as file:
+            if len(file.keys()) > MAX_TENSORS:
+                raise CheckpointError(
+                    f"{path.name} holds {len(file.keys())} tensors; a ViT has fewer than {MAX_TENSORS}"
+                )
             return dict(file.metadata() or {})
     except SafetensorError as error:
         raise CheckpointError(
@@ -126,16 +150,118 @@ def _describe(start: bytes) -> str:
     return "a text file"
 
 
+def _check_archive(path: Path) -> None:
+    """Refuse a zip whose members would unpack to far more than the file holds, before torch.load
+    allocates and inflates them: its central directory declares each member's size."""
+    size = path.stat().st_size
+    with open(path, "rb") as file:
+        file.seek(max(0, size - 2**16 - 22))
+        tail = file.read()
+    # The end-of-central-directory record counts the members; Python's zipfile would otherwise
+    # build an object for each of millions of them.
+    end = tail.rfind(b"PK\x05\x06")
+    if end < 0 or len(tail) < end + 22:
+        raise CheckpointError(f"{path.name} is truncated or not a PyTorch/safetensors file")
+    (members,) = struct.unpack("<H", tail[end + 10 : end + 12])
+    if members > MAX_TENSORS:
+        raise CheckpointError(f"{path.name} is an archive of {members} files; a ViT has fewer tensors")
+    try:
+        with zipfile.ZipFile(path) as archive:
+            infos = archive.infolist()
+    except (zipfile.BadZipFile, OSError, ValueError):
+        raise CheckpointError(f"{path.name} is truncated or not a PyTorch/safetensors file") from None
+    declared = sum(info.file_size for info in infos)
+    # torch.save stores tensors uncompressed: an honest archive unpacks to about its own size.
+    if declared > min(4 * size + 2**20, MAX_CHECKPOINT_BYTES):
+        raise CheckpointError(
+            f"{path.name} would unpack to {declared / 2**20:,.0f} MB from a {size / 2**20:,.1f} MB"
+            " file, which is refused (PyTorch checkpoints are stored uncompressed)"
+        )
+    pickles = [info for info in infos if info.filename.endswith(".pkl")]
+    if any(info.file_size > MAX_HEADER_BYTES for info in pickles):
+        raise CheckpointError(
+            f"{path.name} has a pickle of over {MAX_HEADER_BYTES // 2**20} MB, far more than the"
+            " names and shapes of a ViT's tensors need"
+        )
+
+
+def _refuse_raw_pickle(path: Path) -> None:
+    """A pickle outside a zip: torch.save's format before PyTorch 1.6, or plain pickle.dump.
+
+    Never unpickled: the old format declares storage sizes that torch.load allocates before it
+    reads them, so a small file could ask for any amount of memory. The opcodes are only listed
+    (pickletools runs nothing) to say which code a pickle would have called.
+    """
+    with open(path, "rb") as file:
+        head = file.read(MAX_HEADER_BYTES)
+    strings: list[str] = []
+    called = None
+    try:
+        for opcode, argument, _ in pickletools.genops(io.BytesIO(head)):
+            if opcode.name in ("GLOBAL", "INST"):
+                called = argument.replace(" ", ".")[:60]
+            elif opcode.name == "STACK_GLOBAL" and len(strings) >= 2:
+                called = ".".join(strings[-2:])[:60]
+            if called or opcode.name == "STOP":
+                break
+            if isinstance(argument, str):
+                strings.append(argument)
+    except ValueError:  # not a complete pickle: said below like any other unreadable file
+        pass
+    if called:
+        raise CheckpointError(
+            f"loading {path.name} was refused: it contains code or Python objects other than "
+            f"tensors, which could run arbitrary commands ({called})"
+        )
+    raise CheckpointError(
+        f"{path.name} is a Python pickle, not a checkpoint we read: PyTorch files from before"
+        " version 1.6 are not read (they cannot be checked before loading); load it with torch.load"
+        " and save it again with a current torch.save"
+    )
+
+
+def _check_loaded(tensors: dict[str, torch.Tensor], name: str, file_size: int) -> None:
+    """Tensors may be views that share one storage: their data is bounded by the file's size
+    before anything copies them (converting to float32 at most doubles fp16 weights)."""
+    if len(tensors) > MAX_TENSORS:
+        raise CheckpointError(f"{name} holds {len(tensors)} tensors; a ViT has fewer than {MAX_TENSORS}")
+    odd = next(
+        (
+            key
+            for key, value in tensors.items()
+            if value.layout != torch.strided or value.device.type != "cpu"
+        ),
+        None,
+    )
+    if odd is not None:
+        raise CheckpointError(f"{name}'s tensor {_brief(odd)} is not a plain (dense, stored) tensor")
+    declared = sum(value.numel() * value.element_size() for value in tensors.values())
+    if declared > min(2 * file_size + 2**20, MAX_CHECKPOINT_BYTES):
+        raise CheckpointError(
+            f"{name}'s tensors would hold {declared / 2**20:,.0f} MB of data in a"
+            f" {file_size / 2**20:,.1f} MB file, which is refused"
+        )
+
+
 def _read_tensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """(state dict, safetensors metadata) of a file, or a CheckpointError saying what is wrong."""
     if not path.exists():
         raise CheckpointError(f"checkpoint {path} does not exist")
-    if path.stat().st_size == 0:
+    if not path.is_file():
+        raise CheckpointError(f"{path.name} is not a file")
+    size = path.stat().st_size
+    if size == 0:
         raise CheckpointError(f"{path.name} is empty")
+    if size > MAX_CHECKPOINT_BYTES:
+        raise CheckpointError(
+            f"{path.name} is {size / 2**30:.1f} GB; checkpoints over"
+            f" {MAX_CHECKPOINT_BYTES // 2**30} GB are not loaded"
+        )
 
     if _looks_like_safetensors(path):
         metadata = _safetensors_header(path)
         try:
+            # safetensors checks that the tensors tile the file: they hold no more than it does.
             return load_file(str(path), device="cpu"), metadata
         except SafetensorError as error:
             raise CheckpointError(
@@ -145,18 +271,21 @@ def _read_tensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     with open(path, "rb") as file:
         start = file.read(64)
     # torch.save writes a zip archive (or, before torch 1.6, a raw pickle starting with 0x80).
-    if not (start.startswith(b"PK\x03\x04") or start.startswith(b"\x80")):
+    if start.startswith(b"\x80"):
+        _refuse_raw_pickle(path)
+    if not start.startswith(b"PK\x03\x04"):
         raise CheckpointError(
             f"{path.name} is not a PyTorch/safetensors checkpoint "
             f"(it looks like {_describe(start)})"
         )
+    _check_archive(path)
     try:
         # weights_only: a pickle may only rebuild tensors and containers, never call code.
         loaded = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
         if "Weights only load failed" in str(error):
             found = re.search(r"GLOBAL ([\w.]+)", str(error))
-            detail = f" ({found.group(1)})" if found else ""
+            detail = f" ({found.group(1)[:60]})" if found else ""
             raise CheckpointError(
                 f"loading {path.name} was refused: it contains code or Python objects other than "
                 f"tensors, which could run arbitrary commands{detail}"
@@ -164,11 +293,13 @@ def _read_tensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         raise CheckpointError(
             f"{path.name} is truncated or not a PyTorch/safetensors file"
         ) from None
-    except (RuntimeError, EOFError, OSError, ValueError):
+    except (RuntimeError, EOFError, OSError, ValueError, MemoryError):
         raise CheckpointError(
             f"{path.name} is truncated or not a PyTorch/safetensors file"
         ) from None
-    return _unwrap(loaded, path.name), {}
+    tensors = _unwrap(loaded, path.name)
+    _check_loaded(tensors, path.name, size)
+    return tensors, {}
 
 
 def _unwrap(loaded: object, name: str) -> dict[str, torch.Tensor]:
@@ -297,7 +428,7 @@ def _merge_qkv(separate: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.
 def _from_huggingface(
     state: dict[str, torch.Tensor], hf_config: dict
 ) -> tuple[dict[str, torch.Tensor], dict]:
-    model_type = hf_config.get("model_type", "vit")
+    model_type = _hf_setting(hf_config, "model_type", "vit")
     if model_type not in HF_MODEL_TYPES:
         raise CheckpointError(
             f"Hugging Face model type {model_type!r} is not supported; we read"
@@ -305,13 +436,13 @@ def _from_huggingface(
         )
     tower = model_type.startswith(("clip", "siglip"))
     if model_type in ("clip", "siglip"):  # the whole model: its settings for the image tower
-        hf_config = {**hf_config, **hf_config.get("vision_config", {})}
+        hf_config = {**hf_config, **_hf_setting(hf_config, "vision_config", {})}
         state = {
             key.removeprefix("vision_model."): value
             for key, value in state.items()
             if key.startswith("vision_model.")
         }
-    activation = hf_config.get("hidden_act", "gelu")
+    activation = _hf_setting(hf_config, "hidden_act", "gelu")
     if activation not in HF_ACTIVATIONS:
         raise CheckpointError(
             f"Hugging Face activation {activation!r} is not supported, only"
@@ -356,63 +487,171 @@ def _from_huggingface(
     converted.update(_merge_qkv(separate_qkv))
 
     known: dict = {
-        "layer_norm_eps": float(hf_config.get("layer_norm_eps", 1e-12)),
+        "layer_norm_eps": float(_hf_setting(hf_config, "layer_norm_eps", 1e-12)),
         "act_layer": HF_ACTIVATIONS[activation],
     }
     if tower:
         # CLIP: a class embedding (D,) and position embeddings (N, D) stored without batch axes.
         if "embeddings.class_embedding" in converted:
             converted["cls_token"] = converted.pop("embeddings.class_embedding")[None, None]
-        converted["pos_embed"] = converted.pop("embeddings.position_embedding.weight")[None]
-    if model_type == "dinov2_with_registers":
+        if "embeddings.position_embedding.weight" in converted:
+            converted["pos_embed"] = converted.pop("embeddings.position_embedding.weight")[None]
+    if model_type == "dinov2_with_registers" and "cls_token" in converted and "pos_embed" in converted:
         # Registers get no position embedding but the class token does: fold the class token's
         # into the token itself, as timm's DINOv2 layout (no_embed_class) does.
-        converted["cls_token"] = converted["cls_token"] + converted["pos_embed"][:, :1]
+        class_position = converted["pos_embed"][:, :1]
+        if converted["cls_token"].shape != class_position.shape:  # an addition must not broadcast
+            raise CheckpointError(
+                "the Hugging Face checkpoint's class token and position embeddings do not fit"
+            )
+        converted["cls_token"] = converted["cls_token"] + class_position
         converted["pos_embed"] = converted["pos_embed"][:, 1:]
         known["no_embed_class"] = True
-    if "num_attention_heads" in hf_config:
-        known["num_heads"] = int(hf_config["num_attention_heads"])
-    if "image_size" in hf_config:
-        known["image_size"] = hf_config["image_size"]
-    for ours, theirs in (("mean", "image_mean"), ("std", "image_std")):
+    for ours, theirs in (
+        ("num_heads", "num_attention_heads"), ("image_size", "image_size"),
+        ("mean", "image_mean"), ("std", "image_std"),
+    ):
         if theirs in hf_config:
-            known[ours] = tuple(hf_config[theirs])
-    labels = hf_config.get("id2label") or {}
+            value = _hf_setting(hf_config, theirs)
+            known[ours] = tuple(value) if isinstance(value, list) else value
+    labels = _hf_setting(hf_config, "id2label", {}) or {}
     num_classes = converted["head.weight"].shape[0] if "head.weight" in converted else 0
     names = [labels.get(str(index)) for index in range(num_classes)]
+    if any(name is not None and not isinstance(name, str) for name in names):
+        raise CheckpointError("config.json's id2label must map class numbers to names (strings)")
     # transformers fills id2label with LABEL_0, LABEL_1, ... when nobody named the classes.
     if num_classes and all(names) and names != [f"LABEL_{index}" for index in range(num_classes)]:
         known["class_names"] = tuple(names)
     return converted, known
 
 
+def _convert_huggingface(
+    state: dict[str, torch.Tensor], hf_config: dict, name: str
+) -> tuple[dict[str, torch.Tensor], dict]:
+    try:
+        return _from_huggingface(state, hf_config)
+    except (RuntimeError, IndexError):  # q, k and v (or SigLIP's pool) that do not fit together
+        raise CheckpointError(f"{name}'s tensors do not fit together as a Hugging Face ViT's") from None
+
+
+def _whole(value) -> bool:
+    return _is_number(value) and isinstance(value, int) and value > 0
+
+
+# The config.json settings we read: a check of each, and what it must be in words.
+_HF_SETTINGS = {
+    "model_type": (lambda value: isinstance(value, str), "a name"),
+    "vision_config": (lambda value: isinstance(value, dict), "an object of settings"),
+    "hidden_act": (lambda value: isinstance(value, str), "a name"),
+    "layer_norm_eps": (lambda value: _is_number(value) and value > 0, "a positive number"),
+    "num_attention_heads": (_whole, "a positive whole number"),
+    "image_size": (
+        lambda value: _whole(value)
+        or (isinstance(value, list) and len(value) == 2 and all(map(_whole, value))),
+        "a positive whole number or [height, width]",
+    ),
+    "image_mean": (
+        lambda value: isinstance(value, list) and all(map(_is_number, value)),
+        "a list of numbers, one per channel",
+    ),
+    "image_std": (
+        lambda value: isinstance(value, list) and all(map(_is_number, value)),
+        "a list of numbers, one per channel",
+    ),
+    "id2label": (
+        lambda value: value is None or isinstance(value, dict),
+        "an object from class numbers to names",
+    ),
+}
+
+
+def _hf_setting(hf_config: dict, key: str, default=None):
+    """``hf_config[key]`` (or ``default``), refused with a sentence unless it is what it must be."""
+    if key not in hf_config:
+        return default
+    valid, expected = _HF_SETTINGS[key]
+    if not valid(hf_config[key]):
+        raise CheckpointError(f"config.json's {key} must be {expected}, not {_brief(hf_config[key])}")
+    return hf_config[key]
+
+
+def _folder_file(folder: Path, relative, what: str) -> Path:
+    """The file ``relative`` names inside ``folder``; refused if it leads outside the folder
+    (``..``, an absolute path, a symlink out), before anything there is opened, and in the same
+    words whether or not such a file exists, so that an upload cannot probe the server's disk."""
+    outside = CheckpointError(
+        f"{what} in {folder.name} leads outside the model folder, which is refused"
+    )
+    if not isinstance(relative, str) or not relative or "\0" in relative:
+        raise outside
+    parts = Path(relative).parts
+    if Path(relative).is_absolute() or ".." in parts:
+        raise outside
+    inside = Path(os.path.realpath(folder))
+    target = Path(os.path.realpath(folder / relative))
+    if not target.is_relative_to(inside):
+        raise outside
+    if not target.is_file():
+        raise CheckpointError(
+            f"{what} in {folder.name} is {_brief(relative)}, which is not a file in the folder"
+        )
+    return target
+
+
+def _read_json(path: Path, what: str, folder_name: str):
+    if path.stat().st_size > MAX_HEADER_BYTES:
+        raise CheckpointError(
+            f"{what} in {folder_name} is over {MAX_HEADER_BYTES // 2**20} MB,"
+            " far more than a config needs"
+        )
+    try:
+        return json.loads(path.read_bytes())
+    except (ValueError, RecursionError, UnicodeDecodeError):  # JSONDecodeError is a ValueError
+        raise CheckpointError(f"{what} in {folder_name} is not valid JSON") from None
+
+
 def _huggingface_config(folder: Path, name: str) -> dict:
     """config.json of a Hugging Face model folder, with preprocessor_config.json's mean/std."""
-    config_path = folder / "config.json"
-    if not config_path.exists():
+    if not os.path.lexists(folder / "config.json"):
         raise CheckpointError(f"{name} has no Hugging Face config.json beside its weights")
-    try:
-        hf_config = json.loads(config_path.read_text())
-        preprocessor = folder / "preprocessor_config.json"
-        if preprocessor.exists():
-            hf_config = {**json.loads(preprocessor.read_text()), **hf_config}
-    except json.JSONDecodeError as error:
-        raise CheckpointError(f"a config file in {folder} is not valid JSON ({error})") from None
+    hf_config = {}
+    for file_name in ("preprocessor_config.json", "config.json"):  # config.json's settings win
+        if file_name == "config.json" or os.path.lexists(folder / file_name):
+            settings = _read_json(_folder_file(folder, file_name, file_name), file_name, folder.name)
+            if not isinstance(settings, dict):
+                raise CheckpointError(f"{file_name} in {folder.name} is not a JSON object of settings")
+            hf_config.update(settings)
     return hf_config
 
 
 def _huggingface_weights(folder: Path) -> dict[str, torch.Tensor]:
     """The weights of a Hugging Face model folder: one file (safetensors first) or shards."""
-    files = [folder / name for name in HF_WEIGHT_FILES if (folder / name).exists()][:1]
-    if not files:
-        index = next((folder / name for name in HF_SHARD_INDEXES if (folder / name).exists()), None)
-        if index is None:
-            raise CheckpointError(f"{folder} has no {' or '.join(HF_WEIGHT_FILES)}")
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        files = [folder / shard for shard in shards]
+    single = next((name for name in HF_WEIGHT_FILES if os.path.lexists(folder / name)), None)
+    if single is not None:
+        return _read_tensors(_folder_file(folder, single, single))[0]
+    index_name = next((name for name in HF_SHARD_INDEXES if os.path.lexists(folder / name)), None)
+    if index_name is None:
+        raise CheckpointError(f"{folder.name} has no {' or '.join(HF_WEIGHT_FILES)}")
+    index = _read_json(_folder_file(folder, index_name, index_name), index_name, folder.name)
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if (
+        not isinstance(weight_map, dict)
+        or not weight_map
+        or not all(isinstance(shard, str) for shard in weight_map.values())
+    ):
+        raise CheckpointError(
+            f"{index_name} in {folder.name} has no weight_map from tensor names to shard files"
+        )
+    # Every shard is checked before any is read.
+    what = f"a shard named in {index_name}"
+    shards = {_folder_file(folder, shard, what) for shard in set(weight_map.values())}
     state: dict[str, torch.Tensor] = {}
-    for file in files:
-        state.update(_read_tensors(file)[0])
+    for shard in sorted(shards):
+        state.update(_read_tensors(shard)[0])
+        if len(state) > MAX_TENSORS:
+            raise CheckpointError(
+                f"{folder.name}'s shards hold over {MAX_TENSORS} tensors; a ViT has fewer"
+            )
     return state
 
 
@@ -437,26 +676,71 @@ def _grid_for(num_positions: int, image_size, patch_size: int) -> tuple[int, int
     return (side, side) if side * side == num_positions else None
 
 
+def _block_count(state: dict[str, torch.Tensor], name: str) -> int:
+    """How many blocks the file holds, numbered 0, 1, 2, ... (a key like blocks.999999999.x
+    must not make the model that deep)."""
+    indices = {found.group(1) for key in state if (found := re.match(r"blocks\.(\d+)\.", key))}
+    if len(indices) > MAX_BLOCKS:
+        raise CheckpointError(f"{name} has {len(indices)} blocks; we load ViTs of up to {MAX_BLOCKS}")
+    if indices != {str(index) for index in range(len(indices))}:
+        raise CheckpointError(
+            f"{name}'s blocks are not numbered 0, 1, 2, ... without gaps, as a ViT's are"
+        )
+    return len(indices)
+
+
+def _check_sizes(config: ViTConfig, state: dict[str, torch.Tensor], name: str) -> ViTConfig:
+    """The sizes a file's metadata (or the caller) may claim must be those of its tensors: a
+    model of a claimed depth or width is never built, not even on "meta"."""
+    kernel = state["patch_embed.proj.weight"]  # (D, C, p, p)
+    hidden = state["blocks.0.mlp.fc1.weight"].shape[0]
+    from_tensors = {
+        "depth": _block_count(state, name),
+        "embed_dim": kernel.shape[0],
+        "in_chans": kernel.shape[1],
+        "num_classes": state["head.weight"].shape[0] if "head.weight" in state else 0,
+        "reg_tokens": state["reg_token"].shape[1] if "reg_token" in state else 0,
+        "mlp_ratio": hidden / kernel.shape[0],
+    }
+    claimed = {field: getattr(config, field) for field in from_tensors}
+    if int(config.embed_dim * config.mlp_ratio) == hidden:  # Mlp's own rounding of the ratio
+        claimed["mlp_ratio"] = from_tensors["mlp_ratio"]
+    for field, value in from_tensors.items():
+        if claimed[field] != value:
+            raise CheckpointError(
+                f"{name} cannot be built with {field} {_brief(claimed[field])}:"
+                f" its tensors have {field} {value}"
+            )
+    return config
+
+
 def _infer_config(
     state: dict[str, torch.Tensor], known: dict, requested: dict, name: str
 ) -> ViTConfig:
     """A ViTConfig from the tensor shapes, ``known`` source facts and the caller's overrides."""
-    if "patch_embed.proj.weight" not in state or "blocks.0.attn.qkv.weight" not in state:
-        sample = ", ".join(sorted(state)[:6])
+    needed = ("patch_embed.proj.weight", "blocks.0.attn.qkv.weight", "blocks.0.mlp.fc1.weight")
+    if not all(key in state for key in needed):
+        sample = ", ".join(_brief(key)[1:-1] for key in sorted(state)[:6])
         raise CheckpointError(
             f"{name} is not a ViT checkpoint we can read (found keys like {sample})"
         )
+    # The shapes read below must be those of a ViT's tensors before anything is computed from them.
+    ranks = {
+        "patch_embed.proj.weight": 4, "blocks.0.mlp.fc1.weight": 2, "pos_embed": 3,
+        "reg_token": 3, "attn_pool.latent": 3, "head.weight": 2,
+    }
+    for key, rank in ranks.items():
+        if key in state and (state[key].dim() != rank or 0 in state[key].shape):
+            raise CheckpointError(
+                f"{name}'s {key} has shape {tuple(state[key].shape)}, which no ViT's has"
+            )
     patch_weight = state["patch_embed.proj.weight"]  # (D, C, p, p)
     embed_dim, in_chans, patch_h, patch_w = patch_weight.shape
     if patch_h != patch_w:
         raise CheckpointError(
             f"{name} has non-square patches ({patch_h}x{patch_w}), which we do not support"
         )
-    depth = 1 + max(
-        int(key.split(".")[1])
-        for key in state
-        if re.match(r"^blocks\.\d+\.attn\.qkv\.weight$", key)
-    )
+    depth = _block_count(state, name)
     class_token = "cls_token" in state
     dist_token = "dist_token" in state
     reg_tokens = state["reg_token"].shape[1] if "reg_token" in state else 0
@@ -486,6 +770,8 @@ def _infer_config(
         "global_pool": "map" if attention_pool else "mean" if mean_pool else "cls",
         "pre_norm": "norm_pre.weight" in state,
         "patch_bias": "patch_embed.proj.bias" in state,
+        # A CLIP image tower (norm_pre, no patch bias) is built by timm with LayerNorm eps 1e-5.
+        "layer_norm_eps": 1e-5 if "norm_pre.weight" in state and "patch_embed.proj.bias" not in state else 1e-6,
         # Mean pooling without fc_norm weights means the final norm comes before the pooling.
         "fc_norm": None if "fc_norm.weight" in state or not mean_pool else False,
         # LayerScale's init value only matters for training from scratch; the weights set gamma.
@@ -508,13 +794,18 @@ def _infer_config(
     layouts = [False, True] if num_prefix else [False]
     if "no_embed_class" in known or "no_embed_class" in requested:
         layouts = [fields["no_embed_class"]]
-    for no_embed_class in layouts:
-        num_patches = num_positions - (0 if no_embed_class else num_prefix)
-        grid = _grid_for(num_patches, image_size, patch_size)
-        if grid is not None:
-            fields["no_embed_class"] = no_embed_class
-            fields["image_size"] = image_size if image_size is not None else grid[0] * patch_size
-            return ViTConfig(**fields)
+    try:
+        for no_embed_class in layouts:
+            num_patches = num_positions - (0 if no_embed_class else num_prefix)
+            grid = _grid_for(num_patches, image_size, patch_size)
+            if grid is not None:
+                fields["no_embed_class"] = no_embed_class
+                fields["image_size"] = image_size if image_size is not None else grid[0] * patch_size
+                return _check_sizes(ViTConfig(**fields), state, name)
+    except CheckpointError:
+        raise
+    except ValueError as error:  # a setting the file or the caller gave is not a valid ViTConfig
+        raise CheckpointError(f"{name} has an invalid config: {error}") from None
     raise CheckpointError(
         f"cannot tell the image size of {name} from its {num_positions} position embeddings; "
         "pass image_size=(height, width) to load_model"
@@ -532,20 +823,42 @@ def _adopt(config: ViTConfig, state: dict[str, torch.Tensor]):
     return model, model.load_state_dict(state, strict=False, assign=True)
 
 
+def _expected_shapes(config: ViTConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter's shape for ``config``, from a one-block model on "meta" (no memory used)."""
+    with torch.device("meta"):
+        one_block = ViT(config.replace(depth=1))
+    shapes = {}
+    for key, value in one_block.state_dict().items():
+        if key.startswith("blocks.0."):
+            for index in range(config.depth):
+                shapes[f"blocks.{index}.{key.removeprefix('blocks.0.')}"] = tuple(value.shape)
+        else:
+            shapes[key] = tuple(value.shape)
+    return shapes
+
+
 def _build(state: dict[str, torch.Tensor], config: ViTConfig, name: str) -> ViT:
-    state = {
-        key: value.float() if value.is_floating_point() else value for key, value in state.items()
-    }
-    model, result = _adopt(config, state)
+    # Checked against the config before any model is built, so the model is no larger than
+    # the tensors the file holds.
+    expected = _expected_shapes(config)
     problems = []
-    if result.unexpected_keys:
-        problems.append(
-            f"parameters our ViT does not have: {', '.join(result.unexpected_keys[:5])}"
-        )
-    if result.missing_keys:
-        problems.append(f"missing parameters: {', '.join(result.missing_keys[:5])}")
+    unexpected = [_brief(key)[1:-1] for key in state if key not in expected]
+    if unexpected:
+        problems.append(f"parameters our ViT does not have: {', '.join(unexpected[:5])}")
+    missing = [key for key in expected if key not in state]
+    if missing:
+        problems.append(f"missing parameters: {', '.join(missing[:5])}")
     if problems:
         raise CheckpointError(f"{name} does not fit our ViT ({'; '.join(problems)})")
+    for key, shape in expected.items():
+        if tuple(state[key].shape) != shape:
+            raise CheckpointError(
+                f"{name} does not fit the config: {key} has shape {tuple(state[key].shape)},"
+                f" not {shape}"
+            )
+        if not state[key].is_floating_point():
+            raise CheckpointError(f"{name}'s {key} holds {state[key].dtype} values, not weights")
+    model, _ = _adopt(config, {key: value.float() for key, value in state.items()})
     return model.eval()
 
 
@@ -571,9 +884,9 @@ def _model_from_state(
         config = _infer_config(state, known, rest, name)
     try:
         model = _build(state, config, name)
-    except RuntimeError as error:  # shape mismatches, e.g. an override that contradicts the weights
+    except (RuntimeError, TypeError) as error:  # sizes torch cannot make
         last_line = str(error).strip().splitlines()[-1].strip()
-        raise CheckpointError(f"{name} does not fit the requested config ({last_line})") from None
+        raise CheckpointError(f"{name} does not fit its config ({last_line})") from None
     return resize_model(model, **geometry) if geometry else model
 
 
@@ -588,24 +901,24 @@ def load_model(path: str | os.PathLike, **overrides) -> ViT:
     """
     path = Path(path)
     if path.is_dir():
-        if not (path / "config.json").exists():
+        if not os.path.lexists(path / "config.json"):
             raise CheckpointError(
                 f"{path} is a folder but not a Hugging Face model (no config.json)"
             )
         hf_config = _huggingface_config(path, path.name)
-        converted, known = _from_huggingface(_huggingface_weights(path), hf_config)
+        converted, known = _convert_huggingface(_huggingface_weights(path), hf_config, path.name)
         return _model_from_state(converted, known, overrides, path.name)
 
     state, metadata = _read_tensors(path)
     if CONFIG_KEY in metadata:
         try:
             saved = ViTConfig.from_json(metadata[CONFIG_KEY])
-        except (ValueError, TypeError) as error:
-            raise CheckpointError(f"{path.name} has an unreadable config ({error})") from None
+        except (ValueError, TypeError, RecursionError) as error:
+            raise CheckpointError(f"{path.name} has an unreadable config ({str(error)[:200]})") from None
         return _model_from_state(state, saved.to_dict(), overrides, path.name)
     if _is_huggingface(state):
         hf_config = _huggingface_config(path.parent, path.name)
-        converted, known = _from_huggingface(state, hf_config)
+        converted, known = _convert_huggingface(state, hf_config, path.name)
     elif "conv_proj.weight" in state or "encoder.pos_embedding" in state:
         converted, known = _from_torchvision(state)
     else:
