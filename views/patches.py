@@ -46,12 +46,15 @@ if rows is None:
     wait = ui.duration(cost * selection.forward_seconds())
     if st.session_state.get("stop_comparison"):
         st.caption("Stopped: nothing of that comparison was kept.")
-    if st.button(
+    controls = st.empty()  # the buttons go once the comparison is there
+    if controls.container().button(
         f"Compare all {len(options)} patch sizes (about {wait})",
         help=f"About {cost:.0f} forward passes of this model at its own patch size.",
     ):
-        st.button("Stop", key="stop_comparison", help="Stops the comparison; you can start it again.")
+        with controls.container():
+            st.button("Stop", key="stop_comparison", help="Stops the comparison; you can start it again.")
         rows = selection.predictions_by_patch_size()
+        controls.empty()
     else:
         st.caption(
             f"Running this image at all {len(options)} patch sizes (a warm-up pass, then up to"

@@ -561,11 +561,12 @@ class Selection:
         return patch_size_comparison_cost(config, held_out=held_out)
 
     def forward_seconds(self) -> float:
-        """Seconds of one forward pass of this image at the model's own patch size, timed once
-        per model and input size for everybody (the page's capture has just warmed it up)."""
+        """Seconds of one forward pass of this image at the model's own patch size: the median of
+        TIMED_PASSES (one sample on a busy server can be several times off), timed once per model
+        and input size for everybody (the page's capture has just warmed the model up)."""
         model = self.base_model
         key = (self.model_key, self.config.img_size, "forward seconds")
-        return memo(key, lambda: _median_forward(model, self.model_input().to(DEVICE), 1, warm_up=False)[1] / 1000)
+        return memo(key, lambda: _median_forward(model, self.model_input().to(DEVICE), TIMED_PASSES, warm_up=False)[1] / 1000)
 
     @property
     def _held_out_key(self) -> tuple:
@@ -715,7 +716,7 @@ def set_kept(widget_key: str, value: Any) -> None:
 
 # Model labels longer than this are cut in the sidebar's picker (and in its open list): a name is
 # shortened in the middle (its start and end tell checkpoints apart), the whole label shown below.
-MAX_LABEL = 30
+MAX_LABEL = 34
 
 
 def model_options(whole: bool = False) -> dict[str, str]:
@@ -746,6 +747,8 @@ def _fit(label: str) -> str:
     if len(label) <= MAX_LABEL:
         return label
     kind, _, name = label.rpartition(": ")
+    if name.endswith(")") and " (" in name:  # "ImageNet ViT-B/16 (torchvision)": the aside goes first
+        return _fit(f"{kind}: {name.rpartition(' (')[0]}" if kind else name.rpartition(" (")[0])
     room = MAX_LABEL - len(kind) - 2 if kind else MAX_LABEL
     head = (room - 1) // 2
     shortened = f"{name[:head]}…{name[len(name) - (room - 1 - head):]}"
