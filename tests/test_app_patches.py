@@ -230,3 +230,12 @@ def test_a_resampled_kernel_is_laid_out_as_the_kernel_and_embeds_as_the_conv():
     x = torch.randn(2, 3, 64, 64)
     expected = torch.nn.functional.conv2d(x, kernel, model.patch_embed.proj.bias, stride=64).flatten(2).transpose(1, 2)
     torch.testing.assert_close(model.patch_embed(x, patch_size=64), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_the_trade_off_figure_of_a_headless_model_has_no_prediction_panel():
+    from vit_explorer import figures
+
+    rows = [{"patch size": patch, "grid": f"{32 // patch}x{32 // patch}", "tokens": 1 + (32 // patch) ** 2, "forward ms": 1.0} for patch in (4, 8)]
+    fig = figures.patch_size_tradeoff(rows, 4)
+    assert [annotation.text for annotation in fig.layout.annotations] == ["tokens", "forward time of this image (ms)"]
+    assert len(fig.data) == 2
