@@ -2,9 +2,13 @@
 against a real HTTP server on loopback serving random-weight files of the same layout."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import http.server
+import os
+import socket
 import threading
+import time
 
 import pytest
 import timm
@@ -146,3 +150,200 @@ def test_missing_file_and_offline_are_one_sentence(hub, monkeypatch):
     message = str(refused.value)
     assert message.startswith(f"could not download Tiny CLIP from http://127.0.0.1:{port}/")
     assert "(no internet?)" in message and "\n" not in message
+    assert "Errno" not in message and message.endswith(f"; {catalogue.HUB_URL_VARIABLE} can name a mirror")
+
+
+# ----------------------------------------------------------------------------- hostile mirrors
+
+GUARD_SECONDS = 20  # a mirror below gives up by itself after this: a missing deadline fails, never hangs
+
+
+@pytest.fixture(params=["tiny_clip", "vit_b_16"], ids=["hub", "torchvision"])
+def mirror(request, tmp_path, monkeypatch):
+    """A raw TCP server on loopback that reads a request and answers ``answer(connection)``
+    (which the test sets), standing in for both kinds of mirror; downloads of the test's entry
+    (a Hub file or torchvision's) go to it, expected to be 1000 bytes long, with a 1 s deadline."""
+    name = request.param
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.1)
+    address = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    monkeypatch.setenv(catalogue.HUB_URL_VARIABLE, address)
+    monkeypatch.setenv(catalogue.TORCHVISION_URL_VARIABLE, address)
+    monkeypatch.setenv(catalogue.CACHE_VARIABLE, str(tmp_path / "cache"))
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    monkeypatch.setenv(catalogue.TIMEOUT_VARIABLE, "1")
+    for layout, (_, entry) in LAYOUTS.items():
+        monkeypatch.setitem(catalogue.CATALOGUE, layout, entry)
+    monkeypatch.setitem(catalogue.CATALOGUE, name, dataclasses.replace(catalogue.CATALOGUE[name], size_bytes=1000))
+    closing = threading.Event()
+    answers = []
+
+    def handle(connection: socket.socket) -> None:
+        with connection:
+            connection.settimeout(GUARD_SECONDS)
+            request_bytes = b""
+            try:
+                while b"\r\n\r\n" not in request_bytes and (data := connection.recv(4096)):
+                    request_bytes += data
+                answers[-1](connection)
+            except OSError:
+                pass  # the client hung up: what a download that gives up does
+
+    def serve() -> None:
+        while not closing.is_set():
+            try:
+                connection, _ = listener.accept()
+            except TimeoutError:
+                continue
+            threading.Thread(target=handle, args=(connection,), daemon=True).start()
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    yield name, answers.append
+    closing.set()
+    server.join()
+    listener.close()
+
+
+def _drip(connection: socket.socket, data: bytes) -> None:
+    """Send one byte every 50 ms (a mirror that is alive but hopeless), for at most GUARD_SECONDS."""
+    ends = time.monotonic() + GUARD_SECONDS
+    for byte in data:
+        if time.monotonic() > ends:
+            return
+        connection.sendall(bytes([byte]))
+        time.sleep(0.05)
+
+
+def _drip_body(connection):
+    connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n")
+    _drip(connection, b"x" * 1000)
+
+
+def _drip_headers(connection):
+    _drip(connection, b"HTTP/1.1 200 OK\r\nX-Slow: " + b"z" * 1000)
+
+
+def _silent(connection):
+    """Read the request (or a TLS ClientHello) and never answer."""
+    time.sleep(GUARD_SECONDS)
+
+
+def _endless(connection):
+    """No length, bytes until the client hangs up (at most 64 MiB)."""
+    connection.sendall(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n")
+    for _ in range(1024):
+        connection.sendall(b"x" * 65536)
+
+
+def _announced_too_large(connection):
+    connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 1000000000000\r\n\r\n" + b"x" * 65536)
+
+
+def _cut_chunk(connection):
+    connection.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3e8\r\n" + b"x" * 100)
+
+
+def _not_http(connection):
+    connection.sendall(b"SSH-2.0-OpenSSH_9.6\r\n")
+
+
+def _long_header(connection):
+    connection.sendall(b"HTTP/1.1 200 OK\r\nX-Long: " + b"a" * 100_000 + b"\r\n\r\n")
+
+
+def _download_fails(name: str, seen: list | None = None) -> str:
+    progress = None if seen is None else lambda done, total: seen.append(done)
+    with pytest.raises(catalogue.DownloadError) as failed:
+        catalogue.download(name, progress)
+    message = str(failed.value)
+    assert "\n" not in message and "Errno" not in message, message
+    # Nothing is left behind, neither the file nor a temporary one.
+    folder = catalogue.cached_path(name).parent
+    assert not folder.exists() or list(folder.iterdir()) == []
+    return message
+
+
+@pytest.mark.parametrize("answer", [_drip_body, _drip_headers], ids=["body", "headers"])
+def test_a_dripping_mirror_is_given_up_at_the_deadline(mirror, answer):
+    name, answer_with = mirror
+    answer_with(answer)
+    message = _download_fails(name)
+    assert message.startswith(f"could not download {catalogue.CATALOGUE[name].title} from http://127.0.0.1:")
+    assert message.endswith(": it took longer than 1 s (VIT_EXPLORER_DOWNLOAD_TIMEOUT allows more)")
+
+
+def test_a_silent_tls_mirror_is_given_up_at_the_deadline(mirror, monkeypatch):
+    name, answer_with = mirror
+    answer_with(_silent)
+    for variable in (catalogue.HUB_URL_VARIABLE, catalogue.TORCHVISION_URL_VARIABLE):
+        monkeypatch.setenv(variable, os.environ[variable].replace("http:", "https:"))
+    assert _download_fails(name).endswith(": it took longer than 1 s (VIT_EXPLORER_DOWNLOAD_TIMEOUT allows more)")
+
+
+def test_an_endless_stream_stops_at_the_expected_size(mirror):
+    name, answer_with = mirror
+    answer_with(_endless)
+    seen = []
+    message = _download_fails(name, seen)
+    limit = catalogue.size_limit(1000)
+    assert message.endswith(f": the server sent more than {limit} bytes for a file of about 1000")
+    assert seen and max(seen) <= limit
+
+
+def test_a_length_beyond_the_expected_size_is_refused_before_reading(mirror):
+    name, answer_with = mirror
+    answer_with(_announced_too_large)
+    seen = []
+    assert _download_fails(name, seen).endswith(": the server announced 1000000000000 bytes for a file of about 1000")
+    assert seen == []
+
+
+@pytest.mark.parametrize("answer, reason", [
+    (_cut_chunk, "the connection was cut in the middle of the file"),
+    (_not_http, "no HTTP status line"),
+    (_long_header, "an over-long header line"),
+], ids=["cut chunk", "not http", "long header"])
+def test_a_broken_answer_is_one_sentence(mirror, answer, reason):
+    name, answer_with = mirror
+    answer_with(answer)
+    assert _download_fails(name).endswith(f": the server's answer was broken ({reason})")
+
+
+@pytest.mark.parametrize("host, reason", [
+    ("closed port", "the connection was refused"),
+    ("mirror.invalid", "its name could not be resolved"),  # RFC 6761: never resolves
+])
+def test_an_unreachable_mirror_says_so_and_names_the_setting(mirror, monkeypatch, host, reason):
+    name, _ = mirror
+    if host == "closed port":
+        with socket.socket() as closed:
+            closed.bind(("127.0.0.1", 0))
+            host = f"127.0.0.1:{closed.getsockname()[1]}"
+    for variable in (catalogue.HUB_URL_VARIABLE, catalogue.TORCHVISION_URL_VARIABLE):
+        monkeypatch.setenv(variable, f"http://{host}")
+    setting = catalogue.HUB_URL_VARIABLE if name == "tiny_clip" else catalogue.TORCHVISION_URL_VARIABLE
+    message = _download_fails(name)
+    assert message.startswith(f"could not download {catalogue.CATALOGUE[name].title} from http://{host}/")
+    assert message.endswith(f" (no internet?): {reason}; {setting} can name a mirror")
+
+
+def test_abandoned_temporary_files_are_removed_and_live_ones_kept(hub):
+    root, _ = hub
+    publish(root, "tiny_clip")
+    folder = catalogue.cached_path("tiny_clip").parent
+    folder.mkdir(parents=True)
+    abandoned, live = folder / ".tiny_clip.safetensors.1.tmp", folder / ".tiny_clip.safetensors.2.tmp"
+    abandoned.write_bytes(b"half")
+    live.write_bytes(b"half")
+    long_ago = time.time() - catalogue.DEFAULT_TIMEOUT_SECONDS - 3600
+    os.utime(abandoned, (long_ago, long_ago))
+    catalogue.download("tiny_clip")
+    assert sorted(path.name for path in folder.iterdir()) == [live.name, "tiny_clip.safetensors"]
+
+
+def test_a_bad_timeout_setting_is_one_sentence(hub, monkeypatch):
+    monkeypatch.setenv(catalogue.TIMEOUT_VARIABLE, "soon")
+    expected = "^VIT_EXPLORER_DOWNLOAD_TIMEOUT must be a number of seconds above 0, not 'soon'$"
+    with pytest.raises(catalogue.DownloadError, match=expected):
+        catalogue.download("tiny_clip")

@@ -53,6 +53,28 @@ def test_bad_input_is_one_line_and_exit_code_2(arguments, message, capsys, tmp_p
     assert error.startswith(message) and len(error.splitlines()) == 1
 
 
+@pytest.mark.parametrize("name", ["../../x", "absolute", "runs/x", "..", ".", "a\\b", "x\0"])
+def test_a_run_name_that_is_not_a_plain_file_name_is_refused(name, tmp_path, capsys):
+    out = tmp_path / "a" / "b"
+    if name == "absolute":
+        name = str(tmp_path / "x")
+    assert main(["train", "--name", name, "--out", str(out), *TINY, "--epochs", "1"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error == (
+        f"error: the run name {name!r} must be a plain file name, without /, \\ or .."
+        " (its files go in the output folder)"
+    )
+    assert list(tmp_path.rglob("*")) == []  # nothing written, inside --out or beside it
+    # The library refuses it too, before any path is made from it.
+    with pytest.raises(vx.train.TrainingError, match="must be a plain file name"):
+        vx.train.checkpoint_paths(vx.TrainConfig(out_dir=str(out), name=name))
+
+
+def test_a_plain_run_name_names_the_checkpoint(tmp_path):
+    paths = vx.train.checkpoint_paths(vx.TrainConfig(out_dir=str(tmp_path), name="..my run.v2"))
+    assert paths["checkpoint"] == tmp_path / "..my run.v2.safetensors"
+
+
 def test_patch_sizes_are_parsed_and_a_bad_list_is_refused(capsys):
     from vit_explorer.cli import _patch_sizes
 

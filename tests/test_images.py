@@ -14,7 +14,7 @@ import torch
 from PIL import Image
 
 import vit_explorer as vx
-from vit_explorer.images import MAX_PIXELS
+from vit_explorer.images import MAX_ASPECT_RATIO, MAX_PIXELS
 
 
 def _encode(image: Image.Image, format: str = "PNG", **options) -> bytes:
@@ -154,6 +154,22 @@ def test_too_large_images_are_refused_from_the_header(pixels):
         warnings.simplefilter("error")  # PIL's DecompressionBombWarning must not leak
         with pytest.raises(vx.InvalidImageError, match="too large"):
             vx.load_image(data)
+
+
+@pytest.mark.parametrize("width, height", [(40_000_000, 1), (1, 40_000_000), (MAX_ASPECT_RATIO * 100 + 1, 100)])
+def test_absurd_aspect_ratios_are_refused_from_the_header(width, height):
+    with pytest.raises(vx.InvalidImageError) as refused:
+        vx.load_image(_png_header_only(width, height))  # no pixel data: decoding it would fail otherwise
+    assert str(refused.value) == (
+        f"this file is too long and thin ({width}x{height} pixels, one side more than"
+        f" {MAX_ASPECT_RATIO} times the other); crop it first"
+    )
+
+
+@pytest.mark.parametrize("width, height", [(4000, 400), (MAX_ASPECT_RATIO * 10, 10), (300, 6000)],
+                         ids=["1:10 panorama", "at the bound", "scrolling screenshot"])
+def test_panoramas_and_long_screenshots_are_accepted(width, height):
+    assert vx.load_image(_encode(Image.new("RGB", (width, height), (0, 128, 255)))).size == (width, height)
 
 
 def test_truncated_png():

@@ -1,5 +1,8 @@
 """Runs of a shared server: training in a process of its own, admission, the queue, owners."""
+import json
+import logging
 import os
+import shutil
 import signal
 
 import pytest
@@ -52,15 +55,44 @@ def test_a_process_run_streams_its_events_and_stays_under_its_estimate(tmp_path,
     assert run.peak_rss <= estimate <= 2 * run.peak_rss
 
 
-def test_a_killed_run_process_fails_alone_with_a_sentence(tmp_path):
-    run = training.TrainingRun(small_config(tmp_path, epochs=500), process=True).start()
+OUT_OF_MEMORY = (
+    "the run's process was ended by the operating system, most likely for lack of memory;"
+    " lower the batch size, use a larger patch size (fewer tokens) or a smaller model"
+)
+
+
+def test_a_run_process_killed_from_outside_fails_alone_and_is_not_blamed_on_memory(tmp_path):
+    run = training.TrainingRun(small_config(tmp_path, epochs=500), process=True, memory_limit=16 * runs.GB).start()
     wait_for_a_step(run)
-    os.kill(run.pid, signal.SIGKILL)  # what the OOM killer does
+    os.kill(run.pid, signal.SIGKILL)  # someone ends it, well within its memory
     assert run.join(60)
     assert run.status == "failed" and run.checkpoint is None
-    assert run.error == (
-        "the run's process was ended by the operating system, most likely for lack of memory;"
-        " lower the batch size, use a larger patch size (fewer tokens) or a smaller model"
+    assert run.error.startswith("the run's process was killed from outside after using ")
+    assert run.error.endswith(" of the 16.0 GB it may use, not for lack of memory; it can be started again")
+
+
+def test_a_run_process_killed_at_its_memory_limit_is_blamed_on_memory(tmp_path):
+    limit = 100 * 2**20  # less than torch alone holds: the process outgrows it while it starts
+    run = training.TrainingRun(small_config(tmp_path, epochs=500), process=True, memory_limit=limit).start()
+    while (run.peak_rss or 0) < limit and not run.join(0.05):
+        pass
+    assert run.status == "running", run.error
+    os.kill(run.pid, signal.SIGKILL)  # what the kernel's OOM killer does to a process beyond its memory
+    assert run.join(60)
+    assert run.status == "failed" and run.error == OUT_OF_MEMORY and run.peak_rss >= limit
+
+
+def test_a_kill_is_blamed_on_memory_when_the_kernel_counted_one_or_the_run_was_near_its_limit():
+    killed, within = -signal.SIGKILL, dict(peak_rss=2**30, memory_limit=16 * 2**30)
+    assert training.exit_sentence(killed, **within, oom_killed=True) == OUT_OF_MEMORY
+    assert training.exit_sentence(killed, peak_rss=15 * 2**30, memory_limit=16 * 2**30, oom_killed=False) == OUT_OF_MEMORY
+    assert training.exit_sentence(killed, **within, oom_killed=False) == (
+        "the run's process was killed from outside after using 1.0 GB of the 16.0 GB it may use,"
+        " not for lack of memory; it can be started again"
+    )
+    # Without the kernel's count (no /proc/vmstat), a kill well within the limit could be either.
+    assert training.exit_sentence(killed, **within).startswith(
+        "the run's process was killed, from outside or for lack of memory; if it was memory, lower the batch size"
     )
 
 
@@ -104,6 +136,19 @@ def test_the_estimate_grows_with_what_costs_memory():
     assert total(model=SMALL_MODEL.replace(patch_size=2)) > total()
     assert total(model=SMALL_MODEL.replace(embed_dim=256)) > total()
     assert total(train_size=100_000) > total()
+
+
+def test_a_flexivit_run_is_estimated_and_admitted_at_its_smallest_patch_size():
+    flexi = TrainConfig(model="small", patch_sizes=(1, 4), device="cpu")
+    at_patch_1 = TrainConfig(model=vx.ViTConfig(image_size=32, **{**vx.config.PRESETS["small"], "patch_size": 1}),
+                             device="cpu")
+    assert runs.estimate_memory(flexi).activations == runs.estimate_memory(at_patch_1).activations
+    limits = runs.Limits(max_runs=1, queue_size=1, memory=4 * runs.GB, threads=1)
+    with pytest.raises(runs.RunRefused, match=r"use a larger patch size \(patch 1 gives 1025 tokens per image\)"):
+        runs.admit(flexi, limits)
+    # Patch sizes above the model's own cost no more than the model's own.
+    own_only = runs.estimate_memory(flexi.replace(patch_sizes=None))
+    assert runs.estimate_memory(flexi.replace(patch_sizes=(4, 8))) == own_only
 
 
 def test_limits_come_from_the_environment(monkeypatch):
@@ -170,4 +215,47 @@ def test_a_fresh_manager_finds_the_runs_of_the_last_one(tmp_path):
     assert after[finished].progress == 1.0 and 0 < after[stopped].progress < 1
     assert again.owner_of(finished) is None and not again.stop(stopped, owner="alice")
     assert again.launch(small_config(tmp_path), owner="bob") == "run 3"
+    again.shutdown()
+
+
+def _with(saved: dict, path: tuple, value) -> dict:
+    """A deep copy of a sidecar with one value (at a path of keys) replaced."""
+    copy = json.loads(json.dumps(saved))
+    *parents, last = path
+    target = copy
+    for key in parents:
+        target = target[key]
+    target[last] = value
+    return copy
+
+
+def test_malformed_sidecars_are_skipped_and_logged_never_fatal(tmp_path, caplog):
+    manager = runs.RunManager(tmp_path, PLENTY, process=False)
+    good = manager.launch(small_config(tmp_path), owner="alice")
+    assert manager.runs()[good].join(60) and manager.runs()[good].status == "finished"
+    checkpoint = manager.runs()[good].checkpoint
+    saved = training.load_history(checkpoint)
+    malformed = {
+        "a list": [1, 2],
+        "null step": _with(saved, ("step",), None),
+        "text epochs": _with(saved, ("train_config", "epochs"), "3"),
+        "unknown field": _with(saved, ("train_config", "colour"), "red"),
+        "no history": _with(saved, ("history",), None),
+        "steps of numbers": _with(saved, ("history", "steps"), [1, 2]),
+        "a step without its loss": _with(saved, ("history", "steps", 0, "loss"), None),
+        "finished as text": _with(saved, ("finished",), "yes"),
+        "no test accuracy": _with(saved, ("test_accuracy",), "high"),
+    }
+    raw = {"not json": b"{\"step\": ", "not utf-8": b"\xff\xfe{}", "nested too deep": b"[" * 100_000 + b"]" * 100_000}
+    for number, content in enumerate([*(json.dumps(value).encode() for value in malformed.values()), *raw.values()], 7):
+        shutil.copy(checkpoint, tmp_path / f"broken_{number}.safetensors")
+        (tmp_path / f"broken_{number}.json").write_bytes(content)
+
+    with caplog.at_level(logging.WARNING, logger="vit_explorer.runs"):
+        again = runs.RunManager(tmp_path, PLENTY, process=False)  # the server restarts: it must not fail
+    assert list(again.runs()) == [good]
+    skipped = sorted(record.getMessage().split()[5] for record in caplog.records)
+    numbers = range(7, 7 + len(malformed) + len(raw))
+    assert skipped == sorted(str(tmp_path / f"broken_{number}.json") for number in numbers)
+    assert again.launch(small_config(tmp_path), owner="bob") == "run 2"
     again.shutdown()

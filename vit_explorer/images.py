@@ -16,6 +16,10 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from .config import ViTConfig
 
 MAX_PIXELS = 40_000_000  # larger images are refused before decoding (decompression bombs)
+# Longer sides than this many times the shorter are refused before decoding: stitched panoramas
+# and scrolling screenshots stay well inside, while a 40,000,000 x 1 strip (a 116 KB PNG) would
+# cost gigabytes to resize and leave no pixel row in a thumbnail.
+MAX_ASPECT_RATIO = 50
 
 
 class InvalidImageError(ValueError):
@@ -101,7 +105,8 @@ def load_image(source: bytes | str | os.PathLike | BinaryIO) -> Image.Image:
     """An RGB PIL image from bytes, a path or a binary file-like, or an InvalidImageError.
 
     EXIF orientation is applied, animations give their first frame, and images above
-    ``MAX_PIXELS`` are refused from their header, before any pixel is decoded.
+    ``MAX_PIXELS`` or longer than ``MAX_ASPECT_RATIO`` times their width (or wider than that
+    times their height) are refused from their header, before any pixel is decoded.
     """
     data, name = _read_bytes(source)
     if not data:
@@ -127,6 +132,11 @@ def load_image(source: bytes | str | os.PathLike | BinaryIO) -> Image.Image:
             )
         if width == 0 or height == 0:
             raise InvalidImageError(f"{name} has no pixels ({width}x{height})")
+        if max(width, height) > MAX_ASPECT_RATIO * min(width, height):
+            raise InvalidImageError(
+                f"{name} is too long and thin ({width}x{height} pixels, one side more than"
+                f" {MAX_ASPECT_RATIO} times the other); crop it first"
+            )
         try:
             image.seek(0)  # the first frame of an animation
             image.load()

@@ -12,6 +12,7 @@ Limits come from the environment (see ``Limits.from_environment``).
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 import threading
@@ -22,10 +23,10 @@ from pathlib import Path
 
 import torch
 
-from .config import TrainConfig
+from .config import TrainConfig, ViTConfig
 from .data import SHAPE_CLASSES, TORCHVISION_DATASETS
 from .model import ViT
-from .train import TrainingError, TrainingRun, load_history, model_config, resolve_device
+from .train import TrainingError, TrainingRun, model_config, resolve_device
 
 GB = 2**30
 # A spawned training process after importing torch and this package: 519 MB resident (VmHWM),
@@ -37,6 +38,8 @@ SPLIT_SIZES = {"shapes": (16_000, 2_000), "cifar10": (50_000, 10_000), "mnist": 
 EVAL_BATCH = 500  # train.py evaluates in batches of 500
 RENDER_CHUNK = 256  # shapes are rendered 256 images at a time, with about 24 float maps each
 MAX_LISTED_RUNS = 50  # ended runs kept in the list (their files stay in the runs folder)
+
+logger = logging.getLogger(__name__)
 
 
 class RunRefused(Exception):
@@ -97,6 +100,13 @@ def _forward_floats(batch: int, tokens: int, dim: int, hidden: int, heads: int, 
     return (block + 2 * batch * heads * tokens**2) * (depth + 1)
 
 
+def _at_smallest_patch(config: TrainConfig) -> ViTConfig:
+    """The run's model at the smallest patch size it will run at, the one with the most tokens:
+    a FlexiViT run draws a patch size per step from ``patch_sizes``, its model's own among them or not."""
+    vit = model_config(config)
+    return vit.replace(patch_size=min((vit.patch_size, *(config.patch_sizes or ()))))
+
+
 def estimate_memory(config: TrainConfig) -> MemoryEstimate:
     """An upper bound on ``config``'s peak memory, from the config alone (nothing is allocated)."""
     train_n, test_n, classes = _dataset_sizes(config)
@@ -104,7 +114,7 @@ def estimate_memory(config: TrainConfig) -> MemoryEstimate:
     height, width = vit.img_size
     pixels = vit.in_chans * height * width
     hidden = int(vit.embed_dim * vit.mlp_ratio)
-    tokens = vit.num_tokens
+    tokens = _at_smallest_patch(config).num_tokens
     # Parameters, gradients, two AdamW moments and two parameter-sized foreach temporaries.
     model = 6 * 4 * _parameter_count(vit)
     shape = dict(tokens=tokens, dim=vit.embed_dim, hidden=hidden, heads=vit.num_heads, depth=vit.depth)
@@ -176,7 +186,7 @@ def _gb(size: int) -> str:
 def admit(config: TrainConfig, limits: Limits) -> MemoryEstimate:
     """The run's estimate if it fits; else RunRefused with the estimate, the limit and what to lower."""
     estimate = estimate_memory(config)
-    vit = model_config(config)
+    vit = _at_smallest_patch(config)
     lower = (
         f"lower the batch size ({config.batch_size}), use a larger patch size (patch {vit.patch_size}"
         f" gives {vit.num_tokens} tokens per image) or a smaller dim or depth ({vit.embed_dim}, {vit.depth})"
@@ -225,8 +235,12 @@ class RunManager:
                 continue
             try:
                 found.append((int(number.group(1)), TrainingRun.restored(checkpoint)))
-            except (TrainingError, OSError, ValueError, KeyError):
-                continue  # a half-written or foreign file: not a run of ours
+            except TrainingError as error:  # its sentence names the file
+                logger.warning("not listed as a run: %s", error)
+            except Exception as error:  # whatever one file holds, the server and the other runs go on
+                logger.warning(
+                    "not listed as a run: %s could not be read (%s: %s)", sidecar, type(error).__name__, error
+                )
         for number, run in sorted(found, key=lambda item: item[0])[-MAX_LISTED_RUNS:]:
             self._runs[f"run {number}"] = run
 

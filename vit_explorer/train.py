@@ -108,13 +108,24 @@ def resolve_device(name: str = "auto") -> torch.device:
     return device
 
 
+def check_run_name(name: str) -> str:
+    """``name`` if it is a plain file name, which keeps a run's files inside its output folder;
+    else a TrainingError."""
+    if name in (".", "..") or any(character in name for character in "/\\\0"):
+        raise TrainingError(
+            f"the run name {name!r} must be a plain file name, without /, \\ or .. (its files go in the output folder)"
+        )
+    return name
+
+
 def checkpoint_paths(config: TrainConfig) -> dict[str, Path]:
     """The checkpoint, its JSON sidecar (history + TrainConfig) and the optimizer state."""
-    stem = Path(config.out_dir).expanduser() / config.run_name
+    folder, name = Path(config.out_dir).expanduser(), check_run_name(config.run_name)
+    # Appended, not with_suffix: a name with a dot ("vit.v2") keeps all of itself.
     return {
-        "checkpoint": stem.with_suffix(".safetensors"),
-        "sidecar": stem.with_suffix(".json"),
-        "state": stem.with_suffix(".state.pt"),
+        "checkpoint": folder / f"{name}.safetensors",
+        "sidecar": folder / f"{name}.json",
+        "state": folder / f"{name}.state.pt",
     }
 
 
@@ -187,7 +198,34 @@ def load_history(checkpoint: str | Path) -> dict:
     sidecar = Path(checkpoint).with_suffix(".json")
     if not sidecar.is_file():
         raise TrainingError(f"{sidecar} does not exist; it is written next to every training checkpoint")
-    return json.loads(sidecar.read_text())
+    try:
+        saved = json.loads(sidecar.read_text())
+    except (ValueError, RecursionError):  # not UTF-8, not JSON, or nested beyond the parser's depth
+        saved = None
+    if not isinstance(saved, dict):
+        raise TrainingError(f"{sidecar} is not a training sidecar (a JSON object)")
+    return saved
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _saved_history(saved: dict, sidecar: Path) -> tuple[list[dict], list[dict]]:
+    """(steps, epochs) of a sidecar, each record with every field of its event as a number; else
+    a TrainingError, so that a damaged or foreign file never reaches a figure."""
+    history = saved.get("history")
+    records = {"steps": StepEvent, "epochs": EpochEvent}
+    if isinstance(history, dict) and all(
+        isinstance(history.get(key), list) and all(
+            isinstance(record, dict)
+            and all(_is_number(record.get(field.name)) for field in dataclasses.fields(event))
+            for record in history[key]
+        )
+        for key, event in records.items()
+    ):
+        return list(history["steps"]), list(history["epochs"])
+    raise TrainingError(f"{sidecar} does not hold a training history of steps and epochs")
 
 
 @torch.no_grad()
@@ -442,16 +480,41 @@ def readable_error(error: BaseException) -> str:
     return f"training failed: {type(error).__name__}" + (f": {first_line}" if first_line else "")
 
 
-def exit_sentence(exitcode: int) -> str:
-    """Why a run's process ended without reporting, in one sentence."""
+# A killed run whose peak memory came this close to its limit is taken to have run out of it.
+NEAR_MEMORY_LIMIT = 0.9
+MEMORY_SAMPLE_SECONDS = 0.5  # how often the parent reads a run process's peak memory
+
+
+def exit_sentence(
+    exitcode: int, *, peak_rss: int | None = None, memory_limit: int | None = None, oom_killed: bool | None = None,
+) -> str:
+    """Why a run's process ended without reporting, in one sentence. A SIGKILL is blamed on
+    memory when the kernel counted an out-of-memory kill meanwhile (``oom_killed``; None: the
+    count is unknown) or the process's peak memory came near its limit; else someone ended it."""
     if exitcode == -signal.SIGKILL:
-        return (
-            "the run's process was ended by the operating system, most likely for lack of memory;"
-            " lower the batch size, use a larger patch size (fewer tokens) or a smaller model"
+        lower = "lower the batch size, use a larger patch size (fewer tokens) or a smaller model"
+        near_limit = peak_rss is not None and memory_limit is not None and peak_rss >= NEAR_MEMORY_LIMIT * memory_limit
+        if oom_killed or near_limit:
+            return f"the run's process was ended by the operating system, most likely for lack of memory; {lower}"
+        if oom_killed is None:
+            return f"the run's process was killed, from outside or for lack of memory; if it was memory, {lower}"
+        used = "" if peak_rss is None else f" after using {peak_rss / 2**30:.1f} GB" + (
+            "" if memory_limit is None else f" of the {memory_limit / 2**30:.1f} GB it may use"
         )
+        return f"the run's process was killed from outside{used}, not for lack of memory; it can be started again"
     if exitcode < 0:
         return f"the run's process was ended by signal {signal.Signals(-exitcode).name}"
     return f"the run's process exited unexpectedly (exit code {exitcode})"
+
+
+def _oom_kills() -> int | None:
+    """How many processes the kernel has killed for lack of memory since boot (None: unknown)."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/vmstat").read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == "oom_kill":
+                return int(value)
+    return None
 
 
 @dataclass
@@ -462,13 +525,13 @@ class _Ended:
     peak_rss: int
 
 
-def _memory_status(field: str) -> int:
-    """A Vm* field of /proc/self/status in bytes (VmHWM: the peak resident memory)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
+def _memory_status(field: str, pid: int | str = "self") -> int:
+    """A Vm* field of /proc/<pid>/status in bytes (VmHWM: the peak resident memory)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         name, _, value = line.partition(":")
         if name == field:
             return int(value.split()[0]) * 1024
-    raise OSError(f"/proc/self/status has no {field}")
+    raise OSError(f"/proc/{pid}/status has no {field}")
 
 
 def _train_in_child(config_json: str, connection, stop, threads: int, memory_limit: int | None) -> None:
@@ -532,19 +595,32 @@ class TrainingRun:
         self._progress = 0.0
         self._pace_from: tuple[float, float] | None = None  # (time, progress) at the first step
         if config.resume:
-            with contextlib.suppress(TrainingError, OSError, ValueError):
-                history = load_history(checkpoint_paths(config)["checkpoint"])["history"]
-                self._steps, self._epochs = list(history["steps"]), list(history["epochs"])
+            with contextlib.suppress(TrainingError, OSError):
+                paths = checkpoint_paths(config)
+                self._steps, self._epochs = _saved_history(load_history(paths["checkpoint"]), paths["sidecar"])
 
     @classmethod
     def restored(cls, checkpoint: str | Path) -> "TrainingRun":
-        """A run that ended earlier (in another server's life), rebuilt from its checkpoint's sidecar."""
+        """A run that ended earlier (in another server's life), rebuilt from its checkpoint's
+        sidecar; a TrainingError says in one sentence why a sidecar cannot be one."""
+        sidecar = Path(checkpoint).with_suffix(".json")
         saved = load_history(checkpoint)
-        run = cls(TrainConfig.from_dict(saved["train_config"]))
-        run._steps, run._epochs = list(saved["history"]["steps"]), list(saved["history"]["epochs"])
+        steps, epochs = _saved_history(saved, sidecar)
+        accuracy = saved.get("test_accuracy")
+        if not (
+            isinstance(saved.get("finished"), bool)
+            and all(_is_number(saved.get(key)) and math.isfinite(saved[key]) for key in ("step", "total_steps"))
+            and (accuracy is None or _is_number(accuracy))
+        ):
+            raise TrainingError(f"{sidecar} lacks a run's finished, step, total_steps or test_accuracy")
+        try:
+            config = TrainConfig.from_dict(saved.get("train_config"))
+        except (TypeError, ValueError, AttributeError) as error:
+            raise TrainingError(f"{sidecar} holds no valid training configuration ({error})") from None
+        run = cls(config)
+        run._steps, run._epochs = steps, epochs
         run._status = "finished" if saved["finished"] else "stopped"
-        run._progress = saved["step"] / max(saved["total_steps"], 1)
-        accuracy = saved["test_accuracy"]
+        run._progress = min(max(saved["step"] / max(saved["total_steps"], 1), 0.0), 1.0)
         run._done = DoneEvent(
             checkpoint=str(checkpoint), stopped=not saved["finished"],
             test_accuracy=math.nan if accuracy is None else accuracy, seconds=math.nan,
@@ -612,21 +688,29 @@ class TrainingRun:
             args=(self.config.to_json(), sender, self._stop, self._threads, self._memory_limit),
         )
         ended = None
+        # Should the child be killed before it reports, these tell whether memory was why: its
+        # peak memory as seen from here (peak_rss), and the kernel's count of out-of-memory kills.
+        oom_kills = _oom_kills()
         try:
             process.start()
             self._process = process
             sender.close()  # the child holds the only sending end: its exit ends recv() below
             while True:
-                try:
-                    message = receiver.recv()
-                except EOFError:
-                    break
-                if isinstance(message, _Ended):
-                    ended = message
-                elif isinstance(message, SnapshotEvent):
-                    self._record(dataclasses.replace(message, attentions=torch.from_numpy(message.attentions)))
-                else:
-                    self._record(message)
+                if receiver.poll(MEMORY_SAMPLE_SECONDS):
+                    try:
+                        message = receiver.recv()
+                    except EOFError:
+                        break
+                    if isinstance(message, _Ended):
+                        ended = message
+                    elif isinstance(message, SnapshotEvent):
+                        self._record(dataclasses.replace(message, attentions=torch.from_numpy(message.attentions)))
+                    else:
+                        self._record(message)
+                with contextlib.suppress(OSError, ValueError):  # gone, or a zombie without memory
+                    peak = _memory_status("VmHWM", process.pid)
+                    with self._lock:
+                        self._peak_rss = max(self._peak_rss or 0, peak)
             process.join()
         except BaseException as failure:  # could not start or hear the child: this run fails alone
             if process.is_alive():
@@ -635,10 +719,17 @@ class TrainingRun:
             ended = _Ended(readable_error(failure), 0)
         finally:
             receiver.close()
-        with self._lock:
-            if ended is not None:
-                self._peak_rss = ended.peak_rss or None
-        self._end(ended.error if ended is not None else exit_sentence(process.exitcode or 0))
+        if ended is not None:
+            with self._lock:
+                self._peak_rss = ended.peak_rss or self._peak_rss  # its own count: exact
+            error = ended.error
+        else:
+            now = _oom_kills()
+            error = exit_sentence(
+                process.exitcode or 0, peak_rss=self.peak_rss, memory_limit=self._memory_limit,
+                oom_killed=None if None in (now, oom_kills) else now > oom_kills,
+            )
+        self._end(error)
 
     @property
     def pid(self) -> int | None:
@@ -647,7 +738,9 @@ class TrainingRun:
 
     @property
     def peak_rss(self) -> int | None:
-        """The training process's peak resident memory in bytes, once it has ended (process mode)."""
+        """The training process's peak resident memory in bytes (process mode): so far while it
+        runs (read every MEMORY_SAMPLE_SECONDS), then its own exact count once it has ended (a
+        killed process's last reading)."""
         with self._lock:
             return self._peak_rss
 
