@@ -11,7 +11,7 @@ import torch
 import vit_explorer as vx
 from vit_explorer import catalogue, ui
 from vit_explorer.data import shapes_sample
-from test_app import errors, figure_titles, open_app, tiny_default, tiny_model, title_matching  # noqa: F401
+from test_app import errors, open_app, tiny_default, tiny_model, title_matching  # noqa: F401
 
 HEADLESS = dict(num_classes=0, class_names=None)
 
