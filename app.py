@@ -85,11 +85,16 @@ with st.sidebar:
             "Model", list(options), format_func=options.get, key="model_picker",
             on_change=_on_model_picked,
             help="The shipped model works offline; each pretrained model downloads once from its"
-            " publisher.\n\n" + ui.model_cards(),
+            " publisher. What each one is: below, under \"The pretrained models\".",
         )
         card = ui.model_card(state["model_key"])
+        whole = ui.model_options(whole=True).get(state["model_key"])
         if card:
-            st.caption(card)
+            st.caption(card)  # it begins with the model's whole title
+        elif whole and whole != options.get(state["model_key"]):
+            st.caption(whole)  # the picker had to shorten it
+        with st.expander("The pretrained models"):
+            st.markdown(ui.model_cards())
         if model_error:
             st.error(model_error)
         try:
@@ -148,11 +153,15 @@ with st.sidebar:
             reason = ui.unreadable_photo_reason(selection)
             if reason:
                 st.warning(reason)
-                for model_key in PHOTO_MODELS:
+                # Only models that can be had: downloaded, or their publisher answers.
+                offered = [model_key for model_key in PHOTO_MODELS if ui.obtainable(model_key)]
+                for model_key in offered:
                     st.button(
-                        f"Explore with {options[model_key].split(' (')[0]}", key=f"try:{model_key}",
+                        f"Explore with {ui.model_title(model_key)}", key=f"try:{model_key}",
                         on_click=ui.request_model, args=(model_key,), width="stretch",
                     )
+                if not offered:
+                    st.info(ui.CATALOGUE_OFFLINE)
 
     def my_runs() -> tuple[dict, list[str]]:
         """This person's training and waiting runs: only they poll, so that a class browsing

@@ -15,10 +15,13 @@ import hashlib
 import os
 import secrets
 import shutil
+import socket
 import stat
+import statistics
 import tempfile
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -302,11 +305,14 @@ def memo(key: tuple, compute: Callable[[], T], spinner: str | None = None) -> T:
 
 
 def forward_cost(config, patch_size: int | None = None) -> float:
-    """Multiply-adds of one forward pass (blocks only), to compare patch sizes and models."""
+    """Multiply-adds of one image's forward pass (patch embedding and blocks), to compare patch
+    sizes and models."""
     tokens = token_count(config, patch_size or config.patch_size)
+    height, width = config.img_size
     dim = config.embed_dim
     per_token = (4 + 2 * config.mlp_ratio) * dim * dim  # qkv + proj + MLP
-    return config.depth * (tokens * per_token + 2 * tokens * tokens * dim)
+    embedding = height * width * config.in_chans * dim  # every pixel into every channel, at any patch size
+    return embedding + config.depth * (tokens * per_token + 2 * tokens * tokens * dim)
 
 
 def is_quick(config, forwards: float = 1.0) -> bool:
@@ -314,37 +320,132 @@ def is_quick(config, forwards: float = 1.0) -> bool:
     return forwards * forward_cost(config) <= QUICK_COST
 
 
-def _timed_forward(model: ViT, x: torch.Tensor, patch_size: int) -> tuple[torch.Tensor, float]:
-    """(probabilities, milliseconds): the faster of two passes, so that the first pass's one-off
-    work (allocations, the PI-resize operator) does not count as the patch size's cost."""
+# --- every patch size side by side ---------------------------------------------------------------
+
+# Each patch size is timed on this image: a warm-up pass, then the median of TIMED_PASSES passes,
+# or of one where a pass costs more than EXPENSIVE_PASS passes at the model's own patch size
+# (three would make that size most of the wait, and one warm sample of it is long enough).
+TIMED_PASSES = 3
+EXPENSIVE_PASS = 2.0
+# What a pass costs beyond its multiply-adds, per block, in multiply-adds: the operators'
+# fixed overhead, most of a small model's pass (about 0.1 ms per block on a CPU).
+BLOCK_OVERHEAD = 3e6
+
+
+@dataclass(frozen=True)
+class PlannedSize:
+    """One patch size's share of the comparison: what ``predictions_by_patch_size`` and
+    ``held_out_accuracy_by_patch_size`` run at it, and what ``comparison_cost`` counts."""
+
+    patch_size: int
+    timed_passes: int  # after one warm-up pass of the image
+    held_out_images: int  # 0: no held-out batch
+
+
+def comparison_plan(config, held_out: bool = False) -> list[PlannedSize]:
+    native = pass_cost(config)
+    return [
+        PlannedSize(
+            patch,
+            1 if pass_cost(config, patch) > EXPENSIVE_PASS * native else TIMED_PASSES,
+            HELD_OUT_IMAGES if held_out else 0,
+        )
+        for patch in patch_size_options(config)
+    ]
+
+
+def pass_cost(config, patch_size: int | None = None, images: int = 1) -> float:
+    """:func:`forward_cost` of a batch of ``images`` plus the operators' fixed overhead."""
+    return images * forward_cost(config, patch_size) + config.depth * BLOCK_OVERHEAD
+
+
+def resize_cost(config, patch_size: int) -> float:
+    """Multiply-adds worth of resizing the model to ``patch_size``: the PI-resize operator (a
+    pseudo-inverse, about 30 multiply-adds' time per new x old x old element) and its product
+    with the kernel in float64 (about 6x a float32 multiply-add), as measured on a CPU."""
+    if patch_size == config.patch_size:
+        return 0.0
+    new, old = patch_size**2, config.patch_size**2
+    return 30 * new * old * old + 6 * new * old * config.in_chans * config.embed_dim
+
+
+def size_cost(config, planned: PlannedSize) -> float:
+    """Multiply-adds of one patch size's share of the comparison."""
+    patch = planned.patch_size
+    cost = resize_cost(config, patch) + (1 + planned.timed_passes) * pass_cost(config, patch)
+    if planned.held_out_images:
+        cost += pass_cost(config, patch, planned.held_out_images)
+    return cost
+
+
+def patch_size_comparison_cost(config, held_out: bool = False) -> float:
+    """What trying every patch size costs, in forward passes of the model at its own size, from
+    the plan the comparison runs (:func:`comparison_plan`)."""
+    return sum(size_cost(config, planned) for planned in comparison_plan(config, held_out)) / pass_cost(config)
+
+
+def _median_forward(model: ViT, x: torch.Tensor, passes: int, warm_up: bool = True) -> tuple[torch.Tensor, float]:
+    """(class scores or features of the first image, milliseconds): a warm-up pass (allocations,
+    first-call work), then the median of ``passes`` timed passes."""
     times = []
-    for _ in range(2):
-        started = time.perf_counter()
-        with torch.no_grad():
-            probabilities = model(x, patch_size=patch_size).float().softmax(dim=-1)[0].cpu()
-        times.append(time.perf_counter() - started)
-    return probabilities, 1000 * min(times)
+    with torch.no_grad():
+        output = model(x) if warm_up else None
+        for _ in range(passes):
+            started = time.perf_counter()
+            output = model(x)
+            if x.is_cuda:
+                torch.cuda.synchronize()  # the pass has run, not only been queued
+            times.append(time.perf_counter() - started)
+    return output[0].float().cpu(), 1000 * statistics.median(times)
 
 
-def predictions_by_patch_size(model: ViT, image: Image.Image) -> list[dict]:
-    """Per allowed patch size: grid, tokens, the measured forward time of this image and the
-    top-1 prediction. The shared model runs at each size per call (FlexiViT), unchanged."""
+# progress(fraction done, what runs now); it may raise to stop the comparison.
+Progress = Callable[[float, str], None]
+
+
+def _each_size(config, held_out: bool, progress: Progress | None, what: str):
+    """The comparison plan's sizes, reporting before each the share of the work done so far."""
+    plan = comparison_plan(config, held_out)
+    costs = [size_cost(config, planned) for planned in plan]
+    for index, planned in enumerate(plan):
+        if progress is not None:
+            tokens = token_count(config, planned.patch_size)
+            progress(
+                sum(costs[:index]) / sum(costs),
+                f"{what} patch {planned.patch_size} ({tokens} tokens), {index + 1} of {len(plan)} ...",
+            )
+        yield planned
+    if progress is not None:
+        progress(1.0, "Done.")
+
+
+def predictions_by_patch_size(model: ViT, image: Image.Image, progress: Progress | None = None) -> list[dict]:
+    """Per allowed patch size: grid, tokens, the forward time of this image (a warm-up pass, then
+    the median of the plan's timed passes) and, for a model with classes, its top-1 prediction.
+    Each size runs on the model resized to it once (FlexiViT PI-resize), so the time is the
+    transformer's at that size, not the kernel's resampling; the shared model is unchanged."""
     config = model.config
     names = config.class_names
     x = preprocess(image, config).to(DEVICE)
     rows = []
-    for patch in patch_size_options(config):
-        probabilities, milliseconds = _timed_forward(model, x, patch)
-        best = int(probabilities.argmax())
+    for planned in _each_size(config, False, progress, "Timing"):
+        patch = planned.patch_size
+        resized = model if patch == config.patch_size else resize_model(model, patch_size=patch, share_weights=True).eval()
+        output, milliseconds = _median_forward(resized, x, planned.timed_passes)
+        del resized  # a large patch's kernel is hundreds of MB: gone before the next size
         grid_h, grid_w = model.grid_size(patch)
-        rows.append({
+        row = {
             "patch size": patch,
             "grid": f"{grid_h}x{grid_w}",
             "tokens": config.num_prefix_tokens + grid_h * grid_w,
             "forward ms": milliseconds,
-            "prediction": names[best] if names else f"class {best}",
-            "probability": float(probabilities[best]),
-        })
+        }
+        if config.num_classes:
+            probabilities = output.softmax(dim=-1)
+            best = int(probabilities.argmax())
+            row["prediction"] = names[best] if names else f"class {best}"
+            row["probability"] = float(probabilities[best])
+        rows.append(row)
     return rows
 
 
@@ -360,7 +461,9 @@ def held_out_set(config) -> ImageDataset:
     return shapes_dataset(HELD_OUT_IMAGES, config.img_size, SHAPES_TEST_SEED, "test", start=SHAPE_SAMPLES)
 
 
-def held_out_accuracy_by_patch_size(model: ViT, dataset: ImageDataset) -> dict[int, float]:
+def held_out_accuracy_by_patch_size(
+    model: ViT, dataset: ImageDataset, progress: Progress | None = None
+) -> dict[int, float]:
     """Patch size -> accuracy of the model on ``dataset`` at that size (one batch per size)."""
     config = model.config
     mean = torch.tensor(config.mean, device=DEVICE).view(1, -1, 1, 1)
@@ -368,18 +471,67 @@ def held_out_accuracy_by_patch_size(model: ViT, dataset: ImageDataset) -> dict[i
     images = (dataset.images.to(DEVICE).float() / 255 - mean) / std
     labels = dataset.labels.to(DEVICE)
     accuracy = {}
-    for patch in patch_size_options(config):
+    for planned in _each_size(config, True, progress, f"Testing on {len(dataset)} held-out images:"):
         with torch.no_grad():
-            predicted = model(images, patch_size=patch).argmax(dim=-1)
-        accuracy[patch] = float((predicted == labels).float().mean())
+            predicted = model(images, patch_size=planned.patch_size).argmax(dim=-1)
+        accuracy[planned.patch_size] = float((predicted == labels).float().mean())
     return accuracy
 
 
-def patch_size_comparison_cost(config, held_out: bool = False) -> float:
-    """What trying every patch size costs, in forward passes of the model at its own size: two
-    passes of the image per size (one timed), and the held-out batch at each size if asked."""
-    per_size = 2 + (HELD_OUT_IMAGES if held_out else 0)
-    return per_size * sum(forward_cost(config, patch) for patch in patch_size_options(config)) / forward_cost(config)
+def duration(seconds: float) -> str:
+    """A wait in words: "12 s", "3 min"."""
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
+
+
+# Held-out accuracy this close to the best counts as holding up (128 images: a point is about one image).
+HELD_OUT_MARGIN = 0.05
+
+
+def patch_size_summary(rows: Sequence[dict], trained: int) -> str:
+    """What the comparison table shows, in a sentence or two derived from its rows."""
+    most = max(rows, key=lambda row: row["tokens"])
+    fewest = min(rows, key=lambda row: row["tokens"])
+    ratio = most["forward ms"] / fewest["forward ms"]
+    sentences = [
+        f"A pass at patch {most['patch size']} ({most['tokens']} tokens) took {ratio:.1f}x as long as"
+        f" at patch {fewest['patch size']} ({fewest['tokens']} tokens)."
+        if ratio >= 1.5 else
+        f"A pass at patch {most['patch size']} ({most['tokens']} tokens) took about as long as at"
+        f" patch {fewest['patch size']} ({fewest['tokens']} tokens): for this model the time went to"
+        " fixed costs (or to other work on this server), not to the tokens."
+    ]
+    held_out = {row["patch size"]: row["held-out accuracy"] for row in rows if row.get("held-out accuracy") is not None}
+    if held_out:
+        best = max(held_out, key=held_out.get)
+        close = [patch for patch, accuracy in held_out.items() if patch != best and accuracy >= held_out[best] - HELD_OUT_MARGIN]
+        far = [patch for patch in held_out if patch != best and patch not in close]
+        sentence = f"On the held-out images it does best at patch {best} ({held_out[best]:.0%}; trained at {trained})"
+        if close:
+            sentence += f", {_sizes(close)} stay within {HELD_OUT_MARGIN * 100:.0f} points of that"
+        if far:
+            sentence += f", and at {_sizes(far)} it falls to {_percentages(held_out[patch] for patch in sorted(far))}"
+        sentences.append(sentence + ".")
+    elif "prediction" in rows[0]:
+        own = next((row["prediction"] for row in rows if row["patch size"] == trained), None)
+        same = [row["patch size"] for row in rows if row["prediction"] == own and row["patch size"] != trained]
+        if own is not None:
+            sentences.append(
+                f"On this image it predicts {own} at its trained patch size {trained}"
+                + (f", and so it does at {_sizes(same)}." if same else ", and something else at every other size.")
+            )
+    return " ".join(sentences)
+
+
+def _sizes(patches: Sequence[int]) -> str:
+    patches = sorted(patches)
+    if len(patches) == 1:
+        return f"patch {patches[0]}"
+    return f"patches {', '.join(map(str, patches[:-1]))} and {patches[-1]}"
+
+
+def _percentages(values) -> str:
+    values = [f"{value:.0%}" for value in values]
+    return values[0] if len(values) == 1 else f"{', '.join(values[:-1])} and {values[-1]}"
 
 
 @dataclass(frozen=True)
@@ -432,14 +584,22 @@ class Selection:
         held_out = has_held_out(config) and self._held_out_key not in shared_results()
         return patch_size_comparison_cost(config, held_out=held_out)
 
+    def forward_seconds(self) -> float:
+        """Seconds of one forward pass of this image at the model's own patch size: the median of
+        TIMED_PASSES (one sample on a busy server can be several times off), timed once per model
+        and input size for everybody (the page's capture has just warmed the model up)."""
+        model = self.base_model
+        key = (self.model_key, self.config.img_size, "forward seconds")
+        return memo(key, lambda: _median_forward(model, self.model_input().to(DEVICE), TIMED_PASSES, warm_up=False)[1] / 1000)
+
     @property
     def _held_out_key(self) -> tuple:
         return (self.model_key, "held-out accuracy by patch size")
 
     def predictions_by_patch_size(self, run: bool = True) -> list[dict] | None:
-        """Per allowed patch size: tokens, forward time and top-1 prediction of this image, and
-        the accuracy on a held-out batch of the model's dataset where it has one ("held-out
-        accuracy", else None).
+        """Per allowed patch size: tokens, forward time and (with classes) the top-1 prediction of
+        this image, and the accuracy on a held-out batch ("held-out accuracy") where the model's
+        dataset has one. Runs under a progress bar; a stopped run leaves nothing cached.
 
         With ``run=False`` only what somebody already computed for this model and image, or None.
         """
@@ -447,12 +607,23 @@ class Selection:
         if not run and key not in shared_results():
             return None
         model = self.base_model
-        rows = memo(key, lambda: predictions_by_patch_size(model, self.image), "Trying every patch size ...")
-        accuracy = {} if not has_held_out(model.config) else memo(
-            self._held_out_key, lambda: held_out_accuracy_by_patch_size(model, held_out_set(model.config)),
-            f"Testing every patch size on {HELD_OUT_IMAGES} held-out images ...",
-        )
-        return [{**row, "held-out accuracy": accuracy.get(row["patch size"])} for row in rows]
+        config = model.config
+        held_out = has_held_out(config)
+        # One bar over both parts, each advancing by its share of the plan's cost.
+        image_share = patch_size_comparison_cost(config) / max(self.comparison_cost(), 1e-9)
+        slot = st.empty()
+
+        def report(start: float, share: float) -> Progress:
+            return lambda done, text: slot.progress(min(start + share * done, 1.0), text=text)
+
+        rows = memo(key, lambda: predictions_by_patch_size(model, self.image, report(0.0, image_share)))
+        if held_out:
+            accuracy = memo(self._held_out_key, lambda: held_out_accuracy_by_patch_size(
+                model, held_out_set(config), report(image_share, 1 - image_share)
+            ))
+            rows = [{**row, "held-out accuracy": accuracy[row["patch size"]]} for row in rows]
+        slot.empty()
+        return rows
 
     def model_input(self) -> torch.Tensor:
         return preprocess(self.image, self.config)  # (1, C, H, W)
@@ -580,20 +751,45 @@ def set_kept(widget_key: str, value: Any) -> None:
     st.session_state[kept_key(widget_key)] = value
 
 
-def model_options() -> dict[str, str]:
-    """Model key -> label: the shipped model, ImageNet ViT-B/16, finished runs and uploads."""
+# Model labels longer than this are cut in the sidebar's picker (and in its open list): a name is
+# shortened in the middle (its start and end tell checkpoints apart), the whole label shown below.
+MAX_LABEL = 34
+
+
+def model_options(whole: bool = False) -> dict[str, str]:
+    """Model key -> label: the shipped model, the catalogue (downloaded or not), finished runs
+    and uploads; names cut to fit the picker unless ``whole``."""
     weights = default_weights().resolve()
     shipped = weights == train.DEFAULT_WEIGHTS.resolve()
     # A server started with VIT_EXPLORER_DEFAULT_MODEL says which checkpoint it opens with.
-    options = {DEFAULT_MODEL: "Shipped shapes ViT (offline)" if shipped else f"Default: {weights.name}"}
+    options = {DEFAULT_MODEL: "Shipped shapes ViT (offline)" if shipped else f"Default: {weights.stem}"}
     for name, entry in catalogue.CATALOGUE.items():
-        where = "downloaded" if catalogue.is_downloaded(name) else f"{entry.size_bytes / 1e6:.0f} MB, downloads once"
-        options[f"pretrained:{name}"] = f"{entry.title} ({where})"
+        # The state first: a long title may be cut, what selecting it costs never is.
+        where = "Downloaded" if catalogue.is_downloaded(name) else f"{entry.size_bytes / 1e6:.0f} MB download"
+        options[f"pretrained:{name}"] = f"{where}: {entry.title}"
     for run_id, run in training_runs().items():
         if run.checkpoint is not None:
             options[f"file:{run.checkpoint}"] = f"Trained here: {run_id}"
     options.update(st.session_state["uploaded_models"])
-    return options
+    return options if whole else {key: _fit(label) for key, label in options.items()}
+
+
+def model_title(model_key: str) -> str:
+    """A catalogue model's title ("DINO ViT-S/16")."""
+    return catalogue.entry(model_key.removeprefix("pretrained:")).title
+
+
+def _fit(label: str) -> str:
+    """A "Kind: name" label within MAX_LABEL characters, the name cut in the middle if need be."""
+    if len(label) <= MAX_LABEL:
+        return label
+    kind, _, name = label.rpartition(": ")
+    if name.endswith(")") and " (" in name:  # "ImageNet ViT-B/16 (torchvision)": the aside goes first
+        return _fit(f"{kind}: {name.rpartition(' (')[0]}" if kind else name.rpartition(" (")[0])
+    room = MAX_LABEL - len(kind) - 2 if kind else MAX_LABEL
+    head = (room - 1) // 2
+    shortened = f"{name[:head]}…{name[len(name) - (room - 1 - head):]}"
+    return f"{kind}: {shortened}" if kind else shortened
 
 
 def request_model(model_key: str) -> None:
@@ -613,7 +809,7 @@ def apply_requested_model() -> str | None:
 
 def model_cards() -> str:
     """The catalogue's model cards as a Markdown list: what each was trained on, how it attends."""
-    return "\n".join(f"- {entry.card}" for entry in catalogue.CATALOGUE.values())
+    return "\n".join(f"- **{entry.title}**: {entry.card.removeprefix(entry.title + ': ')}" for entry in catalogue.CATALOGUE.values())
 
 
 def model_card(model_key: str) -> str | None:
@@ -636,6 +832,44 @@ def download_with_progress(name: str) -> None:
         catalogue.download(name, report)
     finally:
         bar.empty()
+
+
+# Whether the catalogue's hosts answer: checked at most once a minute per host, each check
+# within a second and a half (name lookup included), so that no page waits on a dead network.
+REACHABLE_SECONDS = 60
+REACHABLE_TIMEOUT = 1.5
+# Said in place of the catalogue's models where none can be had.
+CATALOGUE_OFFLINE = (
+    "The pretrained models are not available offline: none is downloaded and this server cannot"
+    f" reach their publishers (a local mirror can be set with {catalogue.HUB_URL_VARIABLE} or"
+    f" {catalogue.TORCHVISION_URL_VARIABLE})."
+)
+
+
+def obtainable(model_key: str) -> bool:
+    """Whether a catalogue model can be had now: downloaded, or its download host answers."""
+    name = model_key.removeprefix("pretrained:")
+    if catalogue.is_downloaded(name):
+        return True
+    address = urllib.parse.urlsplit(catalogue.url(name))
+    return host_reachable(address.hostname, address.port or (443 if address.scheme == "https" else 80))
+
+
+@st.cache_data(ttl=REACHABLE_SECONDS, max_entries=16, show_spinner=False)
+def host_reachable(host: str, port: int) -> bool:
+    """Whether a TCP connection to ``host:port`` opens within REACHABLE_TIMEOUT seconds."""
+    opened = threading.Event()
+
+    def connect() -> None:
+        try:
+            with socket.create_connection((host, port), timeout=REACHABLE_TIMEOUT):
+                opened.set()
+        except OSError:
+            pass
+
+    # In a thread of its own: a name lookup without a network can hang far longer than the timeout.
+    threading.Thread(target=connect, daemon=True).start()
+    return opened.wait(REACHABLE_TIMEOUT)
 
 
 def unreadable_photo_reason(selection: Selection) -> str | None:
