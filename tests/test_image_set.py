@@ -124,7 +124,7 @@ def test_the_page_renders_two_shapes_and_a_photo_with_every_figure_titled(forwar
     assert errors(app) == []
     titles = figure_titles(app)
     assert len(titles) == 4 and all(title.strip() for title in titles)  # picker, PCA, correspondence, norms
-    assert any(title.startswith("Joint PCA of the last layer's patch tokens of 3 images") for title in titles)
+    assert any(title.startswith("Joint PCA of 3 images' last-layer patch tokens") for title in titles)
     assert any(title.startswith("Cosine of layer 3's output tokens with patch") for title in titles)
     assert any("= median" in title for title in titles)
     assert sum(forwards) == pytest.approx(3)  # one batched pass of 3 images (the goal: <= 1.2 each)

@@ -61,7 +61,7 @@ st.write(
     " background is black. The sign of a principal component is arbitrary, so if the background"
     " lights up instead of the object, switch the side."
 )
-threshold_column, side_column = st.columns([3, 1], vertical_alignment="bottom")
+threshold_column, side_column = st.columns([2, 1], vertical_alignment="bottom")
 threshold = threshold_column.slider(
     "Foreground threshold (standard deviations)", -2.0, 2.0, step=0.1,
     help="Patches whose first component lies above this many standard deviations count as foreground.",

@@ -50,15 +50,16 @@ def foreground_pca_grid(
     images: Sequence, first_component, colours, threshold: float, labels: Sequence[str], explained: float,
 ) -> go.Figure:
     """DINOv2's figure: per image (columns), the input, the first joint component (diverging,
-    in standard deviations, the threshold drawn as the scale's midpoint) and the foreground's three
-    components as RGB (background black). first_component (B, gh, gw); colours (B, gh, gw, 3) in [0, 1]."""
+    in standard deviations, the threshold drawn as the scale's midpoint: red above, blue below)
+    and the foreground's three components as RGB (background black); ``explained``: the first
+    component's share of the variance. first_component (B, gh, gw); colours (B, gh, gw, 3) in [0, 1]."""
     component = _float_array(first_component)
     images = _check_set(images, component, "first_component")
     colours = _float_array(colours)
     count = len(images)
     fig = make_subplots(
         rows=3, cols=count, horizontal_spacing=0.01, vertical_spacing=0.04, column_titles=list(labels),
-        row_titles=["input", "1st component", "foreground parts"],
+        row_titles=["input", f"1st component ({explained:.0%} of variance)", "foreground parts"],
     )
     reach = max(float(np.abs(component - threshold).max()), 1e-6)
     for index, image in enumerate(images):
@@ -70,9 +71,8 @@ def foreground_pca_grid(
     _image_axes(fig, [(row, col) for row in (1, 2, 3) for col in range(1, count + 1)], columns=count)
     fig.update_layout(
         title=_title(
-            f"Joint PCA of the last layer's patch tokens of {count} images: 1st component ({explained:.0%}"
-            f" of the variance; red above the threshold {threshold:+.1f} sd, blue below), then 3"
-            " components of the foreground as RGB"
+            f"Joint PCA of {count} images' last-layer patch tokens: foreground where the 1st component"
+            f" > {threshold:+.1f} sd (red), its parts as RGB"
         ),
         margin=MARGIN, height=_panel_height(images[0].shape, 3, min(CELL_PIXELS, 1100 // count)),
     )
