@@ -472,11 +472,8 @@ class ImageSet:
         return memo((*self.key, *key), compute, spinner)
 
     def model_input(self) -> torch.Tensor:
-        """(B, C, H, W): every image preprocessed to the model's input size."""
-        inputs = [preprocess(image, self.selection.config) for image in self.images]
-        if len({tuple(x.shape) for x in inputs}) != 1:
-            raise ValueError("these images could not be brought to one size for the model")
-        return torch.cat(inputs)
+        """(B, C, H, W): every image resized to the model's input size, whatever its own size."""
+        return torch.cat([preprocess(image, self.selection.config) for image in self.images])
 
     def capture(self) -> Capture:
         """One pass of the batch; the attention of the last layer only (the page reads tokens)."""
@@ -499,7 +496,7 @@ class ImageSet:
     def display_images(self) -> list[np.ndarray]:
         """(H, W, 3) uint8 per image: each picture as the model sees it."""
         return self.memo("display images", compute=lambda: [
-            display_image(x[None], self.selection.config) for x in self.model_input()
+            display_image(x, self.selection.config) for x in self.model_input()
         ])
 
 
