@@ -2,16 +2,16 @@
 import json
 
 import pytest
-import streamlit as st
 import torch
 from streamlit.testing.v1 import AppTest
 
+import vit_explorer as vx
 from vit_explorer import figures
 from vit_explorer import image_set as sets
 from vit_explorer import model as model_module
 from vit_explorer import ui
-
-from test_app import APP, errors, figure_titles, tiny_default, widget  # noqa: F401 (the fixture)
+from vit_explorer.capture import layer_internals
+from test_app import APP, PHOTO, errors, figure_titles, tiny_default, tiny_model, widget  # noqa: F401 (the fixture)
 
 GRID = (3, 4)
 
@@ -69,6 +69,20 @@ def test_correspondence_finds_a_patch_moved_to_another_place():
     features[1, 7] = 3.0 * features[0, 2]  # the same direction, another norm and place
     _, best = sets.correspondence(features, 0, 2)
     assert best.tolist() == [2, 7]
+
+
+def test_the_keys_facet_is_the_layers_keys_of_the_patches_heads_side_by_side():
+    model = tiny_model(reg_tokens=2).eval()
+    x = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    cap = vx.capture(model, x)
+    layer, prefix, dim = 1, model.config.num_prefix_tokens, model.config.embed_dim
+    keys = sets.patch_keys(vx.capture(model, x, internals=layer).internals, prefix)
+    block = model.blocks[layer]
+    with torch.no_grad():  # timm's qkv layout: q, k, v one after the other, heads contiguous in each
+        by_hand = block.attn.qkv(block.norm1(cap.tokens[:, layer]))[..., dim : 2 * dim]
+    torch.testing.assert_close(keys, by_hand[:, prefix:], rtol=1e-4, atol=1e-5)
+    # The page's way: that block alone run again on the captured tokens gives the same keys.
+    torch.testing.assert_close(sets.patch_keys(layer_internals(model, cap.tokens[:, layer], layer), prefix), keys)
 
 
 def test_the_norm_outlier_rule_is_median_plus_k_mads():
@@ -184,3 +198,24 @@ def test_the_figures_reject_maps_that_do_not_fit_the_images():
         [image, image], torch.ones(2, 2, 2), [3, 1], 0, 3, ["a", "b"], "tokens"
     ).to_json())["layout"]
     assert len(layout["shapes"]) == 2  # the chosen patch and the other image's best match
+
+
+@pytest.mark.parametrize("changes", [
+    dict(reg_tokens=2),  # the prefix holds registers: they are not patches
+    dict(num_classes=0, class_names=None, class_token=False, global_pool="map"),  # SigLIP: no class token
+    dict(dist_token=True),  # DeiT distilled
+])
+def test_the_page_reads_every_family_and_an_uploaded_image(tmp_path, changes):
+    path = tmp_path / "family.safetensors"
+    vx.save_model(tiny_model(**changes), path)
+    app = AppTest.from_file(APP, default_timeout=60).run()
+    app.file_uploader(key="checkpoint_upload").set_value((path.name, path.read_bytes(), "application/octet-stream")).run()
+    app.file_uploader(key="image_upload").set_value(("cat.png", PHOTO.read_bytes(), "image/png")).run()
+    app.switch_page(PAGE).run()
+    assert not app.exception and errors(app) == []
+    chosen = app.multiselect(key="image_set").value
+    assert len(chosen) == 3 and chosen[0].startswith("upload:")  # the sidebar's upload and two more
+    app.radio(key="set_facet").set_value("keys").run()
+    assert not app.exception and errors(app) == []
+    titles = figure_titles(app)
+    assert len(titles) == 4 and any(title.startswith("Cosine of layer 3's keys with patch 36 (row 4, col 4) of 1. cat.png") for title in titles)
