@@ -165,6 +165,7 @@ def test_moving_widgets_costs_no_forward_pass_and_keys_cost_one_block(forwards):
     forwards.clear()
     widget(app.slider, "Foreground threshold (standard deviations)").set_value(0.5).run()
     app.toggle(key="set_flip").set_value(True).run()
+    assert any("foreground where the sign-switched 1st component > +0.5 sd" in title for title in figure_titles(app))
     widget(app.slider, "k (MADs above the median)").set_value(3.0).run()
     widget(app.selectbox, "Source image").set_value(2).run()
     widget(app.selectbox, "Patch").set_value(5).run()

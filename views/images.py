@@ -79,7 +79,7 @@ pca = image_set.memo(
 if not pca.foreground.any():
     st.info("No patch lies above the threshold: lower it or switch the side.")
 st.plotly_chart(image_set.memo("foreground figure", threshold, flip, compute=lambda: figures.foreground_pca_grid(
-    display, pca.first_component, pca.colours, threshold, labels, pca.explained,
+    display, pca.first_component, pca.colours, threshold, labels, pca.explained, flip,
 )))
 
 st.subheader("Correspondence: the same part in the other pictures")

@@ -54,7 +54,7 @@ def patch_keys(internals: LayerInternals, num_prefix_tokens: int) -> torch.Tenso
 class ForegroundPCA:
     """DINOv2's figure for a set of images on a gh x gw grid."""
 
-    first_component: torch.Tensor  # (B, gh, gw) the joint PCA's first component, in its standard deviations
+    first_component: torch.Tensor  # (B, gh, gw) the joint first component in standard deviations (negated by flip)
     foreground: torch.Tensor  # (B, gh, gw) bool: first component above the threshold (after the flip)
     colours: torch.Tensor  # (B, gh, gw, 3) in [0, 1]: the foreground's three components; background 0
     explained: float  # the first component's share of the variance of all patches

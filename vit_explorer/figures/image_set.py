@@ -48,11 +48,12 @@ def _axis_suffix(index: int) -> str:
 
 def foreground_pca_grid(
     images: Sequence, first_component, colours, threshold: float, labels: Sequence[str], explained: float,
+    flipped: bool = False,
 ) -> go.Figure:
     """DINOv2's figure: per image (columns), the input, the first joint component (diverging,
     in standard deviations, the threshold drawn as the scale's midpoint: red above, blue below)
     and the foreground's three components as RGB (background black); ``explained``: the first
-    component's share of the variance. first_component (B, gh, gw); colours (B, gh, gw, 3) in [0, 1]."""
+    component's share of the variance; ``flipped``: the component's sign was switched. first_component (B, gh, gw); colours (B, gh, gw, 3) in [0, 1]."""
     component = _float_array(first_component)
     images = _check_set(images, component, "first_component")
     colours = _float_array(colours)
@@ -71,8 +72,8 @@ def foreground_pca_grid(
     _image_axes(fig, [(row, col) for row in (1, 2, 3) for col in range(1, count + 1)], columns=count)
     fig.update_layout(
         title=_title(
-            f"Joint PCA of {count} images' last-layer patch tokens: foreground where the 1st component"
-            f" > {threshold:+.1f} sd (red), its parts as RGB"
+            f"Joint PCA of {count} images' last-layer patch tokens: foreground where the"
+            f" {'sign-switched ' if flipped else ''}1st component > {threshold:+.1f} sd (red), its parts as RGB"
         ),
         margin=MARGIN, height=_panel_height(images[0].shape, 3, min(CELL_PIXELS, 1100 // count)),
     )
