@@ -36,31 +36,49 @@ def _on_image_picked() -> None:
     state["image_key"] = state["image_picker"]
 
 
-def _fresh_upload(widget_key: str, signature: str) -> bool:
-    """True the first time a given upload is seen, so each upload is processed once."""
-    seen = state.get(f"seen:{widget_key}")
-    state[f"seen:{widget_key}"] = signature
-    return seen != signature
+def _checkpoint_uploader() -> None:
+    """The checkpoint uploader; a handled upload is released and the run starts again."""
+    files = st.file_uploader(
+        "Checkpoint: this project's .safetensors, a timm or torchvision state dict, or a"
+        " Hugging Face ViT (config.json plus its weights)",
+        type=["safetensors", "pth", "pt", "bin", "json"],
+        accept_multiple_files=True,
+        key=ui.upload_key("checkpoint_upload"),
+    )
+    if files:
+        with st.spinner("Reading the checkpoint ..."):
+            state["checkpoint_error"] = ui.add_checkpoint_upload(files)
+        ui.release_upload("checkpoint_upload", files)
+    if "checkpoint_error" in state:
+        error = state.pop("checkpoint_error")
+        if error:
+            st.error(error)
+
+
+def _image_uploader() -> None:
+    """The image uploader: an image's own size limit and types; released like checkpoints."""
+    file = st.file_uploader(
+        "Upload an image", type=ui.IMAGE_TYPES, max_upload_size=ui.IMAGE_UPLOAD_MB,
+        key=ui.upload_key("image_upload"),
+        help=f"A picture PIL can read (PNG, JPEG, WebP, GIF: first frame, TIFF, BMP), up to"
+        f" {ui.IMAGE_UPLOAD_MB} MB.",
+    )
+    if file is not None:
+        state["image_error"] = ui.add_image_upload(file)
+        ui.release_upload("image_upload", [file])
+    if "image_error" in state:
+        error = state.pop("image_error")
+        if error:
+            st.error(error)
 
 
 with st.sidebar:
     st.header("Model")
     model_slot = st.container()
     with st.expander("Load a checkpoint"):
-        checkpoint_files = st.file_uploader(
-            "Checkpoint: this project's .safetensors, a timm or torchvision state dict, or a"
-            " Hugging Face ViT (config.json plus its weights)",
-            type=["safetensors", "pth", "pt", "bin", "json"],
-            accept_multiple_files=True,
-            key="checkpoint_upload",
-        )
-        if checkpoint_files:
-            signature = ",".join(file.file_id for file in checkpoint_files)
-            if _fresh_upload("checkpoint_upload", signature):
-                with st.spinner("Reading the checkpoint ..."):
-                    state["checkpoint_error"] = ui.add_checkpoint_upload(checkpoint_files)
-            if state.get("checkpoint_error"):
-                st.error(state["checkpoint_error"])
+        _checkpoint_uploader()
+    if "model_notice" in state:
+        st.warning(state.pop("model_notice"))
 
     with model_slot:
         options = ui.model_options()
@@ -113,15 +131,7 @@ with st.sidebar:
 
     st.header("Image")
     image_slot = st.container()
-    image_file = st.file_uploader(
-        "Upload an image", type=None, key="image_upload",
-        help="Any picture PIL can read: PNG, JPEG, WebP, GIF (first frame), TIFF, BMP ...",
-    )
-    if image_file is not None:
-        if _fresh_upload("image_upload", image_file.file_id):
-            state["image_error"] = ui.add_image_upload(image_file)
-        if state.get("image_error"):
-            st.error(state["image_error"])
+    _image_uploader()
 
     if "image_notice" in state:
         st.warning(state.pop("image_notice"))

@@ -72,6 +72,12 @@ def widget(widgets, label: str):
     return matches[0]
 
 
+def uploader(app: AppTest, key: str):
+    """The uploader of that key now: each handled upload gives it a new key (it starts empty)."""
+    (match,) = [widget for widget in app.file_uploader if widget.key.partition("#")[0] == key]
+    return match
+
+
 def errors(app: AppTest) -> list[str]:
     return [error.value for error in app.error]
 
@@ -494,10 +500,10 @@ def test_an_uploaded_shapes_picture_is_not_taken_for_a_photo():
     picture = io.BytesIO()
     shapes_sample(0, (32, 32))[0].save(picture, format="PNG")
     app = open_app("views/pipeline.py")
-    app.file_uploader(key="image_upload").set_value(("shapes.png", picture.getvalue(), "image/png")).run()
+    uploader(app, "image_upload").set_value(("shapes.png", picture.getvalue(), "image/png")).run()
     assert not app.exception and app.session_state["image_key"].startswith("upload:")
     assert not app.sidebar.warning
-    app.file_uploader(key="image_upload").set_value(("cat.png", PHOTO.read_bytes(), "image/png")).run()
+    uploader(app, "image_upload").set_value(("cat.png", PHOTO.read_bytes(), "image/png")).run()
     (warning,) = [warning.value for warning in app.sidebar.warning]
     assert warning.startswith("This model was trained on synthetic shapes")
 
@@ -539,15 +545,15 @@ def test_uploads_share_a_quota_and_the_oldest_go_first(monkeypatch):
         image.save(buffer, format="PNG")
         pictures.append(buffer.getvalue())
     assert all(2000 < len(picture) < 3000 for picture in pictures), [len(p) for p in pictures]
-    app.file_uploader(key="image_upload").set_value(("first.png", pictures[0], "image/png")).run()
+    uploader(app, "image_upload").set_value(("first.png", pictures[0], "image/png")).run()
     first = app.session_state["image_key"]
     for name, picture in (("second.png", pictures[1]), ("third.png", pictures[2])):
-        app.file_uploader(key="image_upload").set_value((name, picture, "image/png")).run()
+        uploader(app, "image_upload").set_value((name, picture, "image/png")).run()
     assert errors(app) == [] and app.session_state["image_key"] != first
     assert sum(path.stat().st_size for path in ui.UPLOADS_DIR.iterdir()) <= 6000
     assert first not in app.selectbox(key="image_picker").options  # removed to make room
     too_big = ("huge.png", pictures[0] + b"\0" * 6000, "image/png")
-    app.file_uploader(key="image_upload").set_value(too_big).run()
+    uploader(app, "image_upload").set_value(too_big).run()
     (error,) = errors(app)
     assert error.startswith("That upload is 0 MB, more than this server keeps for all uploads")
 
