@@ -13,13 +13,15 @@ st.set_page_config(page_title="ViT Explorer", page_icon=":material/grid_view:", 
 ui.init_state()
 state = st.session_state
 
-pages = [
+pages = {"Explore": [
     st.Page("views/pipeline.py", title="Pipeline", icon=":material/route:", default=True),
     st.Page("views/patches.py", title="Patches", icon=":material/grid_on:"),
     st.Page("views/attention.py", title="Attention", icon=":material/visibility:"),
     st.Page("views/inside.py", title="Inside a layer", icon=":material/calculate:", url_path="inside"),
     st.Page("views/train.py", title="Train", icon=":material/model_training:"),
-]
+], "Experiments": [
+    st.Page("views/images.py", title="Several images", icon=":material/photo_library:", url_path="images"),
+]}
 page = st.navigation(pages)
 # Offered when a photo meets a model that cannot read it: self-supervised, supervised, language.
 PHOTO_MODELS = ("pretrained:dino_vits16", "pretrained:deit_s", "pretrained:clip_vitb16")

@@ -40,6 +40,7 @@ from .cache import ByteBoundedCache, nbytes, trim_to_quota
 from .capture import Capture, capture, layer_internals
 from .config import TrainConfig
 from .data import SHAPE_CLASSES, SHAPES_TEST_SEED, ImageDataset, shapes_dataset, shapes_sample
+from .image_set import MAX_IMAGES, MIN_IMAGES, patch_keys
 from .images import load_image, preprocess
 from .internals import LayerInternals
 from .model import ViT
@@ -645,6 +646,69 @@ class Selection:
             compute=lambda: layer_internals(self.model, self.capture().tokens[:, layer], layer),
             spinner=f"Opening layer {layer} ...",
         )
+
+
+@dataclass(frozen=True)
+class ImageSet:
+    """Several images read together by the selected model (the Several images page): one batched
+    forward pass of all of them, memoised for everybody by model, sizes and image keys."""
+
+    selection: Selection  # the model at its patch size and input size; its own image is not used
+    image_keys: tuple[str, ...]  # cache keys (shapes include their render size)
+    images: tuple[Image.Image, ...]  # as given, before resizing
+
+    @property
+    def key(self) -> tuple:
+        selection = self.selection
+        return (selection.model_key, selection.patch_size, selection.config.img_size, "image set", self.image_keys)
+
+    def memo(self, *key, compute: Callable[[], T], spinner: str | None = None) -> T:
+        return memo((*self.key, *key), compute, spinner)
+
+    def model_input(self) -> torch.Tensor:
+        """(B, C, H, W): every image resized to the model's input size, whatever its own size."""
+        return torch.cat([preprocess(image, self.selection.config) for image in self.images])
+
+    def capture(self) -> Capture:
+        """One pass of the batch; the attention of the last layer only (the page reads tokens)."""
+        return self.memo(
+            "capture", compute=lambda: capture(
+                self.selection.model, self.model_input(), layers=[-1], attention_dtype=torch.float16
+            ),
+            spinner=f"Running the model on {len(self.images)} images ...",
+        )
+
+    def keys(self, layer: int) -> torch.Tensor:
+        """(B, P, nh * hd) the patches' keys in ``layer``: that one block run again on the batch's
+        captured tokens (1/depth of a forward pass); only the keys are kept."""
+        def compute() -> torch.Tensor:
+            internals = layer_internals(self.selection.model, self.capture().tokens[:, layer], layer)
+            return patch_keys(internals, self.selection.config.num_prefix_tokens)
+
+        return self.memo("keys", layer, compute=compute, spinner=f"Computing the keys of layer {layer} ...")
+
+    def display_images(self) -> list[np.ndarray]:
+        """(H, W, 3) uint8 per image: each picture as the model sees it."""
+        return self.memo("display images", compute=lambda: [
+            display_image(x, self.selection.config) for x in self.model_input()
+        ])
+
+
+def image_set(selection: Selection, image_keys: Sequence[str]) -> ImageSet:
+    """The images behind ``image_keys`` for the selected model; ValueError with the sentence to
+    show for too few or too many, or for an image that can no longer be read."""
+    if not MIN_IMAGES <= len(image_keys) <= MAX_IMAGES:
+        raise ValueError(
+            f"Pick between {MIN_IMAGES} and {MAX_IMAGES} images"
+            f" ({len(image_keys)} chosen)."
+        )
+    resolved = []
+    for image_key in image_keys:
+        try:
+            resolved.append(resolve_image(image_key, selection.config.img_size))
+        except (ValueError, OSError) as error:
+            raise ValueError(f"One of the images cannot be read: {error}.") from error
+    return ImageSet(selection, tuple(key for key, _ in resolved), tuple(image for _, image in resolved))
 
 
 # --- session state ------------------------------------------------------------------------------
