@@ -154,9 +154,9 @@ with st.sidebar:
             st.image(selection.image, caption=f"{width}x{height} px as given", width=160)
             reason = ui.unreadable_photo_reason(selection)
             if reason:
-                st.warning(reason)
                 # Only models that can be had: downloaded, or their publisher answers.
                 offered = [model_key for model_key in PHOTO_MODELS if ui.obtainable(model_key)]
+                st.warning(f"{reason} A pretrained model below reads photos." if offered else reason)
                 for model_key in offered:
                     st.button(
                         f"Explore with {ui.model_title(model_key)}", key=f"try:{model_key}",

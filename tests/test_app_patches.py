@@ -173,6 +173,8 @@ def test_offline_a_photo_offers_no_pretrained_model_and_says_why(offline):
     (info,) = [info.value for info in app.sidebar.info]
     assert info == ui.CATALOGUE_OFFLINE
     assert "VIT_EXPLORER_HUB_URL" in info and "VIT_EXPLORER_TORCHVISION_URL" in info
+    (warning,) = [warning.value for warning in app.sidebar.warning]
+    assert "below" not in warning  # nothing below to point at
 
 
 def test_offline_a_downloaded_model_is_still_offered(offline):
@@ -182,6 +184,8 @@ def test_offline_a_downloaded_model_is_still_offered(offline):
     app = open_app("views/pipeline.py")
     app.selectbox(key="image_picker").set_value("photo:chelsea.png").run()
     assert photo_buttons(app) == ["Explore with DINO ViT-S/16"]
+    (warning,) = [warning.value for warning in app.sidebar.warning]
+    assert warning.endswith("A pretrained model below reads photos.")
     options = app.selectbox(key="model_picker")
     assert options.format_func("pretrained:dino_vits16") == "Downloaded: DINO ViT-S/16"
     assert options.format_func("pretrained:deit_s") == "88 MB download: DeiT-S"

@@ -91,7 +91,7 @@ def test_a_photo_on_the_shapes_model_is_flagged_where_the_prediction_is(page):
     app.selectbox(key="image_picker").set_value("photo:chelsea.png").run()
     assert not app.exception
     (caveat,) = [note for note in notes(app) if note.startswith(PHOTO_CAVEAT)]
-    assert caveat.endswith("so a photo means nothing to it; the sidebar offers models that read photos.")
+    assert caveat.endswith("so a photo means nothing to it.")
     app.selectbox(key="image_picker").set_value("shapes:0").run()
     assert not [note for note in notes(app) if note.startswith(PHOTO_CAVEAT)]
 

@@ -937,7 +937,7 @@ def host_reachable(host: str, port: int) -> bool:
 
 
 def unreadable_photo_reason(selection: Selection) -> str | None:
-    """One line on why the model cannot make sense of the chosen photo, or None if it can."""
+    """One sentence on why the model cannot make sense of the chosen photo, or None if it can."""
     if selection.image_key.startswith("shapes:"):
         return None
     config = selection.config
@@ -947,13 +947,13 @@ def unreadable_photo_reason(selection: Selection) -> str | None:
             return None  # a shapes picture saved at the model's size and uploaded again, most likely
         return (
             f"This model was trained on synthetic shapes at {height}x{width} pixels, so a photo"
-            " means nothing to it; a pretrained model below reads photos."
+            " means nothing to it."
         )
     given = min(selection.image.size)
     if min(height, width) < 64 and given >= 4 * min(height, width):
         return (
             f"This model reads {height}x{width} pixels, far fewer than the {selection.image.size[0]}"
-            f"x{selection.image.size[1]} photo, so it sees a blur; a pretrained model below reads photos."
+            f"x{selection.image.size[1]} photo, so it sees a blur."
         )
     return None
 
@@ -1241,12 +1241,7 @@ def prediction_caveats(selection: Selection, probabilities: torch.Tensor) -> lis
     caveats = []
     reason = unreadable_photo_reason(selection)
     if reason is not None:
-        # The reason ends by pointing "below" to the sidebar's models: here, the sidebar is named.
-        cause = reason.partition(";")[0]
-        caveats.append(
-            f"Read nothing into this prediction: {cause[0].lower()}{cause[1:]}; the sidebar offers models"
-            " that read photos."
-        )
+        caveats.append(f"Read nothing into this prediction: {reason[0].lower()}{reason[1:]}")
     if near_chance(probabilities):
         classes = probabilities.shape[-1]
         caveats.append(
