@@ -16,6 +16,7 @@ from .embeddings import (
     embedding_filters_figure, position_similarity_grid, token_matrix, token_norms_figure, token_pca_image,
 )
 from .files import FigureExportError, find_browser, write_figures
+from .image_set import correspondence_grid, foreground_pca_grid, norm_outliers_grid
 from .internals import (
     head_sources_figure, inside_layer_figures, key_value_matrices, mlp_activations_figure, softmax_scale_figure,
     softmax_scale_figures, token_values_on_grid, vector_strips,
@@ -32,6 +33,7 @@ __all__ = [
     "embedding_filters_figure", "position_similarity_grid", "token_matrix", "token_norms_figure",
     "token_pca_image",
     "FigureExportError", "find_browser", "write_figures",
+    "correspondence_grid", "foreground_pca_grid", "norm_outliers_grid",
     "head_sources_figure", "inside_layer_figures", "key_value_matrices", "mlp_activations_figure",
     "softmax_scale_figure", "softmax_scale_figures", "token_values_on_grid", "vector_strips",
     "image_with_grid", "input_image", "patch_picker", "patch_sequence", "patch_size_tradeoff",
