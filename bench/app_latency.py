@@ -13,6 +13,8 @@ measured in the same run, then whether the goals are met:
   query at most 0.5, at patch 16 and at patch 8 alike.
 - Several images: its first view, or a new set of images, at most 1.2 forwards per image (its
   rows give forwards per image); moving its widgets, at most 1 (all the images together).
+- Compare: the first view of a new image with two ViT-B/16s side by side at most 2x one model's
+  first view (the Attention page's, measured in the same round); moving its widgets at most 1.
 
     python -m bench.app_latency            # ViT-B/16 at 224, 3 rounds on the CPU, then on CUDA if present
     python -m bench.app_latency --small    # a ViT-S/16-sized model, for a quick look
@@ -42,7 +44,9 @@ APP = str(Path(__file__).resolve().parent.parent / "app.py")
 GOALS = {
     "first view": 8.0, "widget": 1.0, "widget at patch 8": 2.0, "page switch": 0.5,
     "inside first view": 2.0, "inside widget": 0.5, "several images per image": 1.2,
+    "compare first view": 2.0,  # in one model's first views, not in forward passes
 }
+COMPARE = "views/compare.py"
 INSIDE = "views/inside.py"
 IMAGES = "views/images.py"
 
@@ -88,6 +92,16 @@ class Steps:
         seconds = time.perf_counter() - started
         if self.app.exception:
             raise RuntimeError(f"{name}: {self.app.exception[0].value}")
+        self.rows.append((name, kind, seconds, reference))
+
+    def time_against(self, name: str, kind: str, action, reference_step: str) -> None:
+        """Time a step against an earlier step of this round instead of a plain forward pass."""
+        started = time.perf_counter()
+        action().run()
+        seconds = time.perf_counter() - started
+        if self.app.exception:
+            raise RuntimeError(f"{name}: {self.app.exception[0].value}")
+        reference = next(seconds for step, _, seconds, _ in self.rows if step == reference_step)
         self.rows.append((name, kind, seconds, reference))
 
     def page(self, path: str):
@@ -167,12 +181,40 @@ def run(small: bool, device: torch.device) -> list[tuple[str, str, float, float]
                lambda: widget(app.selectbox, "Query token").set_value(400))
     steps.time("Patches at patch 8: back (nothing new)", "page switch", steps.page("views/patches.py"))
     steps.time("Attention at patch 8: back (nothing new)", "page switch", steps.page("views/attention.py"))
+    compare(app, steps, folder, size)
     return steps.rows
+
+
+def compare(app: AppTest, steps: Steps, folder: Path, size: dict) -> None:
+    """The Compare page's steps: a new image with B a second ViT-B/16 (another random checkpoint,
+    as if uploaded), then with B the same model at another patch size, against one model's new
+    image on the Attention page."""
+    app.switch_page("views/patches.py").run()
+    widget(app.select_slider, "Patch size").set_value(16).run()
+    one_model = "Attention: a new image (one model's first view)"
+    app.switch_page("views/attention.py").run()
+    steps.time(one_model, "first view", steps.image("shapes:3"))  # an image no step saw before
+    torch.manual_seed(1)
+    other = folder / "vit_b16_other.safetensors"
+    vx.save_model(vx.ViT(vx.ViTConfig(image_size=224, patch_size=16, num_classes=1000, **size)), other)
+    app.session_state["uploaded_models"] = {f"file:{other}": "Uploaded: another random ViT-B/16"}
+    app.switch_page(COMPARE).run()
+    app.selectbox(key="compare_model").set_value(f"file:{other}").run()
+    steps.time_against("Compare: a new image (B: another ViT-B/16)", "compare first view",
+                       steps.image("shapes:1"), one_model)
+    steps.time("Compare: move the layer slider", "widget", lambda: widget(app.slider, "A's layer").set_value(4))
+    steps.time("Compare: query an image point", "widget", lambda: widget(app.radio, "Query").set_value("image point"))
+    app.selectbox(key="compare_model").set_value(ui.SAME_MODEL).run()
+    b_patch = widget(app.select_slider, "B's patch size").value
+    steps.time_against(f"Compare: a new image (B: the same at patch {b_patch})", "compare first view",
+                       steps.image("shapes:2"), one_model)
 
 
 def report(name: str, device: torch.device, rounds: list[list[tuple[str, str, float, float]]]) -> bool:
     """Print each step's median seconds and ratio over the rounds; whether every goal was met."""
-    median = statistics.median(reference for rows in rounds for *_, reference in rows)
+    median = statistics.median(
+        reference for rows in rounds for _, kind, _, reference in rows if kind != "compare first view"
+    )
     print(f"{name} at 224 on {device.type}: one plain forward pass = {median * 1000:.0f} ms (median)")
     print(f"{'step':<50} {'seconds':>8} {'forwards':>9} {'range':>11}  goal (medians of {len(rounds)} rounds)")
     met = True
@@ -184,7 +226,8 @@ def report(name: str, device: torch.device, rounds: list[list[tuple[str, str, fl
         ok = ratio <= GOALS[kind]
         met &= ok
         spread = f"{min(ratios):.2f}-{max(ratios):.2f}"
-        print(f"{step:<50} {seconds:8.2f} {ratio:9.2f} {spread:>11}  <= {GOALS[kind]:g} {'ok' if ok else 'MISSED'}")
+        unit = " one-model first views" if kind == "compare first view" else ""
+        print(f"{step:<50} {seconds:8.2f} {ratio:9.2f} {spread:>11}  <= {GOALS[kind]:g}{unit} {'ok' if ok else 'MISSED'}")
     print("all goals met" if met else "some goals missed")
     return met
 

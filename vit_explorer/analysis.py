@@ -553,3 +553,37 @@ def top_k(
     if logits.ndim == 1:
         return named(values, indices)
     return [named(row_values, row_indices) for row_values, row_indices in zip(values, indices)]
+
+
+# --- two models side by side ------------------------------------------------------------------
+
+
+def matching_layer(layer: int, depth: int, other_depth: int) -> int:
+    """The layer of a model ``other_depth`` deep at the same relative depth as ``layer`` of one
+    ``depth`` deep: round(layer * (other_depth - 1) / (depth - 1)), halves rounded up, so that
+    first meets first and last meets last. A one-layer model's layer is the other's last."""
+    if not 0 <= layer < depth:
+        raise AnalysisError(f"layer must be in 0..{depth - 1}, not {layer}")
+    if other_depth < 1:
+        raise AnalysisError(f"a model has at least one layer, not {other_depth}")
+    if depth == 1:
+        return other_depth - 1
+    return math.floor(layer * (other_depth - 1) / (depth - 1) + 0.5)
+
+
+def point_patch(point: tuple[float, float], grid_size: tuple[int, int]) -> int:
+    """Row-major index of the patch of a ``grid_size`` grid that holds ``point``, given as (down,
+    across) fractions of the image's height and width in [0, 1]: the same point of the picture
+    on models whose grids differ (the far edges belong to the last row and column)."""
+    down, across = point
+    if not (0 <= down <= 1 and 0 <= across <= 1):
+        raise AnalysisError(f"a point is (down, across) fractions in [0, 1], not {point}")
+    grid_h, grid_w = grid_size
+    row, col = min(int(down * grid_h), grid_h - 1), min(int(across * grid_w), grid_w - 1)
+    return row * grid_w + col
+
+
+def patch_point(patch: int, grid_size: tuple[int, int]) -> tuple[float, float]:
+    """The centre of a patch (row-major index) as (down, across) fractions of the image."""
+    row, col = divmod(patch_index(patch, grid_size), grid_size[1])
+    return (row + 0.5) / grid_size[0], (col + 0.5) / grid_size[1]

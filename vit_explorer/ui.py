@@ -1250,3 +1250,41 @@ def prediction_caveats(selection: Selection, probabilities: torch.Tensor) -> lis
             " are random or untrained."
         )
     return caveats
+
+
+# --- a second model beside the sidebar's (the Compare page) ------------------------------------
+
+SAME_MODEL = "same model"  # the Compare page's model B: the sidebar's model at another patch size
+
+
+def other_patch_size(options: Sequence[int], current: int) -> int:
+    """The patch size model B starts from: the nearest below ``current`` (a finer grid at a
+    modest cost), else the nearest above, else ``current`` itself."""
+    smaller = [patch for patch in options if patch < current]
+    larger = [patch for patch in options if patch > current]
+    return max(smaller) if smaller else min(larger) if larger else current
+
+
+def undownloaded_entry(model_key: str) -> tuple[str, catalogue.CatalogueEntry] | None:
+    """(name, entry) of the catalogue model a key names if it is not downloaded yet, else None:
+    loading it would download it, which waits to be asked for."""
+    kind, _, name = model_key.partition(":")
+    if kind == "pretrained" and name in catalogue.CATALOGUE and not catalogue.is_downloaded(name):
+        return name, catalogue.CATALOGUE[name]
+    return None
+
+
+def compared_selection(
+    model_key: str, patch_size: int | None = None, image_size: tuple[int, int] | None = None
+) -> Selection:
+    """Model B of the Compare page on the session's image: ``model_key`` at ``patch_size`` and
+    ``image_size`` (None: the model's own), preprocessed for its own size, mean and std.
+
+    Loaded and resized through the shared model cache, so B counts against the models' byte
+    budget like any other model; raises ValueError or OSError when it cannot be loaded.
+    """
+    config = base_model(model_key).config
+    patch_size = patch_size or config.patch_size
+    model = model_at(model_key, patch_size, image_size or config.img_size)
+    image_key, image = resolve_image(st.session_state["image_key"], model.config.img_size)
+    return Selection(model_key, patch_size, image_key, model, image)

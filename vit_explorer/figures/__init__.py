@@ -11,6 +11,7 @@ from .attention import (
     HEAD_SCALES, attention_heads_grid, attention_masks_grid, attention_matrix, attention_overlay, layer_head_heatmap,
     layer_head_scatter, matrix_block,
 )
+from .compare import side_heads_grid, side_point_picker, side_token_pca, side_topk
 from .embeddings import (
     embedding_filters_figure, position_similarity_grid, token_matrix, token_norms_figure, token_pca_image,
 )
@@ -28,6 +29,7 @@ __all__ = [
     "ATTENTION_SCALE", "SIMILARITY_SCALE", "VALUE_SCALE", "colour_mapped", "image_data_uri", "token_labels",
     "HEAD_SCALES", "attention_heads_grid", "attention_masks_grid", "attention_matrix", "attention_overlay",
     "layer_head_heatmap", "layer_head_scatter", "matrix_block",
+    "side_heads_grid", "side_point_picker", "side_token_pca", "side_topk",
     "embedding_filters_figure", "position_similarity_grid", "token_matrix", "token_norms_figure",
     "token_pca_image",
     "FigureExportError", "find_browser", "write_figures",
