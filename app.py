@@ -17,6 +17,7 @@ pages = [
     st.Page("views/pipeline.py", title="Pipeline", icon=":material/route:", default=True),
     st.Page("views/patches.py", title="Patches", icon=":material/grid_on:"),
     st.Page("views/attention.py", title="Attention", icon=":material/visibility:"),
+    st.Page("views/inside.py", title="Inside a layer", icon=":material/calculate:", url_path="inside"),
     st.Page("views/train.py", title="Train", icon=":material/model_training:"),
 ]
 page = st.navigation(pages)

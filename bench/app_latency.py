@@ -8,7 +8,9 @@ measured in the same run, then whether the goals are met:
 - the first view of any page after a new image or model: at most 8 forwards;
 - a rerun after moving any widget (same image and patch size): at most 1 forward at the native
   patch size, at most 2 at patch 8;
-- switching between pages with nothing new: at most 0.5.
+- switching between pages with nothing new: at most 0.5;
+- Inside a layer: its first view at most 2 (a new image included), moving its layer, head or
+  query at most 0.5, at patch 16 and at patch 8 alike.
 
     python -m bench.app_latency            # ViT-B/16 at 224, 3 rounds on the CPU, then on CUDA if present
     python -m bench.app_latency --small    # a ViT-S/16-sized model, for a quick look
@@ -35,7 +37,12 @@ import vit_explorer as vx
 from vit_explorer import ui
 
 APP = str(Path(__file__).resolve().parent.parent / "app.py")
-GOALS = {"first view": 8.0, "widget": 1.0, "widget at patch 8": 2.0, "page switch": 0.5}
+GOALS = {
+    "first view": 8.0, "widget": 1.0, "widget at patch 8": 2.0, "page switch": 0.5,
+    "inside first view": 2.0, "inside widget": 0.5,
+}
+INSIDE = "views/inside.py"
+
 
 
 def forward_seconds(model: vx.ViT, rounds: int = 7) -> float:
@@ -113,6 +120,15 @@ def run(small: bool, device: torch.device) -> list[tuple[str, str, float, float]
     steps.time("Attention: choose another head", "widget", lambda: widget(app.selectbox, "Head").set_value(2))
     steps.time("Attention: move the discard slider", "widget",
                lambda: widget(app.slider, "Discard the weakest share of weights").set_value(0.5))
+    steps.time("Inside a layer: first view", "inside first view", steps.page(INSIDE))
+    steps.time("Inside a layer: move the layer slider", "inside widget",
+               lambda: widget(app.slider, "Layer").set_value(5))
+    steps.time("Inside a layer: choose another head", "inside widget",
+               lambda: widget(app.selectbox, "Head").set_value(4))
+    steps.time("Inside a layer: choose another query", "inside widget",
+               lambda: widget(app.selectbox, "Query token").set_value(100))
+    steps.time("Inside a layer: a new image", "inside first view", steps.image("photo:chelsea.png"))
+    steps.time("Attention: first view of that image", "first view", steps.page("views/attention.py"))
     steps.time("Attention: a new image", "first view", steps.image("photo:coffee.png"))
     # The image changed on Attention, so Pipeline draws its own figures of it for the first time.
     steps.time("Pipeline: first view of that image", "first view", steps.page("views/pipeline.py"))
@@ -129,6 +145,13 @@ def run(small: bool, device: torch.device) -> list[tuple[str, str, float, float]
                lambda: widget(app.slider, "Layer").set_value(5))
     steps.time("Attention at patch 8: choose another head", "widget at patch 8",
                lambda: widget(app.selectbox, "Head").set_value(1))
+    steps.time("Inside a layer at patch 8: first view", "inside first view", steps.page(INSIDE))
+    steps.time("Inside a layer at patch 8: move the layer slider", "inside widget",
+               lambda: widget(app.slider, "Layer").set_value(2))
+    steps.time("Inside a layer at patch 8: choose another head", "inside widget",
+               lambda: widget(app.selectbox, "Head").set_value(7))
+    steps.time("Inside a layer at patch 8: choose another query", "inside widget",
+               lambda: widget(app.selectbox, "Query token").set_value(400))
     steps.time("Patches at patch 8: back (nothing new)", "page switch", steps.page("views/patches.py"))
     steps.time("Attention at patch 8: back (nothing new)", "page switch", steps.page("views/attention.py"))
     return steps.rows

@@ -162,3 +162,43 @@ def test_inspect_a_headless_model(tmp_path, monkeypatch, capsys, changes):
     with np.load(out / "capture.npz") as data:
         assert data["token_norms"].shape == (1, 3, config.num_tokens)
         assert ("pool_attentions" in data) == ("global_pool" in changes)
+
+
+INSIDE = ["layernorm", "query", "keys_values", "scores", "attention", "scale_sweep", "rescaled_attention",
+          "head_sources", "heads_projection", "attention_residual", "mlp_units", "mlp_residual"]
+
+
+def test_inspect_writes_the_inside_a_layer_figures(tiny_checkpoint, tmp_path, monkeypatch, capsys):
+    path, model = tiny_checkpoint
+    monkeypatch.setattr(figures, "find_browser", lambda: None)
+    out = tmp_path / "out"
+    code = cli.main(["inspect", str(PHOTO), "--weights", str(path), "--out", str(out), "--layer", "1",
+                     "--head", "1", "--query", "7"])
+    assert code == 0, capsys.readouterr().err
+    for name in INSIDE:
+        assert (out / f"inside_layer1_{name}.html").is_file(), name
+    # The page's attention row for patch 7 (token 1 + 7 behind the class and register tokens).
+    html = (out / "inside_layer1_attention.html").read_text()
+    assert "Attention of patch 7, layer 1, head 1: the softmax of the scores" in html
+    steps = vx.layer_internals(model, vx.capture(model, expected_input(model)).tokens[:, 1], 1)
+    with np.load(out / "capture.npz") as data:
+        np.testing.assert_allclose(data["attentions"][0, 1, 1, 2 + 7], steps.attention[0, 1, 2 + 7], atol=1e-6)
+    # Without --head or --query, no page figures.
+    plain = tmp_path / "plain"
+    assert cli.main(["inspect", str(PHOTO), "--weights", str(path), "--out", str(plain)]) == 0
+    assert not list(plain.glob("inside_*"))
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["--head", "2"], "--head 2 does not exist; the model has heads 0..1"),
+        (["--query", "24"], "--query 24 is neither cls nor a patch index 0..23 (4x6 grid, row by row)"),
+        (["--query", "centre"], "--query centre is neither cls nor a patch index"),
+    ],
+)
+def test_inspect_bad_head_or_query_is_one_line(tiny_checkpoint, tmp_path, capsys, arguments, message):
+    path, _ = tiny_checkpoint
+    code = cli.main(["inspect", str(PHOTO), "--weights", str(path), "--out", str(tmp_path), *arguments])
+    error = capsys.readouterr().err
+    assert code == 2 and error.startswith("error: ") and error.count("\n") == 1 and message in error

@@ -1,9 +1,10 @@
 """vit_explorer: define, train and dissect Vision Transformers."""
 from . import analysis, figures
-from .capture import Capture, capture
+from .capture import Capture, capture, layer_internals
 from .config import PRESETS, TrainConfig, ViTConfig
 from .data import SHAPE_CLASSES, DatasetError, load_dataset, shapes_sample
 from .images import InvalidImageError, load_image, preprocess
+from .internals import LayerInternals
 from .model import ViT
 from .train import (
     DEFAULT_WEIGHTS, DoneEvent, EpochEvent, SnapshotEvent, StepEvent, TrainingError, TrainingRun,
@@ -11,7 +12,7 @@ from .train import (
 from .weights import CheckpointError, load_model, load_pretrained, resize_model, save_model
 
 __all__ = [
-    "Capture", "ViT", "ViTConfig", "capture",
+    "Capture", "ViT", "ViTConfig", "capture", "LayerInternals", "layer_internals",
     "CheckpointError", "load_model", "load_pretrained", "resize_model", "save_model",
     "InvalidImageError", "load_image", "preprocess",
     "PRESETS", "SHAPE_CLASSES", "DatasetError", "load_dataset", "shapes_sample",

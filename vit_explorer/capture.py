@@ -1,7 +1,8 @@
 """Record what happens inside a ViT during one forward pass.
 
-A Recorder (lucidrains' idea) receives the patch embedding, every block's input and output and
-the softmax of the attention layers asked for. It is found through a context variable rather
+A Recorder (lucidrains' idea) receives the patch embedding, every block's input and output, the
+softmax of the attention layers asked for and, for one layer asked, every step inside it
+(vit_explorer.internals). It is found through a context variable rather
 than hooks, so that one model object can be captured, attributed and run plainly from many
 threads at once (the app serves a class from one copy of each model): each call records only its
 own pass, and the model is never switched or hooked.
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from einops import rearrange
 
+from .internals import LayerInternals
 from .model import ACTIVE_RECORDER, ViT
 
 
@@ -37,6 +39,8 @@ class Capture:
     # (B, nh, 1, gh * gw): the attention pool's probe query over the patch tokens (SigLIP's MAP
     # head); None for a model without one. It reads the final norm's output after the last block.
     pool_attentions: torch.Tensor | None = None
+    # Every step of the one layer capture() was asked to open (internals=layer), else None.
+    internals: LayerInternals | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -45,6 +49,11 @@ class Capture:
 
 def _to_cpu(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().to("cpu", torch.float32)
+
+
+def _own_cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A CPU float32 copy that shares no storage (a view would keep its whole base alive)."""
+    return tensor.detach().to("cpu", torch.float32, copy=True)
 
 
 class Recorder:
@@ -56,12 +65,14 @@ class Recorder:
     autograd graph (retaining their gradients), as gradient-weighted attribution needs, otherwise
     they are detached CPU copies in ``attention_dtype``. With ``tokens`` the patch embeddings and
     every block's input and output are kept as well, and the attention pool's probe attention (a
-    model with a MAP head) as ``pool_attention``.
+    model with a MAP head) as ``pool_attention``. With ``internals`` (a layer index) that one
+    block's every intermediate is kept in ``internal_states`` (see vit_explorer.internals); the
+    other layers keep none, so a ViT-B/16 at 785 tokens stores q, k, v of one layer only.
     """
 
     def __init__(
         self, model: ViT, layers: Iterable[int], keep_graph: bool = False, tokens: bool = False,
-        attention_dtype: torch.dtype = torch.float32,
+        attention_dtype: torch.dtype = torch.float32, internals: int | None = None,
     ):
         self.model = model
         self.keep_graph = keep_graph
@@ -79,9 +90,20 @@ class Recorder:
         self.pool_attention: torch.Tensor | None = None
         self.token_states: list[torch.Tensor] = []
         self.patch_embedding_states: list[torch.Tensor] = []
+        block = None if internals is None else model.blocks[internals]
+        self._internal_modules = set() if block is None else {block, block.attn, block.mlp}
+        self.internal_states: dict[str, torch.Tensor] = {}
 
     def wants_attention(self, module: torch.nn.Module) -> bool:
-        return module in self._layer_of or (self._pool is not None and module is self._pool)
+        return (
+            module in self._layer_of or module in self._internal_modules
+            or (self._pool is not None and module is self._pool)
+        )
+
+    def internals(self, module: torch.nn.Module, **tensors: torch.Tensor) -> None:
+        """Intermediates a block, its attention or its MLP computed; kept for the one block asked."""
+        if module in self._internal_modules:
+            self.internal_states.update({name: _own_cpu_copy(tensor) for name, tensor in tensors.items()})
 
     def attention(self, module: torch.nn.Module, weights: torch.Tensor) -> None:
         if self._pool is not None and module is self._pool:
@@ -185,7 +207,7 @@ def _layer_indices(layers: Sequence[int] | None, depth: int) -> tuple[int, ...]:
 
 def capture(
     model: ViT, images: torch.Tensor, layers: Sequence[int] | None = None,
-    attention_dtype: torch.dtype = torch.float32,
+    attention_dtype: torch.dtype = torch.float32, internals: int | None = None,
 ) -> Capture:
     """Run ``model`` on normalized ``images`` (B, C, H, W) in eval mode without gradients.
 
@@ -193,16 +215,20 @@ def capture(
     are always kept for every layer. The logits equal ``model(images)`` in eval mode up to
     float rounding (the captured layers run the explicit attention path). ``attention_dtype``
     torch.float16 keeps the attention in half the memory (about 3 significant digits, plenty
-    to draw it; a ViT-B/16 at 785 tokens: 177 MB instead of 355 MB).
+    to draw it; a ViT-B/16 at 785 tokens: 177 MB instead of 355 MB). ``internals`` (a layer
+    index, negative from the end) also keeps that layer's every intermediate from this same pass
+    as ``Capture.internals`` (vit_explorer.internals.LayerInternals; float32 whatever
+    ``attention_dtype``).
     """
     config = model.config
     indices = _layer_indices(layers, config.depth)
+    opened = None if internals is None else _layer_indices([internals], config.depth)[0]
     if images.ndim == 3:
         images = images.unsqueeze(0)
     device = next(model.parameters()).device
     images = images.to(device)
 
-    recorder = Recorder(model, indices, tokens=True, attention_dtype=attention_dtype)
+    recorder = Recorder(model, indices, tokens=True, attention_dtype=attention_dtype, internals=opened)
     with torch.no_grad(), eval_mode(model), recording(recorder):
         logits = model(images)
 
@@ -220,4 +246,26 @@ def capture(
         layers=indices,
         class_token=config.class_token,
         pool_attentions=recorder.pool_attention,
+        internals=None if opened is None else LayerInternals.from_recorded(
+            opened, model.blocks[opened], recorder.internal_states
+        ),
     )
+
+
+def layer_internals(model: ViT, tokens: torch.Tensor, layer: int) -> LayerInternals:
+    """Every step of encoder layer ``layer`` on its input ``tokens`` (B, N, D), in eval mode
+    without gradients: that block alone runs under a recorder, as in :func:`capture`.
+
+    With a capture's ``tokens[:, layer]`` it gives that pass's numbers (the output is its
+    ``tokens[:, layer + 1]``) for 1/depth of a forward pass, so that opening another layer of
+    an image already captured costs one block, not the whole model.
+    """
+    index = _layer_indices([layer], model.config.depth)[0]
+    block = model.blocks[index]
+    parameter = next(model.parameters())
+    if tokens.ndim == 2:
+        tokens = tokens.unsqueeze(0)
+    recorder = Recorder(model, (), internals=index)
+    with torch.no_grad(), eval_mode(model), recording(recorder):
+        block(tokens.to(parameter.device, parameter.dtype))
+    return LayerInternals.from_recorded(index, block, recorder.internal_states)

@@ -215,6 +215,12 @@ def _add_inspect(subparsers) -> None:
                         help="share of the smallest attention weights rollout drops per layer")
     parser.add_argument("--mass", type=float, default=0.6,
                         help="share of each head's attention its mask keeps (DINO; default 0.6)")
+    parser.add_argument("--head", type=int,
+                        help="also write the 'Inside a layer' figures of --layer for this head (default 0"
+                        " when --query is given)")
+    parser.add_argument("--query",
+                        help="the query token of those figures: cls (the class token) or a patch index,"
+                        " row by row (default: cls, or the centre patch without a class token)")
     parser.set_defaults(run=_run_inspect)
 
 
@@ -225,6 +231,7 @@ def _run_inspect(args: argparse.Namespace) -> int:
     from . import analysis, figures
     from .capture import capture
     from .images import load_image, preprocess
+    from .internals import ACTIVATION_NAMES
     from .weights import load_model
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
@@ -240,8 +247,12 @@ def _run_inspect(args: argparse.Namespace) -> int:
     layer = args.layer + config.depth if args.layer < 0 else args.layer
     if not 0 <= layer < config.depth:
         raise ValueError(f"--layer {args.layer} does not exist; the model has layers 0..{config.depth - 1}")
+    inside = args.head is not None or args.query is not None
+    if inside:
+        head, token, query_patch = _inside_choice(args, config)
 
-    captured = capture(model, x)
+    # The layer's internals, when asked for, come from this same pass.
+    captured = capture(model, x, internals=layer if inside else None)
     prefix = captured.num_prefix_tokens
     rollout = analysis.attention_rollout(
         captured.attentions, args.head_fusion, args.discard_ratio, num_prefix_tokens=prefix
@@ -297,6 +308,16 @@ def _run_inspect(args: argparse.Namespace) -> int:
             for block in sorted({config.depth // 2 - 1, config.depth - 1})
         },
     }
+    if inside:
+        labels = figures.token_labels(captured.num_tokens, prefix, config.class_token, config.dist_token)
+        steps = captured.internals
+        inside_figures = {
+            **figures.inside_layer_figures(image, steps, captured.grid_size, labels, head, token, query_patch,
+                                           ACTIVATION_NAMES[config.act_layer]),
+            **figures.softmax_scale_figures(image, steps, captured.grid_size, labels, head, token, 1.0,
+                                            query_patch),
+        }
+        figs.update({f"inside_layer{layer}_{name}": figure for name, figure in inside_figures.items()})
     arrays = dict(
         logits=captured.logits.numpy(), attentions=captured.attentions.numpy(),
         tokens=captured.tokens.numpy(), patches=captured.patches.numpy(),
@@ -346,6 +367,27 @@ def _run_inspect(args: argparse.Namespace) -> int:
     for path in [*written, npz]:
         print(f"  {path}")
     return 0
+
+
+def _inside_choice(args: argparse.Namespace, config) -> tuple[int, int, int | None]:
+    """(head, token index, query patch or None) from --head and --query, or a one-sentence error."""
+    head = 0 if args.head is None else args.head
+    if not 0 <= head < config.num_heads:
+        raise ValueError(f"--head {args.head} does not exist; the model has heads 0..{config.num_heads - 1}")
+    grid_h, grid_w = config.grid_size
+    query = args.query
+    if query is None:
+        query = "cls" if config.class_token else str((grid_h // 2) * grid_w + grid_w // 2)
+    if query.lower() in ("cls", "class"):
+        if not config.class_token:
+            raise ValueError("--query cls: this model has no class token; give a patch index")
+        return head, 0, None
+    if not query.isdigit() or int(query) >= grid_h * grid_w:
+        raise ValueError(
+            f"--query {args.query} is neither cls nor a patch index 0..{grid_h * grid_w - 1}"
+            f" ({grid_h}x{grid_w} grid, row by row)"
+        )
+    return head, config.num_prefix_tokens + int(query), int(query)
 
 
 def _add_app(subparsers) -> None:

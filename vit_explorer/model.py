@@ -136,7 +136,8 @@ class Attention(nn.Module):
     of this call (:data:`ACTIVE_RECORDER`, set by :func:`vit_explorer.capture`) wants this
     layer: then the softmax is computed explicitly by ``self.attend``, its own module (so that a
     forward hook can observe it too), and the (B, nh, N, N) weights go to the recorder with their
-    gradients. The two paths agree to float rounding.
+    gradients; a recorder asking for this layer's internals also gets q, k, v, the scaled scores
+    and the heads' outputs. The two paths agree to float rounding.
     """
 
     def __init__(self, config: ViTConfig):
@@ -167,6 +168,8 @@ class Attention(nn.Module):
             if recorder is not None:
                 recorder.attention(self, attn)
             x = self.attn_drop(attn) @ v  # (B, nh, N, hd)
+            if recorder is not None:
+                recorder.internals(self, q=q, k=k, v=v, scores=scores, attention=attn, heads=x)
         x = rearrange(x, "b nh n hd -> b n (nh hd)")
         return self.proj_drop(self.proj(x))
 
@@ -196,7 +199,11 @@ class Mlp(nn.Module):
         self.drop2 = nn.Dropout(config.drop_rate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop2(self.fc2(self.drop1(self.act(self.fc1(x)))))
+        hidden = self.act(self.fc1(x))  # (B, N, hidden)
+        recorder = ACTIVE_RECORDER.get()
+        if recorder is not None:
+            recorder.internals(self, mlp_hidden=hidden)
+        return self.drop2(self.fc2(self.drop1(hidden)))
 
 
 class LayerScale(nn.Module):
@@ -246,8 +253,21 @@ class Block(nn.Module):
         self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x))))
-        return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
+        # Step by step, so that a recorder asking for this layer's internals (vit_explorer.internals)
+        # gets every intermediate of this very pass; the arithmetic is the one-line block's.
+        normed = self.norm1(x)
+        attended = self.attn(normed)
+        middle = x + self.drop_path1(self.ls1(attended))
+        normed_middle = self.norm2(middle)
+        mlp_out = self.mlp(normed_middle)
+        out = middle + self.drop_path2(self.ls2(mlp_out))
+        recorder = ACTIVE_RECORDER.get()
+        if recorder is not None:
+            recorder.internals(
+                self, input=x, norm1=normed, attn_out=attended, middle=middle, norm2=normed_middle,
+                mlp_out=mlp_out, output=out,
+            )
+        return out
 
 
 class AttentionPool(nn.Module):

@@ -31,10 +31,11 @@ from PIL import Image
 from . import catalogue, resources, runs, train
 from .analysis import attribution, display_image
 from .cache import ByteBoundedCache, nbytes, trim_to_quota
-from .capture import Capture, capture
+from .capture import Capture, capture, layer_internals
 from .config import TrainConfig
 from .data import SHAPE_CLASSES, SHAPES_TEST_SEED, ImageDataset, shapes_dataset, shapes_sample
 from .images import load_image, preprocess
+from .internals import LayerInternals
 from .model import ViT
 from .weights import load_model, load_pretrained, resize_model
 
@@ -441,6 +442,16 @@ class Selection:
         names = self.config.class_names
         return list(names) if names else [f"class {i}" for i in range(self.config.num_classes)]
 
+    def internals(self, layer: int) -> LayerInternals:
+        """Every step of encoder layer ``layer`` for this image (vit_explorer.internals): that one
+        block run again on the captured tokens entering it, so another layer costs 1/depth of a
+        forward pass and another head or query nothing. Only this layer's q, k, v are kept."""
+        return self.memo(
+            "internals", layer,
+            compute=lambda: layer_internals(self.model, self.capture().tokens[:, layer], layer),
+            spinner=f"Opening layer {layer} ...",
+        )
+
 
 # --- session state ------------------------------------------------------------------------------
 
@@ -525,11 +536,13 @@ def keep(widget_key: str, default: Any, valid: Callable[[Any], bool] = lambda va
 
     Streamlit forgets a widget's state once a run does not draw it; the value is copied to a
     key of our own on every change and restored from there (if still valid) when drawn again.
+    Restored on every run: widgets of two pages may share a key (layer, head and query on the
+    Attention and Inside pages) but not an id, and a widget drawn for the first time starts from
+    a value set here, never from one the other page's widget left behind.
     """
     state = st.session_state
-    if widget_key not in state or not valid(state[widget_key]):
-        kept = state.get(kept_key(widget_key), default)
-        state[widget_key] = kept if valid(kept) else default
+    candidates = [state[key] for key in (kept_key(widget_key), widget_key) if key in state]
+    state[widget_key] = next((value for value in candidates if valid(value)), default)
     return dict(key=widget_key, on_change=_copy_to_kept, args=(widget_key,))
 
 

@@ -15,6 +15,10 @@ from .embeddings import (
     embedding_filters_figure, position_similarity_grid, token_matrix, token_norms_figure, token_pca_image,
 )
 from .files import FigureExportError, find_browser, write_figures
+from .internals import (
+    head_sources_figure, inside_layer_figures, key_value_matrices, mlp_activations_figure, softmax_scale_figure,
+    softmax_scale_figures, token_values_on_grid, vector_strips,
+)
 from .patches import image_with_grid, input_image, patch_picker, patch_sequence, patch_size_tradeoff
 from .predictions import logit_lens_figure, topk_bar
 from .training import training_curves
@@ -26,6 +30,8 @@ __all__ = [
     "embedding_filters_figure", "position_similarity_grid", "token_matrix", "token_norms_figure",
     "token_pca_image",
     "FigureExportError", "find_browser", "write_figures",
+    "head_sources_figure", "inside_layer_figures", "key_value_matrices", "mlp_activations_figure",
+    "softmax_scale_figure", "softmax_scale_figures", "token_values_on_grid", "vector_strips",
     "image_with_grid", "input_image", "patch_picker", "patch_sequence", "patch_size_tradeoff",
     "logit_lens_figure", "topk_bar",
     "training_curves",
