@@ -512,3 +512,42 @@ def test_the_analyses_read_a_half_precision_capture_as_they_read_a_full_one():
         analysis.mean_attention_distance(half.attentions, half.grid_size, 4, 1),
         analysis.mean_attention_distance(full.attentions, full.grid_size, 4, 1), **close,
     )
+
+
+def test_attention_evenness_by_hand_and_the_near_uniform_threshold():
+    uniform = torch.full((3, 4, 4), 0.25)
+    assert analysis.attention_evenness(uniform) == pytest.approx(1.0)
+    one_hot = torch.eye(4).expand(3, 4, 4)
+    assert analysis.attention_evenness(one_hot) == pytest.approx(0.0)
+    # Rows (1/2, 1/2, 0, 0) and one-hot: mean entropy log(2) / 2 over log 4 = 1/4.
+    rows = torch.tensor([[0.5, 0.5, 0.0, 0.0], [0.0, 0.0, 1.0, 0.0]], dtype=torch.float16)
+    assert analysis.attention_evenness(rows) == pytest.approx(0.25)
+    assert analysis.attention_evenness(torch.ones(2, 1)) == 0.0  # one key: nothing to spread over
+    assert analysis.near_uniform(analysis.attention_evenness(uniform))
+    assert not analysis.near_uniform(0.94) and analysis.near_uniform(0.95)
+    # A randomly initialised model attends almost uniformly.
+    capture = vx.capture(vx.ViT(vx.ViTConfig(image_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=4)),
+                         torch.randn(1, 3, 16, 16))
+    assert analysis.near_uniform(analysis.attention_evenness(capture.attentions[0]))
+
+
+@pytest.mark.parametrize("classes, top, guess", [
+    (1000, 0.006, True),  # a random ViT-B/16 on ImageNet's classes: "class 970 with probability 0.6%"
+    (1000, 0.02, False),
+    (6, 0.177, True),  # a random shapes model: 1/6 is 16.7%
+    (6, 0.605, False),  # the shipped shapes model on its first sample, which it gets right
+    (10, 0.19, True),
+    (10, 0.21, False),  # twice chance for 10 classes
+    (1, 1.0, False),
+])
+def test_near_chance_is_within_a_factor_of_chance_that_grows_with_the_classes(classes, top, guess):
+    rest = (1 - top) / max(classes - 1, 1)
+    probabilities = torch.tensor([top] + [rest] * (classes - 1))
+    assert analysis.near_chance(probabilities) is guess
+
+
+def test_attention_evenness_in_chunks_equals_the_whole_at_once():
+    rows = torch.softmax(torch.randn(70, 2**16, generator=torch.Generator().manual_seed(0)) * 3, dim=-1)
+    entropy = -(rows * rows.clamp_min(torch.finfo(torch.float32).tiny).log()).sum(dim=-1)
+    expected = float(entropy.mean()) / math.log(2**16)  # 64 rows a chunk: two chunks
+    assert analysis.attention_evenness(rows) == pytest.approx(expected, rel=1e-5)

@@ -1,6 +1,7 @@
 """Figure builders: each builds from small inputs, has a title, and carries the data it shows."""
 import base64
 import io
+import re
 
 import numpy as np
 import plotly.colors
@@ -99,6 +100,15 @@ def test_position_similarity_grid_tiles_each_patch_map():
     assert list(hover.customdata[1, 2]) == [1, 2]
 
 
+def test_the_position_similarity_title_fits_half_a_page():
+    """The app draws this figure in one of two columns; a title line much past 40 characters
+    (about 360 px at the title's font) was cut off there."""
+    title = title_of(figures.position_similarity_grid(np.zeros((2, 3, 2, 3))))
+    lines = [re.sub(r"<[^>]+>", "", line) for line in title.split("<br>")]
+    assert lines[0] == "Position embedding similarity"
+    assert max(len(line) for line in lines) <= 40, lines
+
+
 def test_colour_mapped_matches_plotly_colour_scales():
     values = np.array([[-0.5, 0.0], [0.25, np.nan]])
     colours = figures.colour_mapped(values, "Viridis", -0.5, 0.25)
@@ -141,9 +151,107 @@ def test_attention_heads_grid_has_a_panel_per_head_on_a_shared_scale():
         assert np.array_equal(heatmap.z, maps[head])
         assert heatmap.coloraxis == "coloraxis"
     assert fig.layout.coloraxis.cmax == pytest.approx(maps.max())
-    assert [a.text for a in fig.layout.annotations] == [f"head {h}" for h in range(5)]
+    assert [a.text for a in fig.layout.annotations] == [f"head {h} (max {maps[h].max():.2g})" for h in range(5)]
     # Every panel keeps the image's aspect ratio.
     assert fig.layout.yaxis5.scaleanchor == "x5"
+
+
+def alpha(colour: str) -> float:
+    """The opacity of a plotly colour string: rgba(r,g,b,a) -> a; opaque otherwise."""
+    match = re.fullmatch(r"rgba\(\s*\d+\s*,\s*\d+\s*,\s*\d+\s*,\s*([\d.]+)\s*\)", colour.replace(" ", ""))
+    return float(match.group(1)) if match else 1.0
+
+
+def assert_clear_at_zero(colorscale) -> None:
+    """Zero attention leaves the image untouched and opacity grows with the value to (nearly)
+    opaque: over a white object a light colour for high values read like low ones."""
+    alphas = [alpha(colour) for _, colour in colorscale]
+    assert alphas[0] == 0 and alphas[-1] >= 0.9
+    assert alphas == sorted(alphas)
+
+
+def query_rects(fig: go.Figure, axes: str = "") -> list[tuple[float, float, float, float]]:
+    return sorted({
+        (shape.x0, shape.x1, shape.y0, shape.y1) for shape in fig.layout.shapes
+        if shape.type == "rect" and (shape.xref or "x") == f"x{axes}" and (shape.yref or "y") == f"y{axes}"
+    })
+
+
+def test_attention_overlays_start_clear_at_zero_and_outline_the_query():
+    rollout = np.full(GRID, 0.0012)
+    rollout[0, 0] = 0.071
+    fig = figures.attention_overlay(IMAGE, rollout, title="Rollout", value_name="rollout", query_patch=4)
+    heatmap = traces(fig, "heatmap")[0]
+    assert_clear_at_zero(heatmap.colorscale)
+    # The scale starts at 0, not at the smallest value: 0.0012 is nearly clear, not the bottom colour.
+    assert heatmap.zmin == 0 and heatmap.zmax == pytest.approx(0.071)
+    # Patch 4 is (row 1, col 1) of the 2 x 3 grid: pixels 4..7 both ways, edges at -0.5.
+    assert query_rects(fig) == [(3.5, 7.5, 3.5, 7.5)]
+    assert traces(figures.attention_overlay(IMAGE, rollout), "heatmap")[0].zmin == 0
+    assert not figures.attention_overlay(IMAGE, rollout).layout.shapes  # no query patch: no outline
+
+
+def test_attention_heads_share_one_scale_from_zero_or_each_have_their_own():
+    maps = np.random.default_rng(4).random((5, *GRID)) * np.linspace(0.6, 1.0, 5)[:, None, None]
+    shared = figures.attention_heads_grid(IMAGE, maps, layer=3)
+    assert "one colour scale shared by all heads" in title_of(shared)
+    assert shared.layout.coloraxis.cmin == 0 and shared.layout.coloraxis.cmax == pytest.approx(maps.max())
+    assert_clear_at_zero(shared.layout.coloraxis.colorscale)
+    assert "all heads" in shared.layout.coloraxis.colorbar.title.text
+    per_head = figures.attention_heads_grid(IMAGE, maps, layer=3, scale="per head")
+    assert "each head on its own scale" in title_of(per_head)
+    for head, heatmap in enumerate(traces(per_head, "heatmap")):
+        assert heatmap.coloraxis is None and heatmap.showscale is False
+        assert heatmap.zmin == 0 and heatmap.zmax == pytest.approx(maps[head].max())
+        assert_clear_at_zero(heatmap.colorscale)
+    with pytest.raises(ValueError, match="scale must be one of"):
+        figures.attention_heads_grid(IMAGE, maps, scale="log")
+
+
+def test_uniform_attention_is_drawn_pale_and_flat_not_in_full_colour():
+    """Every weight 1/6 over 6 patches: topping the scale at the largest value would paint the
+    whole image in the top colour; the scale reaches 3x the uniform weight instead."""
+    uniform = np.full((4, *GRID), 1 / 6)
+    assert figures.attention_heads_grid(IMAGE, uniform).layout.coloraxis.cmax == pytest.approx(0.5)
+    for heatmap in traces(figures.attention_heads_grid(IMAGE, uniform, scale="per head"), "heatmap"):
+        assert heatmap.zmax == pytest.approx(0.5)
+    rollout = traces(figures.attention_overlay(IMAGE, uniform[0], weights=True), "heatmap")[0]
+    assert rollout.zmax == pytest.approx(0.5)
+    # Relevance is not a share of anything: its scale tops at its largest value.
+    assert traces(figures.attention_overlay(IMAGE, uniform[0]), "heatmap")[0].zmax == pytest.approx(1 / 6)
+    matrix = traces(figures.attention_matrix(np.full((8, 8), 1 / 8), 1), "heatmap")[0]
+    assert matrix.zmax == pytest.approx(3 / 8)
+
+
+def test_the_query_patch_is_outlined_in_every_head_panel_and_mask():
+    maps = np.random.default_rng(5).random((5, *GRID))
+    for fig in (
+        figures.attention_heads_grid(IMAGE, maps, layer=1, query="patch 5", query_patch=5),
+        figures.attention_masks_grid(IMAGE, maps > 0.5, 0.6, layer=1, query="patch 5", query_patch=5),
+    ):
+        # Patch 5 is (row 1, col 2): pixels 8..11 across, 4..7 down; one outline on each panel's axes.
+        for axes in ["", "2", "3", "4", "5"]:
+            assert query_rects(fig, axes) == [(7.5, 11.5, 3.5, 7.5)], axes
+    assert not figures.attention_heads_grid(IMAGE, maps, query="class token").layout.shapes
+    with pytest.raises(ValueError, match="outside the 2x3 grid"):
+        figures.attention_heads_grid(IMAGE, maps, query_patch=6)
+
+
+def test_attention_matrix_is_large_starts_at_zero_and_outlines_the_query_row():
+    attention = torch.softmax(torch.randn(8, 8), dim=-1)
+    fig = figures.attention_matrix(attention, num_prefix_tokens=2, query_token=5)
+    heatmap = traces(fig, "heatmap")[0]
+    assert heatmap.zmin == 0
+    assert fig.layout.height >= 700 and fig.layout.yaxis.scaleanchor == "x"  # square cells, readable
+    (row,) = [shape for shape in fig.layout.shapes if shape.type == "rect"]
+    assert (row.x0, row.x1, row.y0, row.y1) == (-0.5, 7.5, 4.5, 5.5)
+    # In blocks of 3 patches, patch 4 (token 5) lies in the block of patches 3-5: drawn row 2.
+    blocks = figures.attention_matrix(torch.softmax(torch.randn(10, 10), -1), 1, max_cells=5, query_token=5)
+    (row,) = [shape for shape in blocks.layout.shapes if shape.type == "rect"]
+    assert (row.y0, row.y1) == (1.5, 2.5) and list(traces(blocks, "heatmap")[0].y)[2] == "patches 3-5"
+    assert figures.matrix_block(10, 1, max_cells=5) == 3 and figures.matrix_block(197, 1) == 1
+    with pytest.raises(ValueError, match="not one of the 8 tokens"):
+        figures.attention_matrix(attention, num_prefix_tokens=2, query_token=8)
 
 
 def test_attention_matrix_labels_tokens():

@@ -61,7 +61,17 @@ following.button("Next", on_click=step_layer, args=(1,), disabled=state["layer"]
 controls, picker = st.columns([2, 1])
 with controls:
     query = st.selectbox("Query token", queries, format_func=query_label, **query_widget)
-    opacity = st.slider("Overlay opacity", 0.0, 1.0, **ui.keep("opacity", 0.6))
+    opacity = st.slider(
+        "Overlay opacity", 0.0, 1.0, help="How opaque the strongest cell is; zero attention is always clear.",
+        **ui.keep("opacity", 0.85),
+    )
+    scale = st.radio(
+        "Scale", figures.HEAD_SCALES, horizontal=True,
+        format_func=lambda option: {"shared": "shared across heads", "per head": "per head"}[option],
+        help="Shared: one colour means one weight in every head, so heads compare. Per head: each head"
+        " from 0 to its own largest weight, which shows the pattern of a faint head.",
+        **ui.keep("head_scale", "shared", lambda option: option in figures.HEAD_SCALES),
+    )
     if config.class_token:
         st.caption(
             "The class token has no patch of its own; what it attends to is what the classifier"
@@ -88,13 +98,21 @@ query_arg = None if query < 0 else query
 if query == POOL_QUERY:
     maps = selection.memo("pool maps", compute=lambda: analysis.pool_maps(result))  # (H, gh, gw)
     where = "the pooling head"  # the probe reads the last layer's tokens
+    shown_rows = result.pool_attentions[0]  # (H, 1, P)
 else:
     maps = selection.memo("head maps", layer, query, compute=lambda: analysis.head_maps(
         result, layer, query_arg, class_token=config.class_token
     ))  # (H, gh, gw)
     where = layer
-st.plotly_chart(selection.memo("heads grid", where, query, opacity, compute=lambda: figures.attention_heads_grid(
-    image, maps, opacity=opacity, layer=where, query=query_label(query)
+    shown_rows = result.attentions[0, layer]  # (H, N, N)
+evenness = selection.memo("attention evenness", where, compute=lambda: analysis.attention_evenness(shown_rows))
+if analysis.near_uniform(evenness):
+    st.info(
+        f"These heads spread their attention almost evenly over all tokens (mean entropy {evenness:.0%} of"
+        " the uniform log N), as an untrained model's do, so the differences in the maps below are noise."
+    )
+st.plotly_chart(selection.memo("heads grid", where, query, opacity, scale, compute=lambda: figures.attention_heads_grid(
+    image, maps, opacity=opacity, layer=where, query=query_label(query), query_patch=query_arg, scale=scale,
 )))
 
 st.subheader("The patches that hold most of the attention")
@@ -105,20 +123,28 @@ st.write(
 )
 mass = st.slider("Share of the attention kept", 0.1, 1.0, step=0.05, **ui.keep("mass", 0.6))
 st.plotly_chart(selection.memo("masks grid", where, query, mass, compute=lambda: figures.attention_masks_grid(
-    image, analysis.attention_mask_by_mass(maps, mass), mass, layer=where, query=query_label(query)
+    image, analysis.attention_mask_by_mass(maps, mass), mass, layer=where, query=query_label(query),
+    query_patch=query_arg,
 )))
 
 st.subheader("One head's full attention matrix")
+block = figures.matrix_block(result.num_tokens, prefix)
+rows_note = "each row sums to 1" if block == 1 else (
+    f"each row sums to 1; the {result.num_tokens} tokens are too many to draw one by one, so the"
+    f" drawing shows the patches in blocks of {block} x {block}, each cell the largest weight in its"
+    " block, and its rows do not sum to 1"
+)
 st.write(
-    "All queries at once: row i is how token i spreads its attention over the keys (each row"
-    " sums to 1). Bright columns are tokens that everyone reads; a bright diagonal is a head"
-    " that mostly keeps each token to itself."
+    f"All queries at once: row i is how token i spreads its attention over the keys ({rows_note})."
+    " Bright columns are tokens that everyone reads; a bright diagonal is a head that mostly keeps"
+    " each token to itself. The query's row is outlined."
 )
 head = st.selectbox("Head", list(range(heads)), **ui.keep("head", 0, lambda h: 0 <= h < heads))
-st.plotly_chart(selection.memo("attention matrix", layer, head, compute=lambda: figures.attention_matrix(
+query_token = None if query == POOL_QUERY else 0 if query == CLASS_QUERY else prefix + query
+st.plotly_chart(selection.memo("attention matrix", layer, head, query_token, compute=lambda: figures.attention_matrix(
     result.attentions[0, layer, head], prefix,
     title=f"Layer {layer}, head {head}: {result.num_tokens} x {result.num_tokens} attention",
-    class_token=config.class_token, dist_token=config.dist_token,
+    class_token=config.class_token, dist_token=config.dist_token, query_token=query_token,
 )))
 
 st.subheader("Attention rollout")
@@ -146,6 +172,7 @@ def rollout_overlay():
     return figures.attention_overlay(
         image, rollout_map, opacity=opacity,
         title=f"Rollout through all {depth} layers, query: {query_label(query)}", value_name="rollout",
+        query_patch=query_arg, weights=True,
     )
 
 
@@ -162,6 +189,8 @@ if config.num_classes == 0:
     st.info(ui.NO_CLASSIFIER.format(what="Class attribution"))
 else:
     names = selection.class_names()
+    for caveat in ui.prediction_caveats(selection, result.logits[0].softmax(-1)):
+        st.warning(caveat)
     ranked = result.logits[0].argsort(descending=True).tolist()
     target = st.selectbox(
         "Class", ranked, format_func=lambda index: f"{names[index]} ({result.logits[0].softmax(-1)[index]:.1%})",

@@ -133,6 +133,14 @@ st.code(
     f"{config.depth} x [ ({tokens}, {dim}) -> attention ({config.num_heads}, {tokens}, {tokens})"
     f" -> MLP {dim}->{int(dim * config.mlp_ratio)}->{dim} ] -> ({tokens}, {dim})"
 )
+evenness = selection.memo(
+    "attention evenness", "all layers", compute=lambda: analysis.attention_evenness(result.attentions[0])
+)
+if analysis.near_uniform(evenness):
+    st.info(
+        f"This model's heads spread their attention almost evenly over all tokens (mean entropy {evenness:.0%}"
+        " of the uniform log N), as an untrained model's do: its layers mix the tokens without picking any out."
+    )
 if headless:
     st.info(ui.NO_CLASSIFIER.format(what="The logit lens"))
 else:
@@ -174,4 +182,6 @@ else:
     probabilities = result.logits[0].softmax(dim=-1)
     best = int(probabilities.argmax())
     st.write(f"The model says **{names[best]}** with probability {float(probabilities[best]):.1%}.")
+    for caveat in ui.prediction_caveats(selection, probabilities):
+        st.warning(caveat)
     st.plotly_chart(figures.topk_bar(probabilities, names, k=5))

@@ -383,6 +383,46 @@ def attention_entropy(attentions: torch.Tensor) -> torch.Tensor:
     return torch.stack(per_layer, dim=1)
 
 
+# Thresholds for telling a reader that a model shows nothing learned: a random or untrained ViT
+# spreads its attention evenly and guesses, and a figure scaled to its own range hides both.
+NEAR_UNIFORM = 0.95  # attention evenness at or above which attention is called near uniform
+CHANCE_CLOSENESS = 0.3  # how far from chance towards certainty (log scale) still counts as chance
+
+
+def attention_evenness(rows: torch.Tensor) -> float:
+    """How evenly attention rows (..., K) spread, each row summing to 1: their mean entropy as a
+    share of log K, the entropy of a uniform row. 0 when every row looks at one token, 1 when every
+    row looks at all tokens alike (0 for K = 1: there is nothing to spread over)."""
+    keys = rows.shape[-1]
+    if keys < 2:
+        return 0.0
+    rows = rows.reshape(-1, keys)
+    total = 0.0
+    # A few million weights at a time: a large model's whole attention in float32 is gigabytes.
+    for chunk in rows.split(max(1, 2**22 // keys)):
+        weights = chunk.float()
+        total += float(-(weights * weights.clamp_min(torch.finfo(torch.float32).tiny).log()).sum())
+    return total / rows.shape[0] / math.log(keys)
+
+
+def near_uniform(evenness: float, threshold: float = NEAR_UNIFORM) -> bool:
+    """Whether attention of this :func:`attention_evenness` is nearly uniform. A trained model's
+    layers sit well below 0.95 (the shipped shapes model: 0.56-0.92, head mean per layer); a
+    randomly initialised one above 0.99."""
+    return evenness >= threshold
+
+
+def near_chance(probabilities: torch.Tensor, closeness: float = CHANCE_CLOSENESS) -> bool:
+    """Whether a prediction's top-1 probability (probabilities: (C,)) is close to chance, 1/C:
+    no more than the share ``closeness`` of the way from chance to certainty on a log scale,
+    i.e. top-1 <= C ** (closeness - 1), a factor C ** closeness above chance (2x for 10 classes,
+    8x for 1000). A single class is never a guess."""
+    classes = probabilities.shape[-1]
+    if classes < 2:
+        return False
+    return float(probabilities.float().max()) <= classes ** (closeness - 1.0)
+
+
 # --- tokens through the depth ----------------------------------------------------------------
 
 

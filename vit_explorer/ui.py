@@ -29,7 +29,7 @@ import torch
 from PIL import Image
 
 from . import catalogue, resources, runs, train
-from .analysis import attribution, display_image
+from .analysis import attribution, display_image, near_chance
 from .cache import ByteBoundedCache, nbytes, trim_to_quota
 from .capture import Capture, capture, layer_internals
 from .config import TrainConfig
@@ -779,3 +779,25 @@ def someone_elses_run(run_id: str) -> bool:
 
 def active_runs() -> dict[str, train.TrainingRun]:
     return run_manager().running()
+
+
+def prediction_caveats(selection: Selection, probabilities: torch.Tensor) -> list[str]:
+    """Why the prediction (C,) shown for ``selection`` says little, one sentence each (none: it
+    can be read as it is): a picture the model cannot read, a top class no likelier than a guess."""
+    caveats = []
+    reason = unreadable_photo_reason(selection)
+    if reason is not None:
+        # The reason ends by pointing "below" to the sidebar's models: here, the sidebar is named.
+        cause = reason.partition(";")[0]
+        caveats.append(
+            f"Read nothing into this prediction: {cause[0].lower()}{cause[1:]}; the sidebar offers models"
+            " that read photos."
+        )
+    if near_chance(probabilities):
+        classes = probabilities.shape[-1]
+        caveats.append(
+            f"The top probability, {float(probabilities.max()):.1%}, is close to chance ({1 / classes:.1%}"
+            f" for {classes} classes): the model does not recognise anything here, as when its weights"
+            " are random or untrained."
+        )
+    return caveats

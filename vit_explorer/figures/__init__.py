@@ -8,8 +8,8 @@ of any size line up. One module per topic; every public builder is importable fr
 """
 from ._base import ATTENTION_SCALE, SIMILARITY_SCALE, VALUE_SCALE, colour_mapped, image_data_uri, token_labels
 from .attention import (
-    attention_heads_grid, attention_masks_grid, attention_matrix, attention_overlay, layer_head_heatmap,
-    layer_head_scatter,
+    HEAD_SCALES, attention_heads_grid, attention_masks_grid, attention_matrix, attention_overlay, layer_head_heatmap,
+    layer_head_scatter, matrix_block,
 )
 from .embeddings import (
     embedding_filters_figure, position_similarity_grid, token_matrix, token_norms_figure, token_pca_image,
@@ -25,8 +25,8 @@ from .training import training_curves
 
 __all__ = [
     "ATTENTION_SCALE", "SIMILARITY_SCALE", "VALUE_SCALE", "colour_mapped", "image_data_uri", "token_labels",
-    "attention_heads_grid", "attention_masks_grid", "attention_matrix", "attention_overlay",
-    "layer_head_heatmap", "layer_head_scatter",
+    "HEAD_SCALES", "attention_heads_grid", "attention_masks_grid", "attention_matrix", "attention_overlay",
+    "layer_head_heatmap", "layer_head_scatter", "matrix_block",
     "embedding_filters_figure", "position_similarity_grid", "token_matrix", "token_norms_figure",
     "token_pca_image",
     "FigureExportError", "find_browser", "write_figures",

@@ -12,7 +12,12 @@ import plotly.colors as plotly_colors
 import plotly.graph_objects as go
 from PIL import Image
 
-ATTENTION_SCALE = "Inferno"
+# Attention over an image: one colour whose opacity grows with the value, from 0 (transparent:
+# the image untouched) to the largest value shown (opaque crimson). Every step up moves a cell the
+# same way towards crimson whatever lies beneath, so a white object and a dark one read alike; a
+# many-coloured scale laid half-transparent over the image (Inferno at 0.6) made its pale zero and
+# its darkest top look the same over white.
+ATTENTION_SCALE = [[0.0, "rgba(220,20,60,0)"], [1.0, "rgba(220,20,60,1)"]]
 VALUE_SCALE = "Viridis"
 SIMILARITY_SCALE = "RdBu_r"  # red = similar, blue = opposite
 CELL_PIXELS = 240  # on-screen size of one image panel in a grid of panels
@@ -98,6 +103,18 @@ def _colour_table(scale: str, steps: int = 1024) -> np.ndarray:
     table = np.round(table).astype(np.uint8)
     table.flags.writeable = False  # shared by every call
     return table
+
+
+UNIFORM_TOP = 3.0  # a scale of attention weights reaches at least this many times the uniform weight
+
+
+def attention_top(values, uniform: float = 0.0) -> float:
+    """The top of an attention colour scale that starts at 0: the largest value, and at least
+    ``UNIFORM_TOP`` x ``uniform``, the weight of every key under uniform attention (1 where all
+    is 0). Starting at 0, not at the smallest value, keeps near-uniform attention flat; the
+    floor keeps it pale, where topping out at its own largest value painted it all in full colour."""
+    top = max(float(np.max(values)) if np.size(values) else 0.0, UNIFORM_TOP * uniform)
+    return top if top > 0 else 1.0
 
 
 def _encoded(image: np.ndarray, image_format: str, **options) -> bytes:

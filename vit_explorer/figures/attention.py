@@ -11,25 +11,54 @@ from plotly.subplots import make_subplots
 
 from ._base import (
     ATTENTION_SCALE, VALUE_SCALE, CELL_PIXELS, MARGIN, _array, _float_array, _rgb_uint8, _check_map,
-    image_data_uri, _image_trace, _patch_heatmap, _image_axes, _panel_height, _title, token_labels,
+    attention_top, image_data_uri, _image_trace, _patch_heatmap, _image_axes, _panel_height, _title,
+    token_labels,
 )
+
+HEAD_SCALES = ("shared", "per head")  # one colour scale for all heads, or one per head
+MATRIX_PIXELS = 760  # the N x N matrix's height: square cells big enough to read in a wide column
+QUERY_COLOUR = "#00e5ff"  # the patch picker's highlight
+
+
+def _query_outline(patch: int | None, grid_size: tuple[int, int], image_size: tuple[int, int],
+                   axes: str = "") -> list[dict]:
+    """Shapes that outline the query patch (row-major index; None: no patch) on the image axes
+    x{axes}/y{axes}: cyan over a black edge, visible on light and dark pictures alike."""
+    if patch is None:
+        return []
+    grid_h, grid_w = grid_size
+    if not 0 <= patch < grid_h * grid_w:
+        raise ValueError(f"query patch {patch} is outside the {grid_h}x{grid_w} grid")
+    row, col = divmod(patch, grid_w)
+    dy, dx = image_size[0] / grid_h, image_size[1] / grid_w
+    box = dict(type="rect", xref=f"x{axes}", yref=f"y{axes}", x0=col * dx - 0.5, x1=(col + 1) * dx - 0.5,
+               y0=row * dy - 0.5, y1=(row + 1) * dy - 0.5)
+    return [{**box, "line": dict(color="black", width=4)}, {**box, "line": dict(color=QUERY_COLOUR, width=2)}]
 
 
 def attention_overlay(
-    image, attention_map, opacity: float = 0.6, title: str = "Attention", value_name: str = "attention"
+    image, attention_map, opacity: float = 0.85, title: str = "Attention", value_name: str = "attention",
+    query_patch: int | None = None, weights: bool = False,
 ) -> go.Figure:
-    """A (gh, gw) map (attention, rollout, relevance) laid over the image, one cell per patch."""
+    """A (gh, gw) map (attention, rollout, relevance) laid over the image, one cell per patch, on
+    a scale from 0 (transparent) to its largest value; ``query_patch`` (row-major) is outlined.
+    ``weights``: the map is one query's weights over the patches (attention, rollout), so the
+    scale reaches at least a few times the uniform weight and even attention stays pale."""
     image = _rgb_uint8(image)
     attention_map = _check_map(_float_array(attention_map))
+    top = attention_top(attention_map, 1 / attention_map.size if weights else 0.0)
     fig = go.Figure(_image_trace(image, hover=False))
     fig.add_trace(
         _patch_heatmap(
-            attention_map, image.shape[:2], value_name, colorscale=ATTENTION_SCALE,
-            opacity=opacity, colorbar=dict(title=value_name),
+            attention_map, image.shape[:2], value_name, colorscale=ATTENTION_SCALE, zmin=0, zmax=top,
+            opacity=opacity, colorbar=dict(title=f"{value_name}<br>(0 = clear)"),
         )
     )
     _image_axes(fig)
-    fig.update_layout(title=_title(title), margin=MARGIN)
+    fig.update_layout(
+        title=_title(title), margin=MARGIN,
+        shapes=_query_outline(query_patch, attention_map.shape, image.shape[:2]),
+    )
     return fig
 
 
@@ -40,8 +69,12 @@ def _where(layer: int | str | None) -> str:
     return f"layer {layer}" if layer is not None else "one layer"
 
 
-def _head_panels(image: np.ndarray, overlays: list, columns: int) -> tuple[go.Figure, int]:
-    """One panel per head: the image with that head's overlay, titled "head h"; (figure, rows).
+def _head_panels(
+    image: np.ndarray, overlays: list, columns: int, titles: Sequence[str] | None = None,
+    query_patch: int | None = None, grid_size: tuple[int, int] | None = None,
+) -> tuple[go.Figure, int]:
+    """One panel per head: the image with that head's overlay, titled "head h" (or ``titles``),
+    the query patch outlined in each; (figure, rows).
 
     One PNG for all panels and one call for all traces: per-panel add_trace re-validates the
     whole figure, which made these figures the slowest part of a rerun.
@@ -50,7 +83,7 @@ def _head_panels(image: np.ndarray, overlays: list, columns: int) -> tuple[go.Fi
     columns = min(columns, heads)
     rows = math.ceil(heads / columns)
     fig = make_subplots(
-        rows=rows, cols=columns, subplot_titles=[f"head {h}" for h in range(heads)],
+        rows=rows, cols=columns, subplot_titles=list(titles or (f"head {h}" for h in range(heads))),
         horizontal_spacing=0.02, vertical_spacing=0.06 if rows > 1 else 0.0,
     )
     source = image_data_uri(image)
@@ -62,38 +95,60 @@ def _head_panels(image: np.ndarray, overlays: list, columns: int) -> tuple[go.Fi
         cols=[col + 1 for _, col in positions for _ in range(2)],
     )
     _image_axes(fig, [(row + 1, col + 1) for row, col in positions], columns)
+    if query_patch is not None:
+        fig.update_layout(shapes=[
+            shape for head in range(heads)
+            for shape in _query_outline(query_patch, grid_size, image.shape[:2], "" if head == 0 else str(head + 1))
+        ])
     return fig, rows
 
 
 def attention_heads_grid(
-    image, maps, opacity: float = 0.6, layer: int | str | None = None, columns: int = 4,
-    query: str = "class token",
+    image, maps, opacity: float = 0.85, layer: int | str | None = None, columns: int = 4,
+    query: str = "class token", query_patch: int | None = None, scale: str = "shared",
 ) -> go.Figure:
-    """Every head's attention map (H, gh, gw) over the image, one panel per head, on one shared
-    colour scale so that heads can be compared."""
+    """Every head's attention map (H, gh, gw) over the image, one panel per head, each from 0
+    (transparent) up: on one shared scale so that heads can be compared (``scale="shared"``), or
+    each to its own largest value (``"per head"``), which shows the pattern of a faint head; a scale
+    never tops out below 3x the uniform weight, so that attention spread evenly stays pale.
+    ``query_patch`` (row-major index, None for a token without a patch) is outlined in every panel."""
     image = _rgb_uint8(image)
     maps = _float_array(maps)
     if maps.ndim != 3:
         raise ValueError(f"maps must be (H, gh, gw), not {maps.shape}")
+    if scale not in HEAD_SCALES:
+        raise ValueError(f"scale must be one of {HEAD_SCALES}, not {scale!r}")
+    shared = scale == "shared"
+    uniform = 1 / maps[0].size  # each patch's weight under uniform attention (a bound: prefix tokens share it)
+    colours = (
+        [dict(coloraxis="coloraxis")] * len(maps) if shared
+        else [dict(colorscale=ATTENTION_SCALE, zmin=0, zmax=attention_top(head_map, uniform), showscale=False)
+              for head_map in maps]
+    )
     fig, rows = _head_panels(image, [
-        _patch_heatmap(head_map, image.shape[:2], label=f"head {head}", coloraxis="coloraxis", opacity=opacity)
-        for head, head_map in enumerate(maps)
-    ], columns)
-    where = _where(layer)
+        _patch_heatmap(head_map, image.shape[:2], label=f"head {head}", opacity=opacity, **colour)
+        for head, (head_map, colour) in enumerate(zip(maps, colours))
+    ], columns, titles=[f"head {head} (max {head_map.max():.2g})" for head, head_map in enumerate(maps)],
+        query_patch=query_patch, grid_size=maps.shape[1:])
+    how = "one colour scale shared by all heads" if shared else "each head on its own scale, 0 to its max"
     fig.update_layout(
-        title=_title(f"Attention of the {query} in {where}, per head"),
-        coloraxis=dict(colorscale=ATTENTION_SCALE, cmin=0, cmax=float(maps.max()),
-                       colorbar=dict(title="attention")),
+        title=_title(f"Attention of the {query} in {_where(layer)}, per head ({how})"),
         margin=MARGIN, height=_panel_height(image.shape, rows, CELL_PIXELS),
     )
+    if shared:
+        fig.update_layout(coloraxis=dict(
+            colorscale=ATTENTION_SCALE, cmin=0, cmax=attention_top(maps, uniform),
+            colorbar=dict(title="attention<br>(all heads,<br>0 = clear)"),
+        ))
     return fig
 
 
 def attention_masks_grid(
-    image, masks, mass: float, layer: int | str | None = None, columns: int = 4, query: str = "class token"
+    image, masks, mass: float, layer: int | str | None = None, columns: int = 4, query: str = "class token",
+    query_patch: int | None = None,
 ) -> go.Figure:
     """Every head's mask (H, gh, gw) of the patches that hold ``mass`` of its attention (DINO's
-    figure): the kept patches show the image, the others are darkened."""
+    figure): the kept patches show the image, the others are darkened; ``query_patch`` outlined."""
     image = _rgb_uint8(image)
     masks = _array(masks).astype(bool)
     if masks.ndim != 3:
@@ -105,7 +160,7 @@ def attention_masks_grid(
             colorscale=[[0, "rgba(0,0,0,0)"], [1, "rgba(0,0,0,0.75)"]], zmin=0, zmax=1, showscale=False,
         )
         for head, mask in enumerate(masks)
-    ], columns)
+    ], columns, query_patch=query_patch, grid_size=masks.shape[1:])
     where = _where(layer)
     fig.update_layout(
         title=_title(f"Patches holding {mass:.0%} of the {query}'s attention in {where}, per head"),
@@ -114,11 +169,21 @@ def attention_masks_grid(
     return fig
 
 
+MATRIX_CELLS = 400  # past this many tokens the matrix is drawn in blocks
+
+
+def matrix_block(num_tokens: int, num_prefix_tokens: int, max_cells: int = MATRIX_CELLS) -> int:
+    """The side k of the k x k blocks of patches that :func:`attention_matrix` draws as one cell
+    (1: every token its own row and column)."""
+    return max(1, math.ceil((num_tokens - num_prefix_tokens) / max(max_cells - num_prefix_tokens, 1)))
+
+
 def attention_matrix(
     attention, num_prefix_tokens: int, title: str = "Attention matrix", class_token: bool = True,
-    dist_token: bool = False, max_cells: int = 400,
+    dist_token: bool = False, max_cells: int = MATRIX_CELLS, query_token: int | None = None,
 ) -> go.Figure:
-    """The full (N, N) attention matrix: row = query token, column = key token.
+    """The full (N, N) attention matrix: row = query token, column = key token, coloured from 0;
+    the row of ``query_token`` (0..N-1, prefix tokens first) is outlined.
 
     Past ``max_cells`` tokens the patches are drawn in blocks of k x k (k as small as fits),
     each cell the largest weight in its block, so a single strong key still shows: a 785-token
@@ -129,8 +194,10 @@ def attention_matrix(
     if attention.ndim != 2 or attention.shape[0] != attention.shape[1]:
         raise ValueError(f"an attention matrix must be (N, N), not {attention.shape}")
     tokens = attention.shape[0]
+    if query_token is not None and not 0 <= query_token < tokens:
+        raise ValueError(f"query token {query_token} is not one of the {tokens} tokens")
     labels = token_labels(tokens, num_prefix_tokens, class_token, dist_token)
-    block = max(1, math.ceil((tokens - num_prefix_tokens) / max(max_cells - num_prefix_tokens, 1)))
+    block = matrix_block(tokens, num_prefix_tokens, max_cells)
     if block > 1:
         starts = list(range(num_prefix_tokens)) + list(range(num_prefix_tokens, tokens, block))
         attention = np.maximum.reduceat(np.maximum.reduceat(attention, starts, axis=0), starts, axis=1)
@@ -146,8 +213,9 @@ def attention_matrix(
     fig = go.Figure(
         go.Heatmap(
             z=attention.astype(np.float32), x=labels, y=labels, colorscale=VALUE_SCALE,  # half the JSON
+            zmin=0, zmax=attention_top(attention, 1 / tokens),  # uniform rows look flat and pale
             hovertemplate=f"query %{{y}}<br>key %{{x}}<br>{value} %{{z:.4g}}<extra></extra>",
-            colorbar=dict(title="attention"),
+            colorbar=dict(title=value.replace(" ", "<br>")),
         )
     )
     if num_prefix_tokens:
@@ -156,12 +224,18 @@ def attention_matrix(
         line = dict(color="white", width=1, dash="dot")
         fig.add_shape(type="line", x0=edge, x1=edge, y0=-0.5, y1=cells - 0.5, line=line)
         fig.add_shape(type="line", x0=-0.5, x1=cells - 0.5, y0=edge, y1=edge, line=line)
+    if query_token is not None:
+        row = query_token if query_token < num_prefix_tokens else (
+            num_prefix_tokens + (query_token - num_prefix_tokens) // block
+        )
+        fig.add_shape(type="rect", x0=-0.5, x1=cells - 0.5, y0=row - 0.5, y1=row + 0.5,
+                      line=dict(color=QUERY_COLOUR, width=2))
     fig.update_xaxes(title="key token", constrain="domain", showgrid=False, type="category")
     fig.update_yaxes(
         title="query token", autorange="reversed", scaleanchor="x", constrain="domain",
         showgrid=False, type="category",
     )
-    fig.update_layout(title=_title(title), margin=MARGIN)
+    fig.update_layout(title=_title(title), margin=MARGIN, height=MATRIX_PIXELS)
     return fig
 
 

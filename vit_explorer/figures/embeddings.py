@@ -78,9 +78,10 @@ def position_similarity_grid(similarity) -> go.Figure:
         ticktext=list(range(grid_h)), autorange="reversed", scaleanchor="x", showgrid=False,
         zeroline=False, constrain="domain",
     )
+    # Two short lines: the app draws this in half a page, where one long line was cut off.
     fig.update_layout(
-        title=_title("Position embedding similarity (each tile: one patch vs all patches)"),
-        margin=MARGIN, plot_bgcolor="white",
+        title=_title("Position embedding similarity<br><sup>each tile: one patch against all patches</sup>"),
+        margin={**MARGIN, "t": 80}, plot_bgcolor="white",
     )
     return fig
 
