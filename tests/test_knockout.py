@@ -203,7 +203,7 @@ def choose(app, label: str, values) -> None:
 def test_the_page_shows_the_knock_out_against_the_intact_model():
     app = open_app(PAGE)
     assert errors(app) == [] and app.title[0].value == "Knock-out"
-    assert title_matching(app, "^Each head knocked out alone \\(zero\\): change of log p")  # tiny: sweep unasked
+    assert title_matching(app, "^Each head knocked out alone \\(zero\\): change of log p of '\\w+'; outlined")  # tiny: sweep unasked
     assert all(w.help for w in [*app.multiselect, *app.radio, *app.button])  # every control says what it does
     choose(app, "Layer 1", [0, 2])
     assert errors(app) == []
@@ -271,7 +271,7 @@ def test_a_headless_model_compares_its_pooled_features(tmp_path):
     app = open_app(PAGE)
     app.file_uploader(key="checkpoint_upload").set_value((path.name, path.read_bytes(), "application/octet-stream")).run()
     assert not app.exception and errors(app) == []
-    title_matching(app, "^Each head knocked out alone \\(zero\\): cosine change$")
+    title_matching(app, "^Each head knocked out alone \\(zero\\): cosine change; outlined: knocked out above$")
     choose(app, "Layer 0", [1])
     assert errors(app) == []
     (metric,) = app.metric
@@ -280,3 +280,15 @@ def test_a_headless_model_compares_its_pooled_features(tmp_path):
     knocked = vx.capture(model, x, knock_out=vx.KnockOut(heads={0: (1,)})).logits
     assert metric.value == f"{float(torch.cosine_similarity(knocked, vx.capture(model, x).logits)):.6f}"
     title_matching(app, "^With layer 0 head 1 \\(zero-ablated\\): rollout to the mean over the patch queries$")
+
+
+def test_a_sweep_cell_reports_its_layer_and_head_when_clicked():
+    values = torch.arange(12.0).reshape(3, 4) - 6
+    knocked = torch.zeros(3, 4, dtype=torch.bool)
+    knocked[2, 1] = True
+    fig = vx.figures.head_sweep_grid(values, "change of log p", knocked=knocked, title="t")
+    (cells,) = [trace for trace in fig.data if trace.type == "scatter"]
+    for x, y, value in zip(cells.x, cells.y, cells.customdata):
+        assert value == values[y, x]  # a clicked point's x is the head, its y the layer
+    (outline,) = fig.layout.shapes
+    assert (outline.x0, outline.y0) == (0.5, 1.5)

@@ -111,12 +111,11 @@ else:
         "knock-out head grids", knock_out, shown_layer, compute=lambda: figures.intact_and_knocked_heads(
             image, analysis.head_maps(intact, shown_layer, class_token=config.class_token),
             analysis.head_maps(knocked, shown_layer, class_token=config.class_token),
-            layer=shown_layer, query=query, what=what,
+            layer=shown_layer, query=query, what=what, columns=min(heads, 6),
         ),
     )
-    intact_column, knocked_column = st.columns(2)
-    intact_column.plotly_chart(intact_grid)
-    knocked_column.plotly_chart(knocked_grid)
+    st.plotly_chart(knocked_grid)
+    st.plotly_chart(intact_grid)
 
     st.write(
         "Rollout (Abnar & Zuidema 2020) multiplies the layers' attention, residual counted in: how much"
@@ -156,7 +155,7 @@ else:
     st.plotly_chart(
         selection.memo("sweep grid", mode, knock_out, compute=lambda: figures.head_sweep_grid(
             sweep.values, sweep.measure, knocked=knock_out.head_mask(config),
-            title=f"Each head knocked out alone ({mode}): {measure}",
+            title=f"Each head knocked out alone ({mode}): {measure}; outlined: knocked out above",
         )),
         key="knockout_sweep_click", on_select=knock_out_clicked_head, selection_mode="points",
         config={"displayModeBar": False},

@@ -30,7 +30,7 @@ def knockout_topk(intact, knocked, class_names: Sequence[str] | None = None, k: 
         ),
         go.Bar(
             x=knocked[top], y=labels, orientation="h", name="knocked out", marker_color=KNOCKED_COLOUR,
-            text=[f"{100 * p:.1f}% ({delta:+.1f} pts)" for p, delta in zip(knocked[top], change)],
+            text=[f"{100 * p:.1f}% ({delta:+.2f} pts)" for p, delta in zip(knocked[top], change)],
             textposition="auto", customdata=change,
             hovertemplate="%{y}, knocked out: %{x:.4f} (%{customdata:+.2f} points)<extra></extra>",
         ),
@@ -48,7 +48,7 @@ def knockout_topk(intact, knocked, class_names: Sequence[str] | None = None, k: 
 def head_sweep_grid(values, measure: str, knocked=None, title: str = "") -> go.Figure:
     """The importance sweep, one cell per (layer, head): values (L, H), 0 = no effect, on a
     diverging scale centred at 0 (red: the knock-out lowers the measure). ``knocked`` (L, H)
-    bool outlines the heads knocked out now.
+    bool outlines the heads knocked out now (the title should say so).
 
     Heatmap cells cannot be selected in Streamlit (streamlit#8760), so an invisible marker sits on
     every cell, row-major: a selected point's x is the head, its y the layer.
@@ -62,6 +62,8 @@ def head_sweep_grid(values, measure: str, knocked=None, title: str = "") -> go.F
     fig = go.Figure(go.Heatmap(
         z=values, x=list(range(heads)), y=list(range(depth)), colorscale="RdBu", zmid=0, zmin=-limit, zmax=limit,
         colorbar=dict(title=measure), hoverinfo="skip",
+        # Each cell's value written in it while the cells are large enough to hold it.
+        texttemplate="%{z:.2f}" if heads <= 16 else None, textfont=dict(size=10),
     ))
     fig.add_trace(go.Scatter(
         x=head_grid.ravel(), y=layer_grid.ravel(), mode="markers", customdata=values.ravel(), showlegend=False,
@@ -71,18 +73,17 @@ def head_sweep_grid(values, measure: str, knocked=None, title: str = "") -> go.F
         "<br>click to knock this head out above<extra></extra>",
     ))
     if knocked is not None:
-        knocked = np.asarray(knocked, dtype=bool)
-        layers, heads_off = np.nonzero(knocked)
-        fig.add_trace(go.Scatter(
-            x=heads_off, y=layers, mode="markers", name="knocked out now", hoverinfo="skip",
-            marker=dict(symbol="x-thin", size=14, line=dict(width=3, color="black")),
-        ))
+        for layer, head in zip(*np.nonzero(np.asarray(knocked, dtype=bool))):
+            fig.add_shape(
+                type="rect", x0=head - 0.5, x1=head + 0.5, y0=layer - 0.5, y1=layer + 0.5,
+                line=dict(color="black", width=3),
+            )
     fig.update_xaxes(title="head", dtick=1, range=[-0.5, heads - 0.5])
     fig.update_yaxes(title="layer", dtick=1, autorange="reversed")
     fig.update_layout(
         title=_title(title or f"Knocking out each head alone: {measure}"), margin=MARGIN,
         hovermode="closest", hoverdistance=-1, clickmode="event+select", dragmode=False,
-        legend=dict(orientation="h", y=-0.15), height=160 + 32 * depth,
+        height=160 + 32 * depth,
     )
     return fig
 
@@ -100,7 +101,7 @@ def intact_and_knocked_heads(
     for fig, label in zip(figs, ("Intact", f"With {what}")):
         fig.update_layout(
             coloraxis_cmax=top,
-            title=_title(f"{label}: attention of the {query} in layer {layer}, per head (one scale for both)"),
+            title=_title(f"{label}: attention of the {query} in layer {layer}, per head (one scale for both grids)"),
         )
     return figs[0], figs[1]
 
