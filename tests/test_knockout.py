@@ -175,7 +175,7 @@ def test_impossible_knock_outs_are_refused_in_a_sentence():
 def test_knock_outs_are_values_that_can_key_a_cache():
     first = vx.KnockOut(heads={3: [2, 0], 1: (1,)}, mlp=(4, 2))
     second = vx.KnockOut(heads=((1, [1]), (3, (0, 2)), (5, ())), mlp=[2, 4])
-    assert first == second and hash(first) == hash(second)
+    assert first == second and hash(first) == hash(second) and first.first_layer() == 1
     assert first.describe() == "layer 1 head 1; layer 3 heads 0, 2; layer 2 MLP; layer 4 MLP (zero-ablated)"
 
 

@@ -97,7 +97,7 @@ else:
         )))
 
     st.subheader("Attention after the knock-out")
-    first = min(layer for layer in layers if knock_out.head_mask(config)[layer].any() or layer in knock_out.mlp)
+    first = knock_out.first_layer()
     st.write(
         f"A knock-out changes what the layer writes, not where its own heads look: attention up to layer"
         f" {first} is as before, the layers after it read the changed tokens."

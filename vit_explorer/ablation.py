@@ -97,6 +97,11 @@ class KnockOut:
         mask[list(self.mlp)] = True
         return mask
 
+    def first_layer(self) -> int | None:
+        """The first layer this knock-out changes (the layers before it run as if intact), or None."""
+        layers = [layer for layer, _ in self.heads] + list(self.attention) + list(self.mlp)
+        return min(layers, default=None)
+
     def describe(self) -> str:
         """One line for titles: what is knocked out and how."""
         if self.is_empty:
