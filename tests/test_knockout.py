@@ -292,3 +292,30 @@ def test_a_sweep_cell_reports_its_layer_and_head_when_clicked():
         assert value == values[y, x]  # a clicked point's x is the head, its y the layer
     (outline,) = fig.layout.shapes
     assert (outline.x0, outline.y0) == (0.5, 1.5)
+
+
+def test_clicking_a_sweep_cell_in_chromium_knocks_that_head_out(tmp_path):
+    """Plotly selections cannot be played in AppTest: the click goes through a real browser."""
+    sync_api = pytest.importorskip("playwright.sync_api")
+    from bench.browser import CHROMIUM, CHROMIUM_LAUNCH, STATUS_WIDGET, serve_app
+
+    if CHROMIUM is None:
+        pytest.skip("no system Chromium (apt-get install chromium)")
+    weights = tmp_path / "tiny.safetensors"
+    vx.save_model(tiny_model(), weights)  # 4 layers of 4 heads: its sweep runs unasked
+    env = {"VIT_EXPLORER_DEFAULT_MODEL": str(weights), "VIT_EXPLORER_RUNS_DIR": str(tmp_path / "runs")}
+    with serve_app(env, log=tmp_path / "streamlit.log") as url, sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(**CHROMIUM_LAUNCH)
+        page = browser.new_page(viewport={"width": 1400, "height": 2400})
+        page.set_default_timeout(120_000)
+        page.goto(f"{url}/knockout")
+        page.get_by_role("heading", name="Knock-out", level=1).wait_for()
+        grid = page.locator(".st-key-knockout_sweep_click .nsewdrag").first
+        grid.wait_for()
+        page.locator(STATUS_WIDGET).wait_for(state="hidden")
+        box = grid.bounding_box()
+        # The cell of layer 2, head 3: the axes run from -0.5 to 3.5 both ways, layer 0 on top.
+        page.mouse.click(box["x"] + box["width"] * 3.5 / 4, box["y"] + box["height"] * 2.5 / 4)
+        sync_api.expect(page.get_by_text("Top-5 with layer 2 head 3 (zero-ablated)")).to_be_visible(timeout=120_000)
+        page.screenshot(path=tmp_path / "knockout_clicked.png", full_page=True)
+        browser.close()

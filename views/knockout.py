@@ -111,7 +111,7 @@ else:
         "knock-out head grids", knock_out, shown_layer, compute=lambda: figures.intact_and_knocked_heads(
             image, analysis.head_maps(intact, shown_layer, class_token=config.class_token),
             analysis.head_maps(knocked, shown_layer, class_token=config.class_token),
-            layer=shown_layer, query=query, what=what, columns=min(heads, 6),
+            layer=shown_layer, query=query, what=what,
         ),
     )
     st.plotly_chart(knocked_grid)
@@ -143,11 +143,12 @@ st.write(
     f" {cost:.0f} forward passes of this model rather than {depth * heads + 1}. Click a cell to knock"
     " that head out above."
 )
-run = ui.is_quick(config, forwards=cost) or st.button(
+sweep = selection.head_sweep(mode, run=ui.is_quick(config, forwards=cost))  # None until somebody ran it
+if sweep is None and st.button(
     "Run the sweep", icon=":material/play_arrow:",
     help=f"Knock out every head alone on this image: about {cost:.0f} forward passes, shared with everyone.",
-)
-sweep = selection.head_sweep(mode, run=bool(run))
+):
+    sweep = selection.head_sweep(mode)
 if sweep is None:
     st.caption("Not computed for this image and mode yet: run it above.")
 else:

@@ -79,7 +79,7 @@ def head_sweep_grid(values, measure: str, knocked=None, title: str = "") -> go.F
                 line=dict(color="black", width=3),
             )
     fig.update_xaxes(title="head", dtick=1, range=[-0.5, heads - 0.5])
-    fig.update_yaxes(title="layer", dtick=1, autorange="reversed")
+    fig.update_yaxes(title="layer", dtick=1, range=[depth - 0.5, -0.5])  # layer 0 on top
     fig.update_layout(
         title=_title(title or f"Knocking out each head alone: {measure}"), margin=MARGIN,
         hovermode="closest", hoverdistance=-1, clickmode="event+select", dragmode=False,
@@ -89,7 +89,7 @@ def head_sweep_grid(values, measure: str, knocked=None, title: str = "") -> go.F
 
 
 def intact_and_knocked_heads(
-    image, intact_maps, knocked_maps, layer: int, query: str, what: str, columns: int = 3,
+    image, intact_maps, knocked_maps, layer: int, query: str, what: str, columns: int = 4,
 ) -> tuple[go.Figure, go.Figure]:
     """:func:`attention_heads_grid` of one layer intact and knocked out (maps (H, gh, gw) each), on
     one colour scale, so that a head that looks elsewhere after the knock-out shows it."""
