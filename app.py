@@ -13,17 +13,17 @@ st.set_page_config(page_title="ViT Explorer", page_icon=":material/grid_view:", 
 ui.init_state()
 state = st.session_state
 
-pages = [
+pages = {"Explore": [
     st.Page("views/pipeline.py", title="Pipeline", icon=":material/route:", default=True),
     st.Page("views/patches.py", title="Patches", icon=":material/grid_on:"),
     st.Page("views/attention.py", title="Attention", icon=":material/visibility:"),
     st.Page("views/inside.py", title="Inside a layer", icon=":material/calculate:", url_path="inside"),
     st.Page("views/train.py", title="Train", icon=":material/model_training:"),
-]
-experiments = [
+], "Experiments": [
+    st.Page("views/images.py", title="Several images", icon=":material/photo_library:", url_path="images"),
     st.Page("views/knockout.py", title="Knock-out", icon=":material/block:", url_path="knockout"),
-]
-page = st.navigation({"Explore": pages, "Experiments": experiments})
+]}
+page = st.navigation(pages)
 # Offered when a photo meets a model that cannot read it: self-supervised, supervised, language.
 PHOTO_MODELS = ("pretrained:dino_vits16", "pretrained:deit_s", "pretrained:clip_vitb16")
 model_error = ui.apply_requested_model()
@@ -37,31 +37,49 @@ def _on_image_picked() -> None:
     state["image_key"] = state["image_picker"]
 
 
-def _fresh_upload(widget_key: str, signature: str) -> bool:
-    """True the first time a given upload is seen, so each upload is processed once."""
-    seen = state.get(f"seen:{widget_key}")
-    state[f"seen:{widget_key}"] = signature
-    return seen != signature
+def _checkpoint_uploader() -> None:
+    """The checkpoint uploader; a handled upload is released and the run starts again."""
+    files = st.file_uploader(
+        "Checkpoint: this project's .safetensors, a timm or torchvision state dict, or a"
+        " Hugging Face ViT (config.json plus its weights)",
+        type=["safetensors", "pth", "pt", "bin", "json"],
+        accept_multiple_files=True,
+        key=ui.upload_key("checkpoint_upload"),
+    )
+    if files:
+        with st.spinner("Reading the checkpoint ..."):
+            state["checkpoint_error"] = ui.add_checkpoint_upload(files)
+        ui.release_upload("checkpoint_upload", files)
+    if "checkpoint_error" in state:
+        error = state.pop("checkpoint_error")
+        if error:
+            st.error(error)
+
+
+def _image_uploader() -> None:
+    """The image uploader: an image's own size limit and types; released like checkpoints."""
+    file = st.file_uploader(
+        "Upload an image", type=ui.IMAGE_TYPES, max_upload_size=ui.IMAGE_UPLOAD_MB,
+        key=ui.upload_key("image_upload"),
+        help=f"A picture PIL can read (PNG, JPEG, WebP, GIF: first frame, TIFF, BMP), up to"
+        f" {ui.IMAGE_UPLOAD_MB} MB.",
+    )
+    if file is not None:
+        state["image_error"] = ui.add_image_upload(file)
+        ui.release_upload("image_upload", [file])
+    if "image_error" in state:
+        error = state.pop("image_error")
+        if error:
+            st.error(error)
 
 
 with st.sidebar:
     st.header("Model")
     model_slot = st.container()
     with st.expander("Load a checkpoint"):
-        checkpoint_files = st.file_uploader(
-            "Checkpoint: this project's .safetensors, a timm or torchvision state dict, or a"
-            " Hugging Face ViT (config.json plus its weights)",
-            type=["safetensors", "pth", "pt", "bin", "json"],
-            accept_multiple_files=True,
-            key="checkpoint_upload",
-        )
-        if checkpoint_files:
-            signature = ",".join(file.file_id for file in checkpoint_files)
-            if _fresh_upload("checkpoint_upload", signature):
-                with st.spinner("Reading the checkpoint ..."):
-                    state["checkpoint_error"] = ui.add_checkpoint_upload(checkpoint_files)
-            if state.get("checkpoint_error"):
-                st.error(state["checkpoint_error"])
+        _checkpoint_uploader()
+    if "model_notice" in state:
+        st.warning(state.pop("model_notice"))
 
     with model_slot:
         options = ui.model_options()
@@ -70,11 +88,16 @@ with st.sidebar:
             "Model", list(options), format_func=options.get, key="model_picker",
             on_change=_on_model_picked,
             help="The shipped model works offline; each pretrained model downloads once from its"
-            " publisher.\n\n" + ui.model_cards(),
+            " publisher. What each one is: below, under \"The pretrained models\".",
         )
         card = ui.model_card(state["model_key"])
+        whole = ui.model_options(whole=True).get(state["model_key"])
         if card:
-            st.caption(card)
+            st.caption(card)  # it begins with the model's whole title
+        elif whole and whole != options.get(state["model_key"]):
+            st.caption(whole)  # the picker had to shorten it
+        with st.expander("The pretrained models"):
+            st.markdown(ui.model_cards())
         if model_error:
             st.error(model_error)
         try:
@@ -114,15 +137,7 @@ with st.sidebar:
 
     st.header("Image")
     image_slot = st.container()
-    image_file = st.file_uploader(
-        "Upload an image", type=None, key="image_upload",
-        help="Any picture PIL can read: PNG, JPEG, WebP, GIF (first frame), TIFF, BMP ...",
-    )
-    if image_file is not None:
-        if _fresh_upload("image_upload", image_file.file_id):
-            state["image_error"] = ui.add_image_upload(image_file)
-        if state.get("image_error"):
-            st.error(state["image_error"])
+    _image_uploader()
 
     if "image_notice" in state:
         st.warning(state.pop("image_notice"))
@@ -140,12 +155,16 @@ with st.sidebar:
             st.image(selection.image, caption=f"{width}x{height} px as given", width=160)
             reason = ui.unreadable_photo_reason(selection)
             if reason:
-                st.warning(reason)
-                for model_key in PHOTO_MODELS:
+                # Only models that can be had: downloaded, or their publisher answers.
+                offered = [model_key for model_key in PHOTO_MODELS if ui.obtainable(model_key)]
+                st.warning(f"{reason} A pretrained model below reads photos." if offered else reason)
+                for model_key in offered:
                     st.button(
-                        f"Explore with {options[model_key].split(' (')[0]}", key=f"try:{model_key}",
+                        f"Explore with {ui.model_title(model_key)}", key=f"try:{model_key}",
                         on_click=ui.request_model, args=(model_key,), width="stretch",
                     )
+                if not offered:
+                    st.info(ui.CATALOGUE_OFFLINE)
 
     def my_runs() -> tuple[dict, list[str]]:
         """This person's training and waiting runs: only they poll, so that a class browsing

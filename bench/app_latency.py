@@ -11,6 +11,8 @@ measured in the same run, then whether the goals are met:
 - switching between pages with nothing new: at most 0.5;
 - Inside a layer: its first view at most 2 (a new image included), moving its layer, head or
   query at most 0.5, at patch 16 and at patch 8 alike.
+- Several images: its first view, or a new set of images, at most 1.2 forwards per image (its
+  rows give forwards per image); moving its widgets, at most 1 (all the images together).
 - Knock-out (patch 16): a view of another knock-out at most 1.5; the sweep of all 144 heads at
   most 150 (it is batched from each layer's input: about 79 forwards' worth of work).
 
@@ -41,10 +43,11 @@ from vit_explorer import ui
 APP = str(Path(__file__).resolve().parent.parent / "app.py")
 GOALS = {
     "first view": 8.0, "widget": 1.0, "widget at patch 8": 2.0, "page switch": 0.5,
-    "inside first view": 2.0, "inside widget": 0.5,
+    "inside first view": 2.0, "inside widget": 0.5, "several images per image": 1.2,
     "knock-out view": 1.5, "head sweep": 150.0,
 }
 INSIDE = "views/inside.py"
+IMAGES = "views/images.py"
 KNOCKOUT = "views/knockout.py"
 
 
@@ -81,8 +84,9 @@ class Steps:
         self.model = model
         self.rows: list[tuple[str, str, float, float]] = []
 
-    def time(self, name: str, kind: str, action) -> None:
-        reference = forward_seconds(self.model, rounds=3)
+    def time(self, name: str, kind: str, action, images: int = 1) -> None:
+        """Time ``action``; ``images`` > 1 counts its forwards per image (one pass of each)."""
+        reference = forward_seconds(self.model, rounds=3) * images
         started = time.perf_counter()
         action().run()
         seconds = time.perf_counter() - started
@@ -141,6 +145,15 @@ def run(small: bool, device: torch.device) -> list[tuple[str, str, float, float]
     steps.time("Patches: first view after a new image", "first view", steps.page("views/patches.py"))
     steps.time("Patches: move the PCA slider", "widget",
                lambda: widget(app.slider, "Tokens after this many layers (0: the patch embeddings)").set_value(4))
+    # Several images: the sidebar's photo and two more, in one batch, then a fourth.
+    steps.time("Several images: first view (3 photos)", "several images per image", steps.page(IMAGES), images=3)
+    steps.time("Several images: move the threshold", "widget",
+               lambda: widget(app.slider, "Foreground threshold (standard deviations)").set_value(0.5))
+    steps.time("Several images: compare keys instead", "widget",
+               lambda: app.radio(key="set_facet").set_value("keys"))
+    steps.time("Several images: another layer", "widget", lambda: widget(app.slider, "Layer").set_value(8))
+    steps.time("Several images: a fourth image", "several images per image",
+               lambda: app.multiselect(key="image_set").select("photo:rocket.jpg"), images=4)
     steps.time("Patches: change the patch size to 8", "first view",
                lambda: widget(app.select_slider, "Patch size").set_value(8))
     steps.time("Pipeline at patch 8: first view", "first view", steps.page("views/pipeline.py"))

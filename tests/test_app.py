@@ -72,6 +72,12 @@ def widget(widgets, label: str):
     return matches[0]
 
 
+def uploader(app: AppTest, key: str):
+    """The uploader of that key now: each handled upload gives it a new key (it starts empty)."""
+    (match,) = [widget for widget in app.file_uploader if widget.key.partition("#")[0] == key]
+    return match
+
+
 def errors(app: AppTest) -> list[str]:
     return [error.value for error in app.error]
 
@@ -437,26 +443,27 @@ def test_a_real_size_model_runs_only_what_the_view_shows(monkeypatch):
     original = vx.ViT.forward_features
     monkeypatch.setattr(vx.ViT, "forward_features", lambda self, x, patch_size=None: forwards.append(1) or original(self, x, patch_size))
     app = open_app("views/patches.py")
-    assert len(forwards) == 1  # the capture
+    # The capture, and the passes timed to say how long the comparison takes.
+    assert len(forwards) == 1 + ui.TIMED_PASSES
     assert any(button.label.startswith("Compare all") for button in app.button)
     assert not any(title.startswith("The same weights at every patch size") for title in figure_titles(app))
     app.switch_page("views/attention.py").run()
     widget(app.slider, "Layer").set_value(0).run()
     widget(app.selectbox, "Head").set_value(1).run()
     app.switch_page("views/pipeline.py").run()
-    assert not app.exception and len(forwards) == 1
+    assert not app.exception and len(forwards) == 1 + ui.TIMED_PASSES
     assert not any(title.startswith("Attribution for") for title in figure_titles(app.switch_page("views/attention.py").run()))
     app.toggle(key="attribution_on").set_value(True).run()
-    assert len(forwards) == 2 and title_matching(app, "^Attribution for")
+    assert len(forwards) == 2 + ui.TIMED_PASSES and title_matching(app, "^Attribution for")
     app.switch_page("views/patches.py").run()
     compare = next(button for button in app.button if button.label.startswith("Compare all"))
     compare.click().run()
-    options = ui.patch_size_options(tiny_model().config)
-    # Per patch size: this image twice (one pass timed) and the held-out batch once.
-    assert len(forwards) == 2 + 3 * len(options)
+    # Per patch size: a warm-up pass of this image, its timed passes and the held-out batch.
+    compared = sum(2 + planned.timed_passes for planned in ui.comparison_plan(tiny_model().config, held_out=True))
+    assert len(forwards) == 2 + ui.TIMED_PASSES + compared
     app.switch_page("views/pipeline.py").run()
     app.switch_page("views/patches.py").run()  # the comparison stays, without running again
-    assert len(forwards) == 2 + 3 * len(options) and not app.exception
+    assert len(forwards) == 2 + ui.TIMED_PASSES + compared and not app.exception
     assert title_matching(app, "^The same weights at every patch size")
     assert not any(button.label.startswith("Compare all") for button in app.button)
 
@@ -494,10 +501,10 @@ def test_an_uploaded_shapes_picture_is_not_taken_for_a_photo():
     picture = io.BytesIO()
     shapes_sample(0, (32, 32))[0].save(picture, format="PNG")
     app = open_app("views/pipeline.py")
-    app.file_uploader(key="image_upload").set_value(("shapes.png", picture.getvalue(), "image/png")).run()
+    uploader(app, "image_upload").set_value(("shapes.png", picture.getvalue(), "image/png")).run()
     assert not app.exception and app.session_state["image_key"].startswith("upload:")
     assert not app.sidebar.warning
-    app.file_uploader(key="image_upload").set_value(("cat.png", PHOTO.read_bytes(), "image/png")).run()
+    uploader(app, "image_upload").set_value(("cat.png", PHOTO.read_bytes(), "image/png")).run()
     (warning,) = [warning.value for warning in app.sidebar.warning]
     assert warning.startswith("This model was trained on synthetic shapes")
 
@@ -508,11 +515,9 @@ def test_a_photo_on_the_shapes_model_says_why_and_offers_the_catalogue():
     assert not app.exception
     (warning,) = [warning.value for warning in app.sidebar.warning]
     assert warning.startswith("This model was trained on synthetic shapes at 32x32 pixels")
-    labels = [button.label for button in app.sidebar.button]
-    assert "Explore with DINO ViT-S/16" in labels and "Explore with CLIP ViT-B/16" in labels
+    # Which catalogue models it offers, and when: tests/test_app_patches.py.
     options = app.selectbox(key="model_picker").options
-    assert any(option.startswith("SigLIP ViT-B/16") for option in options)
-    assert "finds the object without ever seeing a label" in app.selectbox(key="model_picker").help
+    assert any("SigLIP ViT-B/16" in option for option in options)
 
 
 def test_a_catalogue_model_offline_says_so_in_one_sentence(monkeypatch, tmp_path):
@@ -539,15 +544,15 @@ def test_uploads_share_a_quota_and_the_oldest_go_first(monkeypatch):
         image.save(buffer, format="PNG")
         pictures.append(buffer.getvalue())
     assert all(2000 < len(picture) < 3000 for picture in pictures), [len(p) for p in pictures]
-    app.file_uploader(key="image_upload").set_value(("first.png", pictures[0], "image/png")).run()
+    uploader(app, "image_upload").set_value(("first.png", pictures[0], "image/png")).run()
     first = app.session_state["image_key"]
     for name, picture in (("second.png", pictures[1]), ("third.png", pictures[2])):
-        app.file_uploader(key="image_upload").set_value((name, picture, "image/png")).run()
+        uploader(app, "image_upload").set_value((name, picture, "image/png")).run()
     assert errors(app) == [] and app.session_state["image_key"] != first
     assert sum(path.stat().st_size for path in ui.UPLOADS_DIR.iterdir()) <= 6000
     assert first not in app.selectbox(key="image_picker").options  # removed to make room
     too_big = ("huge.png", pictures[0] + b"\0" * 6000, "image/png")
-    app.file_uploader(key="image_upload").set_value(too_big).run()
+    uploader(app, "image_upload").set_value(too_big).run()
     (error,) = errors(app)
     assert error.startswith("That upload is 0 MB, more than this server keeps for all uploads")
 

@@ -78,10 +78,10 @@ def test_a_random_model_says_its_attention_is_uniform_and_its_prediction_a_guess
 @pytest.mark.skipif(not train.DEFAULT_WEIGHTS.is_file(), reason="the shipped model is not there yet")
 @pytest.mark.parametrize("page", ["views/pipeline.py", "views/attention.py"])
 def test_the_trained_model_on_a_sample_it_gets_right_shows_neither_note(monkeypatch, page):
-    monkeypatch.delenv("VIT_EXPLORER_DEFAULT_MODEL")  # the shipped model; the first sample is a circle
+    monkeypatch.delenv("VIT_EXPLORER_DEFAULT_MODEL")  # the shipped model on its default sample, a ring
     app = open_page(page)
     if page == "views/pipeline.py":
-        assert any("The model says **circle**" in text.value for text in app.markdown)
+        assert any("The model says **ring**" in text.value for text in app.markdown)
     assert not [note for note in notes(app) if UNIFORM.search(note) or "close to chance" in note]
 
 
@@ -91,7 +91,7 @@ def test_a_photo_on_the_shapes_model_is_flagged_where_the_prediction_is(page):
     app.selectbox(key="image_picker").set_value("photo:chelsea.png").run()
     assert not app.exception
     (caveat,) = [note for note in notes(app) if note.startswith(PHOTO_CAVEAT)]
-    assert caveat.endswith("so a photo means nothing to it; the sidebar offers models that read photos.")
+    assert caveat.endswith("so a photo means nothing to it.")
     app.selectbox(key="image_picker").set_value("shapes:0").run()
     assert not [note for note in notes(app) if note.startswith(PHOTO_CAVEAT)]
 

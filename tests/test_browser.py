@@ -32,7 +32,10 @@ def server(tmp_path):
         )),
         weights,
     )
-    env = {"VIT_EXPLORER_DEFAULT_MODEL": str(weights), "VIT_EXPLORER_RUNS_DIR": str(tmp_path / "runs")}
+    env = {
+        "VIT_EXPLORER_DEFAULT_MODEL": str(weights), "VIT_EXPLORER_RUNS_DIR": str(tmp_path / "runs"),
+        "VIT_EXPLORER_UPLOADS_DIR": str(tmp_path / "uploads"),
+    }
     with serve_app(env, log=tmp_path / "streamlit.log") as url:
         yield url
 

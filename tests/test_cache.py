@@ -76,7 +76,7 @@ def test_a_folder_is_trimmed_to_its_quota_oldest_first_never_the_new_upload(tmp_
     folder.mkdir()
     (folder / "model.safetensors").write_bytes(b"x" * 300)
     os.utime(folder, (10, 10))  # older than all, but it is the upload being kept
-    removed = trim_to_quota(tmp_path, max_bytes=800, keep=folder)
+    removed = trim_to_quota(tmp_path, max_bytes=800, keep={folder})
     assert [path.name for path in removed] == ["oldest", "middle"]
     assert sorted(path.name for path in tmp_path.iterdir()) == ["checkpoint", "newest"]
 

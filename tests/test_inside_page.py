@@ -142,3 +142,22 @@ def test_a_choice_made_here_holds_on_the_attention_page():
     app.switch_page("views/attention.py").run()
     assert not app.exception
     assert title_matching(app, "attention$").startswith("Layer 2, head 3")
+
+
+def test_the_attention_page_opens_this_page_on_a_head_it_shows():
+    app = open_app("views/attention.py")
+    widget(app.slider, "Layer").set_value(1).run()
+    widget(app.selectbox, "Query token").set_value(9).run()
+    (button,) = [button for button in app.button if button.label == "head 3"]
+    button.click().run()
+    assert errors(app) == [] and app.title[0].value == "Inside a layer"
+    assert widget(app.slider, "Layer").value == 1
+    assert widget(app.selectbox, "Head").value == 3
+    assert widget(app.selectbox, "Query token").value == 9
+
+
+def test_the_matrix_and_the_pipeline_link_here():
+    app = open_app("views/attention.py")
+    assert [link.proto.page for link in app.get("page_link")] == ["inside"]  # the page's url_path
+    app.switch_page("views/pipeline.py").run()
+    assert [link.proto.page for link in app.get("page_link")] == ["inside"]

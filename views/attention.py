@@ -114,6 +114,14 @@ if analysis.near_uniform(evenness):
 st.plotly_chart(selection.memo("heads grid", where, query, opacity, scale, compute=lambda: figures.attention_heads_grid(
     image, maps, opacity=opacity, layer=where, query=query_label(query), query_patch=query_arg, scale=scale,
 )))
+if query != POOL_QUERY:  # the pool's probe is no token of a layer: nothing to open inside one
+    st.caption(f"How one of these heads computes its map, step by step, in layer {layer}:")
+    head_columns = st.columns(min(heads, 12))
+    for inside_head in range(heads):
+        if head_columns[inside_head % len(head_columns)].button(f"head {inside_head}", key=f"inside_head_{inside_head}", width="stretch",
+                         help=f"Open Inside a layer on layer {layer}, head {inside_head}, this query."):
+            ui.set_kept("head", inside_head)  # layer and query are kept already: the page shares them
+            st.switch_page("views/inside.py")
 
 st.subheader("The patches that hold most of the attention")
 st.write(
@@ -146,6 +154,11 @@ st.plotly_chart(selection.memo("attention matrix", layer, head, query_token, com
     title=f"Layer {layer}, head {head}: {result.num_tokens} x {result.num_tokens} attention",
     class_token=config.class_token, dist_token=config.dist_token, query_token=query_token,
 )))
+if query_token is not None:
+    st.page_link(
+        "views/inside.py", icon=":material/calculate:",
+        label=f"How head {head} computes the outlined row ({query_label(query)}), step by step",
+    )
 
 st.subheader("Attention rollout")
 st.write(

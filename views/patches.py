@@ -34,46 +34,48 @@ st.caption(
 st.subheader("Smaller patches: more tokens, more detail, more cost")
 st.write(
     "The same weights at every patch size, side by side: how many tokens the transformer handles,"
-    " how long one forward pass of this image takes (measured just now on this server), and how"
-    " well the model does, on this image and, where the model comes with a dataset, on held-out"
-    " images it never trained on."
+    " how long one forward pass of this image takes (measured just now on this server) and, for a"
+    " model with classes, how well it does, on this image and, where the model comes with a"
+    " dataset, on held-out images it never trained on."
 )
-# Every patch size is a forward pass or two at that size (plus the held-out batch): for a
-# real-size model that is dozens of forward passes' worth, so it runs when asked.
+# Every patch size is a warm-up and a few timed passes at that size (plus the held-out batch):
+# for a real-size model that is dozens of forward passes' worth, so it runs when asked.
 cost = selection.comparison_cost()
-rows = None
-if config.num_classes == 0:
-    st.info(ui.NO_CLASSIFIER.format(what="The prediction at each patch size"))
-else:
-    rows = selection.predictions_by_patch_size(run=ui.is_quick(base, forwards=cost))
-if rows is None and config.num_classes and st.button(
-    f"Compare all {len(options)} patch sizes",
-    help=f"About {cost:.0f} forward passes of this model at its own patch size.",
-):
-    rows = selection.predictions_by_patch_size()
+rows = selection.predictions_by_patch_size(run=ui.is_quick(base, forwards=cost))
+if rows is None:
+    wait = ui.duration(cost * selection.forward_seconds())
+    if st.session_state.get("stop_comparison"):
+        st.caption("Stopped: nothing of that comparison was kept.")
+    controls = st.empty()  # the buttons go once the comparison is there
+    if controls.container().button(
+        f"Compare all {len(options)} patch sizes (about {wait})",
+        help=f"About {cost:.0f} forward passes of this model at its own patch size.",
+    ):
+        with controls.container():
+            st.button("Stop", key="stop_comparison", help="Stops the comparison; you can start it again.")
+        rows = selection.predictions_by_patch_size()
+        controls.empty()
+    else:
+        st.caption(
+            f"Running this image at all {len(options)} patch sizes (a warm-up pass, then up to"
+            f" {ui.TIMED_PASSES} timed passes each) costs about {cost:.0f} forward passes of this"
+            f" model, about {wait} on this server now, so it runs when you press the button."
+        )
 if rows is not None:
+    if config.num_classes == 0:
+        st.info(ui.NO_CLASSIFIER.format(what="The prediction at each patch size"))
     st.plotly_chart(figures.patch_size_tradeoff(rows, config.patch_size))
     st.dataframe(
         rows, hide_index=True,
         column_config={
-            "forward ms": st.column_config.NumberColumn("forward (ms)", format="%.2f"),
+            "forward ms": st.column_config.NumberColumn("forward (ms, median)", format="%.2f"),
             "probability": st.column_config.NumberColumn(format="%.3f"),
             "held-out accuracy": st.column_config.NumberColumn(
                 f"accuracy on {ui.HELD_OUT_IMAGES} held-out images", format="percent"
             ),
         },
     )
-    st.caption(
-        "A model trained at one patch size is most sure of itself there; far from it the"
-        " resampled weights see the world at the wrong scale. A FlexiViT (trained at several"
-        " sizes, like the shipped shapes model) holds up at all of them: then the patch size"
-        " becomes a dial between cost and detail."
-    )
-elif config.num_classes:
-    st.caption(
-        f"Running this image at all {len(options)} patch sizes costs about {cost:.0f} forward"
-        " passes of this model, so it runs when you press the button."
-    )
+    st.caption(ui.patch_size_summary(rows, base.patch_size))
 
 st.subheader("The patch sequence")
 st.write(

@@ -49,12 +49,12 @@ st.dataframe(
 
 st.subheader("1. Resize and normalise")
 st.write(
-    f"The {given_width}x{given_height} picture is resized to the {width}x{height} pixels the model"
-    f" was built for and normalised with mean {config.mean} and std {config.std}, the statistics"
+    f"The picture, {given_width} px wide and {given_height} px high, is resized to the {width} x"
+    f" {height} pixels (width x height) the model was built for and normalised with mean {config.mean} and std {config.std}, the statistics"
     " it was trained with. This is exactly what the model sees:"
 )
 st.code(f"({given_height}, {given_width}, 3) picture -> (1, {channels}, {height}, {width}) tensor")
-st.plotly_chart(selection.memo("input image", compute=lambda: figures.input_image(image, f"Model input: {width}x{height} pixels")))
+st.plotly_chart(selection.memo("input image", compute=lambda: figures.input_image(image, f"Model input: {width} px wide, {height} px high")))
 
 st.subheader("2. Cut into patches")
 st.write(
@@ -132,6 +132,10 @@ st.write(
 st.code(
     f"{config.depth} x [ ({tokens}, {dim}) -> attention ({config.num_heads}, {tokens}, {tokens})"
     f" -> MLP {dim}->{int(dim * config.mlp_ratio)}->{dim} ] -> ({tokens}, {dim})"
+)
+st.page_link(
+    "views/inside.py", icon=":material/calculate:",
+    label="Open one layer: its LayerNorm, queries, keys, values, softmax and MLP with this image's numbers",
 )
 evenness = selection.memo(
     "attention evenness", "all layers", compute=lambda: analysis.attention_evenness(result.attentions[0])

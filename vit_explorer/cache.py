@@ -9,10 +9,12 @@ mutates them). Two threads that ask for the same missing key compute it once; th
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
+import stat
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Collection, Hashable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -120,25 +122,40 @@ class ByteBoundedCache:
 
 
 def disk_bytes(path: Path) -> int:
-    if path.is_file():
-        return path.stat().st_size
-    return sum(item.stat().st_size for item in path.rglob("*") if item.is_file())
+    """Bytes of a file, or of the files under a folder; links count as themselves, never as
+    what they point to (a link may point anywhere on the machine)."""
+    info = path.lstat()
+    if not stat.S_ISDIR(info.st_mode):
+        return info.st_size
+    total = 0
+    for folder, folders, files in os.walk(path):  # os.walk never enters linked folders
+        for name in (*folders, *files):
+            entry = os.lstat(os.path.join(folder, name))
+            total += 0 if stat.S_ISDIR(entry.st_mode) else entry.st_size
+    return total
 
 
-def trim_to_quota(folder: Path, max_bytes: int, keep: Path | None = None) -> list[Path]:
+def trim_to_quota(folder: Path, max_bytes: int, keep: Collection[Path] = ()) -> list[Path]:
     """Remove the oldest entries of ``folder`` (its files and sub-folders, by modification time)
-    until it holds at most ``max_bytes``; ``keep`` is never removed. Returns what was removed."""
-    entries = sorted(folder.iterdir(), key=lambda entry: entry.stat().st_mtime)
+    until it holds at most ``max_bytes``; entries in ``keep`` are never removed. Returns what was
+    removed.
+
+    Links are never followed: a link is removed itself, and a linked ``folder`` is refused, so
+    that trimming can only ever delete what is inside the folder.
+    """
+    if folder.is_symlink():
+        raise ValueError(f"{folder} is a symbolic link; refusing to trim what it points to")
+    entries = sorted(folder.iterdir(), key=lambda entry: entry.lstat().st_mtime)
     sizes = {entry: disk_bytes(entry) for entry in entries}
     total = sum(sizes.values())
     removed = []
     for entry in entries:
         if total <= max_bytes:
             break
-        if keep is not None and entry == keep:
+        if entry in keep:
             continue
-        if entry.is_dir():
-            shutil.rmtree(entry, ignore_errors=True)
+        if stat.S_ISDIR(entry.lstat().st_mode):
+            shutil.rmtree(entry, ignore_errors=True)  # unlinks links inside, never follows them
         else:
             entry.unlink(missing_ok=True)
         total -= sizes[entry]

@@ -15,9 +15,13 @@ import hashlib
 import os
 import secrets
 import shutil
+import socket
+import stat
+import statistics
 import tempfile
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +31,8 @@ import numpy as np
 import streamlit as st
 import torch
 from PIL import Image
+from streamlit.runtime.memory_uploaded_file_manager import MemoryUploadedFileManager
+from streamlit.runtime.scriptrunner import get_script_run_ctx
 
 from . import catalogue, resources, runs, train
 from .ablation import HeadSweep, KnockOut, head_sweep
@@ -35,6 +41,7 @@ from .cache import ByteBoundedCache, nbytes, trim_to_quota
 from .capture import Capture, capture, layer_internals
 from .config import TrainConfig
 from .data import SHAPE_CLASSES, SHAPES_TEST_SEED, ImageDataset, shapes_dataset, shapes_sample
+from .image_set import MAX_IMAGES, MIN_IMAGES, patch_keys
 from .images import load_image, preprocess
 from .internals import LayerInternals
 from .model import ViT
@@ -43,7 +50,20 @@ from .weights import load_model, load_pretrained, resize_model
 DEFAULT_MODEL = "default"
 PRETRAINED_MODEL = "pretrained:vit_b_16"
 PHOTOS_DIR = resources.app_root() / "assets" / "samples"
-UPLOADS_DIR = Path(tempfile.gettempdir()) / "vit_explorer_uploads"
+
+
+def default_uploads_dir() -> Path:
+    """VIT_EXPLORER_UPLOADS_DIR, else uploads/ in this user's cache (VIT_EXPLORER_CACHE or
+    ~/.cache/vit_explorer): a folder of this server's own, not the temp directory every user and
+    every other instance on the machine can write to."""
+    configured = os.environ.get("VIT_EXPLORER_UPLOADS_DIR")
+    if configured:
+        return Path(configured)
+    cache = os.environ.get(catalogue.CACHE_VARIABLE) or Path.home() / ".cache" / "vit_explorer"
+    return Path(cache) / "uploads"
+
+
+UPLOADS_DIR = default_uploads_dir()
 # Where runs trained in the app write their checkpoints.
 RUNS_DIR = Path(os.environ.get("VIT_EXPLORER_RUNS_DIR") or Path(__file__).resolve().parent.parent / "runs" / "app")
 # The largest attention tensor (depth x heads x N x N, counted in float32) a patch size may
@@ -57,7 +77,14 @@ CACHE_BYTES = int(float(os.environ.get("VIT_EXPLORER_CACHE_MB") or 2048) * 2**20
 MODELS_BYTES = int(float(os.environ.get("VIT_EXPLORER_MODELS_MB") or 3072) * 2**20)
 # Uploaded checkpoints and images together; the oldest are removed first to make room.
 UPLOADS_QUOTA_BYTES = int(float(os.environ.get("VIT_EXPLORER_UPLOADS_MB") or 4096) * 2**20)
-_UPLOADS_LOCK = threading.Lock()  # one upload at a time writes and trims the folder
+_UPLOADS_LOCK = threading.Lock()  # one upload at a time moves into the folder and trims it
+# Uploads written but not checked yet (under _UPLOADS_LOCK): trimming never removes them.
+_INCOMING: list[Path] = []
+# An image's own limit (the browser refuses larger files before sending them); the server-wide
+# server.maxUploadSize (.streamlit/config.toml) is for checkpoints.
+IMAGE_UPLOAD_MB = 25
+# What the image uploader offers: the formats PIL reads that images.load_image turns into RGB.
+IMAGE_TYPES = ["png", "jpg", "jpeg", "webp", "gif", "bmp", "tif", "tiff"]
 # Work a view does unasked: about 3 forward passes of a ViT-S/16 at 224 (multiply-adds).
 QUICK_COST = 13e9
 # Held-out images per patch size on the Patches page: the shipped model's comparison at all its
@@ -280,11 +307,14 @@ def memo(key: tuple, compute: Callable[[], T], spinner: str | None = None) -> T:
 
 
 def forward_cost(config, patch_size: int | None = None) -> float:
-    """Multiply-adds of one forward pass (blocks only), to compare patch sizes and models."""
+    """Multiply-adds of one image's forward pass (patch embedding and blocks), to compare patch
+    sizes and models."""
     tokens = token_count(config, patch_size or config.patch_size)
+    height, width = config.img_size
     dim = config.embed_dim
     per_token = (4 + 2 * config.mlp_ratio) * dim * dim  # qkv + proj + MLP
-    return config.depth * (tokens * per_token + 2 * tokens * tokens * dim)
+    embedding = height * width * config.in_chans * dim  # every pixel into every channel, at any patch size
+    return embedding + config.depth * (tokens * per_token + 2 * tokens * tokens * dim)
 
 
 def is_quick(config, forwards: float = 1.0) -> bool:
@@ -292,37 +322,132 @@ def is_quick(config, forwards: float = 1.0) -> bool:
     return forwards * forward_cost(config) <= QUICK_COST
 
 
-def _timed_forward(model: ViT, x: torch.Tensor, patch_size: int) -> tuple[torch.Tensor, float]:
-    """(probabilities, milliseconds): the faster of two passes, so that the first pass's one-off
-    work (allocations, the PI-resize operator) does not count as the patch size's cost."""
+# --- every patch size side by side ---------------------------------------------------------------
+
+# Each patch size is timed on this image: a warm-up pass, then the median of TIMED_PASSES passes,
+# or of one where a pass costs more than EXPENSIVE_PASS passes at the model's own patch size
+# (three would make that size most of the wait, and one warm sample of it is long enough).
+TIMED_PASSES = 3
+EXPENSIVE_PASS = 2.0
+# What a pass costs beyond its multiply-adds, per block, in multiply-adds: the operators'
+# fixed overhead, most of a small model's pass (about 0.1 ms per block on a CPU).
+BLOCK_OVERHEAD = 3e6
+
+
+@dataclass(frozen=True)
+class PlannedSize:
+    """One patch size's share of the comparison: what ``predictions_by_patch_size`` and
+    ``held_out_accuracy_by_patch_size`` run at it, and what ``comparison_cost`` counts."""
+
+    patch_size: int
+    timed_passes: int  # after one warm-up pass of the image
+    held_out_images: int  # 0: no held-out batch
+
+
+def comparison_plan(config, held_out: bool = False) -> list[PlannedSize]:
+    native = pass_cost(config)
+    return [
+        PlannedSize(
+            patch,
+            1 if pass_cost(config, patch) > EXPENSIVE_PASS * native else TIMED_PASSES,
+            HELD_OUT_IMAGES if held_out else 0,
+        )
+        for patch in patch_size_options(config)
+    ]
+
+
+def pass_cost(config, patch_size: int | None = None, images: int = 1) -> float:
+    """:func:`forward_cost` of a batch of ``images`` plus the operators' fixed overhead."""
+    return images * forward_cost(config, patch_size) + config.depth * BLOCK_OVERHEAD
+
+
+def resize_cost(config, patch_size: int) -> float:
+    """Multiply-adds worth of resizing the model to ``patch_size``: the PI-resize operator (a
+    pseudo-inverse, about 30 multiply-adds' time per new x old x old element) and its product
+    with the kernel in float64 (about 6x a float32 multiply-add), as measured on a CPU."""
+    if patch_size == config.patch_size:
+        return 0.0
+    new, old = patch_size**2, config.patch_size**2
+    return 30 * new * old * old + 6 * new * old * config.in_chans * config.embed_dim
+
+
+def size_cost(config, planned: PlannedSize) -> float:
+    """Multiply-adds of one patch size's share of the comparison."""
+    patch = planned.patch_size
+    cost = resize_cost(config, patch) + (1 + planned.timed_passes) * pass_cost(config, patch)
+    if planned.held_out_images:
+        cost += pass_cost(config, patch, planned.held_out_images)
+    return cost
+
+
+def patch_size_comparison_cost(config, held_out: bool = False) -> float:
+    """What trying every patch size costs, in forward passes of the model at its own size, from
+    the plan the comparison runs (:func:`comparison_plan`)."""
+    return sum(size_cost(config, planned) for planned in comparison_plan(config, held_out)) / pass_cost(config)
+
+
+def _median_forward(model: ViT, x: torch.Tensor, passes: int, warm_up: bool = True) -> tuple[torch.Tensor, float]:
+    """(class scores or features of the first image, milliseconds): a warm-up pass (allocations,
+    first-call work), then the median of ``passes`` timed passes."""
     times = []
-    for _ in range(2):
-        started = time.perf_counter()
-        with torch.no_grad():
-            probabilities = model(x, patch_size=patch_size).float().softmax(dim=-1)[0].cpu()
-        times.append(time.perf_counter() - started)
-    return probabilities, 1000 * min(times)
+    with torch.no_grad():
+        output = model(x) if warm_up else None
+        for _ in range(passes):
+            started = time.perf_counter()
+            output = model(x)
+            if x.is_cuda:
+                torch.cuda.synchronize()  # the pass has run, not only been queued
+            times.append(time.perf_counter() - started)
+    return output[0].float().cpu(), 1000 * statistics.median(times)
 
 
-def predictions_by_patch_size(model: ViT, image: Image.Image) -> list[dict]:
-    """Per allowed patch size: grid, tokens, the measured forward time of this image and the
-    top-1 prediction. The shared model runs at each size per call (FlexiViT), unchanged."""
+# progress(fraction done, what runs now); it may raise to stop the comparison.
+Progress = Callable[[float, str], None]
+
+
+def _each_size(config, held_out: bool, progress: Progress | None, what: str):
+    """The comparison plan's sizes, reporting before each the share of the work done so far."""
+    plan = comparison_plan(config, held_out)
+    costs = [size_cost(config, planned) for planned in plan]
+    for index, planned in enumerate(plan):
+        if progress is not None:
+            tokens = token_count(config, planned.patch_size)
+            progress(
+                sum(costs[:index]) / sum(costs),
+                f"{what} patch {planned.patch_size} ({tokens} tokens), {index + 1} of {len(plan)} ...",
+            )
+        yield planned
+    if progress is not None:
+        progress(1.0, "Done.")
+
+
+def predictions_by_patch_size(model: ViT, image: Image.Image, progress: Progress | None = None) -> list[dict]:
+    """Per allowed patch size: grid, tokens, the forward time of this image (a warm-up pass, then
+    the median of the plan's timed passes) and, for a model with classes, its top-1 prediction.
+    Each size runs on the model resized to it once (FlexiViT PI-resize), so the time is the
+    transformer's at that size, not the kernel's resampling; the shared model is unchanged."""
     config = model.config
     names = config.class_names
     x = preprocess(image, config).to(DEVICE)
     rows = []
-    for patch in patch_size_options(config):
-        probabilities, milliseconds = _timed_forward(model, x, patch)
-        best = int(probabilities.argmax())
+    for planned in _each_size(config, False, progress, "Timing"):
+        patch = planned.patch_size
+        resized = model if patch == config.patch_size else resize_model(model, patch_size=patch, share_weights=True).eval()
+        output, milliseconds = _median_forward(resized, x, planned.timed_passes)
+        del resized  # a large patch's kernel is hundreds of MB: gone before the next size
         grid_h, grid_w = model.grid_size(patch)
-        rows.append({
+        row = {
             "patch size": patch,
             "grid": f"{grid_h}x{grid_w}",
             "tokens": config.num_prefix_tokens + grid_h * grid_w,
             "forward ms": milliseconds,
-            "prediction": names[best] if names else f"class {best}",
-            "probability": float(probabilities[best]),
-        })
+        }
+        if config.num_classes:
+            probabilities = output.softmax(dim=-1)
+            best = int(probabilities.argmax())
+            row["prediction"] = names[best] if names else f"class {best}"
+            row["probability"] = float(probabilities[best])
+        rows.append(row)
     return rows
 
 
@@ -338,7 +463,9 @@ def held_out_set(config) -> ImageDataset:
     return shapes_dataset(HELD_OUT_IMAGES, config.img_size, SHAPES_TEST_SEED, "test", start=SHAPE_SAMPLES)
 
 
-def held_out_accuracy_by_patch_size(model: ViT, dataset: ImageDataset) -> dict[int, float]:
+def held_out_accuracy_by_patch_size(
+    model: ViT, dataset: ImageDataset, progress: Progress | None = None
+) -> dict[int, float]:
     """Patch size -> accuracy of the model on ``dataset`` at that size (one batch per size)."""
     config = model.config
     mean = torch.tensor(config.mean, device=DEVICE).view(1, -1, 1, 1)
@@ -346,18 +473,67 @@ def held_out_accuracy_by_patch_size(model: ViT, dataset: ImageDataset) -> dict[i
     images = (dataset.images.to(DEVICE).float() / 255 - mean) / std
     labels = dataset.labels.to(DEVICE)
     accuracy = {}
-    for patch in patch_size_options(config):
+    for planned in _each_size(config, True, progress, f"Testing on {len(dataset)} held-out images:"):
         with torch.no_grad():
-            predicted = model(images, patch_size=patch).argmax(dim=-1)
-        accuracy[patch] = float((predicted == labels).float().mean())
+            predicted = model(images, patch_size=planned.patch_size).argmax(dim=-1)
+        accuracy[planned.patch_size] = float((predicted == labels).float().mean())
     return accuracy
 
 
-def patch_size_comparison_cost(config, held_out: bool = False) -> float:
-    """What trying every patch size costs, in forward passes of the model at its own size: two
-    passes of the image per size (one timed), and the held-out batch at each size if asked."""
-    per_size = 2 + (HELD_OUT_IMAGES if held_out else 0)
-    return per_size * sum(forward_cost(config, patch) for patch in patch_size_options(config)) / forward_cost(config)
+def duration(seconds: float) -> str:
+    """A wait in words: "12 s", "3 min"."""
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
+
+
+# Held-out accuracy this close to the best counts as holding up (128 images: a point is about one image).
+HELD_OUT_MARGIN = 0.05
+
+
+def patch_size_summary(rows: Sequence[dict], trained: int) -> str:
+    """What the comparison table shows, in a sentence or two derived from its rows."""
+    most = max(rows, key=lambda row: row["tokens"])
+    fewest = min(rows, key=lambda row: row["tokens"])
+    ratio = most["forward ms"] / fewest["forward ms"]
+    sentences = [
+        f"A pass at patch {most['patch size']} ({most['tokens']} tokens) took {ratio:.1f}x as long as"
+        f" at patch {fewest['patch size']} ({fewest['tokens']} tokens)."
+        if ratio >= 1.5 else
+        f"A pass at patch {most['patch size']} ({most['tokens']} tokens) took about as long as at"
+        f" patch {fewest['patch size']} ({fewest['tokens']} tokens): for this model the time went to"
+        " fixed costs (or to other work on this server), not to the tokens."
+    ]
+    held_out = {row["patch size"]: row["held-out accuracy"] for row in rows if row.get("held-out accuracy") is not None}
+    if held_out:
+        best = max(held_out, key=held_out.get)
+        close = [patch for patch, accuracy in held_out.items() if patch != best and accuracy >= held_out[best] - HELD_OUT_MARGIN]
+        far = [patch for patch in held_out if patch != best and patch not in close]
+        sentence = f"On the held-out images it does best at patch {best} ({held_out[best]:.0%}; trained at {trained})"
+        if close:
+            sentence += f", {_sizes(close)} stay within {HELD_OUT_MARGIN * 100:.0f} points of that"
+        if far:
+            sentence += f", and at {_sizes(far)} it falls to {_percentages(held_out[patch] for patch in sorted(far))}"
+        sentences.append(sentence + ".")
+    elif "prediction" in rows[0]:
+        own = next((row["prediction"] for row in rows if row["patch size"] == trained), None)
+        same = [row["patch size"] for row in rows if row["prediction"] == own and row["patch size"] != trained]
+        if own is not None:
+            sentences.append(
+                f"On this image it predicts {own} at its trained patch size {trained}"
+                + (f", and so it does at {_sizes(same)}." if same else ", and something else at every other size.")
+            )
+    return " ".join(sentences)
+
+
+def _sizes(patches: Sequence[int]) -> str:
+    patches = sorted(patches)
+    if len(patches) == 1:
+        return f"patch {patches[0]}"
+    return f"patches {', '.join(map(str, patches[:-1]))} and {patches[-1]}"
+
+
+def _percentages(values) -> str:
+    values = [f"{value:.0%}" for value in values]
+    return values[0] if len(values) == 1 else f"{', '.join(values[:-1])} and {values[-1]}"
 
 
 @dataclass(frozen=True)
@@ -410,14 +586,22 @@ class Selection:
         held_out = has_held_out(config) and self._held_out_key not in shared_results()
         return patch_size_comparison_cost(config, held_out=held_out)
 
+    def forward_seconds(self) -> float:
+        """Seconds of one forward pass of this image at the model's own patch size: the median of
+        TIMED_PASSES (one sample on a busy server can be several times off), timed once per model
+        and input size for everybody (the page's capture has just warmed the model up)."""
+        model = self.base_model
+        key = (self.model_key, self.config.img_size, "forward seconds")
+        return memo(key, lambda: _median_forward(model, self.model_input().to(DEVICE), TIMED_PASSES, warm_up=False)[1] / 1000)
+
     @property
     def _held_out_key(self) -> tuple:
         return (self.model_key, "held-out accuracy by patch size")
 
     def predictions_by_patch_size(self, run: bool = True) -> list[dict] | None:
-        """Per allowed patch size: tokens, forward time and top-1 prediction of this image, and
-        the accuracy on a held-out batch of the model's dataset where it has one ("held-out
-        accuracy", else None).
+        """Per allowed patch size: tokens, forward time and (with classes) the top-1 prediction of
+        this image, and the accuracy on a held-out batch ("held-out accuracy") where the model's
+        dataset has one. Runs under a progress bar; a stopped run leaves nothing cached.
 
         With ``run=False`` only what somebody already computed for this model and image, or None.
         """
@@ -425,12 +609,23 @@ class Selection:
         if not run and key not in shared_results():
             return None
         model = self.base_model
-        rows = memo(key, lambda: predictions_by_patch_size(model, self.image), "Trying every patch size ...")
-        accuracy = {} if not has_held_out(model.config) else memo(
-            self._held_out_key, lambda: held_out_accuracy_by_patch_size(model, held_out_set(model.config)),
-            f"Testing every patch size on {HELD_OUT_IMAGES} held-out images ...",
-        )
-        return [{**row, "held-out accuracy": accuracy.get(row["patch size"])} for row in rows]
+        config = model.config
+        held_out = has_held_out(config)
+        # One bar over both parts, each advancing by its share of the plan's cost.
+        image_share = patch_size_comparison_cost(config) / max(self.comparison_cost(), 1e-9)
+        slot = st.empty()
+
+        def report(start: float, share: float) -> Progress:
+            return lambda done, text: slot.progress(min(start + share * done, 1.0), text=text)
+
+        rows = memo(key, lambda: predictions_by_patch_size(model, self.image, report(0.0, image_share)))
+        if held_out:
+            accuracy = memo(self._held_out_key, lambda: held_out_accuracy_by_patch_size(
+                model, held_out_set(config), report(image_share, 1 - image_share)
+            ))
+            rows = [{**row, "held-out accuracy": accuracy[row["patch size"]]} for row in rows]
+        slot.empty()
+        return rows
 
     def model_input(self) -> torch.Tensor:
         return preprocess(self.image, self.config)  # (1, C, H, W)
@@ -484,6 +679,69 @@ class Selection:
         return memo(key, compute)
 
 
+@dataclass(frozen=True)
+class ImageSet:
+    """Several images read together by the selected model (the Several images page): one batched
+    forward pass of all of them, memoised for everybody by model, sizes and image keys."""
+
+    selection: Selection  # the model at its patch size and input size; its own image is not used
+    image_keys: tuple[str, ...]  # cache keys (shapes include their render size)
+    images: tuple[Image.Image, ...]  # as given, before resizing
+
+    @property
+    def key(self) -> tuple:
+        selection = self.selection
+        return (selection.model_key, selection.patch_size, selection.config.img_size, "image set", self.image_keys)
+
+    def memo(self, *key, compute: Callable[[], T], spinner: str | None = None) -> T:
+        return memo((*self.key, *key), compute, spinner)
+
+    def model_input(self) -> torch.Tensor:
+        """(B, C, H, W): every image resized to the model's input size, whatever its own size."""
+        return torch.cat([preprocess(image, self.selection.config) for image in self.images])
+
+    def capture(self) -> Capture:
+        """One pass of the batch; the attention of the last layer only (the page reads tokens)."""
+        return self.memo(
+            "capture", compute=lambda: capture(
+                self.selection.model, self.model_input(), layers=[-1], attention_dtype=torch.float16
+            ),
+            spinner=f"Running the model on {len(self.images)} images ...",
+        )
+
+    def keys(self, layer: int) -> torch.Tensor:
+        """(B, P, nh * hd) the patches' keys in ``layer``: that one block run again on the batch's
+        captured tokens (1/depth of a forward pass); only the keys are kept."""
+        def compute() -> torch.Tensor:
+            internals = layer_internals(self.selection.model, self.capture().tokens[:, layer], layer)
+            return patch_keys(internals, self.selection.config.num_prefix_tokens)
+
+        return self.memo("keys", layer, compute=compute, spinner=f"Computing the keys of layer {layer} ...")
+
+    def display_images(self) -> list[np.ndarray]:
+        """(H, W, 3) uint8 per image: each picture as the model sees it."""
+        return self.memo("display images", compute=lambda: [
+            display_image(x, self.selection.config) for x in self.model_input()
+        ])
+
+
+def image_set(selection: Selection, image_keys: Sequence[str]) -> ImageSet:
+    """The images behind ``image_keys`` for the selected model; ValueError with the sentence to
+    show for too few or too many, or for an image that can no longer be read."""
+    if not MIN_IMAGES <= len(image_keys) <= MAX_IMAGES:
+        raise ValueError(
+            f"Pick between {MIN_IMAGES} and {MAX_IMAGES} images"
+            f" ({len(image_keys)} chosen)."
+        )
+    resolved = []
+    for image_key in image_keys:
+        try:
+            resolved.append(resolve_image(image_key, selection.config.img_size))
+        except (ValueError, OSError) as error:
+            raise ValueError(f"One of the images cannot be read: {error}.") from error
+    return ImageSet(selection, tuple(key for key, _ in resolved), tuple(image for _, image in resolved))
+
+
 # --- session state ------------------------------------------------------------------------------
 
 
@@ -496,6 +754,7 @@ def init_state() -> None:
         state["image_key"] = _image_in_address()
     if "owner_token" not in state and st.query_params.get(OWNER_PARAM):
         state["owner_token"] = st.query_params[OWNER_PARAM]
+    forget_removed_uploads()
 
 
 def keep_in_address() -> None:
@@ -587,20 +846,45 @@ def set_kept(widget_key: str, value: Any) -> None:
     st.session_state[kept_key(widget_key)] = value
 
 
-def model_options() -> dict[str, str]:
-    """Model key -> label: the shipped model, ImageNet ViT-B/16, finished runs and uploads."""
+# Model labels longer than this are cut in the sidebar's picker (and in its open list): a name is
+# shortened in the middle (its start and end tell checkpoints apart), the whole label shown below.
+MAX_LABEL = 34
+
+
+def model_options(whole: bool = False) -> dict[str, str]:
+    """Model key -> label: the shipped model, the catalogue (downloaded or not), finished runs
+    and uploads; names cut to fit the picker unless ``whole``."""
     weights = default_weights().resolve()
     shipped = weights == train.DEFAULT_WEIGHTS.resolve()
     # A server started with VIT_EXPLORER_DEFAULT_MODEL says which checkpoint it opens with.
-    options = {DEFAULT_MODEL: "Shipped shapes ViT (offline)" if shipped else f"Default: {weights.name}"}
+    options = {DEFAULT_MODEL: "Shipped shapes ViT (offline)" if shipped else f"Default: {weights.stem}"}
     for name, entry in catalogue.CATALOGUE.items():
-        where = "downloaded" if catalogue.is_downloaded(name) else f"{entry.size_bytes / 1e6:.0f} MB, downloads once"
-        options[f"pretrained:{name}"] = f"{entry.title} ({where})"
+        # The state first: a long title may be cut, what selecting it costs never is.
+        where = "Downloaded" if catalogue.is_downloaded(name) else f"{entry.size_bytes / 1e6:.0f} MB download"
+        options[f"pretrained:{name}"] = f"{where}: {entry.title}"
     for run_id, run in training_runs().items():
         if run.checkpoint is not None:
             options[f"file:{run.checkpoint}"] = f"Trained here: {run_id}"
     options.update(st.session_state["uploaded_models"])
-    return options
+    return options if whole else {key: _fit(label) for key, label in options.items()}
+
+
+def model_title(model_key: str) -> str:
+    """A catalogue model's title ("DINO ViT-S/16")."""
+    return catalogue.entry(model_key.removeprefix("pretrained:")).title
+
+
+def _fit(label: str) -> str:
+    """A "Kind: name" label within MAX_LABEL characters, the name cut in the middle if need be."""
+    if len(label) <= MAX_LABEL:
+        return label
+    kind, _, name = label.rpartition(": ")
+    if name.endswith(")") and " (" in name:  # "ImageNet ViT-B/16 (torchvision)": the aside goes first
+        return _fit(f"{kind}: {name.rpartition(' (')[0]}" if kind else name.rpartition(" (")[0])
+    room = MAX_LABEL - len(kind) - 2 if kind else MAX_LABEL
+    head = (room - 1) // 2
+    shortened = f"{name[:head]}…{name[len(name) - (room - 1 - head):]}"
+    return f"{kind}: {shortened}" if kind else shortened
 
 
 def request_model(model_key: str) -> None:
@@ -620,7 +904,7 @@ def apply_requested_model() -> str | None:
 
 def model_cards() -> str:
     """The catalogue's model cards as a Markdown list: what each was trained on, how it attends."""
-    return "\n".join(f"- {entry.card}" for entry in catalogue.CATALOGUE.values())
+    return "\n".join(f"- **{entry.title}**: {entry.card.removeprefix(entry.title + ': ')}" for entry in catalogue.CATALOGUE.values())
 
 
 def model_card(model_key: str) -> str | None:
@@ -645,8 +929,46 @@ def download_with_progress(name: str) -> None:
         bar.empty()
 
 
+# Whether the catalogue's hosts answer: checked at most once a minute per host, each check
+# within a second and a half (name lookup included), so that no page waits on a dead network.
+REACHABLE_SECONDS = 60
+REACHABLE_TIMEOUT = 1.5
+# Said in place of the catalogue's models where none can be had.
+CATALOGUE_OFFLINE = (
+    "The pretrained models are not available offline: none is downloaded and this server cannot"
+    f" reach their publishers (a local mirror can be set with {catalogue.HUB_URL_VARIABLE} or"
+    f" {catalogue.TORCHVISION_URL_VARIABLE})."
+)
+
+
+def obtainable(model_key: str) -> bool:
+    """Whether a catalogue model can be had now: downloaded, or its download host answers."""
+    name = model_key.removeprefix("pretrained:")
+    if catalogue.is_downloaded(name):
+        return True
+    address = urllib.parse.urlsplit(catalogue.url(name))
+    return host_reachable(address.hostname, address.port or (443 if address.scheme == "https" else 80))
+
+
+@st.cache_data(ttl=REACHABLE_SECONDS, max_entries=16, show_spinner=False)
+def host_reachable(host: str, port: int) -> bool:
+    """Whether a TCP connection to ``host:port`` opens within REACHABLE_TIMEOUT seconds."""
+    opened = threading.Event()
+
+    def connect() -> None:
+        try:
+            with socket.create_connection((host, port), timeout=REACHABLE_TIMEOUT):
+                opened.set()
+        except OSError:
+            pass
+
+    # In a thread of its own: a name lookup without a network can hang far longer than the timeout.
+    threading.Thread(target=connect, daemon=True).start()
+    return opened.wait(REACHABLE_TIMEOUT)
+
+
 def unreadable_photo_reason(selection: Selection) -> str | None:
-    """One line on why the model cannot make sense of the chosen photo, or None if it can."""
+    """One sentence on why the model cannot make sense of the chosen photo, or None if it can."""
     if selection.image_key.startswith("shapes:"):
         return None
     config = selection.config
@@ -656,13 +978,13 @@ def unreadable_photo_reason(selection: Selection) -> str | None:
             return None  # a shapes picture saved at the model's size and uploaded again, most likely
         return (
             f"This model was trained on synthetic shapes at {height}x{width} pixels, so a photo"
-            " means nothing to it; a pretrained model below reads photos."
+            " means nothing to it."
         )
     given = min(selection.image.size)
     if min(height, width) < 64 and given >= 4 * min(height, width):
         return (
             f"This model reads {height}x{width} pixels, far fewer than the {selection.image.size[0]}"
-            f"x{selection.image.size[1]} photo, so it sees a blur; a pretrained model below reads photos."
+            f"x{selection.image.size[1]} photo, so it sees a blur."
         )
     return None
 
@@ -694,10 +1016,67 @@ def _upload_digest(files: Sequence) -> str:
     return digest.hexdigest()[:16]
 
 
-def add_checkpoint_upload(files: Sequence) -> str | None:
-    """Store an uploaded checkpoint (one file, or a Hugging Face folder's files) and select it.
+class UnsafeUploadsFolder(OSError):
+    """The uploads folder is not this server's own; the message says why in one sentence."""
 
-    Returns None on success, else one sentence saying why the model stays as it was.
+
+def uploads_folder() -> Path:
+    """UPLOADS_DIR, created private (0700) when missing.
+
+    Refused when it is a link (trimming it deleted what the link pointed to), another user's, or
+    writable by others (who could swap an upload for a link to someone's files).
+    """
+    UPLOADS_DIR.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        UPLOADS_DIR.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    info = UPLOADS_DIR.lstat()
+    if stat.S_ISLNK(info.st_mode):
+        problem = "is a symbolic link"
+    elif not stat.S_ISDIR(info.st_mode):
+        problem = "is not a folder"
+    elif info.st_uid != os.getuid():
+        problem = "belongs to another user"
+    elif info.st_mode & 0o022:
+        problem = "is writable by other users"
+    else:
+        return UPLOADS_DIR
+    raise UnsafeUploadsFolder(
+        f"Uploads are off: the uploads folder {UPLOADS_DIR} {problem}; set VIT_EXPLORER_UPLOADS_DIR"
+        " to a private folder of the user running this server."
+    )
+
+
+def upload_key(widget_key: str) -> str:
+    """The uploader's key now: a new one after each upload it handed over, so it starts empty."""
+    handled = st.session_state.get(f"uploads handled:{widget_key}", 0)
+    return widget_key if handled == 0 else f"{widget_key}#{handled}"
+
+
+def release_upload(widget_key: str, files: Sequence) -> None:
+    """Free a handled upload's bytes, kept or refused, and rerun with an empty uploader.
+
+    Streamlit keeps uploaded files in memory (its MemoryUploadedFileManager) until the session
+    shuts down, and a session whose browser left expires without shutting down: three refused
+    900 MB images kept 6 GB for good. What an upload keeps is on disk by now. The uploader's old
+    key, and the files its value still holds, are dropped at the end of the rerun.
+    """
+    ctx = get_script_run_ctx()
+    if ctx is not None and isinstance(ctx.uploaded_file_mgr, MemoryUploadedFileManager):
+        for file in files:
+            ctx.uploaded_file_mgr.remove_file(session_id=ctx.session_id, file_id=file.file_id)
+    handled = f"uploads handled:{widget_key}"
+    st.session_state[handled] = st.session_state.get(handled, 0) + 1
+    st.rerun()
+
+
+def add_checkpoint_upload(files: Sequence) -> str | None:
+    """Store an uploaded checkpoint (one file, or a Hugging Face folder's files), check that it
+    loads, and select it.
+
+    Returns None on success, else one sentence saying why the model stays as it was; a refused
+    upload leaves nothing on disk.
     """
     names = [file.name for file in files]
     if "config.json" not in names and len(files) > 1:
@@ -705,30 +1084,51 @@ def add_checkpoint_upload(files: Sequence) -> str | None:
             "Upload one checkpoint file, or a Hugging Face model's config.json together with"
             " its weights."
         )
-    folder = UPLOADS_DIR / _upload_digest(files)
-    error = _store_upload(folder, {Path(file.name).name: file.getvalue() for file in files})
+    plain = all(name not in ("", ".", "..") and Path(name).name == name for name in names)
+    if not plain or len(set(names)) < len(names):
+        return "Upload files with plain, distinct names."  # a name with a path could write elsewhere
+    digest = _upload_digest(files)
+    # A Hugging Face ViT is its folder: config.json beside its weights.
+    target = UPLOADS_DIR / digest if "config.json" in names else UPLOADS_DIR / digest / names[0]
+    model_key = f"file:{target}"
+    error = _store_upload(
+        digest, {file.name: file.getvalue() for file in files},
+        check=lambda: _loading_problem(model_key, names),
+    )
     if error:
         return error
-    # A Hugging Face ViT is its folder: config.json beside its weights.
-    target = folder if "config.json" in names else folder / Path(names[0]).name
-    model_key = f"file:{target}"
     error = select_model(model_key)
     if error is None:
         st.session_state["uploaded_models"][model_key] = f"Uploaded: {', '.join(names)}"
-    else:
-        shutil.rmtree(folder, ignore_errors=True)  # nothing can use it: give its space back
     return error
+
+
+def _loading_problem(model_key: str, names: Sequence[str]) -> str | None:
+    """Why an uploaded checkpoint does not load (loaded, it stays in the shared models); or None."""
+    try:
+        base_model(model_key)
+    except (ValueError, OSError) as error:
+        return f"Could not load that model: {error}."
+    except Exception:  # a hostile file may break a loader anywhere: the page must not break with it
+        return f"Could not load {', '.join(names)}: it is not a checkpoint this app can read."
+    return None
 
 
 def add_image_upload(file) -> str | None:
     """Decode an uploaded image and select it; None on success, else the one-line reason."""
+    # Before anything reads or decodes it: a browser refuses larger files, other clients may not.
+    if file.size > IMAGE_UPLOAD_MB * 2**20:
+        return (
+            f"{file.name} is {file.size / 2**20:.1f} MB, more than the {IMAGE_UPLOAD_MB} MB this app"
+            " takes for an image."
+        )
     data = file.getvalue()
     try:
         load_image(data)  # decoded once here, so that a bad file is refused before it is kept
     except ValueError as error:
-        return f"Could not use {file.name}: {error}"
+        return f"Could not use {file.name}: {error}."
     digest = hashlib.sha256(data).hexdigest()[:16]
-    error = _store_upload(uploaded_image_path(digest), data)
+    error = _store_upload(uploaded_image_path(digest).name, data)
     if error:
         return error
     image_key = f"upload:{digest}"
@@ -737,26 +1137,80 @@ def add_image_upload(file) -> str | None:
     return None
 
 
-def _store_upload(target: Path, content: bytes | dict[str, bytes]) -> str | None:
-    """Write an upload (a file's bytes, or a folder's files by name) into UPLOADS_DIR and trim the
-    folder to its quota, oldest uploads first; None on success, else the one-line reason."""
+def _store_upload(
+    name: str, content: bytes | dict[str, bytes], check: Callable[[], str | None] = lambda: None
+) -> str | None:
+    """Keep an upload in UPLOADS_DIR as ``name`` (a file's bytes, or a folder's files by name),
+    ``check()`` it there, then trim the folder to its quota, oldest uploads first. None on
+    success, else the one-line reason, and then nothing of the upload is left on disk.
+
+    Written into a private staging folder first and moved into place whole, so that nobody reads
+    a half-written upload; nothing is trimmed for an upload that is then refused.
+    """
     size = len(content) if isinstance(content, bytes) else sum(map(len, content.values()))
     if size > UPLOADS_QUOTA_BYTES:
         return (
             f"That upload is {size / 2**20:.0f} MB, more than this server keeps for all uploads"
             f" together ({UPLOADS_QUOTA_BYTES / 2**20:.0f} MB, VIT_EXPLORER_UPLOADS_MB)."
         )
-    with _UPLOADS_LOCK:
-        UPLOADS_DIR.mkdir(parents=True, exist_ok=True)
+    try:
+        with _UPLOADS_LOCK:
+            folder = uploads_folder()
+            staging = Path(tempfile.mkdtemp(dir=folder, prefix=".incoming-"))
+            _INCOMING.append(staging)
+    except UnsafeUploadsFolder as refusal:
+        return str(refusal)
+    except OSError as failure:
+        return f"Could not keep that upload: {failure.strerror or failure}."
+    target = folder / name
+    created = checking = False
+    error: str | None = "Could not keep that upload."  # until it is in place and checked
+    try:
+        staged = staging / name
         if isinstance(content, bytes):
-            target.write_bytes(content)
+            staged.write_bytes(content)
         else:
-            target.mkdir(exist_ok=True)
-            for name, data in content.items():
-                (target / name).write_bytes(data)
-        os.utime(target)  # a repeated upload counts as new
-        trim_to_quota(UPLOADS_DIR, UPLOADS_QUOTA_BYTES, keep=target)
-    return None
+            staged.mkdir()
+            for file_name, data in content.items():
+                (staged / file_name).write_bytes(data)
+        with _UPLOADS_LOCK:
+            created = not os.path.lexists(target)  # else the same bytes are there already
+            if created:
+                staged.rename(target)
+            _INCOMING.append(target)
+            checking = True
+        error = check()
+    except OSError as failure:
+        error = f"Could not keep that upload: {failure.strerror or failure}."
+    finally:
+        with _UPLOADS_LOCK:
+            shutil.rmtree(staging, ignore_errors=True)
+            _INCOMING.remove(staging)
+            if checking:
+                _INCOMING.remove(target)
+            if error is None:
+                os.utime(target, follow_symlinks=False)  # a repeated upload counts as new
+                trim_to_quota(folder, UPLOADS_QUOTA_BYTES, keep={target, *_INCOMING})
+            elif created and isinstance(content, bytes):
+                target.unlink(missing_ok=True)
+            elif created:
+                shutil.rmtree(target, ignore_errors=True)
+    return error
+
+
+def forget_removed_uploads() -> None:
+    """Take this session's uploaded checkpoints that the quota removed out of its picker, and
+    leave a removed current model for the default one, saying so."""
+    state = st.session_state
+    uploads = state["uploaded_models"]
+    for model_key in [key for key in uploads if not Path(key.partition(":")[2]).exists()]:
+        del uploads[model_key]
+        if state["model_key"] == model_key:
+            if select_model(DEFAULT_MODEL) is not None:
+                state["model_key"] = DEFAULT_MODEL  # the page then says why the default does not load
+            state["model_notice"] = (
+                "Your uploaded checkpoint was removed to make room for newer uploads; upload it again."
+            )
 
 
 # --- training runs ---------------------------------------------------------------------------
@@ -818,12 +1272,7 @@ def prediction_caveats(selection: Selection, probabilities: torch.Tensor) -> lis
     caveats = []
     reason = unreadable_photo_reason(selection)
     if reason is not None:
-        # The reason ends by pointing "below" to the sidebar's models: here, the sidebar is named.
-        cause = reason.partition(";")[0]
-        caveats.append(
-            f"Read nothing into this prediction: {cause[0].lower()}{cause[1:]}; the sidebar offers models"
-            " that read photos."
-        )
+        caveats.append(f"Read nothing into this prediction: {reason[0].lower()}{reason[1:]}")
     if near_chance(probabilities):
         classes = probabilities.shape[-1]
         caveats.append(

@@ -11,9 +11,9 @@ import plotly.graph_objects as go
 
 from ._base import (
     ATTENTION_SCALE, MARGIN, SIMILARITY_SCALE, _float_array, _image_trace, _patch_heatmap, _rgb_uint8, _title,
+    attention_top,
 )
-
-QUERY_COLOUR = "#00e5ff"
+from .attention import QUERY_COLOUR, _query_outline
 
 
 def _symmetric_limit(values: np.ndarray) -> float:
@@ -100,7 +100,8 @@ def token_values_on_grid(
 ) -> go.Figure:
     """One value per key token (N,): the patches' drawn on the image grid, the prefix tokens'
     (class, distillation, registers) as bars beside it. ``centred`` colours around 0 (scores
-    before the softmax); otherwise from 0 up (attention weights). The query patch is outlined."""
+    before the softmax); otherwise from 0 (clear) up, as the Attention page draws attention
+    weights (at least a few times the uniform weight at the top). The query patch is outlined."""
     image = _rgb_uint8(image)
     values = _float_array(values).reshape(-1)
     grid_h, grid_w = grid_size
@@ -110,30 +111,26 @@ def token_values_on_grid(
         )
     if centred:
         limit = _symmetric_limit(values)
-        colours = dict(colorscale=SIMILARITY_SCALE, zmin=-limit, zmax=limit)
+        colours = dict(colorscale=SIMILARITY_SCALE, zmin=-limit, zmax=limit, opacity=0.85)
+        colour_title = value_name
     else:
-        colours = dict(colorscale=ATTENTION_SCALE, zmin=0.0, zmax=float(values.max()) or 1.0)
+        colours = dict(colorscale=ATTENTION_SCALE, zmin=0.0, zmax=attention_top(values, 1 / values.shape[0]))
+        colour_title = f"{value_name}<br>(0 = clear)"
     height, width = image.shape[:2]
     grid_domain = (0.0, 0.7) if num_prefix_tokens else (0.0, 1.0)
     traces = [
         _image_trace(image, hover=False),
         _patch_heatmap(
-            values[num_prefix_tokens:].reshape(grid_h, grid_w), (height, width), value_name, opacity=0.85,
-            colorbar=dict(title=value_name, thickness=12, x=grid_domain[1] + 0.01), **colours,
+            values[num_prefix_tokens:].reshape(grid_h, grid_w), (height, width), value_name,
+            colorbar=dict(title=colour_title, thickness=12, x=grid_domain[1] + 0.01), **colours,
         ),
     ]
     layout = dict(
         xaxis=dict(domain=grid_domain, visible=False, constrain="domain"),
         yaxis=dict(visible=False, autorange="reversed", scaleanchor="x", constrain="domain"),
     )
-    shapes, annotations = [], []
-    if query_patch is not None:
-        row, col = divmod(int(query_patch), grid_w)
-        dy, dx = height / grid_h, width / grid_w
-        shapes.append(dict(
-            type="rect", xref="x", yref="y", x0=col * dx - 0.5, x1=(col + 1) * dx - 0.5, y0=row * dy - 0.5,
-            y1=(row + 1) * dy - 0.5, line=dict(color=QUERY_COLOUR, width=3),
-        ))
+    shapes = _query_outline(query_patch, grid_size, (height, width))
+    annotations = []
     if num_prefix_tokens:
         traces.append(go.Bar(
             x=list(prefix_labels), y=values[:num_prefix_tokens], marker_color="#e45756", showlegend=False,

@@ -139,17 +139,16 @@ def patch_picker(image, grid_size: tuple[int, int], selected: int | None = None)
 
 
 def patch_size_tradeoff(rows: Sequence[Mapping], current: int) -> go.Figure:
-    """Smaller patches: more tokens, more cost, more detail. Three panels over the patch sizes,
-    rows as ``ui.Selection.predictions_by_patch_size`` gives them: the token count, the measured
-    forward time of this image, and how well the model does (the top-1 probability on this image
-    labelled with the class, and the accuracy on a held-out batch where the row has one).
-    ``current`` is highlighted."""
+    """Smaller patches: more tokens, more cost, more detail. Panels over the patch sizes, rows as
+    ``ui.Selection.predictions_by_patch_size`` gives them: the token count, the measured forward
+    time of this image and, where the rows have predictions (a model with classes), how well the
+    model does (the top-1 probability on this image labelled with the class, and the accuracy on
+    a held-out batch where the rows have one). ``current`` is highlighted."""
     labels = [f"p={row['patch size']} ({row['grid']})" for row in rows]
     colours = ["#e45756" if row["patch size"] == current else "#4c78a8" for row in rows]
-    fig = make_subplots(
-        rows=1, cols=3, horizontal_spacing=0.08,
-        subplot_titles=("tokens", "forward time of this image (ms)", "how well it does"),
-    )
+    predictions = all("probability" in row for row in rows)
+    titles = ("tokens", "forward time of this image (ms)") + (("how well it does",) if predictions else ())
+    fig = make_subplots(rows=1, cols=len(titles), horizontal_spacing=0.08, subplot_titles=titles)
     fig.add_trace(go.Bar(
         x=labels, y=[row["tokens"] for row in rows], marker_color=colours, showlegend=False,
         text=[row["tokens"] for row in rows], textposition="auto",
@@ -160,20 +159,21 @@ def patch_size_tradeoff(rows: Sequence[Mapping], current: int) -> go.Figure:
         text=[f"{row['forward ms']:.1f}" for row in rows], textposition="auto",
         hovertemplate="%{x}: %{y:.2f} ms<extra></extra>",
     ), row=1, col=2)
-    fig.add_trace(go.Bar(
-        x=labels, y=[row["probability"] for row in rows], marker_color=colours,
-        name="top-1 probability on this image", text=[row["prediction"] for row in rows],
-        textposition="auto", hovertemplate="%{x}<br>%{text}: %{y:.3f}<extra></extra>",
-    ), row=1, col=3)
-    held_out = [row.get("held-out accuracy") for row in rows]
-    if any(value is not None for value in held_out):
-        fig.add_trace(go.Scatter(
-            x=labels, y=held_out, mode="lines+markers", name="accuracy on held-out images",
-            line=dict(color="#f58518"), marker=dict(size=9),
-            hovertemplate="%{x}: %{y:.1%} of held-out images right<extra></extra>",
+    if predictions:
+        fig.add_trace(go.Bar(
+            x=labels, y=[row["probability"] for row in rows], marker_color=colours,
+            name="top-1 probability on this image", text=[row["prediction"] for row in rows],
+            textposition="auto", hovertemplate="%{x}<br>%{text}: %{y:.3f}<extra></extra>",
         ), row=1, col=3)
+        held_out = [row.get("held-out accuracy") for row in rows]
+        if any(value is not None for value in held_out):
+            fig.add_trace(go.Scatter(
+                x=labels, y=held_out, mode="lines+markers", name="accuracy on held-out images",
+                line=dict(color="#f58518"), marker=dict(size=9),
+                hovertemplate="%{x}: %{y:.1%} of held-out images right<extra></extra>",
+            ), row=1, col=3)
+        fig.update_yaxes(range=[0, 1.05], row=1, col=3)
     fig.update_xaxes(type="category", tickangle=-45)
-    fig.update_yaxes(range=[0, 1.05], row=1, col=3)
     fig.update_layout(
         title=_title("The same weights at every patch size (current in red)"),
         margin={**MARGIN, "l": 50},  # room for the first panel's tick labels and slanted x labels

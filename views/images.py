@@ -1,0 +1,152 @@
+"""Several images: what the model treats as the same across two to six pictures, read in one
+batched forward pass (DINOv2's foreground PCA, correspondences, high-norm tokens)."""
+import streamlit as st
+
+from vit_explorer import figures, ui
+from vit_explorer import image_set as sets
+
+selection = ui.selection()
+config = selection.config
+state = st.session_state
+depth = config.depth
+
+options = ui.sample_image_options(config.img_size)
+options.update(ui.uploaded_image_options())
+
+
+def default_images() -> list[str]:
+    """The sidebar's image and two more of its kind (shapes, photos or uploads) where there are."""
+    current = state["image_key"] if state["image_key"] in options else next(iter(options))
+    kind = current.partition(":")[0]
+    others = sorted(options, key=lambda key: key.partition(":")[0] != kind)
+    return [current, *[key for key in others if key != current][:2]]
+
+
+def pick_clicked_patch() -> None:
+    points = state["set_patch_click"].selection.points
+    if points:
+        ui.set_kept("set_patch", int(points[0]["point_index"]))
+
+
+st.title("Several images")
+st.write(
+    "Read two to six pictures together: one PCA over all of them splits foreground from background"
+    " and colours matching parts alike, a clicked patch finds its counterparts in the other"
+    " pictures, and the token norms show the high-norm artefacts that registers remove. Every image"
+    f" is resized to the model's input ({config.img_size[0]}x{config.img_size[1]} px) and all of them"
+    " go through the model in one batch."
+)
+chosen = st.multiselect(
+    "Images", list(options), format_func=options.get,
+    help="Two to six of the sidebar's pictures (shapes, photos, your uploads) to read together.",
+    **ui.keep("image_set", default_images(), lambda keys: all(key in options for key in keys)),
+)
+try:
+    image_set = ui.image_set(selection, chosen)
+    result = image_set.capture()
+except ValueError as error:
+    st.info(str(error))
+    st.stop()
+display = image_set.display_images()
+labels = [f"{index + 1}. {options[key].split(': ')[-1]}" for index, key in enumerate(chosen)]
+grid_h, grid_w = result.grid_size
+prefix, count = result.num_prefix_tokens, len(chosen)
+
+st.subheader("Foreground and parts (DINOv2's figure)")
+st.write(
+    "One PCA over the last layer's patch tokens of all the images at once, so that a colour means"
+    " the same in every picture. Its first component usually separates the object from the"
+    " background: patches above the threshold count as foreground. A second PCA with three"
+    " components over the foreground patches alone colours the parts (red, green, blue); the"
+    " background is black. The sign of a principal component is arbitrary, so if the background"
+    " lights up instead of the object, switch the side."
+)
+threshold_column, side_column = st.columns([2, 1], vertical_alignment="bottom")
+threshold = threshold_column.slider(
+    "Foreground threshold (standard deviations)", -2.0, 2.0, step=0.1,
+    help="Patches whose first component lies above this many standard deviations count as foreground.",
+    **ui.keep("set_threshold", 0.0),
+)
+flip = side_column.toggle(
+    "Foreground below the threshold", help="Take the other side of the first component as the foreground.",
+    **ui.keep("set_flip", False),
+)
+last = image_set.memo("last layer features", compute=lambda: sets.last_layer_features(selection.model, result.tokens[:, -1]))
+pca = image_set.memo(
+    "foreground pca", threshold, flip,
+    compute=lambda: sets.joint_pca_foreground(last, result.grid_size, threshold, flip),
+)
+if not pca.foreground.any():
+    st.info("No patch lies above the threshold: lower it or switch the side.")
+st.plotly_chart(image_set.memo("foreground figure", threshold, flip, compute=lambda: figures.foreground_pca_grid(
+    display, pca.first_component, pca.colours, threshold, labels, pca.explained, flip,
+)))
+
+st.subheader("Correspondence: the same part in the other pictures")
+st.write(
+    "Click a patch of the source image: every patch of every image is coloured by the cosine of its"
+    " features with that patch, and each image's most similar patch is outlined. Tokens compare"
+    " what the layer outputs; keys compare what the layer's attention matches on (dino-vit-features"
+    " found keys the better descriptor for matching parts across objects)."
+)
+layer = st.slider(
+    "Layer", 0, depth - 1, help="The layer whose tokens or keys are compared, and whose norms are shown below.",
+    **ui.keep("layer", depth - 1, lambda layer: 0 <= layer < depth),
+)
+controls, picker = st.columns([2, 1])
+with controls:
+    source = st.selectbox(
+        "Source image", list(range(count)), format_func=lambda index: labels[index],
+        help="The image whose patch you click.", **ui.keep("set_source", 0, lambda index: 0 <= index < count),
+    )
+    facet = st.radio(
+        "Compare", ["tokens", "keys"], horizontal=True,
+        help="Tokens: the layer's output for each patch. Keys: the layer's attention keys, all heads side by side.",
+        **ui.keep("set_facet", "tokens", lambda option: option in ("tokens", "keys")),
+    )
+    patch = st.selectbox(
+        "Patch", list(range(grid_h * grid_w)), format_func=lambda p: f"patch {p} (row {p // grid_w}, col {p % grid_w})",
+        help="The patch of the source image to find elsewhere; clicking the picture chooses it too.",
+        **ui.keep("set_patch", (grid_h // 2) * grid_w + grid_w // 2, lambda p: 0 <= p < grid_h * grid_w),
+    )
+with picker:
+    st.plotly_chart(
+        image_set.memo("patch picker", source, patch, compute=lambda: figures.patch_picker(
+            display[source], result.grid_size, patch
+        )),
+        key="set_patch_click", on_select=pick_clicked_patch, selection_mode="points",
+        config={"displayModeBar": False},
+    )
+layer_tokens = sets.patch_features(result.tokens[:, layer + 1], prefix)  # a view: nothing to keep
+features = layer_tokens if facet == "tokens" else image_set.keys(layer)
+cosines, best = image_set.memo(
+    "correspondence", facet, layer, source, patch, compute=lambda: sets.correspondence(features, source, patch)
+)
+what = f"layer {layer}'s {'output tokens' if facet == 'tokens' else 'keys'}"
+st.plotly_chart(image_set.memo("correspondence figure", facet, layer, source, patch, compute=lambda: figures.correspondence_grid(
+    display, cosines.reshape(count, grid_h, grid_w), best, source, patch, labels, what,
+)))
+
+st.subheader("High-norm tokens")
+st.write(
+    "Large ViTs trained long (DINOv2, CLIP, DeiT-III) reuse a few background patches as scratch"
+    " space: their tokens get norms far above the rest and their attention goes wild. A model with"
+    " registers gives that job to extra tokens instead (Darcet et al. 2023). A patch counts as an"
+    " outlier when its norm exceeds the median of all the images' patch norms plus k times their"
+    " median absolute deviation (MAD); both are robust, so the outliers themselves barely move them."
+)
+k = st.slider(
+    "k (MADs above the median)", 1.0, 20.0, step=0.5,
+    help="How far above the median norm, in median absolute deviations, a patch must lie to count as an outlier.",
+    **ui.keep("set_mad_k", 6.0),
+)
+outliers = image_set.memo("norm outliers", layer, k, compute=lambda: sets.norm_outliers(layer_tokens, k))
+rule = f"median {outliers.median:.3g} + {k:g} x MAD {outliers.mad:.3g}"
+st.caption(
+    f"Threshold after layer {layer}: {rule} = {outliers.threshold:.3g}, over the {outliers.norms.numel()} patches of"
+    f" the {count} images; {int(outliers.outliers.sum())} outliers."
+)
+st.plotly_chart(image_set.memo("norms figure", layer, k, compute=lambda: figures.norm_outliers_grid(
+    outliers.norms.reshape(count, grid_h, grid_w), outliers.outliers.reshape(count, grid_h, grid_w),
+    outliers.threshold, rule, labels, display[0].shape, layer,
+)))

@@ -1,0 +1,172 @@
+"""Several images side by side: DINOv2's foreground PCA, patch correspondence across images,
+high-norm tokens. Every image is the model's input (H, W, 3); maps are (B, gh, gw), one per image."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from ._base import (
+    ATTENTION_SCALE, CELL_PIXELS, MARGIN, SIMILARITY_SCALE, VALUE_SCALE, _float_array, _image_axes, _image_trace,
+    _panel_height, _patch_heatmap, _rgb_uint8, _title, colour_mapped,
+)
+
+MARK = "#00e5ff"  # the chosen patch and the best matches
+
+
+def _check_set(images: Sequence, maps: np.ndarray, name: str) -> list[np.ndarray]:
+    images = [_rgb_uint8(image) for image in images]
+    if maps.ndim < 3 or maps.shape[0] != len(images):
+        raise ValueError(f"{name} must hold one (gh, gw) map per image ({len(images)}), not {maps.shape}")
+    if len({image.shape for image in images}) != 1:
+        raise ValueError("the images must all have one size (the model's input)")
+    return images
+
+
+def _grid_image(values: np.ndarray, image_shape: tuple[int, ...]) -> go.Image:
+    """A (gh, gw, 3) uint8 map drawn one cell per patch over an image of ``image_shape``."""
+    grid_h, grid_w = values.shape[:2]
+    height, width = image_shape[:2]
+    dy, dx = height / grid_h, width / grid_w
+    return _image_trace(values, hover=False, lossless=True, x0=dx / 2 - 0.5, dx=dx, y0=dy / 2 - 0.5, dy=dy)
+
+
+def _patch_box(row: int, col: int, grid_size: tuple[int, int], image_shape: tuple[int, ...], axis: str, **line) -> dict:
+    grid_h, grid_w = grid_size
+    dy, dx = image_shape[0] / grid_h, image_shape[1] / grid_w
+    return dict(
+        type="rect", xref=f"x{axis}", yref=f"y{axis}", x0=col * dx - 0.5, x1=(col + 1) * dx - 0.5,
+        y0=row * dy - 0.5, y1=(row + 1) * dy - 0.5, line=line,
+    )
+
+
+def _axis_suffix(index: int) -> str:
+    return "" if index == 1 else str(index)
+
+
+def foreground_pca_grid(
+    images: Sequence, first_component, colours, threshold: float, labels: Sequence[str], explained: float,
+    flipped: bool = False,
+) -> go.Figure:
+    """DINOv2's figure: per image (columns), the input, the first joint component (diverging,
+    in standard deviations, the threshold drawn as the scale's midpoint: red above, blue below)
+    and the foreground's three components as RGB (background black); ``explained``: the first
+    component's share of the variance; ``flipped``: the component's sign was switched. first_component (B, gh, gw); colours (B, gh, gw, 3) in [0, 1]."""
+    component = _float_array(first_component)
+    images = _check_set(images, component, "first_component")
+    colours = _float_array(colours)
+    count = len(images)
+    fig = make_subplots(
+        rows=3, cols=count, horizontal_spacing=0.01, vertical_spacing=0.04, column_titles=list(labels),
+        row_titles=["input", f"1st component ({explained:.0%} of variance)", "foreground parts"],
+    )
+    reach = max(float(np.abs(component - threshold).max()), 1e-6)
+    for index, image in enumerate(images):
+        col = index + 1
+        fig.add_trace(_image_trace(image, hover=False), row=1, col=col)
+        mapped = colour_mapped(component[index], SIMILARITY_SCALE, threshold - reach, threshold + reach)
+        fig.add_trace(_grid_image(mapped, image.shape), row=2, col=col)
+        fig.add_trace(_grid_image(_rgb_uint8(colours[index]), image.shape), row=3, col=col)
+    _image_axes(fig, [(row, col) for row in (1, 2, 3) for col in range(1, count + 1)], columns=count)
+    fig.update_layout(
+        title=_title(
+            f"Joint PCA of {count} images' last-layer patch tokens: foreground where the"
+            f" {'sign-switched ' if flipped else ''}1st component > {threshold:+.1f} sd (red), its parts as RGB"
+        ),
+        margin=MARGIN, height=_panel_height(images[0].shape, 3, min(CELL_PIXELS, 1100 // count)),
+    )
+    return fig
+
+
+def correspondence_grid(
+    images: Sequence, cosines, best: Sequence[int], source_image: int, source_patch: int,
+    labels: Sequence[str], what: str,
+) -> go.Figure:
+    """The cosine of one patch with every patch of every image, (B, gh, gw), as a heat map over
+    each image (clear at the lowest cosine shown or 0, crimson at 1); the source patch and each
+    other image's best match (``best``: patch indices) are outlined. ``what``: the features
+    compared, for the title."""
+    cosines = _float_array(cosines)
+    images = _check_set(images, cosines, "cosines")
+    count = len(images)
+    grid_size = cosines.shape[1:3]
+    grid_w = grid_size[1]
+    low = min(max(float(cosines.min()), 0.0), 0.99)
+    titles = [
+        f"{label}: the chosen patch" if index == source_image
+        else f"{label}: best {cosines[index].flat[best[index]]:.2f}"
+        for index, label in enumerate(labels)
+    ]
+    fig = make_subplots(rows=1, cols=count, horizontal_spacing=0.01, subplot_titles=titles)
+    shapes = []
+    for index, image in enumerate(images):
+        col = index + 1
+        fig.add_trace(_image_trace(image, hover=False), row=1, col=col)
+        fig.add_trace(_patch_heatmap(
+            cosines[index], image.shape[:2], value_name="cosine", label=labels[index], colorscale=ATTENTION_SCALE,
+            zmin=low, zmax=1.0, showscale=index == 0, colorbar=dict(title="cosine", thickness=12),
+        ), row=1, col=col)
+        row, patch_col = divmod(int(source_patch if index == source_image else best[index]), grid_w)
+        style = dict(color=MARK, width=3, dash="solid" if index == source_image else "dot")
+        shapes.append(_patch_box(row, patch_col, grid_size, image.shape, _axis_suffix(col), **style))
+    _image_axes(fig, [(1, col) for col in range(1, count + 1)], columns=count)
+    source_row, source_col = divmod(int(source_patch), grid_w)
+    fig.update_layout(
+        shapes=shapes,
+        title=_title(
+            f"Cosine of {what} with patch {source_patch} (row {source_row}, col {source_col}) of"
+            f" {labels[source_image]}: the chosen patch outlined solid, each image's best match dotted"
+        ),
+        margin=MARGIN, height=_panel_height(images[0].shape, 1, min(CELL_PIXELS, 1100 // count)),
+    )
+    return fig
+
+
+def norm_outliers_grid(
+    norms, outliers, threshold: float, rule: str, labels: Sequence[str], image_shape: tuple[int, ...], layer: int,
+) -> go.Figure:
+    """Patch-token norms (B, gh, gw) of each image on one colour scale (columns), the outliers
+    (B, gh, gw) bool marked with a cross, and below the histogram of all the norms with the
+    threshold drawn; ``rule`` says how the threshold was set."""
+    norms = _float_array(norms)
+    outliers = np.asarray(outliers, dtype=bool)
+    count = len(labels)
+    if norms.shape[0] != count or outliers.shape != norms.shape:
+        raise ValueError(f"norms {norms.shape} and outliers {outliers.shape} must hold one map per image ({count})")
+    grid_h, grid_w = norms.shape[1:]
+    height, width = image_shape[:2]
+    fig = make_subplots(
+        rows=2, cols=count, horizontal_spacing=0.01, vertical_spacing=0.12, row_heights=[0.65, 0.35],
+        specs=[[{}] * count, [{"colspan": count}] + [None] * (count - 1)],
+        subplot_titles=[
+            f"{label}: {int(found)} outlier{'' if found == 1 else 's'}"
+            for label, found in zip(labels, outliers.sum(axis=(1, 2)))
+        ] + ["every patch's norm"],
+    )
+    low, high = float(norms.min()), float(norms.max())
+    for index in range(count):
+        col = index + 1
+        fig.add_trace(_patch_heatmap(
+            norms[index], (height, width), value_name="norm", label=labels[index], colorscale=VALUE_SCALE,
+            zmin=low, zmax=high if high > low else low + 1, showscale=index == 0,
+            colorbar=dict(title="norm", thickness=12, len=0.6, y=1, yanchor="top"),
+        ), row=1, col=col)
+        rows, cols = np.nonzero(outliers[index])
+        fig.add_trace(go.Scatter(
+            x=(cols + 0.5) * width / grid_w - 0.5, y=(rows + 0.5) * height / grid_h - 0.5, mode="markers",
+            marker=dict(symbol="x-thin-open", size=10, line=dict(width=2, color="#e45756")), showlegend=False,
+            customdata=rows * grid_w + cols, hovertemplate="outlier: patch %{customdata}<extra></extra>",
+        ), row=1, col=col)
+    _image_axes(fig, [(1, col) for col in range(1, count + 1)], columns=count)
+    fig.add_trace(go.Histogram(x=norms.reshape(-1), nbinsx=60, marker_color="#4c78a8", showlegend=False,
+                               hovertemplate="norm %{x}: %{y} patches<extra></extra>"), row=2, col=1)
+    fig.add_vline(x=threshold, line=dict(color="#e45756", dash="dash"), row=2, col=1)
+    fig.update_xaxes(title="L2 norm of a patch token", row=2, col=1)
+    fig.update_yaxes(title="patches", row=2, col=1)
+    fig.update_layout(
+        title=_title(f"Patch-token norms after layer {layer}; outliers (x) above {threshold:.3g} = {rule}"),
+        margin={**MARGIN, "l": 50}, height=_panel_height(image_shape, 1, min(CELL_PIXELS, 1100 // count)) + 260,
+    )
+    return fig
