@@ -6,7 +6,6 @@ from vit_explorer import ablation, analysis, figures, ui
 
 selection = ui.selection()
 config = selection.config
-intact = selection.capture()
 image = selection.display_image()
 state = st.session_state
 depth, heads = config.depth, config.num_heads
@@ -78,7 +77,7 @@ if problem:
 elif knock_out.is_empty:
     st.info("Nothing is knocked out: choose heads or branches above, or click a cell of the sweep below.")
 else:
-    knocked = selection.knock_out_capture(knock_out)
+    intact, knocked = selection.capture(), selection.knock_out_capture(knock_out)
     what = knock_out.describe()
     st.subheader("The prediction without them")
     if config.num_classes == 0:
