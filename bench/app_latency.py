@@ -15,6 +15,8 @@ measured in the same run, then whether the goals are met:
   rows give forwards per image); moving its widgets, at most 1 (all the images together).
 - Compare: the first view of a new image with two ViT-B/16s side by side at most 2x one model's
   first view (the Attention page's, measured in the same round); moving its widgets at most 1.
+- Knock-out (patch 16): a view of another knock-out at most 1.5; the sweep of all 144 heads at
+  most 150 (it is batched from each layer's input: about 79 forwards' worth of work).
 
     python -m bench.app_latency            # ViT-B/16 at 224, 3 rounds on the CPU, then on CUDA if present
     python -m bench.app_latency --small    # a ViT-S/16-sized model, for a quick look
@@ -45,11 +47,12 @@ GOALS = {
     "first view": 8.0, "widget": 1.0, "widget at patch 8": 2.0, "page switch": 0.5,
     "inside first view": 2.0, "inside widget": 0.5, "several images per image": 1.2,
     "compare first view": 2.0,  # in one model's first views, not in forward passes
+    "knock-out view": 1.5, "head sweep": 150.0,
 }
 COMPARE = "views/compare.py"
 INSIDE = "views/inside.py"
 IMAGES = "views/images.py"
-
+KNOCKOUT = "views/knockout.py"
 
 
 def forward_seconds(model: vx.ViT, rounds: int = 7) -> float:
@@ -181,6 +184,17 @@ def run(small: bool, device: torch.device) -> list[tuple[str, str, float, float]
                lambda: widget(app.selectbox, "Query token").set_value(400))
     steps.time("Patches at patch 8: back (nothing new)", "page switch", steps.page("views/patches.py"))
     steps.time("Attention at patch 8: back (nothing new)", "page switch", steps.page("views/attention.py"))
+    # Knock-out at the native patch size (untimed: back to patch 16, whose capture is cached).
+    app.switch_page("views/patches.py").run()
+    widget(app.select_slider, "Patch size").set_value(16).run()
+    steps.time("Knock-out: first view", "first view", steps.page(KNOCKOUT))
+    steps.time("Knock-out: knock out a head", "knock-out view",
+               lambda: widget(app.multiselect, "Layer 5").set_value([3]))
+    steps.time("Knock-out: switch to mean-ablation", "knock-out view",
+               lambda: app.radio(key="knockout_mode").set_value("mean"))
+    steps.time("Knock-out: remove an MLP branch too", "knock-out view",
+               lambda: widget(app.multiselect, "Remove the MLP branch of layers").set_value([8]))
+    steps.time("Knock-out: the sweep of every head", "head sweep", lambda: widget(app.button, "Run the sweep").click())
     compare(app, steps, folder, size)
     return steps.rows
 

@@ -125,29 +125,37 @@ def test_recorded_attention_carries_gradients_and_drives_the_output():
 
 
 def test_one_model_serves_many_threads_at_once():
-    """Captures, plain forwards and attributions from 8 threads on one shared model object each
-    get exactly what they get alone, and the model is left untouched (the app's situation)."""
+    """Captures, knock-outs, plain forwards and attributions from 8 threads on one shared model
+    object each get exactly what they get alone, and the model is left untouched (the app's
+    situation): one thread's knock-out never reaches another thread's pass."""
     import threading
 
     from vit_explorer.analysis import attribution
 
     model = randomize(vx.ViT(tiny_config(depth=3)))
     inputs = [torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    knock_outs = [
+        vx.KnockOut(heads={0: (1,)}), vx.KnockOut(heads={1: (0, 3), 2: (2,)}, mode="mean"),
+        vx.KnockOut(attention=[0], mlp=[2]), vx.KnockOut(mlp=[1], mode="mean"),
+    ]
     alone = {}
     for i, x in enumerate(inputs):
         with torch.no_grad():
             alone["forward", i] = model(x)
         alone["capture", i] = vx.capture(model, x)
         alone["attribution", i] = attribution(model, x, target=i % 5)
+        alone["knockout", i] = vx.capture(model, x, knock_out=knock_outs[i])
+        alone["sweep", i] = vx.head_sweep(model, x[:1], mode=knock_outs[i].mode, batch_size=3)
 
-    jobs = [(kind, i) for kind in ("forward", "capture", "attribution") for i in range(len(inputs))]
+    kinds = ("forward", "capture", "attribution", "knockout", "sweep")
+    jobs = [(kind, i) for kind in kinds for i in range(len(inputs))]
     results, errors = {}, []
     barrier = threading.Barrier(8)
 
     def work(worker: int) -> None:
         try:
             barrier.wait()
-            for round_ in range(6):
+            for round_ in range(8):
                 kind, i = jobs[(worker * 5 + round_ * 7) % len(jobs)]
                 x = inputs[i]
                 if kind == "forward":
@@ -155,6 +163,10 @@ def test_one_model_serves_many_threads_at_once():
                         result = model(x)
                 elif kind == "capture":
                     result = vx.capture(model, x)
+                elif kind == "knockout":
+                    result = vx.capture(model, x, knock_out=knock_outs[i])
+                elif kind == "sweep":
+                    result = vx.head_sweep(model, x[:1], mode=knock_outs[i].mode, batch_size=3)
                 else:
                     result = attribution(model, x, target=i % 5)
                 results.setdefault((kind, i), []).append(result)
@@ -167,15 +179,17 @@ def test_one_model_serves_many_threads_at_once():
     for thread in threads:
         thread.join(timeout=120)
     assert not errors, errors
-    assert {kind for kind, _ in results} == {"forward", "capture", "attribution"}
+    assert {kind for kind, _ in results} == set(kinds)
     for (kind, i), outcomes in results.items():
         for outcome in outcomes:
-            if kind == "capture":
+            if kind in ("capture", "knockout"):
                 expected = alone[kind, i]
                 torch.testing.assert_close(outcome.logits, expected.logits)
                 torch.testing.assert_close(outcome.attentions, expected.attentions)
                 torch.testing.assert_close(outcome.tokens, expected.tokens)
                 torch.testing.assert_close(outcome.patch_embeddings, expected.patch_embeddings)
+            elif kind == "sweep":
+                torch.testing.assert_close(outcome.values, alone[kind, i].values)
             else:
                 torch.testing.assert_close(outcome, alone[kind, i])
     assert hook_count(model) == 0 and all(attention_switches(model)) and not model.training

@@ -1,5 +1,6 @@
 """vit_explorer: define, train and dissect Vision Transformers."""
 from . import analysis, figures
+from .ablation import HeadSweep, KnockOut, head_sweep, sweep_cost
 from .capture import Capture, capture, layer_internals
 from .config import PRESETS, TrainConfig, ViTConfig
 from .data import SHAPE_CLASSES, DatasetError, load_dataset, shapes_sample
@@ -13,6 +14,7 @@ from .weights import CheckpointError, load_model, load_pretrained, resize_model,
 
 __all__ = [
     "Capture", "ViT", "ViTConfig", "capture", "LayerInternals", "layer_internals",
+    "KnockOut", "HeadSweep", "head_sweep", "sweep_cost",
     "CheckpointError", "load_model", "load_pretrained", "resize_model", "save_model",
     "InvalidImageError", "load_image", "preprocess",
     "PRESETS", "SHAPE_CLASSES", "DatasetError", "load_dataset", "shapes_sample",

@@ -10,14 +10,18 @@ own pass, and the model is never switched or hooked.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from einops import rearrange
 
 from .internals import LayerInternals
 from .model import ACTIVE_RECORDER, ViT
+
+if TYPE_CHECKING:
+    from .ablation import KnockOut
 
 
 @dataclass
@@ -208,6 +212,7 @@ def _layer_indices(layers: Sequence[int] | None, depth: int) -> tuple[int, ...]:
 def capture(
     model: ViT, images: torch.Tensor, layers: Sequence[int] | None = None,
     attention_dtype: torch.dtype = torch.float32, internals: int | None = None,
+    knock_out: KnockOut | None = None,
 ) -> Capture:
     """Run ``model`` on normalized ``images`` (B, C, H, W) in eval mode without gradients.
 
@@ -218,7 +223,8 @@ def capture(
     to draw it; a ViT-B/16 at 785 tokens: 177 MB instead of 355 MB). ``internals`` (a layer
     index, negative from the end) also keeps that layer's every intermediate from this same pass
     as ``Capture.internals`` (vit_explorer.internals.LayerInternals; float32 whatever
-    ``attention_dtype``).
+    ``attention_dtype``). ``knock_out`` (a :class:`vit_explorer.ablation.KnockOut`) removes those
+    heads and branches from this pass only: everything recorded is the ablated pass's.
     """
     config = model.config
     indices = _layer_indices(layers, config.depth)
@@ -229,7 +235,8 @@ def capture(
     images = images.to(device)
 
     recorder = Recorder(model, indices, tokens=True, attention_dtype=attention_dtype, internals=opened)
-    with torch.no_grad(), eval_mode(model), recording(recorder):
+    ablating = nullcontext() if knock_out is None else knock_out.applied(model)
+    with torch.no_grad(), eval_mode(model), recording(recorder), ablating:
         logits = model(images)
 
     patch = config.patch_size

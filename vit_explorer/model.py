@@ -20,6 +20,10 @@ from .config import ViTConfig
 # vit_explorer.capture. Capture and attribution choose the explicit attention path and collect
 # tensors through it per call, so a model shared by many threads is never switched or hooked.
 ACTIVE_RECORDER: ContextVar[Any] = ContextVar("vit_explorer_recorder", default=None)
+# The knock-out of the forward pass running in this context, if one asked (see
+# vit_explorer.ablation): which heads and branches each image of the batch loses, chosen per call
+# in the same way, so one session's knock-out never reaches another's pass.
+ACTIVE_KNOCKOUT: ContextVar[Any] = ContextVar("vit_explorer_knockout", default=None)
 
 
 # --- FlexiViT resizing (Beyer et al. 2023): one set of weights at any patch size -----------------
@@ -142,7 +146,8 @@ class Attention(nn.Module):
     layer: then the softmax is computed explicitly by ``self.attend``, its own module (so that a
     forward hook can observe it too), and the (B, nh, N, N) weights go to the recorder with their
     gradients; a recorder asking for this layer's internals also gets q, k, v, the scaled scores
-    and the heads' outputs. The two paths agree to float rounding.
+    and the heads' outputs. The two paths agree to float rounding. A knock-out of this call
+    (:data:`ACTIVE_KNOCKOUT`, vit_explorer.ablation) replaces some heads' outputs before ``proj``.
     """
 
     def __init__(self, config: ViTConfig):
@@ -175,6 +180,9 @@ class Attention(nn.Module):
             x = self.attn_drop(attn) @ v  # (B, nh, N, hd)
             if recorder is not None:
                 recorder.internals(self, q=q, k=k, v=v, scores=scores, attention=attn, heads=x)
+        knock_out = ACTIVE_KNOCKOUT.get()
+        if knock_out is not None:
+            x = knock_out.heads(self, x)  # the knocked-out heads' outputs, before the projection
         x = rearrange(x, "b nh n hd -> b n (nh hd)")
         return self.proj_drop(self.proj(x))
 
@@ -205,6 +213,9 @@ class Mlp(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         hidden = self.act(self.fc1(x))  # (B, N, hidden)
+        knock_out = ACTIVE_KNOCKOUT.get()
+        if knock_out is not None:
+            hidden = knock_out.hidden(self, hidden)  # a knocked-out branch's units, before fc2
         recorder = ACTIVE_RECORDER.get()
         if recorder is not None:
             recorder.internals(self, mlp_hidden=hidden)

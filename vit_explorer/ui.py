@@ -35,6 +35,7 @@ from streamlit.runtime.memory_uploaded_file_manager import MemoryUploadedFileMan
 from streamlit.runtime.scriptrunner import get_script_run_ctx
 
 from . import catalogue, resources, runs, train
+from .ablation import HeadSweep, KnockOut, head_sweep
 from .analysis import attribution, display_image, near_chance
 from .cache import ByteBoundedCache, nbytes, trim_to_quota
 from .capture import Capture, capture, layer_internals
@@ -646,6 +647,36 @@ class Selection:
             compute=lambda: layer_internals(self.model, self.capture().tokens[:, layer], layer),
             spinner=f"Opening layer {layer} ...",
         )
+
+    def knock_out_capture(self, knock_out: KnockOut) -> Capture:
+        """:meth:`capture` of the pass with ``knock_out``'s heads and branches removed (that call
+        only: the shared model is untouched); nothing knocked out is the intact capture."""
+        if knock_out.is_empty:
+            return self.capture()
+        return self.memo(
+            "knock-out capture", knock_out, spinner="Running the model without them ...",
+            compute=lambda: capture(
+                self.model, self.model_input(), attention_dtype=torch.float16, knock_out=knock_out
+            ),
+        )
+
+    def head_sweep(self, mode: str, run: bool = True) -> HeadSweep | None:
+        """Every head knocked out alone on this image (vit_explorer.ablation.head_sweep), with a
+        progress bar while it runs, once for everybody. With ``run=False`` only what somebody
+        already computed, or None."""
+        key = (*self.key, "head sweep", mode)
+        if not run and key not in shared_results():
+            return None
+
+        def compute() -> HeadSweep:
+            bar = st.progress(0.0, text="Knocking out each head alone ...")
+            result = head_sweep(self.model, self.model_input(), mode, progress=lambda share: bar.progress(
+                share, text=f"Knocking out each head alone: {share:.0%}"
+            ))
+            bar.empty()
+            return result
+
+        return memo(key, compute)
 
 
 @dataclass(frozen=True)

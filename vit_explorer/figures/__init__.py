@@ -21,6 +21,7 @@ from .internals import (
     head_sources_figure, inside_layer_figures, key_value_matrices, mlp_activations_figure, softmax_scale_figure,
     softmax_scale_figures, token_values_on_grid, vector_strips,
 )
+from .knockout import head_sweep_grid, intact_and_knocked_heads, intact_and_knocked_rollouts, knockout_topk
 from .patches import image_with_grid, input_image, patch_picker, patch_sequence, patch_size_tradeoff
 from .predictions import logit_lens_figure, topk_bar
 from .training import training_curves
@@ -36,6 +37,7 @@ __all__ = [
     "correspondence_grid", "foreground_pca_grid", "norm_outliers_grid",
     "head_sources_figure", "inside_layer_figures", "key_value_matrices", "mlp_activations_figure",
     "softmax_scale_figure", "softmax_scale_figures", "token_values_on_grid", "vector_strips",
+    "head_sweep_grid", "intact_and_knocked_heads", "intact_and_knocked_rollouts", "knockout_topk",
     "image_with_grid", "input_image", "patch_picker", "patch_sequence", "patch_size_tradeoff",
     "logit_lens_figure", "topk_bar",
     "training_curves",

@@ -1,0 +1,118 @@
+"""Knock-out figures: the prediction with and without the knocked-out heads, and the sweep grid."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import plotly.graph_objects as go
+
+from ._base import MARGIN, _float_array, _title
+from .attention import attention_heads_grid, attention_overlay
+from .predictions import _class_names
+
+INTACT_COLOUR, KNOCKED_COLOUR = "#9aa5b1", "#dc143c"
+
+
+def knockout_topk(intact, knocked, class_names: Sequence[str] | None = None, k: int = 5, what: str = "") -> go.Figure:
+    """The k classes the knocked-out model finds most probable, each with its probability intact
+    (grey) and knocked out (crimson), labelled with the change in percentage points. intact,
+    knocked: (C,) probabilities."""
+    intact, knocked = _float_array(intact).reshape(-1), _float_array(knocked).reshape(-1)
+    names = _class_names(intact.shape[0], class_names)
+    top = np.argsort(-knocked, kind="stable")[:k]
+    labels = [names[i] for i in top]
+    change = 100 * (knocked[top] - intact[top])
+    fig = go.Figure([
+        go.Bar(
+            x=intact[top], y=labels, orientation="h", name="intact", marker_color=INTACT_COLOUR,
+            text=[f"{100 * p:.1f}%" for p in intact[top]], textposition="auto",
+            hovertemplate="%{y}, intact: %{x:.4f}<extra></extra>",
+        ),
+        go.Bar(
+            x=knocked[top], y=labels, orientation="h", name="knocked out", marker_color=KNOCKED_COLOUR,
+            text=[f"{100 * p:.1f}% ({delta:+.2f} pts)" for p, delta in zip(knocked[top], change)],
+            textposition="auto", customdata=change,
+            hovertemplate="%{y}, knocked out: %{x:.4f} (%{customdata:+.2f} points)<extra></extra>",
+        ),
+    ])
+    fig.update_xaxes(title="probability", range=[0, 1])
+    fig.update_yaxes(autorange="reversed")
+    fig.update_layout(
+        title=_title(f"Top-{len(top)} with {what or 'the knock-out'}, against the intact model"),
+        barmode="group", margin=MARGIN, legend=dict(orientation="h", y=-0.2),
+        height=120 + 60 * len(top),
+    )
+    return fig
+
+
+def head_sweep_grid(values, measure: str, knocked=None, title: str = "") -> go.Figure:
+    """The importance sweep, one cell per (layer, head): values (L, H), 0 = no effect, on a
+    diverging scale centred at 0 (red: the knock-out lowers the measure). ``knocked`` (L, H)
+    bool outlines the heads knocked out now (the title should say so).
+
+    Heatmap cells cannot be selected in Streamlit (streamlit#8760), so an invisible marker sits on
+    every cell, row-major: a selected point's x is the head, its y the layer.
+    """
+    values = _float_array(values)
+    if values.ndim != 2:
+        raise ValueError(f"values must be (L, H), not {values.shape}")
+    depth, heads = values.shape
+    limit = float(np.abs(values).max()) or 1.0
+    layer_grid, head_grid = np.meshgrid(np.arange(depth), np.arange(heads), indexing="ij")
+    fig = go.Figure(go.Heatmap(
+        z=values, x=list(range(heads)), y=list(range(depth)), colorscale="RdBu", zmid=0, zmin=-limit, zmax=limit,
+        colorbar=dict(title=measure), hoverinfo="skip",
+        # Each cell's value written in it while the cells are large enough to hold it.
+        texttemplate="%{z:.2f}" if heads <= 16 else None, textfont=dict(size=10),
+    ))
+    fig.add_trace(go.Scatter(
+        x=head_grid.ravel(), y=layer_grid.ravel(), mode="markers", customdata=values.ravel(), showlegend=False,
+        marker=dict(size=max(6, min(28, 360 // max(depth, heads))), symbol="square", color="rgba(0,0,0,0)"),
+        selected=dict(marker=dict(color="rgba(0,0,0,0)")), unselected=dict(marker=dict(opacity=0)),
+        hovertemplate=f"layer %{{y}}, head %{{x}}<br>{measure}: %{{customdata:.4g}}"
+        "<br>click to knock this head out above<extra></extra>",
+    ))
+    if knocked is not None:
+        for layer, head in zip(*np.nonzero(np.asarray(knocked, dtype=bool))):
+            fig.add_shape(
+                type="rect", x0=head - 0.5, x1=head + 0.5, y0=layer - 0.5, y1=layer + 0.5,
+                line=dict(color="black", width=3),
+            )
+    fig.update_xaxes(title="head", dtick=1, range=[-0.5, heads - 0.5])
+    fig.update_yaxes(title="layer", dtick=1, range=[depth - 0.5, -0.5])  # layer 0 on top
+    fig.update_layout(
+        title=_title(title or f"Knocking out each head alone: {measure}"), margin=MARGIN,
+        hovermode="closest", hoverdistance=-1, clickmode="event+select", dragmode=False,
+        height=160 + 32 * depth,
+    )
+    return fig
+
+
+def intact_and_knocked_heads(
+    image, intact_maps, knocked_maps, layer: int, query: str, what: str, columns: int = 4,
+) -> tuple[go.Figure, go.Figure]:
+    """:func:`attention_heads_grid` of one layer intact and knocked out (maps (H, gh, gw) each), on
+    one colour scale, so that a head that looks elsewhere after the knock-out shows it."""
+    figs = [
+        attention_heads_grid(image, maps, layer=layer, query=query, columns=columns)
+        for maps in (intact_maps, knocked_maps)
+    ]
+    top = max(fig.layout.coloraxis.cmax for fig in figs)
+    for fig, label in zip(figs, ("Intact", f"With {what}")):
+        fig.update_layout(
+            coloraxis_cmax=top,
+            title=_title(f"{label}: attention of the {query} in layer {layer}, per head (one scale for both grids)"),
+        )
+    return figs[0], figs[1]
+
+
+def intact_and_knocked_rollouts(image, intact_map, knocked_map, query: str, what: str) -> tuple[go.Figure, go.Figure]:
+    """Rollout maps (gh, gw) intact and knocked out over the image, on one scale."""
+    figs = [
+        attention_overlay(image, rollout, title=f"{label}: rollout to the {query}", value_name="rollout", weights=True)
+        for rollout, label in ((intact_map, "Intact"), (knocked_map, f"With {what}"))
+    ]
+    top = max(trace.zmax for fig in figs for trace in fig.data if trace.type == "heatmap")
+    for fig in figs:
+        fig.update_traces(zmax=top, selector=dict(type="heatmap"))
+    return figs[0], figs[1]
