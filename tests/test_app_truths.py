@@ -10,31 +10,14 @@ import re
 
 import numpy as np
 import pytest
-import streamlit as st
 from streamlit.testing.v1 import AppTest
 
-import vit_explorer as vx
-from test_app import APP, tiny_model, widget
-from vit_explorer import train, ui
+from test_app import APP, tiny_default, widget  # noqa: F401 (tiny_default: autouse)
+from vit_explorer import train
 
 UNIFORM = re.compile(r"spread their attention almost evenly over all tokens \(mean entropy 100% of")
 CHANCE = re.compile(r"^The top probability, 1\d\.\d%, is close to chance \(16\.7% for 6 classes\)")
 PHOTO_CAVEAT = "Read nothing into this prediction: this model was trained on synthetic shapes"
-
-
-@pytest.fixture(autouse=True)
-def random_default(tmp_path, monkeypatch):
-    """The app with a tiny random-weight default model, starting from empty caches."""
-    weights = tmp_path / "random.safetensors"
-    vx.save_model(tiny_model(), weights)
-    monkeypatch.setenv("VIT_EXPLORER_DEFAULT_MODEL", str(weights))
-    monkeypatch.setattr(ui, "RUNS_DIR", tmp_path / "runs")
-    monkeypatch.setattr(ui, "UPLOADS_DIR", tmp_path / "uploads")
-    st.cache_data.clear()
-    st.cache_resource.clear()
-    yield
-    ui.run_manager().shutdown()
-    st.cache_resource.clear()
 
 
 def open_page(page: str) -> AppTest:

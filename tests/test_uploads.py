@@ -8,30 +8,14 @@ import weakref
 from pathlib import Path
 
 import pytest
-import streamlit as st
 import torch
 from safetensors.torch import save_file
 from streamlit.runtime.scriptrunner import get_script_run_ctx
-from test_app import PHOTO, errors, open_app, tiny_model, uploader
+from test_app import PHOTO, errors, open_app, tiny_default, tiny_model, uploader  # noqa: F401 (tiny_default: autouse)
 
 import vit_explorer as vx
 from vit_explorer import ui
 from vit_explorer.cache import disk_bytes, trim_to_quota
-
-
-@pytest.fixture(autouse=True)
-def app_files(tmp_path, monkeypatch):
-    """A tiny default model, the runs and uploads in tmp_path, and empty caches."""
-    weights = tmp_path / "tiny_default.safetensors"
-    vx.save_model(tiny_model(), weights)
-    monkeypatch.setenv("VIT_EXPLORER_DEFAULT_MODEL", str(weights))
-    monkeypatch.setattr(ui, "RUNS_DIR", tmp_path / "runs")
-    monkeypatch.setattr(ui, "UPLOADS_DIR", tmp_path / "uploads")
-    st.cache_data.clear()
-    st.cache_resource.clear()
-    yield
-    ui.run_manager().shutdown()
-    st.cache_resource.clear()
 
 
 def someone_elses_folder(root: Path) -> dict[str, bytes]:
