@@ -167,6 +167,7 @@ def run(small: bool, device: torch.device) -> list[tuple[str, str, float, float]
     steps.time("Several images: another layer", "widget", lambda: widget(app.slider, "Layer").set_value(8))
     steps.time("Several images: a fourth image", "several images per image",
                lambda: app.multiselect(key="image_set").select("photo:rocket.jpg"), images=4)
+    app.switch_page("views/patches.py").run()  # back where the patch size is (untimed: nothing new)
     steps.time("Patches: change the patch size to 8", "first view",
                lambda: widget(app.select_slider, "Patch size").set_value(8))
     steps.time("Pipeline at patch 8: first view", "first view", steps.page("views/pipeline.py"))
