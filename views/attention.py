@@ -35,12 +35,6 @@ def step_layer(delta: int) -> None:
     ui.set_kept("layer", min(max(state["layer"] + delta, 0), depth - 1))
 
 
-def pick_clicked_patch() -> None:
-    points = state["patch_click"].selection.points
-    if points:
-        ui.set_kept("query", int(points[0]["point_index"]))
-
-
 st.title("Attention")
 st.write(
     "In every layer each token builds its next version from a weighted mix of all tokens; the"
@@ -90,7 +84,7 @@ with picker:
             "patch picker", query,
             compute=lambda: figures.patch_picker(image, result.grid_size, None if query < 0 else query),
         ),
-        key="patch_click", on_select=pick_clicked_patch, selection_mode="points",
+        key="patch_click", on_select=ui.patch_picked("patch_click", "query"), selection_mode="points",
         config={"displayModeBar": False},
     )
 

@@ -22,12 +22,6 @@ def default_images() -> list[str]:
     return [current, *[key for key in others if key != current][:2]]
 
 
-def pick_clicked_patch() -> None:
-    points = state["set_patch_click"].selection.points
-    if points:
-        ui.set_kept("set_patch", int(points[0]["point_index"]))
-
-
 st.title("Several images")
 st.write(
     "Read two to six pictures together: one PCA over all of them splits foreground from background"
@@ -114,7 +108,7 @@ with picker:
         image_set.memo("patch picker", source, patch, compute=lambda: figures.patch_picker(
             display[source], result.grid_size, patch
         )),
-        key="set_patch_click", on_select=pick_clicked_patch, selection_mode="points",
+        key="set_patch_click", on_select=ui.patch_picked("set_patch_click", "set_patch"), selection_mode="points",
         config={"displayModeBar": False},
     )
 layer_tokens = sets.patch_features(result.tokens[:, layer + 1], prefix)  # a view: nothing to keep

@@ -11,7 +11,6 @@ selection = ui.selection()
 config = selection.config
 result = selection.capture()
 image = selection.display_image()
-state = st.session_state
 depth, heads = config.depth, config.num_heads
 grid_h, grid_w = result.grid_size
 prefix, num_patches = result.num_prefix_tokens, grid_h * grid_w
@@ -27,12 +26,6 @@ def query_label(query: int) -> str:
         return "class token"
     row, col = divmod(query, grid_w)
     return f"patch {query} (row {row}, col {col})"
-
-
-def pick_clicked_patch() -> None:
-    points = state["inside_patch_click"].selection.points
-    if points:
-        ui.set_kept("query", int(points[0]["point_index"]))
 
 
 st.title("Inside a layer")
@@ -60,7 +53,7 @@ with picker:
         selection.memo("patch picker", query, compute=lambda: figures.patch_picker(
             image, result.grid_size, None if query < 0 else query
         )),
-        key="inside_patch_click", on_select=pick_clicked_patch, selection_mode="points",
+        key="inside_patch_click", on_select=ui.patch_picked("inside_patch_click", "query"), selection_mode="points",
         config={"displayModeBar": False},
     )
 

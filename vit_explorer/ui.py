@@ -840,6 +840,17 @@ def _copy_to_kept(widget_key: str) -> None:
     st.session_state[kept_key(widget_key)] = st.session_state[widget_key]
 
 
+def patch_picked(chart_key: str, kept_widget: str) -> Callable[[], None]:
+    """The ``on_select`` callback of a patch picker (figures.patch_picker) drawn with
+    ``key=chart_key``: the clicked patch becomes the kept value of the page widget ``kept_widget``."""
+    def pick() -> None:
+        points = st.session_state[chart_key].selection.points
+        if points:
+            set_kept(kept_widget, int(points[0]["point_index"]))
+
+    return pick
+
+
 def set_kept(widget_key: str, value: Any) -> None:
     """Change a kept widget's value from a callback (before the widget is drawn)."""
     st.session_state[widget_key] = value
