@@ -7,6 +7,8 @@ import functools
 import http.server
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -35,6 +37,25 @@ def test_each_entry_has_the_shapes_of_timms_model(name):
     assert entry.config.get("mean", (0.5,) * 3) == pytest.approx(reference.pretrained_cfg["mean"])
     assert entry.config["image_size"] == reference.pretrained_cfg["input_size"][-1]
     assert catalogue.url(name) == f"https://huggingface.co/{entry.source}/resolve/main/model.safetensors"
+
+
+def test_the_torchvision_file_names_are_torchvisions_own():
+    import torchvision.models
+
+    for model, file_name in catalogue.TORCHVISION_FILES.items():
+        assert torchvision.models.get_model_weights(model).DEFAULT.url == f"{catalogue.TORCHVISION_MODELS_URL}/{file_name}"
+        assert catalogue.torchvision_url(model) == f"{catalogue.TORCHVISION_MODELS_URL}/{file_name}"
+
+
+def test_asking_whether_a_model_is_downloaded_does_not_import_torchvision_models():
+    # torchvision.models imports torch._dynamo: seconds that the model picker would cost every new server.
+    code = (
+        "import sys; from vit_explorer import catalogue;"
+        "[catalogue.is_downloaded(name) for name in catalogue.CATALOGUE];"
+        "print('torchvision.models' in sys.modules)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert result.stdout.strip() == "False"
 
 
 def test_imagenet_heads_get_imagenet_class_names():

@@ -207,14 +207,23 @@ def url(name: str) -> str:
     return f"{hub}/{repository}/resolve/main/model.safetensors"
 
 
+# torchvision's file names of the catalogue's torchvision models (a test checks them against
+# torchvision.models): asking torchvision.models imports torch._dynamo, 6 s of a server's first page
+# view, since the model picker asks on every run whether each model is downloaded.
+TORCHVISION_FILES = {"vit_b_16": "vit_b_16-c867db91.pth"}
+TORCHVISION_MODELS_URL = "https://download.pytorch.org/models"
+
+
 def torchvision_url(model: str) -> str:
     """Where torchvision publishes a model's ImageNet weights, or the mirror that
     VIT_EXPLORER_TORCHVISION_URL names."""
-    import torchvision.models
+    file_name = TORCHVISION_FILES.get(model)
+    if file_name is None:
+        import torchvision.models
 
-    published = torchvision.models.get_model_weights(model).DEFAULT.url
-    mirror = os.environ.get(TORCHVISION_URL_VARIABLE)
-    return f"{mirror.rstrip('/')}/{published.rsplit('/', 1)[1]}" if mirror else published
+        file_name = torchvision.models.get_model_weights(model).DEFAULT.url.rsplit("/", 1)[1]
+    mirror = os.environ.get(TORCHVISION_URL_VARIABLE) or TORCHVISION_MODELS_URL
+    return f"{mirror.rstrip('/')}/{file_name}"
 
 
 def torchvision_path(model: str) -> Path:
