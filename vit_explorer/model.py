@@ -413,7 +413,14 @@ class ViT(nn.Module):
         x = self.norm_pre(self._pos_embed(x, patch_size))  # (B, N, D)
         if recorder is not None:
             recorder.tokens(self, x)
-        for block in self.blocks:
+        return self.forward_blocks(x)
+
+    def forward_blocks(self, x: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """(B, N, D) tokens entering block ``start`` -> tokens after the final norm: the rest of
+        the pass from there, so that a knock-out or a sweep starting at layer ``start`` reuses the
+        earlier layers' tokens of an intact pass instead of running them again."""
+        recorder = ACTIVE_RECORDER.get()
+        for block in self.blocks[start:]:
             x = block(x)
             if recorder is not None:
                 recorder.tokens(self, x)

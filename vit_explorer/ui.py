@@ -650,13 +650,16 @@ class Selection:
 
     def knock_out_capture(self, knock_out: KnockOut) -> Capture:
         """:meth:`capture` of the pass with ``knock_out``'s heads and branches removed (that call
-        only: the shared model is untouched); nothing knocked out is the intact capture."""
+        only: the shared model is untouched); nothing knocked out is the intact capture. The
+        layers before the first one knocked out are the intact capture's, not run again."""
+        intact = self.capture()
         if knock_out.is_empty:
-            return self.capture()
+            return intact
         return self.memo(
             "knock-out capture", knock_out, spinner="Running the model without them ...",
             compute=lambda: capture(
-                self.model, self.model_input(), attention_dtype=torch.float16, knock_out=knock_out
+                self.model, self.model_input(), attention_dtype=torch.float16, knock_out=knock_out,
+                intact=intact,
             ),
         )
 
