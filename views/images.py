@@ -65,11 +65,9 @@ flip = side_column.toggle(
     "Foreground below the threshold", help="Take the other side of the first component as the foreground.",
     **ui.keep("set_flip", False),
 )
-last = image_set.memo("last layer features", compute=lambda: sets.last_layer_features(selection.model, result.tokens[:, -1]))
-pca = image_set.memo(
-    "foreground pca", threshold, flip,
-    compute=lambda: sets.joint_pca_foreground(last, result.grid_size, threshold, flip),
-)
+pca = image_set.memo("foreground pca", threshold, flip, compute=lambda: sets.joint_pca_foreground(
+    image_set.last_layer_features(), result.grid_size, threshold, flip, first=image_set.first_component(),
+))
 if not pca.foreground.any():
     st.info("No patch lies above the threshold: lower it or switch the side.")
 st.plotly_chart(image_set.memo("foreground figure", threshold, flip, compute=lambda: figures.foreground_pca_grid(

@@ -41,7 +41,7 @@ from .cache import ByteBoundedCache, nbytes, trim_to_quota
 from .capture import Capture, capture, layer_internals
 from .config import TrainConfig
 from .data import SHAPE_CLASSES, SHAPES_TEST_SEED, ImageDataset, shapes_dataset, shapes_sample
-from .image_set import MAX_IMAGES, MIN_IMAGES, patch_keys
+from .image_set import MAX_IMAGES, MIN_IMAGES, first_component, last_layer_features, layer_keys
 from .images import load_image, preprocess
 from .internals import LayerInternals
 from .model import ViT
@@ -713,13 +713,23 @@ class ImageSet:
         )
 
     def keys(self, layer: int) -> torch.Tensor:
-        """(B, P, nh * hd) the patches' keys in ``layer``: that one block run again on the batch's
-        captured tokens (1/depth of a forward pass); only the keys are kept."""
-        def compute() -> torch.Tensor:
-            internals = layer_internals(self.selection.model, self.capture().tokens[:, layer], layer)
-            return patch_keys(internals, self.selection.config.num_prefix_tokens)
+        """(B, P, nh * hd) the patches' keys in ``layer``: that layer's norm and qkv projection
+        run again on the batch's captured tokens (a quarter of one block)."""
+        return self.memo(
+            "keys", layer, compute=lambda: layer_keys(self.selection.model, self.capture().tokens[:, layer], layer),
+            spinner=f"Computing the keys of layer {layer} ...",
+        )
 
-        return self.memo("keys", layer, compute=compute, spinner=f"Computing the keys of layer {layer} ...")
+    def first_component(self) -> tuple[torch.Tensor, float]:
+        """The joint first principal component of the last layer's patch features (image_set.
+        first_component): once per image set, whatever the threshold."""
+        return self.memo("first component", compute=lambda: first_component(self.last_layer_features()))
+
+    def last_layer_features(self) -> torch.Tensor:
+        """(B, P, D) the last layer's patch tokens after the final norm (DINOv2's figure's features)."""
+        return self.memo("last layer features", compute=lambda: last_layer_features(
+            self.selection.model, self.capture().tokens[:, -1]
+        ))
 
     def display_images(self) -> list[np.ndarray]:
         """(H, W, 3) uint8 per image: each picture as the model sees it."""

@@ -192,29 +192,48 @@ def _image_axes(fig: go.Figure, cells: Sequence[tuple[int, int]] | None = None, 
     fig.update_layout(layout)
 
 
-def _subplot_layout(
-    rows: int, columns: int, titles: Sequence[str], horizontal_spacing: float, vertical_spacing: float
-) -> dict:
-    """make_subplots' layout of a ``rows`` x ``columns`` grid with the first len(``titles``) cells
-    titled, as a new dict: the axes' domains and anchors, and the titles' annotations. A figure
-    built from it in one go costs a quarter of make_subplots followed by updates (each of those
-    re-validates the whole figure: half of a 12-head grid's time)."""
-    layout = json.loads(_subplot_layout_json(rows, columns, len(titles), horizontal_spacing, vertical_spacing))
-    for annotation, title in zip(layout.get("annotations", []), titles):
-        annotation["text"] = title
-    return layout
+def _subplots(
+    rows: int, columns: int, titles: Sequence[str] = (), column_titles: Sequence[str] = (),
+    row_titles: Sequence[str] = (), **options,
+) -> tuple[dict, dict[tuple[int, int], str]]:
+    """make_subplots' layout of a ``rows`` x ``columns`` grid as a new dict (the axes' domains and
+    anchors, the titles' annotations; ``options``: make_subplots' own, spacing, specs, ...), and
+    each (row, col) cell's axis suffix ("" for x/y, "2" for x2/y2, ...). A figure built from them
+    in one go costs a fraction of make_subplots followed by add_trace(row=, col=) and updates:
+    each of those re-validates the whole figure, half of a 12-head grid's time."""
+    layout, cells = json.loads(_subplots_json(
+        rows, columns, len(titles), len(column_titles), len(row_titles), json.dumps(options, sort_keys=True)
+    ))
+    texts = {f"title {kind}{index}": text for kind, given in (("t", titles), ("c", column_titles), ("r", row_titles))
+             for index, text in enumerate(given)}
+    for annotation in layout.get("annotations", []):
+        annotation["text"] = texts[annotation["text"]]
+    return layout, {(row, col): suffix for row, col, suffix in cells}
 
 
 @functools.lru_cache(maxsize=32)
-def _subplot_layout_json(rows: int, columns: int, titled: int, horizontal_spacing: float, vertical_spacing: float) -> str:
-    """The grid's layout as make_subplots writes it (titles as placeholders), once per grid shape."""
+def _subplots_json(rows: int, columns: int, titles: int, column_titles: int, row_titles: int, options: str) -> str:
+    """The grid as make_subplots lays it out (titles as placeholders), once per grid shape."""
     fig = make_subplots(
-        rows=rows, cols=columns, subplot_titles=["title"] * titled,
-        horizontal_spacing=horizontal_spacing, vertical_spacing=vertical_spacing,
+        rows=rows, cols=columns, subplot_titles=[f"title t{index}" for index in range(titles)] or None,
+        column_titles=[f"title c{index}" for index in range(column_titles)] or None,
+        row_titles=[f"title r{index}" for index in range(row_titles)] or None, **json.loads(options),
     )
     layout = fig.layout.to_plotly_json()
     layout.pop("template", None)  # every new figure gets the default template itself
-    return json.dumps(layout)
+    cells = []
+    for row in range(1, rows + 1):
+        for col in range(1, columns + 1):
+            subplot = fig.get_subplot(row, col)
+            if subplot is not None:
+                cells.append((row, col, subplot.xaxis.plotly_name.removeprefix("xaxis")))
+    return json.dumps([layout, cells])
+
+
+def _on_axes(trace, suffix: str) -> dict:
+    """A trace (graph object or dict) placed on the axes x{suffix}/y{suffix} of a :func:`_subplots` grid."""
+    trace = trace if isinstance(trace, dict) else trace.to_plotly_json()
+    return {**trace, "xaxis": f"x{suffix}", "yaxis": f"y{suffix}"}
 
 
 def _image_axis_layout(suffix: str = "") -> dict:

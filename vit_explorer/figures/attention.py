@@ -10,8 +10,8 @@ import plotly.graph_objects as go
 
 from ._base import (
     ATTENTION_SCALE, VALUE_SCALE, CELL_PIXELS, MARGIN, _array, _float_array, _rgb_uint8, _check_map,
-    attention_top, image_data_uri, _image_trace, _patch_heatmap, _panel_height, _subplot_layout,
-    _image_axis_layout, _title,
+    attention_top, image_data_uri, _image_trace, _patch_heatmap, _panel_height, _subplots,
+    _image_axis_layout, _on_axes, _title,
     token_labels,
 )
 
@@ -80,23 +80,22 @@ def _head_panels(
     """One panel per head: the image with that head's overlay, titled "head h" (or ``titles``),
     the query patch outlined in each; ``layout`` adds to the figure's layout (title, ...).
 
-    Built in one go from make_subplots' grid layout (:func:`_subplot_layout`), one PNG for all
+    Built in one go from make_subplots' grid layout (:func:`_subplots`), one PNG for all
     panels: make_subplots, add_traces and per-axis updates each re-validate the whole figure,
     which made these figures the slowest part of a rerun.
     """
     heads = len(overlays)
     columns = min(columns, heads)
     rows = math.ceil(heads / columns)
-    grid = _subplot_layout(
+    grid, cells = _subplots(
         rows, columns, list(titles or (f"head {h}" for h in range(heads))),
         horizontal_spacing=0.02, vertical_spacing=0.06 if rows > 1 else 0.0,
     )
     source = image_data_uri(image)
     traces = []
     for head, overlay in enumerate(overlays):
-        suffix = "" if head == 0 else str(head + 1)  # make_subplots numbers its axes row by row
-        axes = dict(xaxis=f"x{suffix}", yaxis=f"y{suffix}")
-        traces += [dict(type="image", source=source, hoverinfo="skip", **axes), {**overlay.to_plotly_json(), **axes}]
+        suffix = cells[divmod(head, columns)[0] + 1, head % columns + 1]
+        traces += [_on_axes(dict(type="image", source=source, hoverinfo="skip"), suffix), _on_axes(overlay, suffix)]
         for axis, settings in _image_axis_layout(suffix).items():
             grid[axis].update(settings)
     if query_patch is not None:
