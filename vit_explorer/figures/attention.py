@@ -87,6 +87,7 @@ def _head_panels(
     heads = len(overlays)
     columns = min(columns, heads)
     rows = math.ceil(heads / columns)
+    layout.setdefault("height", heads_height(image.shape, heads, columns))
     grid, cells = _subplots(
         rows, columns, list(titles or (f"head {h}" for h in range(heads))),
         horizontal_spacing=0.02, vertical_spacing=0.06 if rows > 1 else 0.0,
@@ -103,22 +104,28 @@ def _head_panels(
             shape for head in range(heads)
             for shape in _query_outline(query_patch, grid_size, image.shape[:2], "" if head == 0 else str(head + 1))
         ]
-    grid.update(margin=MARGIN, height=_panel_height(image.shape, rows, CELL_PIXELS), **layout)
+    grid.update({"margin": MARGIN, **layout})
     return go.Figure(data=traces, layout=grid)
+
+
+def heads_height(image_shape: tuple[int, ...], heads: int, columns: int) -> int:
+    """The height of a grid of ``heads`` panels ``columns`` wide (:func:`attention_heads_grid`)."""
+    return _panel_height(image_shape, math.ceil(heads / min(columns, heads)), CELL_PIXELS)
 
 
 def attention_heads_grid(
     image, maps, opacity: float = 0.85, layer: int | str | None = None, columns: int = 4,
     query: str = "class token", query_patch: int | None = None, scale: str = "shared",
-    title: str | None = None, top: float | None = None,
+    top: float | None = None, **layout,
 ) -> go.Figure:
     """Every head's attention map (H, gh, gw) over the image, one panel per head, each from 0
     (transparent) up: on one shared scale so that heads can be compared (``scale="shared"``), or
     each to its own largest value (``"per head"``), which shows the pattern of a faint head; a scale
     never tops out below 3x the uniform weight, so that attention spread evenly stays pale.
     ``query_patch`` (row-major index, None for a token without a patch) is outlined in every panel.
-    ``title`` replaces the default title; ``top`` the shared scale's top (another grid's, to
-    compare two on one scale)."""
+    ``top`` sets the shared scale's top (another grid's, to compare two on one scale); ``layout``
+    adds to the figure's layout last (a caller's own title, margin, height: in one go, as an
+    update afterwards re-validates the whole figure)."""
     image = _rgb_uint8(image)
     maps = _float_array(maps)
     if maps.ndim != 3:
@@ -133,7 +140,7 @@ def attention_heads_grid(
               for head_map in maps]
     )
     how = "one colour scale shared by all heads" if shared else "each head on its own scale, 0 to its max"
-    layout = dict(title=_title(title or f"Attention of the {query} in {_where(layer)}, per head ({how})"))
+    layout = {"title": _title(f"Attention of the {query} in {_where(layer)}, per head ({how})"), **layout}
     if shared:
         layout["coloraxis"] = dict(
             colorscale=ATTENTION_SCALE, cmin=0, cmax=top if top is not None else attention_top(maps, uniform),

@@ -98,7 +98,7 @@ def intact_and_knocked_heads(
     figs = [
         attention_heads_grid(
             image, head_maps, layer=layer, query=query, columns=columns, top=top,
-            title=f"{label}: attention of the {query} in layer {layer}, per head (one scale for both grids)",
+            title=_title(f"{label}: attention of the {query} in layer {layer}, per head (one scale for both grids)"),
         )
         for head_maps, label in zip(maps, ("Intact", f"With {what}"))
     ]

@@ -109,14 +109,15 @@ def input_image(image, title: str) -> go.Figure:
     return fig
 
 
-def patch_picker(image, grid_size: tuple[int, int], selected: int | None = None) -> go.Figure:
-    """:func:`image_with_grid` that reports a click on any patch as a selected point.
+def patch_picker(image, grid_size: tuple[int, int], selected: int | None = None, **layout) -> go.Figure:
+    """:func:`image_with_grid` that reports a click on any patch as a selected point; ``layout``
+    adds to the figure's layout (a caller's title, height), in one go.
 
     Heatmap cells cannot be selected in Streamlit (streamlit#8760), so an invisible marker sits
     on every patch centre and ``hoverdistance=-1`` lets a click anywhere pick the nearest one;
     the markers run in row-major patch order, so a selected point's index is the patch index.
     """
-    traces, layout = _grid_parts(image, grid_size, selected)
+    traces, grid = _grid_parts(image, grid_size, selected)
     height, width = _rgb_uint8(image).shape[:2]
     grid_h, grid_w = grid_size
     positions = _patch_positions(grid_size).reshape(-1, 3)
@@ -130,11 +131,11 @@ def patch_picker(image, grid_size: tuple[int, int], selected: int | None = None)
         hovertemplate="patch %{customdata[0]} (row %{customdata[1]}, col %{customdata[2]})"
         "<br>click to make it the query<extra></extra>",
     ))
-    layout.update(
+    grid.update(
         title=_title("Click a patch to make it the query"), hovermode="closest", hoverdistance=-1,
         clickmode="event+select", dragmode=False,
     )
-    return go.Figure(data=traces, layout=layout)
+    return go.Figure(data=traces, layout={**grid, **layout})
 
 
 def patch_size_tradeoff(rows: Sequence[Mapping], current: int) -> go.Figure:
