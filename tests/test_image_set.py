@@ -144,7 +144,8 @@ def test_the_page_renders_two_shapes_and_a_photo_with_every_figure_titled(forwar
     assert any(title.startswith("Joint PCA of 3 images' last-layer patch tokens") for title in titles)
     assert any(title.startswith("Cosine of layer 3's output tokens with patch") for title in titles)
     assert any("= median" in title for title in titles)
-    assert sum(forwards) == pytest.approx(3)  # one batched pass of 3 images (the goal: <= 1.2 each)
+    # The page opened on shapes 4, 0 and 1, each read once and kept: only the photo is new.
+    assert sum(forwards) == pytest.approx(1)
     assert any("median" in caption.value and "outliers" in caption.value for caption in app.caption)
     # Every control of the page says what it does.
     for control in [*app.slider, *app.selectbox, *app.multiselect, *app.toggle, *app.radio]:
@@ -193,6 +194,16 @@ def test_moving_widgets_costs_no_forward_pass_and_keys_no_block(forwards, monkey
     app.switch_page(PAGE).run()
     # Pipeline's capture was made when the app opened; coming back recomputes nothing.
     assert not app.exception and sum(forwards) == 0 and projections == [3] and fitted == []
+
+
+def test_a_picture_added_to_the_set_runs_that_one_alone(forwards):
+    app = choose(open_page(), THREE)
+    forwards.clear()
+    choose(app, [*THREE, "shapes:2"])
+    assert sum(forwards) == pytest.approx(1)
+    assert any(title.startswith("Joint PCA of 4 images' last-layer patch tokens") for title in figure_titles(app))
+    choose(app, THREE[1:])  # fewer pictures: nothing runs again
+    assert sum(forwards) == pytest.approx(1) and errors(app) == []
 
 
 def test_the_images_batch_is_shared_by_every_session(forwards):

@@ -684,8 +684,9 @@ class Selection:
 
 @dataclass(frozen=True)
 class ImageSet:
-    """Several images read together by the selected model (the Several images page): one batched
-    forward pass of all of them, memoised for everybody by model, sizes and image keys."""
+    """Several images read together by the selected model (the Several images page): each image's
+    pass memoised for everybody by model, sizes and image key, so that a set with one more image
+    runs that one alone; what the page reads of them is memoised by the set's image keys."""
 
     selection: Selection  # the model at its patch size and input size; its own image is not used
     image_keys: tuple[str, ...]  # cache keys (shapes include their render size)
@@ -703,20 +704,32 @@ class ImageSet:
         """(B, C, H, W): every image resized to the model's input size, whatever its own size."""
         return torch.cat([preprocess(image, self.selection.config) for image in self.images])
 
-    def capture(self) -> Capture:
-        """One pass of the batch; the attention of the last layer only (the page reads tokens)."""
-        return self.memo(
-            "capture", compute=lambda: capture(
-                self.selection.model, self.model_input(), layers=[-1], attention_dtype=torch.float16
-            ),
-            spinner=f"Running the model on {len(self.images)} images ...",
-        )
+    def captures(self) -> list[Capture]:
+        """Each image's pass, the attention of the last layer only (the page reads tokens)."""
+        selection = self.selection
+        return [
+            memo(
+                (selection.model_key, selection.patch_size, selection.config.img_size, "set image capture", image_key),
+                lambda image=image: capture(
+                    selection.model, preprocess(image, selection.config), layers=[-1], attention_dtype=torch.float16
+                ),
+                spinner=f"Running the model on image {index + 1} ...",
+            )
+            for index, (image_key, image) in enumerate(zip(self.image_keys, self.images))
+        ]
+
+    def tokens(self, index: int) -> torch.Tensor:
+        """(B, N, D) every image's tokens at ``index`` of the captures' tokens (0: entering the
+        first block, -1: leaving the last)."""
+        return self.memo("tokens", index, compute=lambda: torch.cat([
+            captured.tokens[:, index] for captured in self.captures()
+        ]))
 
     def keys(self, layer: int) -> torch.Tensor:
         """(B, P, nh * hd) the patches' keys in ``layer``: that layer's norm and qkv projection
         run again on the batch's captured tokens (a quarter of one block)."""
         return self.memo(
-            "keys", layer, compute=lambda: layer_keys(self.selection.model, self.capture().tokens[:, layer], layer),
+            "keys", layer, compute=lambda: layer_keys(self.selection.model, self.tokens(layer), layer),
             spinner=f"Computing the keys of layer {layer} ...",
         )
 
@@ -727,9 +740,7 @@ class ImageSet:
 
     def last_layer_features(self) -> torch.Tensor:
         """(B, P, D) the last layer's patch tokens after the final norm (DINOv2's figure's features)."""
-        return self.memo("last layer features", compute=lambda: last_layer_features(
-            self.selection.model, self.capture().tokens[:, -1]
-        ))
+        return self.memo("last layer features", compute=lambda: last_layer_features(self.selection.model, self.tokens(-1)))
 
     def display_images(self) -> list[np.ndarray]:
         """(H, W, 3) uint8 per image: each picture as the model sees it."""
