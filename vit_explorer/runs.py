@@ -217,7 +217,9 @@ def ordinal(number: int) -> str:
 
 RECORD_SUFFIX = ".run.json"  # a launched run's record in the runs folder: owner, config, process
 LOCK_NAME = ".runs.lock"  # held (flock) while a server admits, starts, numbers or withdraws runs
-REFRESH_SECONDS = 0.5  # how stale a server's view of the runs folder may be between launches
+# A server looks at the runs folder again when its modification time changed (a record or a
+# checkpoint written), else at most this often (a network file system may report it late).
+REFRESH_SECONDS = 2.0
 
 
 def _number_of(path: Path) -> int | None:
@@ -249,7 +251,7 @@ class RunManager:
         self._records: dict[str, Path] = {}  # run id -> record, for runs waiting or training
         self._seen: set[int] = set()  # run numbers listed once: never listed again, never reused
         self._failed_files: set[Path] = set()  # files logged once as unreadable
-        self._refreshed = -math.inf
+        self._refreshed, self._stamp = -math.inf, None
         self._folder_depth = 0  # the flock is taken once per thread holding self._lock
         with self._lock:
             self._refresh(initial=True)
@@ -300,12 +302,14 @@ class RunManager:
 
     def _refresh(self, *, force: bool = False, initial: bool = False) -> None:
         """Bring this server's view up to the folder: runs launched, started, withdrawn or ended
-        elsewhere. At most every REFRESH_SECONDS unless forced (launches, stops, starts)."""
-        if not (force or initial) and time.monotonic() - self._refreshed < REFRESH_SECONDS:
+        elsewhere (see REFRESH_SECONDS)."""
+        try:
+            stamp = self.runs_dir.stat().st_mtime_ns
+        except OSError:  # no runs yet
             return
-        self._refreshed = time.monotonic()
-        if not self.runs_dir.is_dir():
+        if not (force or initial) and stamp == self._stamp and time.monotonic() - self._refreshed < REFRESH_SECONDS:
             return
+        self._refreshed, self._stamp = time.monotonic(), stamp
         found: list[tuple[int, TrainingRun]] = []
         records = {}
         for path in self.runs_dir.glob(f"*{RECORD_SUFFIX}"):

@@ -310,13 +310,13 @@ def serve(
     # One runs folder for every replica, resolved once here (each would find the same uploads
     # folder by itself: the user's cache, unless VIT_EXPLORER_UPLOADS_DIR says otherwise).
     runs_dir = runs_dir or resources.default_runs_dir()
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     cluster = Replicas(
         replicas, port=port, host=host, runs_dir=runs_dir, uploads_dir=uploads_dir, replica_ports=replica_ports,
         log=lambda text: print(text, file=sys.stderr, flush=True),
     )
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
     print(f"Starting {replicas} replica{'s' if replicas > 1 else ''} and nginx ...", file=sys.stderr, flush=True)
     cluster.start()
     print(f"ViT Explorer: {cluster.url}", flush=True)
