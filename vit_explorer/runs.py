@@ -19,6 +19,7 @@ import logging
 import math
 import os
 import re
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -325,7 +326,7 @@ class RunManager:
                 del self._runs[run_id], self._records[run_id]
                 self._owners.pop(run_id, None)
             elif record is not None and record.get("pid") is not None:  # started elsewhere
-                run.follow(record["pid"], record["started"])
+                run.follow(record["pid"], record["started"], record.get("host"))
         for number, path in sorted(records.items()):
             if number in self._seen:
                 continue
@@ -333,9 +334,10 @@ class RunManager:
             if record is None or record["number"] != number:
                 continue
             config = record["config"]
-            pid, started = record.get("pid"), record.get("started")
+            pid, started, host = record.get("pid"), record.get("started"), record.get("host")
             live = pid is None or (
-                process_identity(pid) == (pid, started) and not _has_ended(run_files(config)["events"])
+                (host != socket.gethostname() or process_identity(pid) == (pid, started))
+                and not _has_ended(run_files(config)["events"])
             )
             if not live:
                 continue  # ended: listed from its sidecar below, like a run of an earlier server
@@ -344,7 +346,7 @@ class RunManager:
                 on_end=self._promote, publish=True,
             )
             if pid is not None:
-                run.follow(pid, started)
+                run.follow(pid, started, host)
             run_id = f"run {number}"
             self._seen.add(number)
             self._runs[run_id], self._owners[run_id], self._records[run_id] = run, record["owner"], path
@@ -430,7 +432,10 @@ class RunManager:
                 run.start()
                 pid = (run.pid if self._process else os.getpid()) if run.status == "running" else 0
                 identity = process_identity(pid) if pid else None  # pid 0: failed to start, not waiting
-                record.update(config=run.config.to_dict(), pid=pid, started=identity[1] if identity else 0)
+                record.update(
+                    config=run.config.to_dict(), pid=pid, started=identity[1] if identity else 0,
+                    host=socket.gethostname(),
+                )
                 self._write_record(path, record)
 
     def runs(self) -> dict[str, TrainingRun]:
@@ -502,8 +507,8 @@ def _has_ended(events: Path) -> bool:
 
 
 def stop_every_run(runs_dir: str | Path, timeout: float) -> int:
-    """Withdraw the waiting runs on ``runs_dir`` and ask every training one (whichever server
-    started it) to stop, then wait up to ``timeout`` seconds for them to end, each writing its
+    """Withdraw the waiting runs on ``runs_dir`` and ask every one training on this machine
+    (whichever server started it) to stop, then wait up to ``timeout`` seconds for them to end, each writing its
     checkpoint; how many were training."""
     runs_dir, training = Path(runs_dir), []
     if not runs_dir.is_dir():
@@ -518,7 +523,7 @@ def stop_every_run(runs_dir: str | Path, timeout: float) -> int:
                 continue  # not a record this server can act on
             if pid is None:
                 path.unlink(missing_ok=True)
-            elif process_identity(pid) == (pid, started):
+            elif record.get("host") == socket.gethostname() and process_identity(pid) == (pid, started):
                 files["stop"].touch()
                 training.append((pid, started))
     count, deadline = len(training), time.monotonic() + timeout

@@ -14,6 +14,7 @@ import math
 import os
 import resource
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -706,6 +707,7 @@ class TrainingRun:
         self._thread: threading.Thread | None = None
         self._process: subprocess.Popen | None = None
         self._followed: tuple[int, int] | None = None  # (pid, start time) of a process started elsewhere
+        self._followed_here = True  # that process is on this machine, where its life can be watched
         self._status = "pending"
         self._error: str | None = None
         self._peak_rss: int | None = None
@@ -748,13 +750,16 @@ class TrainingRun:
         )
         return run
 
-    def follow(self, pid: int, started: int) -> "TrainingRun":
+    def follow(self, pid: int, started: int, host: str | None = None) -> "TrainingRun":
         """Follow this run's process, started elsewhere (another server, or this one before a
-        restart) as process ``pid`` at ``started`` (see process_identity), through its files."""
+        restart) as process ``pid`` at ``started`` (see process_identity) on ``host`` (None: this
+        machine), through its files. A process on another machine cannot be watched from here:
+        its run is followed until its events end (whoever sees it die writes that end)."""
         with self._lock:
             if self._thread is not None or self._status != "pending":
                 raise RuntimeError("this run has already been started")
             self._followed, self._status = (pid, started), "running"
+            self._followed_here = host in (None, socket.gethostname())
             self._thread = threading.Thread(target=self._follow, name=f"follow-{self.config.run_name}", daemon=True)
             self._thread.start()
         return self
@@ -865,13 +870,16 @@ class TrainingRun:
         pid = process.pid if process is not None else self._followed[0]
         try:
             while ended is None:
-                alive = process.poll() is None if process is not None else process_identity(pid) == self._followed
+                if process is not None:
+                    alive = process.poll() is None
+                else:
+                    alive = process_identity(pid) == self._followed if self._followed_here else ended is None
                 for record in reader.read():
                     if record.get("event") == "end":
                         ended = record
                     elif (event := _decoded(record, files["snapshot"])) is not None:
                         self._record(event)
-                if alive:
+                if alive and self._followed_here:
                     with contextlib.suppress(OSError, ValueError):  # gone meanwhile
                         peak = _memory_status("VmHWM", pid)
                         with self._lock:
@@ -903,6 +911,9 @@ class TrainingRun:
                 "the run's process ended without reporting why: it was killed, from outside or for lack of"
                 " memory; it can be started again, smaller if it was memory"
             )
+        if ended is None:  # the process ended without its end line: say why, for every follower
+            with contextlib.suppress(OSError), open(files["events"], "a", encoding="utf-8") as events:
+                events.write(json.dumps({"event": "end", "error": error, "peak_rss": self.peak_rss}) + "\n")
         self._end(error)
 
     @property
