@@ -33,7 +33,7 @@ from .model import ViT
 from .train import TrainingError, TrainingRun, model_config, process_identity, resolve_device, run_files
 
 GB = 2**30
-# A spawned training process after importing torch and this package: 519 MB resident (VmHWM),
+# A training process after importing torch and this package: 519 MB resident (VmHWM),
 # about 690 MB once a first model has run (torch 2.14, Linux); the rest is allocator slack.
 BASELINE_BYTES = 768 * 2**20
 # Images per split when the config does not say (shapes renders these many; the others hold all).

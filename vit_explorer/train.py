@@ -868,6 +868,7 @@ class TrainingRun:
         # peak memory as seen from here (peak_rss), and the kernel's count of out-of-memory kills.
         oom_kills = _oom_kills()
         pid = process.pid if process is not None else self._followed[0]
+        caught_up = False
         try:
             while ended is None:
                 if process is not None:
@@ -879,6 +880,10 @@ class TrainingRun:
                         ended = record
                     elif (event := _decoded(record, files["snapshot"])) is not None:
                         self._record(event)
+                if not caught_up:  # the pace is measured from now, not from the steps read at once
+                    caught_up = True
+                    with self._lock:
+                        self._pace_from = (time.perf_counter(), self._progress) if self._steps else None
                 if alive and self._followed_here:
                     with contextlib.suppress(OSError, ValueError):  # gone meanwhile
                         peak = _memory_status("VmHWM", pid)
