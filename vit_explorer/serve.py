@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import getpass
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -25,7 +26,6 @@ import sys
 import tempfile
 import threading
 import time
-import tomllib
 import urllib.request
 from pathlib import Path
 
@@ -50,12 +50,14 @@ def find_nginx() -> str | None:
 
 
 def max_upload_mb() -> int:
-    """The app's server.maxUploadSize (MB) from its .streamlit/config.toml."""
+    """The app's server.maxUploadSize (MB) from its .streamlit/config.toml (read with a pattern:
+    tomllib is Python 3.11+, and the file is the project's own)."""
     config = resources.app_script().parent / ".streamlit" / "config.toml"
-    with contextlib.suppress(OSError, tomllib.TOMLDecodeError):
-        value = tomllib.loads(config.read_text()).get("server", {}).get("maxUploadSize")
-        if isinstance(value, int) and value > 0:
-            return value
+    with contextlib.suppress(OSError):
+        server = re.search(r"^\[server\]$(.*?)(?=^\[|\Z)", config.read_text(), re.M | re.S)
+        value = server and re.search(r"^maxUploadSize\s*=\s*(\d+)\s*$", server.group(1), re.M)
+        if value and int(value.group(1)) > 0:
+            return int(value.group(1))
     return DEFAULT_UPLOAD_MB
 
 
