@@ -434,3 +434,15 @@ def test_the_grid_layouts_kept_for_reuse_are_bounded():
         fig = figures.attention_heads_grid(IMAGE, np.random.default_rng(heads).random((heads, *GRID)), columns=7)
         assert len(traces(fig, "heatmap")) == heads and fig.layout.annotations[-1].text.startswith(f"head {heads - 1} ")
     assert _subplots_json.cache_info().currsize <= _subplots_json.cache_info().maxsize == 32
+
+
+def test_a_pictures_encoding_is_reused_by_content_and_the_kept_ones_are_bounded():
+    from vit_explorer.figures import _base
+    first = _base.image_data_uri(IMAGE)
+    assert _base.image_data_uri(IMAGE.copy()) == first  # the same picture, another array
+    other = IMAGE.copy()
+    other[0, 0, 0] ^= 1
+    assert _base.image_data_uri(other) != first  # one value changed is another picture
+    for seed in range(_base.URI_CACHE_SIZE + 5):
+        _base.image_data_uri(np.full((2, 2, 3), seed, dtype=np.uint8))
+    assert len(_base._URIS) == _base.URI_CACHE_SIZE

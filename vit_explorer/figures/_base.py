@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import base64
+import collections
 import functools
+import hashlib
 import io
 import json
 import math
+import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -131,8 +134,29 @@ def image_data_uri(image: np.ndarray, lossless: bool = False) -> str:
 
     Every rerun sends each figure to the browser, and grids repeat their image per panel, so the
     encoding decides how heavy a page is. Drawn shapes compress well as PNG and stay exact;
-    colour-mapped values ask for ``lossless``.
+    colour-mapped values ask for ``lossless``. The same picture goes into most figures of a
+    page, so its encodings are kept (by content, the last URI_CACHE_SIZE).
     """
+    image = np.ascontiguousarray(image)
+    key = (image.shape, image.dtype.str, hashlib.blake2b(image.data, digest_size=16).digest(), lossless)
+    with _URI_LOCK:
+        if key in _URIS:
+            _URIS.move_to_end(key)
+            return _URIS[key]
+    uri = _encode_uri(image, lossless)
+    with _URI_LOCK:
+        _URIS[key] = uri
+        while len(_URIS) > URI_CACHE_SIZE:
+            _URIS.popitem(last=False)
+    return uri
+
+
+URI_CACHE_SIZE = 64  # the last pictures encoded (a 224 px photo's URI is about 23 kB)
+_URIS: collections.OrderedDict = collections.OrderedDict()
+_URI_LOCK = threading.Lock()  # sessions draw figures from several threads
+
+
+def _encode_uri(image: np.ndarray, lossless: bool) -> str:
     png = _encoded(image, "PNG", compress_level=1)  # 4x faster than the default, 10% larger
     jpeg = None if lossless else _encoded(image, "JPEG", quality=90)
     if jpeg is not None and 3 * len(jpeg) < len(png):
