@@ -171,7 +171,10 @@ class Student(HttpUser):
         self.report.actions[self.number] += 1
         self.uploaded = self.uploaded or kind == "upload"
         if self.uploaded:
-            self.report.mixups += [f"{where}: {line}" for line in self.mixups(page)]
+            try:
+                self.report.mixups += [f"{where}: {line}" for line in self.mixups(page)]
+            except Exception as error:  # the thumbnail could not be fetched or read
+                self.report.errors.append(f"{where}: checking the image failed: {type(error).__name__}: {error}")
 
     def fire(self, kind: str, seconds: float, received: int, error: Exception | None) -> None:
         self.environment.events.request.fire(
@@ -286,6 +289,8 @@ def run_class(url: str, probes: list[Probe], think: tuple[float, float], spawn_r
     runner.quit()
     for session in report.sessions:
         session.close()
+    # Whatever escaped a student (a bug here, not the server's) is an error too: Locust caught it.
+    report.errors += [f"load generator: {error['msg']}" for error in runner.exceptions.values()]
     times = [seconds_ for _, seconds_ in report.runs]
     kinds = sorted({kind for kind, _ in report.runs})
     by_kind = {}
