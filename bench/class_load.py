@@ -34,6 +34,7 @@ import locust  # noqa: F401
 
 import argparse
 import io
+import itertools
 import json
 import os
 import random
@@ -123,7 +124,7 @@ class Student(HttpUser):
         data = self.probe.path.read_bytes()
         yield "upload", lambda: self.streamlit.upload("Upload an image", self.probe.path.name, data)
         start = self.rng.randrange(len(PAGES))
-        for step in range(10**6):
+        for step in itertools.count():
             name = PAGES[(start + step) % len(PAGES)]
             yield f"page: {name}", lambda name=name: self.streamlit.go_to(name)
             sliders = self.streamlit.page.widgets("slider", MAIN)

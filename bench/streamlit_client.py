@@ -157,9 +157,10 @@ def widget_value(element: Element) -> WidgetState | None:
 class StreamlitSession:
     """One Streamlit session over its websocket, driven like the frontend drives it.
 
-    ``http`` is the student's HTTP client (a requests.Session: its cookies go with the websocket
-    handshake too). A reader greenlet parses every ForwardMsg as it comes; an action sends one
-    BackMsg and waits for the run it starts to finish successfully.
+    ``http`` is the student's HTTP client, a requests.Session that takes ``name=`` for its stats
+    (Locust's HttpSession); its cookies go with the websocket handshake too. A reader thread (a
+    greenlet under gevent) parses every ForwardMsg as it comes; an action sends one BackMsg and
+    waits, at most ``timeout`` seconds, for the run it starts to finish successfully.
     """
 
     def __init__(self, base_url: str, http, timeout: float = 60.0):
@@ -201,6 +202,7 @@ class StreamlitSession:
             stream, subprotocols=["streamlit"], origin=f"{parts.scheme}://{parts.netloc}",
             cookie=cookies or None, timeout=self.timeout,
         )
+        self._socket.settimeout(None)  # the reader waits through any think time; actions time out
         self._reader = threading.Thread(target=self._read, name="streamlit-reader", daemon=True)
         self._reader.start()
         return self.rerun(page_script_hash="", query_string="")
