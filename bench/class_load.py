@@ -382,9 +382,11 @@ def main() -> None:
                         help="with --url: the server process(es) whose CPU time to read (repeat for replicas)")
     parser.add_argument("--port", type=int, help="the port of the server this starts (default: a free one)")
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
+    parser.add_argument("--folder", type=Path, help="for the images, runs, uploads and server log (default: a new"
+                        " temporary folder, kept)")
     args = parser.parse_args()
 
-    folder = Path(tempfile.mkdtemp(prefix="vit_explorer_class_"))  # kept: the images and the server log
+    folder = args.folder or Path(tempfile.mkdtemp(prefix="vit_explorer_class_"))
     probes = make_probes(args.students, folder / "images")
     options = Options(actions=args.actions, timeout=args.timeout)
     log = folder / "streamlit.log"

@@ -21,7 +21,8 @@ def test_a_small_class_runs_without_errors_or_mixups(tmp_path):
     out = tmp_path / "result.json"
     finished = subprocess.run(
         [sys.executable, "-m", "bench.class_load", "--students", str(STUDENTS), "--actions", str(ACTIONS),
-         "--think", "0.2,0.5", "--duration", "100", "--spawn-rate", "2", "--json", str(out)],
+         "--think", "0.2,0.5", "--duration", "100", "--spawn-rate", "2", "--json", str(out),
+         "--folder", str(tmp_path)],
         cwd=ROOT, capture_output=True, text=True, timeout=170,
     )
     assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
