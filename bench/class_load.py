@@ -49,11 +49,13 @@ from pathlib import Path
 import gevent
 import numpy as np
 from locust import HttpUser, between, task
+from locust.clients import LocustHttpAdapter
 from locust.env import Environment
 from locust.exception import StopUser
 from locust.stats import get_percentile_stats_summary, get_stats_summary
 from PIL import Image
 from streamlit.proto.WidgetStates_pb2 import WidgetState
+from urllib3.util.retry import Retry
 
 from bench.app_load import Probe, is_own, make_probes
 from bench.browser import app_server, log_tail
@@ -105,6 +107,10 @@ class Student(HttpUser):
     options: Options
 
     def on_start(self) -> None:
+        # Like a browser: a request on a kept-alive connection the server has just closed (uvicorn
+        # closes them after 5 s idle, shorter than a student's think) is sent again, once.
+        retry = Retry(total=1, connect=1, read=1, status=0, other=0, allowed_methods=None, raise_on_status=False)
+        self.client.mount("http://", LocustHttpAdapter(pool_manager=None, max_retries=retry))
         self.number, self.probe = self.roster.pop(0)
         self.rng = random.Random(self.number)
         self.streamlit = StreamlitSession(self.host, self.client, self.options.timeout)
