@@ -87,6 +87,7 @@ class ClassReport:
 class Options:
     actions: int = 20  # per student, opening the app and the upload included
     timeout: float = 60.0  # the longest wait for one run
+    pages: tuple[str, ...] = PAGES  # the pages walked, in this order
 
 
 def image_array(data: bytes | Path) -> np.ndarray:
@@ -129,9 +130,10 @@ class Student(HttpUser):
         yield "open", self.streamlit.open
         data = self.probe.path.read_bytes()
         yield "upload", lambda: self.streamlit.upload("Upload an image", self.probe.path.name, data)
-        start = self.rng.randrange(len(PAGES))
+        pages = self.options.pages
+        start = self.rng.randrange(len(pages))
         for step in itertools.count():
-            name = PAGES[(start + step) % len(PAGES)]
+            name = pages[(start + step) % len(pages)]
             yield f"page: {name}", lambda name=name: self.streamlit.go_to(name)
             sliders = self.streamlit.page.widgets("slider", MAIN)
             if sliders:
@@ -375,6 +377,14 @@ def think_range(text: str) -> tuple[float, float]:
     return low, high
 
 
+def page_list(text: str) -> tuple[str, ...]:
+    pages = tuple(name.strip() for name in text.split(",") if name.strip())
+    unknown = [name for name in pages if name not in PAGES]
+    if unknown or not pages:
+        raise argparse.ArgumentTypeError(f"--pages takes names among {', '.join(PAGES)}; not {unknown}")
+    return pages
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--students", type=int, default=30)
@@ -383,6 +393,8 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=120, help="stop after this many seconds at most (120)")
     parser.add_argument("--spawn-rate", type=float, default=1.0, help="students arriving per second (1)")
     parser.add_argument("--timeout", type=float, default=60, help="the longest wait for one run (60 s)")
+    parser.add_argument("--pages", type=page_list, default=PAGES,
+                        help=f"the pages walked, comma-separated (default: all, {','.join(PAGES)})")
     parser.add_argument("--url", type=loopback, help="an app (or a proxy in front of several) already running on loopback")
     parser.add_argument("--server-pid", type=int, action="append", default=[],
                         help="with --url: the server process(es) whose CPU time to read (repeat for replicas)")
@@ -394,7 +406,7 @@ def main() -> None:
 
     folder = args.folder or Path(tempfile.mkdtemp(prefix="vit_explorer_class_"))
     probes = make_probes(args.students, folder / "images")
-    options = Options(actions=args.actions, timeout=args.timeout)
+    options = Options(actions=args.actions, timeout=args.timeout, pages=args.pages)
     log = folder / "streamlit.log"
     environment = {"VIT_EXPLORER_RUNS_DIR": str(folder / "runs"), "VIT_EXPLORER_UPLOADS_DIR": str(folder / "uploads")}
     print(f"{args.students} students, think {args.think[0]:g}-{args.think[1]:g} s, {args.spawn_rate:g} arriving/s,"
