@@ -38,6 +38,7 @@ import itertools
 import json
 import os
 import random
+import re
 import statistics
 import tempfile
 import time
@@ -57,13 +58,44 @@ from PIL import Image
 from streamlit.proto.WidgetStates_pb2 import WidgetState
 from urllib3.util.retry import Retry
 
+import vit_explorer as vx
 from bench.app_load import Probe, is_own, make_probes
 from bench.browser import app_server, log_tail
-from bench.streamlit_client import MAIN, SELECT_SLIDER, Page, ProtocolError, Shown, StreamlitSession, widget_value
+from bench.streamlit_client import MAIN, SELECT_SLIDER, SIDEBAR, Page, ProtocolError, Shown, StreamlitSession, widget_value
+from vit_explorer.train import DEFAULT_WEIGHTS
 
 # The pages a student walks, in the sidebar's order; it starts at a random one after the upload.
 PAGES = ("Pipeline", "Patches", "Attention", "Inside a layer", "Train", "Several images", "Knock-out", "Compare")
 IMAGE_PICKER = "Image"  # the sidebar's selectbox of images
+# The sidebar's caption of the model (ui.describe): the input and patch size the pages use.
+SIZES = re.compile(r"(\d+)x(\d+) px input, patch (\d+) ")
+
+
+class Expected:
+    """What the model predicts for each student's image at the patch and input size its session
+    uses (a student may move the Patches page's patch size): computed here, once for each."""
+
+    def __init__(self, probes: list[Probe], weights: Path):
+        self.model = vx.load_model(weights).eval()
+        self.images = {number: Image.open(probe.path).convert("RGB") for number, probe in enumerate(probes, 1)}
+        self.native = {number: (probe.prediction, probe.probability) for number, probe in enumerate(probes, 1)}
+        self._models: dict[tuple, vx.ViT] = {}
+        self._found: dict[tuple, tuple[str, float]] = {}
+
+    def __call__(self, number: int, patch: int, size: tuple[int, int]) -> tuple[str, float]:
+        config = self.model.config
+        if patch == config.patch_size and size == tuple(config.img_size):
+            return self.native[number]
+        if (number, patch, size) not in self._found:
+            if (patch, size) not in self._models:  # as the app's ui.model_at resizes
+                self._models[patch, size] = vx.resize_model(
+                    self.model, patch_size=patch, image_size=size, share_weights=True).eval()
+            model = self._models[patch, size]
+            probabilities = vx.capture(model, vx.preprocess(self.images[number], model.config)).logits.softmax(-1)[0]
+            best = int(probabilities.argmax())
+            names = model.config.class_names or [f"class {index}" for index in range(model.config.num_classes)]
+            self._found[number, patch, size] = (names[best], 100 * float(probabilities[best]))
+        return self._found[number, patch, size]
 
 
 # --- a student ------------------------------------------------------------------------------------
@@ -104,6 +136,7 @@ class Student(HttpUser):
     abstract = True
     roster: list[tuple[int, Probe]]
     images: dict[int, np.ndarray]  # every student's image, to tell whose the thumbnail is
+    expected: Expected
     report: ClassReport
     options: Options
 
@@ -210,10 +243,16 @@ class Student(HttpUser):
             if self.thumbnails[url] != self.number:
                 found.append(f"the sidebar's picture is student {self.thumbnails[url]}'s")
         if page.title() == "Pipeline":
+            sizes = next(filter(None, map(SIZES.search, page.texts(SIDEBAR))), None)
+            if sizes is None:
+                found.append("the sidebar does not say the model's input and patch size")
+                return found
+            height, width, patch = map(int, sizes.groups())
+            expected = self.expected(self.number, patch, (height, width))
             shown = page.prediction()
             self.report.predictions += 1
-            if not is_own(self.probe, shown):
-                found.append(f"predicts {shown}, expected ({self.probe.prediction!r}, {self.probe.probability:.1f})")
+            if not is_own(Probe(self.probe.path, *expected), shown):
+                found.append(f"predicts {shown}, expected ({expected[0]!r}, {expected[1]:.1f}) at patch {patch}")
         return found
 
     def whose(self, picture: np.ndarray) -> int:
@@ -226,10 +265,12 @@ class Student(HttpUser):
         return min(self.images, key=lambda number: distance(self.images[number]))
 
 
-def student_class(probes: list[Probe], report: ClassReport, options: Options, think: tuple[float, float]):
+def student_class(probes: list[Probe], report: ClassReport, options: Options, think: tuple[float, float],
+                  weights: Path = DEFAULT_WEIGHTS):
     """A Student class for this run (Locust builds users from a class)."""
     return type("ConfiguredStudent", (Student,), dict(
         abstract=False, wait_time=between(*think), report=report, options=options,
+        expected=Expected(probes, weights),
         roster=list(enumerate(probes, 1)),
         images={number: image_array(probe.path) for number, probe in enumerate(probes, 1)},
     ))

@@ -70,8 +70,11 @@ class Page:
     elements: list[Shown]
     page_script_hash: str
 
-    def texts(self) -> Iterator[str]:
+    def texts(self, area: int | None = None) -> Iterator[str]:
+        """Markdown (captions included) and headings, of the main area, the sidebar or both."""
         for shown in self.elements:
+            if area is not None and shown.path[0] != area:
+                continue
             if shown.kind == "markdown":
                 yield shown.element.markdown.body
             elif shown.kind == "heading":
