@@ -14,13 +14,14 @@ found by id and label in the deltas), waiting for each run to finish, with think
 Each finished run is checked: no exception or `st.error` on the page, the expected page's title,
 the sidebar's image is the student's own upload (the picker's label and the thumbnail's pixels,
 which must be closer to its own image than to any other student's), and the Pipeline page
-predicts what the model says for that image (computed here). Locust's stats get one request per
+predicts what the model says for that image at the patch size the session uses (computed here). Locust's stats get one request per
 action ("WS" requests) beside the HTTP ones. The server's CPU time is read from /proc before and
 after.
 
     python -m bench.class_load --students 30                  # starts `streamlit run app.py` on loopback
     python -m bench.class_load --students 30 --think 5,10 --duration 120 --spawn-rate 1
     python -m bench.class_load --url http://127.0.0.1:8501/ --server-pid 1234   # an existing server or proxy
+    python -m bench.class_load --pages Pipeline,Patches,Attention,Train     # bench.app_load's walk
 
 It stops by itself: after --actions actions per student or --duration seconds, whichever first.
 Loopback only.
@@ -50,8 +51,9 @@ from pathlib import Path
 import gevent
 import numpy as np
 from locust import HttpUser, between, task
-from locust.clients import LocustHttpAdapter
+from locust.clients import HttpSession, LocustHttpAdapter
 from locust.env import Environment
+from locust.event import Events
 from locust.exception import StopUser
 from locust.stats import get_percentile_stats_summary, get_stats_summary
 from PIL import Image
@@ -59,7 +61,7 @@ from streamlit.proto.WidgetStates_pb2 import WidgetState
 from urllib3.util.retry import Retry
 
 import vit_explorer as vx
-from bench.app_load import Probe, is_own, make_probes
+from bench.app_load import Probe, is_own, make_probes, percentile
 from bench.browser import app_server, log_tail
 from bench.streamlit_client import MAIN, SELECT_SLIDER, SIDEBAR, Page, ProtocolError, Shown, StreamlitSession, widget_value
 from vit_explorer.train import DEFAULT_WEIGHTS
@@ -288,12 +290,6 @@ def cpu_seconds(pids: list[int]) -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
-def percentile(values: list[float], q: float) -> float:
-    if len(values) == 1:
-        return values[0]
-    return statistics.quantiles(values, n=100, method="inclusive")[round(q) - 1]
-
-
 @dataclass
 class Result:
     """One class's figures, as printed (and written with --json)."""
@@ -324,6 +320,8 @@ def run_class(url: str, probes: list[Probe], think: tuple[float, float], spawn_r
     warm = StreamlitSession(url, _http(url), options.timeout)  # the first run loads the model: not measured
     try:
         warm.open()
+    except Exception as error:
+        raise SystemExit(f"The app at {url} did not open: {type(error).__name__}: {error}") from None
     finally:
         warm.close()
     report = ClassReport()
@@ -354,7 +352,8 @@ def run_class(url: str, probes: list[Probe], think: tuple[float, float], spawn_r
         max=max(times, default=None), by_kind=by_kind, server_cpu=server_cpu,
         cpu_per_run=server_cpu / len(times) if server_cpu is not None and times else None,
         cpu_per_view=server_cpu / report.views if server_cpu is not None and report.views else None,
-        generator_cpu=generator_cpu, predictions=report.predictions, actions=dict(report.actions), errors=report.errors, mixups=report.mixups,
+        generator_cpu=generator_cpu, predictions=report.predictions, actions=dict(report.actions),
+        errors=report.errors, mixups=report.mixups,
     ), environment
 
 
@@ -363,10 +362,8 @@ def _own_cpu() -> float:
     return times.user + times.system
 
 
-def _http(url: str):
-    from locust.clients import HttpSession
-    from locust.event import Events
-
+def _http(url: str) -> HttpSession:
+    """An HTTP client for a session outside the class (its requests are not counted)."""
     return HttpSession(url, request_event=Events().request, user=None)
 
 
