@@ -317,9 +317,12 @@ class Result:
 def run_class(url: str, probes: list[Probe], think: tuple[float, float], spawn_rate: float, duration: float,
               options: Options, pids: list[int]) -> tuple[Result, Environment]:
     """``len(probes)`` students at ``url`` until each has done its actions or ``duration`` is up."""
-    warm = StreamlitSession(url, _http(url), options.timeout)  # the first run loads the model: not measured
+    # Not measured: a fresh server's first views load the model and import what each page needs.
+    warm = StreamlitSession(url, _http(url), options.timeout)
     try:
         warm.open()
+        for page in options.pages:
+            warm.go_to(page)
     except Exception as error:
         raise SystemExit(f"The app at {url} did not open: {type(error).__name__}: {error}") from None
     finally:
