@@ -21,6 +21,7 @@ after.
     python -m bench.class_load --students 30                  # starts `streamlit run app.py` on loopback
     python -m bench.class_load --students 30 --think 5,10 --duration 120 --spawn-rate 1
     python -m bench.class_load --url http://127.0.0.1:8501/ --server-pid 1234   # an existing server or proxy
+    python -m bench.class_load --replicas 2                   # vit-explorer serve's replicas behind nginx
     python -m bench.class_load --pages Pipeline,Patches,Attention,Train     # bench.app_load's walk
 
 It stops by itself: after --actions actions per student or --duration seconds, whichever first.
@@ -44,6 +45,7 @@ import statistics
 import tempfile
 import time
 import urllib.parse
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,8 +64,9 @@ from urllib3.util.retry import Retry
 
 import vit_explorer as vx
 from bench.app_load import Probe, is_own, make_probes, percentile
-from bench.browser import app_server, log_tail
+from bench.browser import app_server, free_port, log_tail
 from bench.streamlit_client import MAIN, SELECT_SLIDER, SIDEBAR, Page, ProtocolError, Shown, StreamlitSession, widget_value
+from vit_explorer.serve import Replicas
 from vit_explorer.train import DEFAULT_WEIGHTS
 
 # The pages a student walks, in the sidebar's order; it starts at a random one after the upload.
@@ -312,21 +315,26 @@ class Result:
     actions: dict[int, int]
     errors: list[str]
     mixups: list[str]
+    replicas: dict[str, int]  # behind vit-explorer serve's proxy: replica -> students it served
 
 
 def run_class(url: str, probes: list[Probe], think: tuple[float, float], spawn_rate: float, duration: float,
-              options: Options, pids: list[int]) -> tuple[Result, Environment]:
-    """``len(probes)`` students at ``url`` until each has done its actions or ``duration`` is up."""
-    # Not measured: a fresh server's first views load the model and import what each page needs.
-    warm = StreamlitSession(url, _http(url), options.timeout)
-    try:
-        warm.open()
-        for page in options.pages:
-            warm.go_to(page)
-    except Exception as error:
-        raise SystemExit(f"The app at {url} did not open: {type(error).__name__}: {error}") from None
-    finally:
-        warm.close()
+              options: Options, pids: list[int], warm_urls: list[str] | None = None) -> tuple[Result, Environment]:
+    """``len(probes)`` students at ``url`` until each has done its actions or ``duration`` is up.
+
+    ``warm_urls`` (default ``url``) are visited first, every page once, unmeasured: a fresh
+    server's first views load the model and import what each page needs.
+    """
+    for warm_url in warm_urls or [url]:
+        warm = StreamlitSession(warm_url, _http(warm_url), options.timeout)
+        try:
+            warm.open()
+            for page in options.pages:
+                warm.go_to(page)
+        except Exception as error:
+            raise SystemExit(f"The app at {warm_url} did not open: {type(error).__name__}: {error}") from None
+        finally:
+            warm.close()
     report = ClassReport()
     environment = Environment(user_classes=[student_class(probes, report, options, think)], host=url)
     runner = environment.create_local_runner()
@@ -335,7 +343,11 @@ def run_class(url: str, probes: list[Probe], think: tuple[float, float], spawn_r
     while report.done < len(probes) and time.monotonic() - start < duration:
         gevent.sleep(0.2)
     seconds = time.monotonic() - start
-    server_cpu = cpu_seconds(pids) - cpu_before if pids else None
+    try:
+        server_cpu = cpu_seconds(pids) - cpu_before if pids else None
+    except FileNotFoundError:  # a server process ended (a replica started again): no total to give
+        server_cpu = None
+        report.errors.append("a server process ended during the class")
     generator_cpu = _own_cpu() - own_before
     runner.quit()
     for session in report.sessions:
@@ -357,6 +369,7 @@ def run_class(url: str, probes: list[Probe], think: tuple[float, float], spawn_r
         cpu_per_view=server_cpu / report.views if server_cpu is not None and report.views else None,
         generator_cpu=generator_cpu, predictions=report.predictions, actions=dict(report.actions),
         errors=report.errors, mixups=report.mixups,
+        replicas=dict(Counter(session.replica for session in report.sessions if session.replica)),
     ), environment
 
 
@@ -391,6 +404,8 @@ def summary(result: Result, think: tuple[float, float]) -> list[str]:
             f" ({result.server_cpu / result.seconds:.2f} cores): {s(result.cpu_per_run)} per finished run,"
             f" {s(result.cpu_per_view)} per page view"
         )
+    if result.replicas:
+        lines.append("students per replica: " + ", ".join(f"{name} {count}" for name, count in sorted(result.replicas.items())))
     lines.append(f"load generator's own CPU: {result.generator_cpu:.1f} s (on the same machine)")
     lines.append(f"errors: {len(result.errors)}")
     lines += [f"  {line}" for line in result.errors[:20]]
@@ -439,7 +454,9 @@ def main() -> None:
     parser.add_argument("--url", type=loopback, help="an app (or a proxy in front of several) already running on loopback")
     parser.add_argument("--server-pid", type=int, action="append", default=[],
                         help="with --url: the server process(es) whose CPU time to read (repeat for replicas)")
-    parser.add_argument("--port", type=int, help="the port of the server this starts (default: a free one)")
+    parser.add_argument("--replicas", type=int, default=0,
+                        help="start this many app servers behind nginx (vit-explorer serve) instead of one")
+    parser.add_argument("--port", type=int, help="the port of the server (or proxy) this starts (default: a free one)")
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
     parser.add_argument("--folder", type=Path, help="for the images, runs, uploads and server log (default: a new"
                         " temporary folder, kept)")
@@ -455,6 +472,15 @@ def main() -> None:
     if args.url:
         print(f"against {args.url}")
         result, stats = run_class(args.url, probes, args.think, args.spawn_rate, args.duration, options, args.server_pid)
+    elif args.replicas:
+        with Replicas(args.replicas, port=args.port or free_port(), folder=folder / "serve", log=lambda line: None,
+                      runs_dir=folder / "runs", uploads_dir=folder / "uploads") as cluster:
+            pids = [process.pid for process in cluster.processes]
+            print(f"{args.replicas} replicas (pids {', '.join(map(str, pids))}) behind nginx at {cluster.url},"
+                  " the shipped shapes model")
+            result, stats = run_class(cluster.url + "/", probes, args.think, args.spawn_rate, args.duration, options,
+                                      pids, warm_urls=cluster.replica_urls)
+        log = folder / "serve" / "replica-1.log"
     else:
         with app_server(environment, log=log, port=args.port) as server:
             print(f"streamlit run app.py at {server.url} (pid {server.pid}), the shipped shapes model")

@@ -36,6 +36,7 @@ COMPILE_ERROR = ForwardMsg.ScriptFinishedStatus.Value("FINISHED_WITH_COMPILE_ERR
 ERROR_ALERT = Alert.Format.Value("ERROR")
 SELECT_SLIDER = Slider.Type.Value("SELECT_SLIDER")
 MAIN, SIDEBAR = 0, 1  # the first index of a delta path: the page's main area or the sidebar
+REPLICA_HEADER = "X-Vit-Explorer-Replica"  # set by vit-explorer serve's nginx: which replica answered
 THUMBNAIL_CAPTION = re.compile(r"\d+x\d+ px as given")  # the caption of the app's sidebar image
 
 
@@ -175,6 +176,7 @@ class StreamlitSession:
         self.page_script_hash = ""
         self.pages: dict[str, str] = {}  # page name -> page script hash, from the navigation message
         self.query_string = ""
+        self.replica: str | None = None  # the replica that answered, behind vit-explorer serve's proxy
         self.page: Page | None = None  # the last finished run
         self.bytes_received = 0
         self._widgets: dict[str, WidgetState] = {}  # id -> the value the frontend would send
@@ -195,7 +197,9 @@ class StreamlitSession:
     def open(self) -> Page:
         """What a browser does on opening the app's address: the page, the health check (which
         sets the XSRF cookie), the websocket and the first run."""
-        self.http.get(self.base_url, name="/ (page)").raise_for_status()
+        page = self.http.get(self.base_url, name="/ (page)")
+        page.raise_for_status()
+        self.replica = page.headers.get(REPLICA_HEADER)
         self.http.get(urllib.parse.urljoin(self.base_url, "_stcore/health"), name="/_stcore/health").raise_for_status()
         parts = urllib.parse.urlsplit(self.base_url)
         stream = urllib.parse.urlunsplit(("wss" if parts.scheme == "https" else "ws", parts.netloc,

@@ -1,6 +1,7 @@
 """The class load test (bench/class_load.py): Locust students speaking Streamlit's protocol.
 
-A small class runs against a real server on loopback, in a process of its own (Locust patches
+A small class runs against a real server on loopback, and one through vit-explorer serve's nginx
+in front of two replicas, each in a process of its own (Locust patches
 the standard library for gevent on import, which this test process must not get). Times are
 the bench's to print, not asserted here. The protocol client's reading of a page is checked on
 hand-made protobufs: what it takes for an error, a prediction and a widget's value.
@@ -9,27 +10,34 @@ import json
 import subprocess
 import sys
 
+import pytest
 from streamlit.proto.Element_pb2 import Element
 
 from bench.browser import ROOT
 from bench.streamlit_client import MAIN, SIDEBAR, Page, Shown, widget_value
+from vit_explorer.serve import find_nginx
 
-# Open, upload, then two more: the students' walks are seeded by their number, so student 1 visits
-# Attention and moves one of its sliders, student 2 visits Pipeline (no slider) and Patches.
-STUDENTS, ACTIONS = 2, 4
+# Open, upload, then the Attention page and one of its sliders (a walk of two pages starts at the
+# first for these students: their walks are seeded by their number). Two pages keep the server's
+# unmeasured warm-up, every walked page once, short.
+STUDENTS, ACTIONS, PAGES = 2, 4, "Attention,Pipeline"
 
 
-def test_a_small_class_runs_without_errors_or_mixups(tmp_path):
-    out = tmp_path / "result.json"
+def small_class(folder, *options: str) -> tuple[dict, str]:
+    """Run the bench on a small class; its figures and what it printed."""
+    out = folder / "result.json"
     finished = subprocess.run(
-        [sys.executable, "-m", "bench.class_load", "--students", str(STUDENTS), "--actions", str(ACTIONS),
-         "--think", "0.2,0.5", "--duration", "100", "--spawn-rate", "2", "--json", str(out),
-         "--folder", str(tmp_path)],
+        [sys.executable, "-m", "bench.class_load", "--think", "0.2,0.5", "--duration", "100", "--spawn-rate", "2",
+         "--json", str(out), "--folder", str(folder), *options],
         cwd=ROOT, capture_output=True, text=True, timeout=170,
     )
     assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
-    result = json.loads(out.read_text())
-    report = finished.stdout[-3000:]
+    return json.loads(out.read_text()), finished.stdout
+
+
+def test_a_small_class_runs_without_errors_or_mixups(tmp_path):
+    result, printed = small_class(tmp_path, "--students", str(STUDENTS), "--actions", str(ACTIONS), "--pages", PAGES)
+    report = printed[-3000:]
     assert result["errors"] == [], report
     assert result["mixups"] == [], report
     assert sorted(result["actions"].values()) == [ACTIONS] * STUDENTS, report  # every student did all
@@ -37,7 +45,21 @@ def test_a_small_class_runs_without_errors_or_mixups(tmp_path):
     # Each upload lands on Pipeline: its "The model says ..." was read and was the student's own.
     assert result["predictions"] >= STUDENTS, report
     assert result["server_cpu"] > 0 and result["views"] >= 2 * STUDENTS, report
-    assert "WS       upload" in finished.stdout  # Locust's own stats saw the runs
+    assert "WS       upload" in printed  # Locust's own stats saw the runs
+
+
+@pytest.mark.skipif(find_nginx() is None, reason="no nginx (apt-get install nginx)")
+def test_a_class_through_the_replicas_proxy(tmp_path):
+    """Behind vit-explorer serve's nginx: each student's cookies keep it on one replica, or its
+    upload (a PUT to its session's replica) and its runs would fail."""
+    students = 4
+    result, printed = small_class(
+        tmp_path, "--replicas", "2", "--students", str(students), "--actions", "3", "--pages", "Pipeline,Train"
+    )
+    report = printed[-3000:]
+    assert result["errors"] == [] and result["mixups"] == [], report
+    assert sorted(result["actions"].values()) == [3] * students, report
+    assert sum(result["replicas"].values()) == students, report  # the proxy named the replica of each
 
 
 def element(kind: str, **fields) -> Element:
