@@ -21,6 +21,7 @@ measured in the same run, then whether the goals are met:
     python -m bench.app_latency            # ViT-B/16 at 224, 3 rounds on the CPU, then on CUDA if present
     python -m bench.app_latency --small    # a ViT-S/16-sized model, for a quick look
     python -m bench.app_latency --device cuda
+    python -m bench.app_latency --pages knockout compare   # only those pages' steps (after loading)
 
 Each round starts a fresh app with empty caches; a step's ratio is the median over the rounds
 (a single round on a shared 2-core machine can be off by half). The goals are the CPU's (a
@@ -33,6 +34,7 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import streamlit as st
@@ -114,9 +116,13 @@ class Steps:
         return lambda: self.app.selectbox(key="image_picker").set_value(key)
 
 
-def run(small: bool, device: torch.device) -> list[tuple[str, str, float, float]]:
+PAGES = ("core", "images", "knockout", "compare")  # --pages: core is Pipeline, Patches, Attention, Inside
+
+
+def run(small: bool, device: torch.device, pages: Sequence[str] = PAGES) -> list[tuple[str, str, float, float]]:
     """One round on ``device``: (step, kind, seconds, seconds of one plain forward pass just
-    before) per step."""
+    before) per step, for the steps of ``pages`` (the first two Pipeline steps always: they load
+    the model and an image)."""
     ui.DEVICE = device  # this process is the bench's own: the app reads its device from here
     size = dict(embed_dim=384, depth=12, num_heads=6) if small else dict(embed_dim=768, depth=12, num_heads=12)
     torch.manual_seed(0)
@@ -135,6 +141,20 @@ def run(small: bool, device: torch.device) -> list[tuple[str, str, float, float]
     # Model load and the first image: counted as the first view of Pipeline.
     steps.time("Pipeline: first view (new model)", "first view", lambda: app)
     steps.time("Pipeline: first view after a new image", "first view", steps.image("photo:astronaut.png"))
+    if "core" in pages:
+        core_steps(app, steps)
+    if "images" in pages:
+        image_set_steps(app, steps)
+    if "core" in pages:
+        patch_8_steps(app, steps)
+    if "knockout" in pages:
+        knockout_steps(app, steps)
+    if "compare" in pages:
+        compare(app, steps, folder, size)
+    return steps.rows
+
+
+def core_steps(app: AppTest, steps: Steps) -> None:
     steps.time("Patches: first view", "first view", steps.page("views/patches.py"))
     steps.time("Attention: first view", "first view", steps.page("views/attention.py"))
     steps.time("Attention: move the layer slider", "widget", lambda: widget(app.slider, "Layer").set_value(3))
@@ -158,7 +178,10 @@ def run(small: bool, device: torch.device) -> list[tuple[str, str, float, float]
     steps.time("Patches: first view after a new image", "first view", steps.page("views/patches.py"))
     steps.time("Patches: move the PCA slider", "widget",
                lambda: widget(app.slider, "Tokens after this many layers (0: the patch embeddings)").set_value(4))
-    # Several images: the sidebar's photo and two more, in one batch, then a fourth.
+
+
+def image_set_steps(app: AppTest, steps: Steps) -> None:
+    """Several images: the sidebar's photo and two more, in one batch, then a fourth."""
     steps.time("Several images: first view (3 photos)", "several images per image", steps.page(IMAGES), images=3)
     steps.time("Several images: move the threshold", "widget",
                lambda: widget(app.slider, "Foreground threshold (standard deviations)").set_value(0.5))
@@ -167,6 +190,9 @@ def run(small: bool, device: torch.device) -> list[tuple[str, str, float, float]
     steps.time("Several images: another layer", "widget", lambda: widget(app.slider, "Layer").set_value(8))
     steps.time("Several images: a fourth image", "several images per image",
                lambda: app.multiselect(key="image_set").select("photo:rocket.jpg"), images=4)
+
+
+def patch_8_steps(app: AppTest, steps: Steps) -> None:
     app.switch_page("views/patches.py").run()  # back where the patch size is (untimed: nothing new)
     steps.time("Patches: change the patch size to 8", "first view",
                lambda: widget(app.select_slider, "Patch size").set_value(8))
@@ -185,7 +211,10 @@ def run(small: bool, device: torch.device) -> list[tuple[str, str, float, float]
                lambda: widget(app.selectbox, "Query token").set_value(400))
     steps.time("Patches at patch 8: back (nothing new)", "page switch", steps.page("views/patches.py"))
     steps.time("Attention at patch 8: back (nothing new)", "page switch", steps.page("views/attention.py"))
-    # Knock-out at the native patch size (untimed: back to patch 16, whose capture is cached).
+
+
+def knockout_steps(app: AppTest, steps: Steps) -> None:
+    """Knock-out at the native patch size (untimed: back to patch 16, whose capture is cached)."""
     app.switch_page("views/patches.py").run()
     widget(app.select_slider, "Patch size").set_value(16).run()
     steps.time("Knock-out: first view", "first view", steps.page(KNOCKOUT))
@@ -196,8 +225,6 @@ def run(small: bool, device: torch.device) -> list[tuple[str, str, float, float]
     steps.time("Knock-out: remove an MLP branch too", "knock-out view",
                lambda: widget(app.multiselect, "Remove the MLP branch of layers").set_value([8]))
     steps.time("Knock-out: the sweep of every head", "head sweep", lambda: widget(app.button, "Run the sweep").click())
-    compare(app, steps, folder, size)
-    return steps.rows
 
 
 def compare(app: AppTest, steps: Steps, folder: Path, size: dict) -> None:
@@ -252,6 +279,11 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="a ViT-S/16-sized model instead of ViT-B/16")
     parser.add_argument("--rounds", type=int, default=3, help="fresh runs of every step (default 3)")
     parser.add_argument(
+        "--pages", nargs="+", choices=PAGES, default=PAGES,
+        help="whose steps to time (default all): core (Pipeline, Patches, Attention, Inside a layer),"
+        " images (Several images), knockout, compare",
+    )
+    parser.add_argument(
         "--device", choices=("all", "cpu", "cuda"), default="all",
         help="where the app runs the model (default: the CPU, then CUDA if present)",
     )
@@ -264,7 +296,7 @@ def main() -> None:
         if device.type == "cuda" and not torch.cuda.is_available():
             print("No CUDA GPU here: the GPU figures need a machine with one.")
             continue
-        report(name, device, [run(args.small, device) for _ in range(max(args.rounds, 1))])
+        report(name, device, [run(args.small, device, args.pages) for _ in range(max(args.rounds, 1))])
 
 
 if __name__ == "__main__":

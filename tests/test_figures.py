@@ -405,3 +405,44 @@ def test_patch_size_tradeoff_shows_tokens_time_and_accuracy_side_by_side():
     # Without a held-out set there is no accuracy line.
     without = [{**row, "held-out accuracy": None} for row in rows]
     assert len(figures.patch_size_tradeoff(without, current=4).data) == 3
+
+
+@pytest.mark.parametrize("rows, columns, options", [
+    (3, 4, dict(titles=[f"head {h}" for h in range(10)], horizontal_spacing=0.02, vertical_spacing=0.06)),
+    (1, 2, dict(titles=["input", "patch tokens"], horizontal_spacing=0.03)),
+    (3, 2, dict(column_titles=["a", "b"], row_titles=["x", "y", "z"], horizontal_spacing=0.01, vertical_spacing=0.04)),
+    (2, 3, dict(titles=["1", "2", "3", "all"], vertical_spacing=0.12, row_heights=[0.65, 0.35],
+                specs=[[{}] * 3, [{"colspan": 3}, None, None]])),
+])
+def test_grids_built_in_one_go_have_make_subplots_own_layout_and_axes(rows, columns, options):
+    from plotly.subplots import make_subplots
+
+    from vit_explorer.figures._base import _subplots
+    layout, cells = _subplots(rows, columns, **options)
+    titles = options.pop("titles", None)
+    reference = make_subplots(rows=rows, cols=columns, subplot_titles=titles, **options)
+    assert go.Figure(layout=layout).to_dict() == go.Figure(layout=reference.layout).to_dict()
+    for (row, col), suffix in cells.items():  # each cell's axes, as add_trace(row=, col=) places a trace
+        placed = go.Figure(reference).add_trace(go.Scatter(x=[0]), row=row, col=col).data[-1]
+        assert (placed.xaxis, placed.yaxis) == (f"x{suffix}", f"y{suffix}")
+
+
+def test_the_grid_layouts_kept_for_reuse_are_bounded():
+    from vit_explorer.figures._base import _subplots_json
+    _subplots_json.cache_clear()
+    for heads in range(1, 50):  # more grid shapes than are kept
+        fig = figures.attention_heads_grid(IMAGE, np.random.default_rng(heads).random((heads, *GRID)), columns=7)
+        assert len(traces(fig, "heatmap")) == heads and fig.layout.annotations[-1].text.startswith(f"head {heads - 1} ")
+    assert _subplots_json.cache_info().currsize <= _subplots_json.cache_info().maxsize == 32
+
+
+def test_a_pictures_encoding_is_reused_by_content_and_the_kept_ones_are_bounded():
+    from vit_explorer.figures import _base
+    first = _base.image_data_uri(IMAGE)
+    assert _base.image_data_uri(IMAGE.copy()) == first  # the same picture, another array
+    other = IMAGE.copy()
+    other[0, 0, 0] ^= 1
+    assert _base.image_data_uri(other) != first  # one value changed is another picture
+    for seed in range(_base.URI_CACHE_SIZE + 5):
+        _base.image_data_uri(np.full((2, 2, 3), seed, dtype=np.uint8))
+    assert len(_base._URIS) == _base.URI_CACHE_SIZE

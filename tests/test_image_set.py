@@ -81,8 +81,11 @@ def test_the_keys_facet_is_the_layers_keys_of_the_patches_heads_side_by_side():
     with torch.no_grad():  # timm's qkv layout: q, k, v one after the other, heads contiguous in each
         by_hand = block.attn.qkv(block.norm1(cap.tokens[:, layer]))[..., dim : 2 * dim]
     torch.testing.assert_close(keys, by_hand[:, prefix:], rtol=1e-4, atol=1e-5)
-    # The page's way: that block alone run again on the captured tokens gives the same keys.
-    torch.testing.assert_close(sets.patch_keys(layer_internals(model, cap.tokens[:, layer], layer), prefix), keys)
+    # The page's way: the layer's norm and qkv projection on the captured tokens, the same numbers
+    # as that block run again whole.
+    page = sets.layer_keys(model, cap.tokens[:, layer], layer)
+    assert torch.equal(page, sets.patch_keys(layer_internals(model, cap.tokens[:, layer], layer), prefix))
+    torch.testing.assert_close(page, keys)
 
 
 def test_the_norm_outlier_rule_is_median_plus_k_mads():
@@ -141,7 +144,8 @@ def test_the_page_renders_two_shapes_and_a_photo_with_every_figure_titled(forwar
     assert any(title.startswith("Joint PCA of 3 images' last-layer patch tokens") for title in titles)
     assert any(title.startswith("Cosine of layer 3's output tokens with patch") for title in titles)
     assert any("= median" in title for title in titles)
-    assert sum(forwards) == pytest.approx(3)  # one batched pass of 3 images (the goal: <= 1.2 each)
+    # The page opened on shapes 4, 0 and 1, each read once and kept: only the photo is new.
+    assert sum(forwards) == pytest.approx(1)
     assert any("median" in caption.value and "outliers" in caption.value for caption in app.caption)
     # Every control of the page says what it does.
     for control in [*app.slider, *app.selectbox, *app.multiselect, *app.toggle, *app.radio]:
@@ -160,9 +164,12 @@ def test_too_few_or_too_many_images_is_one_sentence(keys):
     assert figure_titles(app) == []
 
 
-def test_moving_widgets_costs_no_forward_pass_and_keys_cost_one_block(forwards):
+def test_moving_widgets_costs_no_forward_pass_and_keys_no_block(forwards, monkeypatch):
     app = choose(open_page(), THREE)
     forwards.clear()
+    # The first component is fitted once per image set: a threshold only splits it anew.
+    fitted = []
+    monkeypatch.setattr(ui, "first_component", lambda features: fitted.append(1) or sets.first_component(features))
     widget(app.slider, "Foreground threshold (standard deviations)").set_value(0.5).run()
     app.toggle(key="set_flip").set_value(True).run()
     assert any("foreground where the sign-switched 1st component > +0.5 sd" in title for title in figure_titles(app))
@@ -173,15 +180,30 @@ def test_moving_widgets_costs_no_forward_pass_and_keys_cost_one_block(forwards):
     assert not app.exception and sum(forwards) == 0
     title = next(t for t in figure_titles(app) if t.startswith("Cosine"))
     assert "patch 5 (row 0, col 5) of 3. chelsea" in title
+    assert fitted == []
+    projections = []
+    qkv = model_module.Attention._qkv
+    monkeypatch.setattr(model_module.Attention, "_qkv", lambda self, x: projections.append(x.shape[0]) or qkv(self, x))
     app.radio(key="set_facet").set_value("keys").run()
     assert not app.exception
-    assert sum(forwards) == pytest.approx(3 / 4)  # layer 1 alone, on the 3 images: 1/depth each
+    # Layer 1's norm and qkv projection on the 3 images' captured tokens: no block runs again.
+    assert sum(forwards) == 0 and projections == [3]
     assert any(t.startswith("Cosine of layer 1's keys") for t in figure_titles(app))
     widget(app.slider, "Layer").set_value(1).run()
     app.switch_page("views/pipeline.py").run()
     app.switch_page(PAGE).run()
     # Pipeline's capture was made when the app opened; coming back recomputes nothing.
-    assert not app.exception and sum(forwards) == pytest.approx(3 / 4)
+    assert not app.exception and sum(forwards) == 0 and projections == [3] and fitted == []
+
+
+def test_a_picture_added_to_the_set_runs_that_one_alone(forwards):
+    app = choose(open_page(), THREE)
+    forwards.clear()
+    choose(app, [*THREE, "shapes:2"])
+    assert sum(forwards) == pytest.approx(1)
+    assert any(title.startswith("Joint PCA of 4 images' last-layer patch tokens") for title in figure_titles(app))
+    choose(app, THREE[1:])  # fewer pictures: nothing runs again
+    assert sum(forwards) == pytest.approx(1) and errors(app) == []
 
 
 def test_the_images_batch_is_shared_by_every_session(forwards):

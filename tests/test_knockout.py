@@ -93,6 +93,57 @@ def test_no_knock_out_is_the_plain_forward_bitwise():
     assert torch.equal(knocked.tokens, intact.tokens)
 
 
+def counting_blocks(monkeypatch, model: vx.ViT) -> list[int]:
+    """The layers of ``model`` whose block runs from now on (Block.forward, counted)."""
+    ran = []
+    original = vx.model.Block.forward
+    layer_of = {id(block): layer for layer, block in enumerate(model.blocks)}
+
+    def counting(block, x):
+        ran.append(layer_of[id(block)])
+        return original(block, x)
+
+    monkeypatch.setattr(vx.model.Block, "forward", counting)
+    return ran
+
+
+KNOCK_OUTS = [
+    vx.KnockOut(heads={2: (1,)}), vx.KnockOut(heads={0: (0, 3)}, mode="mean"), vx.KnockOut(mlp=(3,), mode="mean"),
+    vx.KnockOut(heads={3: (2,)}, attention=(1,), mlp=(2,)),
+]
+
+
+@pytest.mark.parametrize("changes", [{}, dict(reg_tokens=2, class_token=False, global_pool="map", num_classes=0)],
+                         ids=["cls token", "registers, map head"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("layers", [None, [1, 3]])
+def test_a_knock_out_resumed_from_the_intact_capture_is_the_same_capture(changes, dtype, layers, monkeypatch):
+    model = peaked(vx.ViT(tiny_config(depth=4, **changes))).eval()
+    x = torch.randn(2, 3, 16, 16)
+    intact = vx.capture(model, x, layers=layers, attention_dtype=dtype)
+    for knock_out in KNOCK_OUTS:
+        whole = vx.capture(model, x, layers=layers, attention_dtype=dtype, knock_out=knock_out)
+        ran = counting_blocks(monkeypatch, model)
+        resumed = vx.capture(model, x, layers=layers, attention_dtype=dtype, knock_out=knock_out, intact=intact)
+        monkeypatch.undo()
+        assert ran == list(range(knock_out.first_layer(), 4))  # the layers before are the intact pass's
+        for field in ("logits", "attentions", "tokens", "patches", "patch_embeddings"):
+            assert torch.equal(getattr(resumed, field), getattr(whole, field)), field
+        assert resumed.layers == whole.layers
+        if whole.pool_attentions is not None:
+            assert torch.equal(resumed.pool_attentions, whole.pool_attentions)
+
+
+def test_an_intact_capture_of_something_else_is_refused():
+    model = randomize(vx.ViT(tiny_config(depth=3)))
+    x = torch.randn(1, 3, 16, 16)
+    knock_out = vx.KnockOut(heads={1: (0,)})
+    with pytest.raises(ValueError, match="same layers"):
+        vx.capture(model, x, knock_out=knock_out, intact=vx.capture(model, x, layers=[-1]))
+    with pytest.raises(ValueError, match="same images"):
+        vx.capture(model, x, knock_out=knock_out, intact=vx.capture(model, torch.cat([x, x])))
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("changes", [{}, dict(num_classes=0), dict(class_token=False, global_pool="mean")],
                          ids=["classifier", "headless", "mean pool"])
@@ -249,6 +300,16 @@ def test_a_view_costs_one_knocked_out_pass_and_its_widgets_reuse_it(monkeypatch)
     app.switch_page("views/attention.py").run()
     app.switch_page(PAGE).run()
     assert not app.exception and len(captures) == 4 and len(sweeps) == 2  # kept, and shared
+
+
+def test_a_knock_out_view_runs_only_the_layers_from_the_knocked_out_one_on(monkeypatch):
+    app = open_app(PAGE)
+    ran = counting_blocks(monkeypatch, ui.base_model(ui.DEFAULT_MODEL))
+    choose(app, "Layer 2", [3])
+    assert ran == [2, 3]  # the intact capture is the page's first view's; layers 0 and 1 are its
+    widget(app.slider, "Layer").set_value(0).run()
+    choose(app, "Layer 2", [])
+    assert not app.exception and ran == [2, 3]  # drawn from what was there
 
 
 def test_knocking_out_every_head_is_refused_in_a_sentence():

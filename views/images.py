@@ -1,5 +1,5 @@
-"""Several images: what the model treats as the same across two to six pictures, read in one
-batched forward pass (DINOv2's foreground PCA, correspondences, high-norm tokens)."""
+"""Several images: what the model treats as the same across two to six pictures, each read in
+one forward pass kept for the next set (DINOv2's foreground PCA, correspondences, high-norm tokens)."""
 import streamlit as st
 
 from vit_explorer import figures, ui
@@ -27,8 +27,8 @@ st.write(
     "Read two to six pictures together: one PCA over all of them splits foreground from background"
     " and colours matching parts alike, a clicked patch finds its counterparts in the other"
     " pictures, and the token norms show the high-norm artefacts that registers remove. Every image"
-    f" is resized to the model's input ({config.img_size[0]}x{config.img_size[1]} px) and all of them"
-    " go through the model in one batch."
+    f" is resized to the model's input ({config.img_size[0]}x{config.img_size[1]} px) and goes through"
+    " the model once: adding a picture runs that one alone."
 )
 chosen = st.multiselect(
     "Images", list(options), format_func=options.get,
@@ -37,14 +37,15 @@ chosen = st.multiselect(
 )
 try:
     image_set = ui.image_set(selection, chosen)
-    result = image_set.capture()
+    image_set.captures()
 except ValueError as error:
     st.info(str(error))
     st.stop()
 display = image_set.display_images()
 labels = [f"{index + 1}. {options[key].split(': ')[-1]}" for index, key in enumerate(chosen)]
-grid_h, grid_w = result.grid_size
-prefix, count = result.num_prefix_tokens, len(chosen)
+grid_size = config.grid_size
+grid_h, grid_w = grid_size
+prefix, count = config.num_prefix_tokens, len(chosen)
 
 st.subheader("Foreground and parts (DINOv2's figure)")
 st.write(
@@ -65,11 +66,9 @@ flip = side_column.toggle(
     "Foreground below the threshold", help="Take the other side of the first component as the foreground.",
     **ui.keep("set_flip", False),
 )
-last = image_set.memo("last layer features", compute=lambda: sets.last_layer_features(selection.model, result.tokens[:, -1]))
-pca = image_set.memo(
-    "foreground pca", threshold, flip,
-    compute=lambda: sets.joint_pca_foreground(last, result.grid_size, threshold, flip),
-)
+pca = image_set.memo("foreground pca", threshold, flip, compute=lambda: sets.joint_pca_foreground(
+    image_set.last_layer_features(), grid_size, threshold, flip, first=image_set.first_component(),
+))
 if not pca.foreground.any():
     st.info("No patch lies above the threshold: lower it or switch the side.")
 st.plotly_chart(image_set.memo("foreground figure", threshold, flip, compute=lambda: figures.foreground_pca_grid(
@@ -106,12 +105,12 @@ with controls:
 with picker:
     st.plotly_chart(
         image_set.memo("patch picker", source, patch, compute=lambda: figures.patch_picker(
-            display[source], result.grid_size, patch
+            display[source], grid_size, patch
         )),
         key="set_patch_click", on_select=ui.patch_picked("set_patch_click", "set_patch"), selection_mode="points",
         config={"displayModeBar": False},
     )
-layer_tokens = sets.patch_features(result.tokens[:, layer + 1], prefix)  # a view: nothing to keep
+layer_tokens = sets.patch_features(image_set.tokens(layer + 1), prefix)
 features = layer_tokens if facet == "tokens" else image_set.keys(layer)
 cosines, best = image_set.memo(
     "correspondence", facet, layer, source, patch, compute=lambda: sets.correspondence(features, source, patch)

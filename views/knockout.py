@@ -120,17 +120,25 @@ else:
         "Rollout (Abnar & Zuidema 2020) multiplies the layers' attention, residual counted in: how much"
         f" each patch reaches the {query} at the end, intact and knocked out."
     )
-    intact_rollout, knocked_rollout = selection.memo(
+    prefix = intact.num_prefix_tokens
+
+    def rollout_map(rollout):
+        return analysis.query_map(rollout[0], intact.grid_size, prefix, class_token=config.class_token)
+
+    # The intact rollout under the Attention and Compare pages' key, so that each reuses it.
+    intact_rollout = selection.memo("rollout", "mean", 0.0, compute=lambda: analysis.attention_rollout(
+        intact.attentions, head_fusion="mean", discard_ratio=0.0, num_prefix_tokens=prefix,
+    ))  # (1, N, N)
+    intact_figure, knocked_figure = selection.memo(
         "knock-out rollouts", knock_out, compute=lambda: figures.intact_and_knocked_rollouts(
-            image, *(analysis.query_map(
-                analysis.attention_rollout(capture.attentions, num_prefix_tokens=capture.num_prefix_tokens)[0],
-                capture.grid_size, capture.num_prefix_tokens, class_token=config.class_token,
-            ) for capture in (intact, knocked)), query=query, what=what,
+            image, rollout_map(intact_rollout),
+            rollout_map(analysis.attention_rollout(knocked.attentions, num_prefix_tokens=prefix)),
+            query=query, what=what,
         ),
     )
     intact_column, knocked_column = st.columns(2)
-    intact_column.plotly_chart(intact_rollout)
-    knocked_column.plotly_chart(knocked_rollout)
+    intact_column.plotly_chart(intact_figure)
+    knocked_column.plotly_chart(knocked_figure)
 
 st.subheader("Which heads matter: knock out each one alone")
 cost = ablation.sweep_cost(config)

@@ -234,9 +234,7 @@ def head_sweep(
                 heads_off[torch.arange(len(heads)), layer, heads] = True
                 tokens = entering.expand(len(heads), -1, -1)
                 with knocking_out(model, heads_off, torch.zeros(len(heads), depth, dtype=torch.bool), mode):
-                    for block in model.blocks[layer:]:
-                        tokens = block(tokens)
-                    out = model.forward_head(model.norm(tokens)).float()  # (b, classes or D)
+                    out = model.forward_head(model.forward_blocks(tokens, layer)).float()  # (b, classes or D)
                 if classifier:
                     change = out.log_softmax(-1)[:, target] - reference
                 else:

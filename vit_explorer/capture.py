@@ -212,7 +212,7 @@ def _layer_indices(layers: Sequence[int] | None, depth: int) -> tuple[int, ...]:
 def capture(
     model: ViT, images: torch.Tensor, layers: Sequence[int] | None = None,
     attention_dtype: torch.dtype = torch.float32, internals: int | None = None,
-    knock_out: KnockOut | None = None,
+    knock_out: KnockOut | None = None, intact: Capture | None = None,
 ) -> Capture:
     """Run ``model`` on normalized ``images`` (B, C, H, W) in eval mode without gradients.
 
@@ -225,29 +225,49 @@ def capture(
     as ``Capture.internals`` (vit_explorer.internals.LayerInternals; float32 whatever
     ``attention_dtype``). ``knock_out`` (a :class:`vit_explorer.ablation.KnockOut`) removes those
     heads and branches from this pass only: everything recorded is the ablated pass's.
+
+    ``intact`` (with ``knock_out``): the capture of the same model and images without it, with the
+    same ``layers`` and ``attention_dtype``. The layers before the first one the knock-out changes
+    run exactly as in that pass, so they are not run again: the pass starts from its tokens
+    entering that layer, and their tokens and attention are its (same numbers, fewer blocks).
     """
     config = model.config
     indices = _layer_indices(layers, config.depth)
     opened = None if internals is None else _layer_indices([internals], config.depth)[0]
     if images.ndim == 3:
         images = images.unsqueeze(0)
-    device = next(model.parameters()).device
-    images = images.to(device)
+    parameter = next(model.parameters())
+    images = images.to(parameter.device)
+    start = _resume_layer(intact, knock_out, indices, attention_dtype, images, opened)
 
-    recorder = Recorder(model, indices, tokens=True, attention_dtype=attention_dtype, internals=opened)
+    recorded = tuple(layer for layer in indices if layer >= start)
+    recorder = Recorder(model, recorded, tokens=True, attention_dtype=attention_dtype, internals=opened)
     ablating = nullcontext() if knock_out is None else knock_out.applied(model)
     with torch.no_grad(), eval_mode(model), recording(recorder), ablating:
-        logits = model(images)
+        if start == 0:
+            logits = model(images)
+        else:
+            entering = intact.tokens[:, start].to(parameter.device, parameter.dtype)  # (B, N, D)
+            logits = model.forward_head(model.forward_blocks(entering, start))
 
+    attentions = recorder.stacked_attentions() if recorded or start == 0 else None
+    tokens = torch.stack(recorder.token_states, dim=1)
+    if start > 0:  # the earlier layers are the intact pass's
+        earlier = len(indices) - len(recorded)
+        if attentions is None:
+            attentions = intact.attentions
+        elif earlier:
+            attentions = torch.cat([intact.attentions[:, :earlier], attentions], dim=1)
+        tokens = torch.cat([intact.tokens[:, : start + 1], tokens], dim=1)
     patch = config.patch_size
     return Capture(
         logits=_to_cpu(logits),
-        attentions=recorder.stacked_attentions(),
-        tokens=torch.stack(recorder.token_states, dim=1),
-        patches=rearrange(
+        attentions=attentions,
+        tokens=tokens,
+        patches=intact.patches if start > 0 else rearrange(
             _to_cpu(images), "b c (gh p1) (gw p2) -> b gh gw c p1 p2", p1=patch, p2=patch
         ),
-        patch_embeddings=recorder.patch_embedding_states[0],
+        patch_embeddings=intact.patch_embeddings if start > 0 else recorder.patch_embedding_states[0],
         grid_size=config.grid_size,
         num_prefix_tokens=config.num_prefix_tokens,
         layers=indices,
@@ -257,6 +277,21 @@ def capture(
             opened, model.blocks[opened], recorder.internal_states
         ),
     )
+
+
+def _resume_layer(
+    intact: Capture | None, knock_out: KnockOut | None, indices: tuple[int, ...],
+    attention_dtype: torch.dtype, images: torch.Tensor, opened: int | None,
+) -> int:
+    """The layer a knocked-out capture starts from given the ``intact`` capture (0: from the image)."""
+    if intact is None or knock_out is None or knock_out.is_empty:
+        return 0
+    if intact.layers != indices or intact.attentions.dtype != attention_dtype:
+        raise ValueError("the intact capture must record the same layers in the same dtype")
+    if intact.tokens.shape[0] != images.shape[0] or intact.patches.shape[0] != images.shape[0]:
+        raise ValueError("the intact capture must be of the same images")
+    start = knock_out.first_layer()
+    return start if opened is None else min(start, opened)
 
 
 def layer_internals(model: ViT, tokens: torch.Tensor, layer: int) -> LayerInternals:

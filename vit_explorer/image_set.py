@@ -50,6 +50,17 @@ def patch_keys(internals: LayerInternals, num_prefix_tokens: int) -> torch.Tenso
     return keys[:, num_prefix_tokens:].float()
 
 
+@torch.no_grad()
+def layer_keys(model: ViT, tokens: torch.Tensor, layer: int) -> torch.Tensor:
+    """(B, P, nh * hd): :func:`patch_keys` of ``layer`` from the (B, N, D) ``tokens`` entering it,
+    computed by that layer's norm and qkv projection alone, the very operations its pass runs
+    (a quarter of the block's work: the attention and the MLP are not needed for the keys)."""
+    block = model.blocks[layer]
+    parameter = next(model.parameters())
+    keys = block.attn.keys(block.norm1(tokens.to(parameter.device, parameter.dtype)))  # (B, nh, N, hd)
+    return rearrange(keys, "b h n d -> b n (h d)")[:, model.config.num_prefix_tokens:].float().cpu()
+
+
 @dataclass(frozen=True)
 class ForegroundPCA:
     """DINOv2's figure for a set of images on a gh x gw grid."""
@@ -76,14 +87,17 @@ def first_component(features: torch.Tensor) -> tuple[torch.Tensor, float]:
 
 
 def joint_pca_foreground(
-    features: torch.Tensor, grid_size: tuple[int, int], threshold: float = 0.0, flip: bool = False
+    features: torch.Tensor, grid_size: tuple[int, int], threshold: float = 0.0, flip: bool = False,
+    first: tuple[torch.Tensor, float] | None = None,
 ) -> ForegroundPCA:
     """DINOv2's figure from (B, P, D) patch features of B images.
 
     A patch is foreground where its first joint component (in standard deviations, negated with
     ``flip``: the sign of a principal axis is arbitrary) exceeds ``threshold``. The three colours
     are a second PCA fitted on the foreground patches of all images together, each component
-    min-max scaled to [0, 1] over them; background patches are 0 (black).
+    min-max scaled to [0, 1] over them; background patches are 0 (black). ``first``:
+    :func:`first_component` of these features if already computed (it does not depend on the
+    threshold, and its PCA over every patch is the larger of the two).
     """
     grid_h, grid_w = grid_size
     if features.ndim != 3 or features.shape[1] != grid_h * grid_w:
@@ -91,7 +105,7 @@ def joint_pca_foreground(
             f"features must be (B, {grid_h * grid_w}, D) patch features for a {grid_h}x{grid_w} grid,"
             f" not {tuple(features.shape)}"
         )
-    component, explained = first_component(features)
+    component, explained = first_component(features) if first is None else first
     if flip:
         component = -component
     foreground = component > threshold  # (B, P)

@@ -162,9 +162,16 @@ class Attention(nn.Module):
         self.proj = nn.Linear(config.embed_dim, config.embed_dim)
         self.proj_drop = nn.Dropout(config.drop_rate)
 
+    def _qkv(self, x: torch.Tensor) -> torch.Tensor:
+        return rearrange(self.qkv(x), "b n (qkv nh hd) -> qkv b nh n hd", qkv=3, nh=self.num_heads)
+
+    def keys(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, N, D) normed tokens -> (B, nh, N, hd): this layer's keys as ``forward`` computes them,
+        without the attention itself."""
+        return self._qkv(x)[1]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        qkv = rearrange(self.qkv(x), "b n (qkv nh hd) -> qkv b nh n hd", qkv=3, nh=self.num_heads)
-        q, k, v = qkv.unbind(0)  # (B, nh, N, hd) each
+        q, k, v = self._qkv(x).unbind(0)  # (B, nh, N, hd) each
         recorder = ACTIVE_RECORDER.get()
         if self.fused_attn and (recorder is None or not recorder.wants_attention(self)):
             x = F.scaled_dot_product_attention(
@@ -413,7 +420,14 @@ class ViT(nn.Module):
         x = self.norm_pre(self._pos_embed(x, patch_size))  # (B, N, D)
         if recorder is not None:
             recorder.tokens(self, x)
-        for block in self.blocks:
+        return self.forward_blocks(x)
+
+    def forward_blocks(self, x: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """(B, N, D) tokens entering block ``start`` -> tokens after the final norm: the rest of
+        the pass from there, so that a knock-out or a sweep starting at layer ``start`` reuses the
+        earlier layers' tokens of an intact pass instead of running them again."""
+        recorder = ACTIVE_RECORDER.get()
+        for block in self.blocks[start:]:
             x = block(x)
             if recorder is not None:
                 recorder.tokens(self, x)

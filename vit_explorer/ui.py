@@ -41,7 +41,7 @@ from .cache import ByteBoundedCache, nbytes, trim_to_quota
 from .capture import Capture, capture, layer_internals
 from .config import TrainConfig
 from .data import SHAPE_CLASSES, SHAPES_TEST_SEED, ImageDataset, shapes_dataset, shapes_sample
-from .image_set import MAX_IMAGES, MIN_IMAGES, patch_keys
+from .image_set import MAX_IMAGES, MIN_IMAGES, first_component, last_layer_features, layer_keys
 from .images import load_image, preprocess
 from .internals import LayerInternals
 from .model import ViT
@@ -650,13 +650,16 @@ class Selection:
 
     def knock_out_capture(self, knock_out: KnockOut) -> Capture:
         """:meth:`capture` of the pass with ``knock_out``'s heads and branches removed (that call
-        only: the shared model is untouched); nothing knocked out is the intact capture."""
+        only: the shared model is untouched); nothing knocked out is the intact capture. The
+        layers before the first one knocked out are the intact capture's, not run again."""
+        intact = self.capture()
         if knock_out.is_empty:
-            return self.capture()
+            return intact
         return self.memo(
             "knock-out capture", knock_out, spinner="Running the model without them ...",
             compute=lambda: capture(
-                self.model, self.model_input(), attention_dtype=torch.float16, knock_out=knock_out
+                self.model, self.model_input(), attention_dtype=torch.float16, knock_out=knock_out,
+                intact=intact,
             ),
         )
 
@@ -681,8 +684,9 @@ class Selection:
 
 @dataclass(frozen=True)
 class ImageSet:
-    """Several images read together by the selected model (the Several images page): one batched
-    forward pass of all of them, memoised for everybody by model, sizes and image keys."""
+    """Several images read together by the selected model (the Several images page): each image's
+    pass memoised for everybody by model, sizes and image key, so that a set with one more image
+    runs that one alone; what the page reads of them is memoised by the set's image keys."""
 
     selection: Selection  # the model at its patch size and input size; its own image is not used
     image_keys: tuple[str, ...]  # cache keys (shapes include their render size)
@@ -700,23 +704,43 @@ class ImageSet:
         """(B, C, H, W): every image resized to the model's input size, whatever its own size."""
         return torch.cat([preprocess(image, self.selection.config) for image in self.images])
 
-    def capture(self) -> Capture:
-        """One pass of the batch; the attention of the last layer only (the page reads tokens)."""
-        return self.memo(
-            "capture", compute=lambda: capture(
-                self.selection.model, self.model_input(), layers=[-1], attention_dtype=torch.float16
-            ),
-            spinner=f"Running the model on {len(self.images)} images ...",
-        )
+    def captures(self) -> list[Capture]:
+        """Each image's pass, the attention of the last layer only (the page reads tokens)."""
+        selection = self.selection
+        return [
+            memo(
+                (selection.model_key, selection.patch_size, selection.config.img_size, "set image capture", image_key),
+                lambda image=image: capture(
+                    selection.model, preprocess(image, selection.config), layers=[-1], attention_dtype=torch.float16
+                ),
+                spinner=f"Running the model on image {index + 1} ...",
+            )
+            for index, (image_key, image) in enumerate(zip(self.image_keys, self.images))
+        ]
+
+    def tokens(self, index: int) -> torch.Tensor:
+        """(B, N, D) every image's tokens at ``index`` of the captures' tokens (0: entering the
+        first block, -1: leaving the last)."""
+        return self.memo("tokens", index, compute=lambda: torch.cat([
+            captured.tokens[:, index] for captured in self.captures()
+        ]))
 
     def keys(self, layer: int) -> torch.Tensor:
-        """(B, P, nh * hd) the patches' keys in ``layer``: that one block run again on the batch's
-        captured tokens (1/depth of a forward pass); only the keys are kept."""
-        def compute() -> torch.Tensor:
-            internals = layer_internals(self.selection.model, self.capture().tokens[:, layer], layer)
-            return patch_keys(internals, self.selection.config.num_prefix_tokens)
+        """(B, P, nh * hd) the patches' keys in ``layer``: that layer's norm and qkv projection
+        run again on the batch's captured tokens (a quarter of one block)."""
+        return self.memo(
+            "keys", layer, compute=lambda: layer_keys(self.selection.model, self.tokens(layer), layer),
+            spinner=f"Computing the keys of layer {layer} ...",
+        )
 
-        return self.memo("keys", layer, compute=compute, spinner=f"Computing the keys of layer {layer} ...")
+    def first_component(self) -> tuple[torch.Tensor, float]:
+        """The joint first principal component of the last layer's patch features (image_set.
+        first_component): once per image set, whatever the threshold."""
+        return self.memo("first component", compute=lambda: first_component(self.last_layer_features()))
+
+    def last_layer_features(self) -> torch.Tensor:
+        """(B, P, D) the last layer's patch tokens after the final norm (DINOv2's figure's features)."""
+        return self.memo("last layer features", compute=lambda: last_layer_features(self.selection.model, self.tokens(-1)))
 
     def display_images(self) -> list[np.ndarray]:
         """(H, W, 3) uint8 per image: each picture as the model sees it."""

@@ -7,11 +7,11 @@ from collections.abc import Sequence
 
 import numpy as np
 import plotly.graph_objects as go
-from plotly.subplots import make_subplots
 
 from ._base import (
     ATTENTION_SCALE, VALUE_SCALE, CELL_PIXELS, MARGIN, _array, _float_array, _rgb_uint8, _check_map,
-    attention_top, image_data_uri, _image_trace, _patch_heatmap, _image_axes, _panel_height, _title,
+    attention_top, image_data_uri, _image_trace, _patch_heatmap, _panel_height, _subplots,
+    _image_axis_layout, _on_axes, _title,
     token_labels,
 )
 
@@ -38,28 +38,32 @@ def _query_outline(patch: int | None, grid_size: tuple[int, int], image_size: tu
 
 def attention_overlay(
     image, attention_map, opacity: float = 0.85, title: str = "Attention", value_name: str = "attention",
-    query_patch: int | None = None, weights: bool = False,
+    query_patch: int | None = None, weights: bool = False, top: float | None = None,
 ) -> go.Figure:
     """A (gh, gw) map (attention, rollout, relevance) laid over the image, one cell per patch, on
-    a scale from 0 (transparent) to its largest value; ``query_patch`` (row-major) is outlined.
-    ``weights``: the map is one query's weights over the patches (attention, rollout), so the
-    scale reaches at least a few times the uniform weight and even attention stays pale."""
+    a scale from 0 (transparent) to its largest value (or ``top``, to share another map's scale);
+    ``query_patch`` (row-major) is outlined. ``weights``: the map is one query's weights over the
+    patches (attention, rollout), so the scale reaches at least a few times the uniform weight and
+    even attention stays pale."""
     image = _rgb_uint8(image)
     attention_map = _check_map(_float_array(attention_map))
-    top = attention_top(attention_map, 1 / attention_map.size if weights else 0.0)
-    fig = go.Figure(_image_trace(image, hover=False))
-    fig.add_trace(
-        _patch_heatmap(
-            attention_map, image.shape[:2], value_name, colorscale=ATTENTION_SCALE, zmin=0, zmax=top,
-            opacity=opacity, colorbar=dict(title=f"{value_name}<br>(0 = clear)"),
-        )
+    if top is None:
+        top = overlay_top(attention_map, weights)
+    heatmap = _patch_heatmap(
+        attention_map, image.shape[:2], value_name, colorscale=ATTENTION_SCALE, zmin=0, zmax=top,
+        opacity=opacity, colorbar=dict(title=f"{value_name}<br>(0 = clear)"),
     )
-    _image_axes(fig)
-    fig.update_layout(
-        title=_title(title), margin=MARGIN,
+    # In one go: add_trace and the axes' updates each re-validate the figure.
+    return go.Figure(data=[_image_trace(image, hover=False), heatmap], layout=dict(
+        **_image_axis_layout(), title=_title(title), margin=MARGIN,
         shapes=_query_outline(query_patch, attention_map.shape, image.shape[:2]),
-    )
-    return fig
+    ))
+
+
+def overlay_top(attention_map, weights: bool = False) -> float:
+    """The top of :func:`attention_overlay`'s scale for a (gh, gw) map."""
+    attention_map = _float_array(attention_map)
+    return attention_top(attention_map, 1 / attention_map.size if weights else 0.0)
 
 
 def _where(layer: int | str | None) -> str:
@@ -71,47 +75,57 @@ def _where(layer: int | str | None) -> str:
 
 def _head_panels(
     image: np.ndarray, overlays: list, columns: int, titles: Sequence[str] | None = None,
-    query_patch: int | None = None, grid_size: tuple[int, int] | None = None,
-) -> tuple[go.Figure, int]:
+    query_patch: int | None = None, grid_size: tuple[int, int] | None = None, **layout,
+) -> go.Figure:
     """One panel per head: the image with that head's overlay, titled "head h" (or ``titles``),
-    the query patch outlined in each; (figure, rows).
+    the query patch outlined in each; ``layout`` adds to the figure's layout (title, ...).
 
-    One PNG for all panels and one call for all traces: per-panel add_trace re-validates the
-    whole figure, which made these figures the slowest part of a rerun.
+    Built in one go from make_subplots' grid layout (:func:`_subplots`), one PNG for all
+    panels: make_subplots, add_traces and per-axis updates each re-validate the whole figure,
+    which made these figures the slowest part of a rerun.
     """
     heads = len(overlays)
     columns = min(columns, heads)
     rows = math.ceil(heads / columns)
-    fig = make_subplots(
-        rows=rows, cols=columns, subplot_titles=list(titles or (f"head {h}" for h in range(heads))),
+    layout.setdefault("height", heads_height(image.shape, heads, columns))
+    grid, cells = _subplots(
+        rows, columns, list(titles or (f"head {h}" for h in range(heads))),
         horizontal_spacing=0.02, vertical_spacing=0.06 if rows > 1 else 0.0,
     )
     source = image_data_uri(image)
-    positions = [divmod(head, columns) for head in range(heads)]
-    traces = [trace for overlay in overlays for trace in (go.Image(source=source, hoverinfo="skip"), overlay)]
-    fig.add_traces(
-        traces,
-        rows=[row + 1 for row, _ in positions for _ in range(2)],
-        cols=[col + 1 for _, col in positions for _ in range(2)],
-    )
-    _image_axes(fig, [(row + 1, col + 1) for row, col in positions], columns)
+    traces = []
+    for head, overlay in enumerate(overlays):
+        suffix = cells[divmod(head, columns)[0] + 1, head % columns + 1]
+        traces += [_on_axes(dict(type="image", source=source, hoverinfo="skip"), suffix), _on_axes(overlay, suffix)]
+        for axis, settings in _image_axis_layout(suffix).items():
+            grid[axis].update(settings)
     if query_patch is not None:
-        fig.update_layout(shapes=[
+        grid["shapes"] = [
             shape for head in range(heads)
             for shape in _query_outline(query_patch, grid_size, image.shape[:2], "" if head == 0 else str(head + 1))
-        ])
-    return fig, rows
+        ]
+    grid.update({"margin": MARGIN, **layout})
+    return go.Figure(data=traces, layout=grid)
+
+
+def heads_height(image_shape: tuple[int, ...], heads: int, columns: int) -> int:
+    """The height of a grid of ``heads`` panels ``columns`` wide (:func:`attention_heads_grid`)."""
+    return _panel_height(image_shape, math.ceil(heads / min(columns, heads)), CELL_PIXELS)
 
 
 def attention_heads_grid(
     image, maps, opacity: float = 0.85, layer: int | str | None = None, columns: int = 4,
     query: str = "class token", query_patch: int | None = None, scale: str = "shared",
+    top: float | None = None, **layout,
 ) -> go.Figure:
     """Every head's attention map (H, gh, gw) over the image, one panel per head, each from 0
     (transparent) up: on one shared scale so that heads can be compared (``scale="shared"``), or
     each to its own largest value (``"per head"``), which shows the pattern of a faint head; a scale
     never tops out below 3x the uniform weight, so that attention spread evenly stays pale.
-    ``query_patch`` (row-major index, None for a token without a patch) is outlined in every panel."""
+    ``query_patch`` (row-major index, None for a token without a patch) is outlined in every panel.
+    ``top`` sets the shared scale's top (another grid's, to compare two on one scale); ``layout``
+    adds to the figure's layout last (a caller's own title, margin, height: in one go, as an
+    update afterwards re-validates the whole figure)."""
     image = _rgb_uint8(image)
     maps = _float_array(maps)
     if maps.ndim != 3:
@@ -125,22 +139,18 @@ def attention_heads_grid(
         else [dict(colorscale=ATTENTION_SCALE, zmin=0, zmax=attention_top(head_map, uniform), showscale=False)
               for head_map in maps]
     )
-    fig, rows = _head_panels(image, [
+    how = "one colour scale shared by all heads" if shared else "each head on its own scale, 0 to its max"
+    layout = {"title": _title(f"Attention of the {query} in {_where(layer)}, per head ({how})"), **layout}
+    if shared:
+        layout["coloraxis"] = dict(
+            colorscale=ATTENTION_SCALE, cmin=0, cmax=top if top is not None else attention_top(maps, uniform),
+            colorbar=dict(title="attention<br>(all heads,<br>0 = clear)"),
+        )
+    return _head_panels(image, [
         _patch_heatmap(head_map, image.shape[:2], label=f"head {head}", opacity=opacity, **colour)
         for head, (head_map, colour) in enumerate(zip(maps, colours))
     ], columns, titles=[f"head {head} (max {head_map.max():.2g})" for head, head_map in enumerate(maps)],
-        query_patch=query_patch, grid_size=maps.shape[1:])
-    how = "one colour scale shared by all heads" if shared else "each head on its own scale, 0 to its max"
-    fig.update_layout(
-        title=_title(f"Attention of the {query} in {_where(layer)}, per head ({how})"),
-        margin=MARGIN, height=_panel_height(image.shape, rows, CELL_PIXELS),
-    )
-    if shared:
-        fig.update_layout(coloraxis=dict(
-            colorscale=ATTENTION_SCALE, cmin=0, cmax=attention_top(maps, uniform),
-            colorbar=dict(title="attention<br>(all heads,<br>0 = clear)"),
-        ))
-    return fig
+        query_patch=query_patch, grid_size=maps.shape[1:], **layout)
 
 
 def attention_masks_grid(
@@ -154,19 +164,14 @@ def attention_masks_grid(
     if masks.ndim != 3:
         raise ValueError(f"masks must be (H, gh, gw), not {masks.shape}")
     # Dropped patches under a dark veil, kept ones clear: the mask reads as a cut-out.
-    fig, rows = _head_panels(image, [
+    return _head_panels(image, [
         _patch_heatmap(
             (~mask).astype(float), image.shape[:2], value_name="dropped", label=f"head {head}",
             colorscale=[[0, "rgba(0,0,0,0)"], [1, "rgba(0,0,0,0.75)"]], zmin=0, zmax=1, showscale=False,
         )
         for head, mask in enumerate(masks)
-    ], columns, query_patch=query_patch, grid_size=masks.shape[1:])
-    where = _where(layer)
-    fig.update_layout(
-        title=_title(f"Patches holding {mass:.0%} of the {query}'s attention in {where}, per head"),
-        margin=MARGIN, height=_panel_height(image.shape, rows, CELL_PIXELS),
-    )
-    return fig
+    ], columns, query_patch=query_patch, grid_size=masks.shape[1:],
+        title=_title(f"Patches holding {mass:.0%} of the {query}'s attention in {_where(layer)}, per head"))
 
 
 MATRIX_CELLS = 400  # past this many tokens the matrix is drawn in blocks

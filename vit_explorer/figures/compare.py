@@ -6,8 +6,8 @@ from collections.abc import Sequence
 
 import plotly.graph_objects as go
 
-from ._base import MARGIN, _title
-from .attention import attention_heads_grid
+from ._base import MARGIN, _rgb_uint8, _title
+from .attention import attention_heads_grid, heads_height
 from .embeddings import token_pca_image
 from .patches import patch_picker
 from .predictions import topk_bar
@@ -26,23 +26,22 @@ def side_heads_grid(
 ) -> go.Figure:
     """:func:`attention_heads_grid` (heads on one shared scale) of one side's maps (H, gh, gw),
     its title on two lines to fit half a page."""
-    fig = attention_heads_grid(image, maps, layer=where, query=query, query_patch=query_patch, columns=columns)
-    return fig.update_layout(
+    return attention_heads_grid(
+        image, maps, layer=where, query=query, query_patch=query_patch, columns=columns,
         title=_title(f"{side}: attention of the {query}<br>in {where}, all heads on one colour scale"),
-        margin={**MARGIN, "t": MARGIN["t"] + 30}, height=fig.layout.height + 30,
+        margin={**MARGIN, "t": MARGIN["t"] + 30}, height=heads_height(_rgb_uint8(image).shape, len(maps), columns) + 30,
     )
 
 
 def side_token_pca(colors, image, side: str, where: str) -> go.Figure:
     """:func:`token_pca_image` of one side's (gh, gw, 3) colours, titled with the side and layer."""
-    fig = token_pca_image(colors, image)
-    return fig.update_layout(title=_title(f"{side}: token PCA {where}, similar tokens in similar colours"))
+    return token_pca_image(colors, image, title=_title(f"{side}: token PCA {where}, similar tokens in similar colours"))
 
 
 def side_point_picker(image, grid_size: tuple[int, int], selected: int | None, side: str) -> go.Figure:
     """:func:`patch_picker` on one side's view of the image, its patch under the point outlined."""
-    fig = patch_picker(image, grid_size, selected)
     # One height for both sides: left to itself, the picture's size follows the marker size.
-    return fig.update_layout(
+    return patch_picker(
+        image, grid_size, selected,
         title=_title(f"{side}: its {grid_size[0]}x{grid_size[1]} grid; click to place the point"), height=PICKER_PIXELS,
     )

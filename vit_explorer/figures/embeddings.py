@@ -8,37 +8,37 @@ from plotly.subplots import make_subplots
 
 from ._base import (
     VALUE_SCALE, SIMILARITY_SCALE, CELL_PIXELS, MARGIN, _array, _float_array, _rgb_uint8, _mosaic,
-    _patch_positions, colour_mapped, image_data_uri, _image_trace, _image_axes, _panel_height, _title,
+    _patch_positions, colour_mapped, image_data_uri, _image_trace, _image_axes, _image_axis_layout, _on_axes,
+    _panel_height, _subplots, _title,
     token_labels,
 )
 
 
-def token_pca_image(colors, image) -> go.Figure:
-    """The image beside its patch tokens coloured by their first three principal components."""
+def token_pca_image(colors, image, **layout) -> go.Figure:
+    """The image beside its patch tokens coloured by their first three principal components;
+    ``layout`` adds to the figure's layout (a caller's title), in one go."""
     image = _rgb_uint8(image)
     colors = _array(colors)
     if colors.ndim != 3 or colors.shape[-1] not in (1, 3):
         raise ValueError(f"colors must be (gh, gw, 3) or (gh, gw, 1), not {colors.shape}")
     grid_h, grid_w = colors.shape[:2]
     height, width = image.shape[:2]
-    fig = make_subplots(
-        rows=1, cols=2, subplot_titles=("input", "patch tokens, PCA as RGB"),
-        horizontal_spacing=0.03,
-    )
-    fig.add_trace(_image_trace(image), row=1, col=1)
+    grid, cells = _subplots(1, 2, ("input", "patch tokens, PCA as RGB"), horizontal_spacing=0.03)
     dy, dx = height / grid_h, width / grid_w
-    fig.add_trace(
-        _image_trace(
+    traces = [
+        _on_axes(_image_trace(image), cells[1, 1]),
+        _on_axes(_image_trace(
             _rgb_uint8(colors.astype(np.float64)), lossless=True, x0=dx / 2 - 0.5, dx=dx, y0=dy / 2 - 0.5, dy=dy
-        ),
-        row=1, col=2,
-    )
-    _image_axes(fig, [(1, 1), (1, 2)], columns=2)
-    fig.update_layout(
-        title=_title("Token PCA: patches with similar tokens get similar colours"),
-        margin=MARGIN, height=_panel_height(image.shape, 1, 1.5 * CELL_PIXELS),
-    )
-    return fig
+        ), cells[1, 2]),
+    ]
+    for suffix in (cells[1, 1], cells[1, 2]):
+        for axis, settings in _image_axis_layout(suffix).items():
+            grid[axis].update(settings)
+    grid.update({
+        "title": _title("Token PCA: patches with similar tokens get similar colours"),
+        "margin": MARGIN, "height": _panel_height(image.shape, 1, 1.5 * CELL_PIXELS), **layout,
+    })
+    return go.Figure(data=traces, layout=grid)
 
 
 def position_similarity_grid(similarity) -> go.Figure:

@@ -6,11 +6,10 @@ from collections.abc import Sequence
 
 import numpy as np
 import plotly.graph_objects as go
-from plotly.subplots import make_subplots
 
 from ._base import (
-    ATTENTION_SCALE, CELL_PIXELS, MARGIN, SIMILARITY_SCALE, VALUE_SCALE, _float_array, _image_axes, _image_trace,
-    _panel_height, _patch_heatmap, _rgb_uint8, _title, colour_mapped,
+    ATTENTION_SCALE, CELL_PIXELS, MARGIN, SIMILARITY_SCALE, VALUE_SCALE, _float_array, _image_axis_layout,
+    _image_trace, _on_axes, _panel_height, _patch_heatmap, _rgb_uint8, _subplots, _title, colour_mapped,
 )
 
 MARK = "#00e5ff"  # the chosen patch and the best matches
@@ -42,10 +41,6 @@ def _patch_box(row: int, col: int, grid_size: tuple[int, int], image_shape: tupl
     )
 
 
-def _axis_suffix(index: int) -> str:
-    return "" if index == 1 else str(index)
-
-
 def foreground_pca_grid(
     images: Sequence, first_component, colours, threshold: float, labels: Sequence[str], explained: float,
     flipped: bool = False,
@@ -58,26 +53,38 @@ def foreground_pca_grid(
     images = _check_set(images, component, "first_component")
     colours = _float_array(colours)
     count = len(images)
-    fig = make_subplots(
-        rows=3, cols=count, horizontal_spacing=0.01, vertical_spacing=0.04, column_titles=list(labels),
+    layout, cells = _subplots(
+        3, count, column_titles=list(labels),
         row_titles=["input", f"1st component ({explained:.0%} of variance)", "foreground parts"],
+        horizontal_spacing=0.01, vertical_spacing=0.04,
     )
     reach = max(float(np.abs(component - threshold).max()), 1e-6)
+    traces = []
     for index, image in enumerate(images):
         col = index + 1
-        fig.add_trace(_image_trace(image, hover=False), row=1, col=col)
         mapped = colour_mapped(component[index], SIMILARITY_SCALE, threshold - reach, threshold + reach)
-        fig.add_trace(_grid_image(mapped, image.shape), row=2, col=col)
-        fig.add_trace(_grid_image(_rgb_uint8(colours[index]), image.shape), row=3, col=col)
-    _image_axes(fig, [(row, col) for row in (1, 2, 3) for col in range(1, count + 1)], columns=count)
-    fig.update_layout(
+        traces += [
+            _on_axes(_image_trace(image, hover=False), cells[1, col]),
+            _on_axes(_grid_image(mapped, image.shape), cells[2, col]),
+            _on_axes(_grid_image(_rgb_uint8(colours[index]), image.shape), cells[3, col]),
+        ]
+    for row in (1, 2, 3):
+        for col in range(1, count + 1):
+            _merge(layout, _image_axis_layout(cells[row, col]))
+    layout.update(
         title=_title(
             f"Joint PCA of {count} images' last-layer patch tokens: foreground where the"
             f" {'sign-switched ' if flipped else ''}1st component > {threshold:+.1f} sd (red), its parts as RGB"
         ),
         margin=MARGIN, height=_panel_height(images[0].shape, 3, min(CELL_PIXELS, 1100 // count)),
     )
-    return fig
+    return go.Figure(data=traces, layout=layout)
+
+
+def _merge(layout: dict, axes: dict) -> None:
+    """Add settings to a :func:`_subplots` layout's axes (given as layout entries)."""
+    for axis, settings in axes.items():
+        layout.setdefault(axis, {}).update(settings)
 
 
 def correspondence_grid(
@@ -99,21 +106,21 @@ def correspondence_grid(
         else f"{label}: best {cosines[index].flat[best[index]]:.2f}"
         for index, label in enumerate(labels)
     ]
-    fig = make_subplots(rows=1, cols=count, horizontal_spacing=0.01, subplot_titles=titles)
-    shapes = []
+    layout, cells = _subplots(1, count, titles, horizontal_spacing=0.01)
+    traces, shapes = [], []
     for index, image in enumerate(images):
-        col = index + 1
-        fig.add_trace(_image_trace(image, hover=False), row=1, col=col)
-        fig.add_trace(_patch_heatmap(
+        suffix = cells[1, index + 1]
+        traces.append(_on_axes(_image_trace(image, hover=False), suffix))
+        traces.append(_on_axes(_patch_heatmap(
             cosines[index], image.shape[:2], value_name="cosine", label=labels[index], colorscale=ATTENTION_SCALE,
             zmin=low, zmax=1.0, showscale=index == 0, colorbar=dict(title="cosine", thickness=12),
-        ), row=1, col=col)
+        ), suffix))
         row, patch_col = divmod(int(source_patch if index == source_image else best[index]), grid_w)
         style = dict(color=MARK, width=3, dash="solid" if index == source_image else "dot")
-        shapes.append(_patch_box(row, patch_col, grid_size, image.shape, _axis_suffix(col), **style))
-    _image_axes(fig, [(1, col) for col in range(1, count + 1)], columns=count)
+        shapes.append(_patch_box(row, patch_col, grid_size, image.shape, suffix, **style))
+        _merge(layout, _image_axis_layout(suffix))
     source_row, source_col = divmod(int(source_patch), grid_w)
-    fig.update_layout(
+    layout.update(
         shapes=shapes,
         title=_title(
             f"Cosine of {what} with patch {source_patch} (row {source_row}, col {source_col}) of"
@@ -121,7 +128,7 @@ def correspondence_grid(
         ),
         margin=MARGIN, height=_panel_height(images[0].shape, 1, min(CELL_PIXELS, 1100 // count)),
     )
-    return fig
+    return go.Figure(data=traces, layout=layout)
 
 
 def norm_outliers_grid(
@@ -137,36 +144,40 @@ def norm_outliers_grid(
         raise ValueError(f"norms {norms.shape} and outliers {outliers.shape} must hold one map per image ({count})")
     grid_h, grid_w = norms.shape[1:]
     height, width = image_shape[:2]
-    fig = make_subplots(
-        rows=2, cols=count, horizontal_spacing=0.01, vertical_spacing=0.12, row_heights=[0.65, 0.35],
-        specs=[[{}] * count, [{"colspan": count}] + [None] * (count - 1)],
-        subplot_titles=[
+    layout, cells = _subplots(
+        2, count, [
             f"{label}: {int(found)} outlier{'' if found == 1 else 's'}"
             for label, found in zip(labels, outliers.sum(axis=(1, 2)))
         ] + ["every patch's norm"],
+        horizontal_spacing=0.01, vertical_spacing=0.12, row_heights=[0.65, 0.35],
+        specs=[[{}] * count, [{"colspan": count}] + [None] * (count - 1)],
     )
     low, high = float(norms.min()), float(norms.max())
+    traces = []
     for index in range(count):
-        col = index + 1
-        fig.add_trace(_patch_heatmap(
+        suffix = cells[1, index + 1]
+        traces.append(_on_axes(_patch_heatmap(
             norms[index], (height, width), value_name="norm", label=labels[index], colorscale=VALUE_SCALE,
             zmin=low, zmax=high if high > low else low + 1, showscale=index == 0,
             colorbar=dict(title="norm", thickness=12, len=0.6, y=1, yanchor="top"),
-        ), row=1, col=col)
+        ), suffix))
         rows, cols = np.nonzero(outliers[index])
-        fig.add_trace(go.Scatter(
+        traces.append(_on_axes(go.Scatter(
             x=(cols + 0.5) * width / grid_w - 0.5, y=(rows + 0.5) * height / grid_h - 0.5, mode="markers",
             marker=dict(symbol="x-thin-open", size=10, line=dict(width=2, color="#e45756")), showlegend=False,
             customdata=rows * grid_w + cols, hovertemplate="outlier: patch %{customdata}<extra></extra>",
-        ), row=1, col=col)
-    _image_axes(fig, [(1, col) for col in range(1, count + 1)], columns=count)
-    fig.add_trace(go.Histogram(x=norms.reshape(-1), nbinsx=60, marker_color="#4c78a8", showlegend=False,
-                               hovertemplate="norm %{x}: %{y} patches<extra></extra>"), row=2, col=1)
-    fig.add_vline(x=threshold, line=dict(color="#e45756", dash="dash"), row=2, col=1)
-    fig.update_xaxes(title="L2 norm of a patch token", row=2, col=1)
-    fig.update_yaxes(title="patches", row=2, col=1)
-    fig.update_layout(
+        ), suffix))
+        _merge(layout, _image_axis_layout(suffix))
+    histogram = cells[2, 1]
+    traces.append(_on_axes(go.Histogram(x=norms.reshape(-1), nbinsx=60, marker_color="#4c78a8", showlegend=False,
+                                        hovertemplate="norm %{x}: %{y} patches<extra></extra>"), histogram))
+    _merge(layout, {f"xaxis{histogram}": dict(title=dict(text="L2 norm of a patch token")),
+                    f"yaxis{histogram}": dict(title=dict(text="patches"))})
+    layout.update(
+        # The threshold across the histogram, as add_vline draws it.
+        shapes=[dict(type="line", x0=threshold, x1=threshold, xref=f"x{histogram}", y0=0, y1=1,
+                     yref=f"y{histogram} domain", line=dict(color="#e45756", dash="dash"))],
         title=_title(f"Patch-token norms after layer {layer}; outliers (x) above {threshold:.3g} = {rule}"),
         margin={**MARGIN, "l": 50}, height=_panel_height(image_shape, 1, min(CELL_PIXELS, 1100 // count)) + 260,
     )
-    return fig
+    return go.Figure(data=traces, layout=layout)

@@ -6,8 +6,8 @@ from collections.abc import Sequence
 import numpy as np
 import plotly.graph_objects as go
 
-from ._base import MARGIN, _float_array, _title
-from .attention import attention_heads_grid, attention_overlay
+from ._base import MARGIN, _float_array, _title, attention_top
+from .attention import attention_heads_grid, attention_overlay, overlay_top
 from .predictions import _class_names
 
 INTACT_COLOUR, KNOCKED_COLOUR = "#9aa5b1", "#dc143c"
@@ -93,26 +93,25 @@ def intact_and_knocked_heads(
 ) -> tuple[go.Figure, go.Figure]:
     """:func:`attention_heads_grid` of one layer intact and knocked out (maps (H, gh, gw) each), on
     one colour scale, so that a head that looks elsewhere after the knock-out shows it."""
+    maps = [_float_array(intact_maps), _float_array(knocked_maps)]
+    top = max(attention_top(head_maps, 1 / head_maps[0].size) for head_maps in maps)
     figs = [
-        attention_heads_grid(image, maps, layer=layer, query=query, columns=columns)
-        for maps in (intact_maps, knocked_maps)
-    ]
-    top = max(fig.layout.coloraxis.cmax for fig in figs)
-    for fig, label in zip(figs, ("Intact", f"With {what}")):
-        fig.update_layout(
-            coloraxis_cmax=top,
+        attention_heads_grid(
+            image, head_maps, layer=layer, query=query, columns=columns, top=top,
             title=_title(f"{label}: attention of the {query} in layer {layer}, per head (one scale for both grids)"),
         )
+        for head_maps, label in zip(maps, ("Intact", f"With {what}"))
+    ]
     return figs[0], figs[1]
 
 
 def intact_and_knocked_rollouts(image, intact_map, knocked_map, query: str, what: str) -> tuple[go.Figure, go.Figure]:
     """Rollout maps (gh, gw) intact and knocked out over the image, on one scale."""
+    top = max(overlay_top(rollout, weights=True) for rollout in (intact_map, knocked_map))
     figs = [
-        attention_overlay(image, rollout, title=f"{label}: rollout to the {query}", value_name="rollout", weights=True)
+        attention_overlay(
+            image, rollout, title=f"{label}: rollout to the {query}", value_name="rollout", weights=True, top=top,
+        )
         for rollout, label in ((intact_map, "Intact"), (knocked_map, f"With {what}"))
     ]
-    top = max(trace.zmax for fig in figs for trace in fig.data if trace.type == "heatmap")
-    for fig in figs:
-        fig.update_traces(zmax=top, selector=dict(type="heatmap"))
     return figs[0], figs[1]

@@ -10,7 +10,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from ._base import (
-    MARGIN, _array, _rgb_uint8, _mosaic, _patch_positions, _image_trace, _patch_heatmap, _image_axes,
+    MARGIN, _array, _rgb_uint8, _mosaic, _patch_positions, _image_trace, _patch_heatmap, _image_axes, _image_axis_layout,
     _panel_height, _title,
 )
 
@@ -19,28 +19,30 @@ def image_with_grid(
     image, grid_size: tuple[int, int], highlight: int | tuple[int, int] | None = None
 ) -> go.Figure:
     """The model's input image cut into its gh x gw patches; hover names each patch."""
+    traces, layout = _grid_parts(image, grid_size, highlight)
+    return go.Figure(data=traces, layout=layout)
+
+
+def _grid_parts(image, grid_size: tuple[int, int], highlight: int | tuple[int, int] | None) -> tuple[list, dict]:
+    """:func:`image_with_grid`'s traces and layout, for a figure built in one go (add_trace,
+    add_shape and each update re-validate the figure: most of a patch picker's time)."""
     image = _rgb_uint8(image)
     grid_h, grid_w = grid_size
     height, width = image.shape[:2]
-    fig = go.Figure(_image_trace(image, hover=False))
     # An invisible heatmap carries the hover text of each patch.
     clear = [[0, "rgba(0,0,0,0)"], [1, "rgba(0,0,0,0)"]]
     hover = _patch_heatmap(
         _patch_positions(grid_size)[..., 0].astype(float), (height, width),
         colorscale=clear, showscale=False,
-    )
-    fig.add_trace(hover.update(hovertemplate=(
-        "patch %{customdata[0]} (row %{customdata[1]}, col %{customdata[2]})<extra></extra>"
-    )))
+    ).to_plotly_json()
+    hover["hovertemplate"] = "patch %{customdata[0]} (row %{customdata[1]}, col %{customdata[2]})<extra></extra>"
     line = dict(color="rgba(255,255,255,0.8)", width=1)
     rows = [row * height / grid_h - 0.5 for row in range(1, grid_h)]
     cols = [col * width / grid_w - 0.5 for col in range(1, grid_w)]
-    # All lines in one layout update: add_shape per line re-validates every earlier shape, which
-    # took seconds for the 27 + 27 lines of a 28 x 28 grid.
-    fig.update_layout(shapes=[
+    shapes = [
         *(dict(type="line", x0=-0.5, x1=width - 0.5, y0=y, y1=y, line=line) for y in rows),
         *(dict(type="line", x0=x, x1=x, y0=-0.5, y1=height - 0.5, line=line) for x in cols),
-    ])
+    ]
     title = f"Input image as a {grid_h} x {grid_w} grid of {grid_h * grid_w} patches"
     if highlight is not None:
         if isinstance(highlight, Sequence):
@@ -50,14 +52,13 @@ def image_with_grid(
         if not (0 <= row < grid_h and 0 <= col < grid_w):
             raise ValueError(f"patch ({row}, {col}) is outside the {grid_h}x{grid_w} grid")
         dy, dx = height / grid_h, width / grid_w
-        fig.add_shape(
+        shapes.append(dict(
             type="rect", x0=col * dx - 0.5, x1=(col + 1) * dx - 0.5, y0=row * dy - 0.5,
             y1=(row + 1) * dy - 0.5, line=dict(color="#00e5ff", width=3),
-        )
+        ))
         title += f" (patch {row * grid_w + col} at row {row}, col {col} highlighted)"
-    _image_axes(fig)
-    fig.update_layout(title=_title(title), margin=MARGIN)
-    return fig
+    layout = dict(**_image_axis_layout(), shapes=shapes, title=_title(title), margin=MARGIN)
+    return [_image_trace(image, hover=False), hover], layout
 
 
 def patch_sequence(patches, max_patches: int = 64, per_row: int = 16) -> go.Figure:
@@ -108,34 +109,33 @@ def input_image(image, title: str) -> go.Figure:
     return fig
 
 
-def patch_picker(image, grid_size: tuple[int, int], selected: int | None = None) -> go.Figure:
-    """:func:`image_with_grid` that reports a click on any patch as a selected point.
+def patch_picker(image, grid_size: tuple[int, int], selected: int | None = None, **layout) -> go.Figure:
+    """:func:`image_with_grid` that reports a click on any patch as a selected point; ``layout``
+    adds to the figure's layout (a caller's title, height), in one go.
 
     Heatmap cells cannot be selected in Streamlit (streamlit#8760), so an invisible marker sits
     on every patch centre and ``hoverdistance=-1`` lets a click anywhere pick the nearest one;
     the markers run in row-major patch order, so a selected point's index is the patch index.
     """
-    fig = image_with_grid(image, grid_size, highlight=selected)
+    traces, grid = _grid_parts(image, grid_size, selected)
     height, width = _rgb_uint8(image).shape[:2]
     grid_h, grid_w = grid_size
     positions = _patch_positions(grid_size).reshape(-1, 3)
-    fig.add_trace(
-        go.Scatter(
-            x=(positions[:, 2] + 0.5) * width / grid_w - 0.5,
-            y=(positions[:, 1] + 0.5) * height / grid_h - 0.5,
-            mode="markers", customdata=positions, showlegend=False,
-            marker=dict(size=max(4, min(30, 360 // max(grid_h, grid_w))), color="rgba(0,0,0,0)"),
-            selected=dict(marker=dict(color="rgba(0,229,255,0.5)")),
-            unselected=dict(marker=dict(opacity=0)),
-            hovertemplate="patch %{customdata[0]} (row %{customdata[1]}, col %{customdata[2]})"
-            "<br>click to make it the query<extra></extra>",
-        )
-    )
-    fig.update_layout(
+    traces.append(go.Scatter(
+        x=(positions[:, 2] + 0.5) * width / grid_w - 0.5,
+        y=(positions[:, 1] + 0.5) * height / grid_h - 0.5,
+        mode="markers", customdata=positions, showlegend=False,
+        marker=dict(size=max(4, min(30, 360 // max(grid_h, grid_w))), color="rgba(0,0,0,0)"),
+        selected=dict(marker=dict(color="rgba(0,229,255,0.5)")),
+        unselected=dict(marker=dict(opacity=0)),
+        hovertemplate="patch %{customdata[0]} (row %{customdata[1]}, col %{customdata[2]})"
+        "<br>click to make it the query<extra></extra>",
+    ))
+    grid.update(
         title=_title("Click a patch to make it the query"), hovermode="closest", hoverdistance=-1,
         clickmode="event+select", dragmode=False,
     )
-    return fig
+    return go.Figure(data=traces, layout={**grid, **layout})
 
 
 def patch_size_tradeoff(rows: Sequence[Mapping], current: int) -> go.Figure:
