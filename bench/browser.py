@@ -1,6 +1,7 @@
 """The app on loopback and a headless Chromium to drive it: shared by the browser tests and benches.
 
-`serve_app` runs `streamlit run app.py` on a free 127.0.0.1 port and always ends it again;
+`serve_app` runs `streamlit run app.py` on a free 127.0.0.1 port and always ends it again
+(`serve_app_process` yields the process too, for benches that read its CPU time);
 `CHROMIUM_LAUNCH` are the arguments for Playwright's `chromium.launch` (sync or async API) that
 use the system Chromium (Debian: apt-get install chromium): Playwright's own browser download is
 not needed.
@@ -16,7 +17,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,19 +49,30 @@ def log_tail(path: Path, lines: int = 40) -> str:
 
 @contextlib.contextmanager
 def serve_app(env: dict[str, str] | None = None, log: Path | None = None, start_timeout: float = 90.0) -> Iterator[str]:
-    """`streamlit run app.py` on 127.0.0.1 with ``env`` added; yields its URL, terminates it after.
+    """`streamlit run app.py` on 127.0.0.1 with ``env`` added; yields its URL, terminates it after."""
+    with serve_app_process(env, log, start_timeout) as (url, _):
+        yield url
+
+
+@contextlib.contextmanager
+def serve_app_process(
+    env: dict[str, str] | None = None, log: Path | None = None, start_timeout: float = 90.0,
+    args: Sequence[str] = (), port: int | None = None,
+) -> Iterator[tuple[str, subprocess.Popen]]:
+    """`streamlit run app.py` (with ``args``) on 127.0.0.1 (``port``, else a free one) with ``env``
+    added; yields its URL and process once it answers, terminates it after.
 
     The server's output goes to ``log`` (a temporary file by default), not to a pipe that nobody
     reads and that would block the server once full.
     """
     log = log or Path(tempfile.mkdtemp(prefix="vit_explorer_app_")) / "streamlit.log"
-    port = free_port()
+    port = port or free_port()
     url = f"http://127.0.0.1:{port}"
     with open(log, "w") as output:
         process = subprocess.Popen(
             [sys.executable, "-m", "streamlit", "run", "app.py", "--server.port", str(port),
              "--server.address", "127.0.0.1", "--server.headless", "true",
-             "--browser.gatherUsageStats", "false"],
+             "--browser.gatherUsageStats", "false", *args],
             cwd=ROOT, env={**os.environ, **(env or {})}, stdout=output, stderr=subprocess.STDOUT, text=True,
         )
     try:
@@ -74,7 +86,7 @@ def serve_app(env: dict[str, str] | None = None, log: Path | None = None, start_
             if time.monotonic() > deadline:
                 raise ServerError(f"streamlit did not answer within {start_timeout:.0f} s:\n{log_tail(log)}")
             time.sleep(0.5)
-        yield url
+        yield url, process
     finally:
         process.terminate()
         try:

@@ -11,6 +11,7 @@ the app).
 """
 from __future__ import annotations
 
+import gc
 import hashlib
 import os
 import secrets
@@ -34,7 +35,7 @@ from PIL import Image
 from streamlit.runtime.memory_uploaded_file_manager import MemoryUploadedFileManager
 from streamlit.runtime.scriptrunner import get_script_run_ctx
 
-from . import catalogue, resources, runs, train
+from . import catalogue, figures, resources, runs, train  # noqa: F401 (figures: frozen below with plotly)
 from .ablation import HeadSweep, KnockOut, head_sweep
 from .analysis import attribution, display_image, near_chance
 from .cache import ByteBoundedCache, nbytes, trim_to_quota
@@ -1330,3 +1331,20 @@ def compared_selection(
     model = model_at(model_key, patch_size, image_size or config.img_size)
     image_key, image = resolve_image(st.session_state["image_key"], model.config.img_size)
     return Selection(model_key, patch_size, image_key, model, image)
+
+
+
+# Streamlit collects every generation after every script run (runner.postScriptGC, on by
+# default): a full collection walks every object the process holds, and the modules of torch,
+# plotly, streamlit and this package are about 250k of them that are never garbage, so each run
+# paid 0.1-1 s of the server's one interpreter (39% of its CPU under a class's load). Frozen once
+# here, after the imports (this module is imported once per process), they are left out of every
+# collection, and the one after a run walks only what the runs made since. The collection first
+# drops what is already garbage, since anything frozen is never collected. Turning the post-run
+# collection off instead (runner.postScriptGC=false) saves about as much CPU, but leaves cyclic
+# garbage (a run's frames, figures, tensors) to Python's own full collections: rarer (3 in 36
+# page views), each as long as before (0.4-0.7 s) and run on whichever thread allocates, the
+# event loop's included, where they stall every session. (Slower pages once seen with it off
+# did not reproduce: three A/B pairs on the shared 2-core machine went both ways.)
+gc.collect()
+gc.freeze()
