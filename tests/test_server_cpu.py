@@ -2,6 +2,7 @@
 
 Run in a fresh interpreter, since this pytest process imported vit_explorer.ui long ago.
 """
+import io
 import json
 import os
 import subprocess
@@ -39,3 +40,23 @@ def test_the_imports_are_frozen_once_and_runs_are_not(tmp_path):
     assert counts["frozen"] > 100_000  # torch, plotly, streamlit and the package's modules
     # Two runs later: frozen objects may have been freed, none were added by a second freeze.
     assert counts["after"] <= counts["frozen"]
+
+
+def test_the_sidebar_image_is_encoded_once_and_small():
+    """st.image of a PIL image re-encodes it as PNG on every run; the sidebar gets bytes made
+    once per image: a photo as a JPEG within SIDEBAR_IMAGE_PX, a small picture as it is (PNG)."""
+    from PIL import Image
+
+    from vit_explorer import ui
+
+    photo = Image.open(ROOT / "assets" / "samples" / "astronaut.png").convert("RGB")
+    encoded = ui.sidebar_image("photo:astronaut.png", photo)
+    assert encoded is ui.sidebar_image("photo:astronaut.png", photo)  # computed once, then shared
+    shown = Image.open(io.BytesIO(encoded))
+    assert shown.format == "JPEG" and max(shown.size) == ui.SIDEBAR_IMAGE_PX
+    assert shown.size[0] / shown.size[1] == photo.size[0] / photo.size[1]
+
+    shapes = Image.new("RGB", (32, 32), (10, 200, 30))
+    small = Image.open(io.BytesIO(ui.sidebar_image("shapes:0", shapes)))
+    assert small.format == "PNG" and small.size == (32, 32)
+    assert small.getpixel((5, 5)) == (10, 200, 30)  # lossless

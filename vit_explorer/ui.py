@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import io
 import os
 import secrets
 import shutil
@@ -242,6 +243,29 @@ def shapes_image(index: int, image_size: tuple[int, int]) -> tuple[Image.Image, 
 @st.cache_resource(max_entries=16, show_spinner=False)
 def photo(name: str) -> Image.Image:
     return load_image(PHOTOS_DIR / name)
+
+
+# The sidebar draws the chosen picture 160 px wide: it is sent at most twice that (sharp on
+# high-density screens).
+SIDEBAR_IMAGE_PX = 320
+
+
+def sidebar_image(image_key: str, image: Image.Image) -> bytes:
+    """``image`` as the sidebar shows it: encoded once per image for everybody. Given the PIL
+    image, st.image encodes it again as PNG on every run of every session (0.3-1 s for a
+    512 x 512 photo on a busy 2-core server); small pictures (the shapes) stay PNG, photos go as
+    JPEG, both shrunk to SIDEBAR_IMAGE_PX."""
+    def encode() -> bytes:
+        small = image.copy()
+        small.thumbnail((SIDEBAR_IMAGE_PX, SIDEBAR_IMAGE_PX))
+        buffer = io.BytesIO()
+        if small.width * small.height <= 128 * 128:
+            small.save(buffer, format="PNG")
+        else:
+            small.save(buffer, format="JPEG", quality=90)
+        return buffer.getvalue()
+
+    return memo((image_key, image.size, "sidebar image"), encode)
 
 
 def uploaded_image_path(digest: str) -> Path:
