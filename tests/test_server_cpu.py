@@ -60,3 +60,15 @@ def test_the_sidebar_image_is_encoded_once_and_small():
     small = Image.open(io.BytesIO(ui.sidebar_image("shapes:0", shapes)))
     assert small.format == "PNG" and small.size == (32, 32)
     assert small.getpixel((5, 5)) == (10, 200, 30)  # lossless
+
+
+def test_sample_image_options_are_made_once_and_handed_out_fresh():
+    """The sidebar's labels come from the shared cache, and the app adds its uploads to what it
+    gets: that never reaches the cached labels or another session."""
+    from vit_explorer import ui
+
+    first = ui.sample_image_options((32, 32))
+    assert "shapes:0" in first and any(key.startswith("photo:") for key in first)
+    first["upload:mine"] = "Uploaded: mine.png"
+    again = ui.sample_image_options((32, 32))
+    assert "upload:mine" not in again and again.keys() == first.keys() - {"upload:mine"}

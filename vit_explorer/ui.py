@@ -283,13 +283,17 @@ def uploaded_image(digest: str) -> Image.Image:
 
 
 def sample_image_options(image_size: tuple[int, int]) -> dict[str, str]:
-    """Image key -> label for the built-in pictures (shapes are drawn at the model's size)."""
-    options = {
-        f"shapes:{index}": f"Shapes #{index}: {shapes_image(index, image_size)[1]}"
-        for index in range(SHAPE_SAMPLES)
-    }
-    options.update({f"photo:{name}": f"Photo: {Path(name).stem}" for name in photo_names()})
-    return options
+    """Image key -> label for the built-in pictures (shapes are drawn at the model's size): a
+    fresh dict of labels made once per size (each run of the sidebar asks; through
+    st.cache_data each label cost unpickling its picture)."""
+    def options() -> dict[str, str]:
+        shapes = {
+            f"shapes:{index}": f"Shapes #{index}: {shapes_image(index, image_size)[1]}"
+            for index in range(SHAPE_SAMPLES)
+        }
+        return {**shapes, **{f"photo:{name}": f"Photo: {Path(name).stem}" for name in photo_names()}}
+
+    return dict(memo((tuple(image_size), "sample image options"), options))
 
 
 def uploaded_image_options() -> dict[str, str]:
