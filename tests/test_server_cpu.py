@@ -72,3 +72,24 @@ def test_sample_image_options_are_made_once_and_handed_out_fresh():
     first["upload:mine"] = "Uploaded: mine.png"
     again = ui.sample_image_options((32, 32))
     assert "upload:mine" not in again and again.keys() == first.keys() - {"upload:mine"}
+
+
+def test_figures_serialize_the_same_with_orjson_as_with_the_standard_encoder():
+    """st.plotly_chart serializes every figure on every run through plotly.io.to_json, which
+    takes orjson where it is installed (a requirement, for speed): the browser must get the
+    same figure, NaN gaps and float16 attention included."""
+    import numpy as np
+    import plotly.io as pio
+    import pytest
+
+    from vit_explorer import figures
+
+    pytest.importorskip("orjson")
+    image = np.random.default_rng(0).integers(0, 255, (12, 8, 3), dtype=np.uint8)
+    maps = np.random.default_rng(1).random((3, 3, 2)).astype(np.float16)
+    maps[0, 0, 0] = np.nan
+    for fig in (figures.attention_heads_grid(image, maps, opacity=0.5, layer=1),
+                figures.attention_overlay(image, maps[1].astype(np.float32), opacity=0.4, title="Rollout")):
+        assert json.loads(pio.to_json(fig, validate=False, engine="orjson")) == json.loads(
+            pio.to_json(fig, validate=False, engine="json")
+        )
