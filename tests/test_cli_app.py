@@ -11,7 +11,7 @@ from vit_explorer import cli, resources
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.parametrize("arguments", [[], ["train"], ["evaluate"], ["inspect"], ["app"]])
+@pytest.mark.parametrize("arguments", [[], ["train"], ["evaluate"], ["inspect"], ["app"], ["serve"]])
 def test_help_of_every_subcommand(arguments):
     done = subprocess.run(
         [sys.executable, "-m", "vit_explorer", *arguments, "--help"], capture_output=True,

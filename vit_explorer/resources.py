@@ -2,6 +2,7 @@
 <prefix>/share/vit_explorer once installed with pip (pyproject.toml's data-files)."""
 from __future__ import annotations
 
+import os
 import sysconfig
 from pathlib import Path
 
@@ -20,3 +21,9 @@ def app_script() -> Path:
 
 def shipped_weights() -> Path:
     return app_root() / "weights" / "vit_shapes.safetensors"
+
+
+def default_runs_dir() -> Path:
+    """Where runs trained in the app write their checkpoints and events: VIT_EXPLORER_RUNS_DIR,
+    else runs/app beside the package (one folder for every server of this checkout)."""
+    return Path(os.environ.get("VIT_EXPLORER_RUNS_DIR") or Path(__file__).resolve().parent.parent / "runs" / "app")

@@ -67,7 +67,7 @@ def default_uploads_dir() -> Path:
 
 UPLOADS_DIR = default_uploads_dir()
 # Where runs trained in the app write their checkpoints.
-RUNS_DIR = Path(os.environ.get("VIT_EXPLORER_RUNS_DIR") or Path(__file__).resolve().parent.parent / "runs" / "app")
+RUNS_DIR = resources.default_runs_dir()
 # The largest attention tensor (depth x heads x N x N, counted in float32) a patch size may
 # produce: ViT-B/16 at patch 8 (785 tokens) is about 355 MB and still fits (the app keeps it in
 # float16, 177 MB; the bound also keeps a capture within a few seconds on a CPU).
