@@ -13,7 +13,8 @@ a run: opening the app, uploading an image, going to a page, moving a slider.
   on Attention and on Inside a layer.
 
 Prints the server's CPU-seconds per view and the browsers' page times (p50 / p95, from the click
-until the page's content is drawn and the app is idle). The browsers share the machine's cores
+until the page's content is drawn and the app is idle), for all the views and for each walk: the
+first (opening the app, a new image on every page) and the second (revisits, nothing new). The browsers share the machine's cores
 with the server, so page times rise with N; the CPU per view is the server's alone.
 
     python -m bench.server_cpu                       # shipped model, 4 sessions
@@ -37,7 +38,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.app_load import CONTENT as LOAD_CONTENT
-from bench.app_load import Probe, errors_on, make_probes, new_page, percentile, random_vit_b16, settle, summarize
+from bench.app_load import (
+    Probe,
+    errors_on,
+    make_probes,
+    new_page,
+    percentile,
+    random_vit_b16,
+    settle,
+    summarize,
+)
 from bench.browser import CHROMIUM_LAUNCH, log_tail, serve_app_process
 from vit_explorer.train import DEFAULT_WEIGHTS
 
@@ -63,6 +73,8 @@ class Walk:
     name: str
     times: list[tuple[str, float]] = field(default_factory=list)  # (view, seconds)
     errors: list[str] = field(default_factory=list)
+    view: str = ""  # the view under way
+    first: int = 0  # how many of ``times`` the first walk took (opening and upload included)
 
 
 async def arrive(page, title: str) -> None:
@@ -73,6 +85,7 @@ async def arrive(page, title: str) -> None:
 
 
 async def timed(walk: Walk, page, view: str, action) -> None:
+    walk.view = view
     start = time.perf_counter()
     await action()
     walk.times.append((view, time.perf_counter() - start))
@@ -103,64 +116,78 @@ async def move_layer(page, title: str) -> None:
     await arrive(page, title)
 
 
-async def session(
-    browser, url: str, name: str, pages: tuple[str, ...], probe: Probe | None, sliders: bool,
-    walks: int, timeout_ms: float,
-) -> Walk:
-    """Open the app, upload ``probe`` (if any), walk ``pages`` ``walks`` times, moving sliders."""
-    page = await new_page(browser, timeout_ms)
-    walk, view = Walk(name), "open"
-    try:
-        async def open_app() -> None:
-            await page.goto(url)
-            await arrive(page, "Pipeline")
+async def open_and_walk(page, url: str, walk: Walk, pages: tuple[str, ...], probe: Probe | None, sliders: bool) -> None:
+    """Open the app, upload ``probe`` (if any), walk ``pages`` once."""
+    async def open_app() -> None:
+        await page.goto(url)
+        await arrive(page, "Pipeline")
 
-        await timed(walk, page, view, open_app)
-        if probe is not None:
-            view = "upload"
-            await timed(walk, page, view, lambda: upload(page, probe))
-        for _ in range(walks):
-            for title in pages[1:] + pages[:1]:  # it starts on Pipeline
-                view = title
-                await timed(walk, page, view, lambda title=title: go_to(page, title))
-                if sliders and title in SLIDERS:
-                    view = f"{title}: layer slider"
-                    await timed(walk, page, view, lambda title=title: move_layer(page, title))
-    except Exception as error:  # a timeout or a lost page: a finding of this session, not a crash
-        walk.errors.append(f"{view}: the driver failed: {summarize(error)}")
-    finally:
-        await page.context.close()
-    return walk
+    await timed(walk, page, "open", open_app)
+    if probe is not None:
+        await timed(walk, page, "upload", lambda: upload(page, probe))
+    await walk_pages(page, walk, pages, sliders)
+
+
+async def walk_pages(page, walk: Walk, pages: tuple[str, ...], sliders: bool) -> None:
+    """Go to every page (from Pipeline, back to it), moving the sliders of SLIDERS if asked."""
+    for title in pages[1:] + pages[:1]:
+        await timed(walk, page, title, lambda title=title: go_to(page, title))
+        if sliders and title in SLIDERS:
+            await timed(walk, page, f"{title}: layer slider", lambda title=title: move_layer(page, title))
+
+
+async def guarded(walk: Walk, steps) -> None:
+    """Await ``steps`` unless this session already failed; a failure is a finding, not a crash."""
+    if any("driver failed" in error for error in walk.errors):
+        steps.close()
+        return
+    try:
+        await steps
+    except Exception as error:  # a timeout or a lost page
+        walk.errors.append(f"{walk.view}: the driver failed: {summarize(error)}")
 
 
 async def measure(
     url: str, pid: int, rounds: list[list[Probe | None]], pages: tuple[str, ...], sliders: bool,
     timeout_ms: float, profile: Path | None,
-) -> list[tuple[float, list[Walk]]]:
-    """Warm the server up with one walk, then per round its sessions at once: (CPU-s, walks)."""
+) -> list[tuple[float, float, list[Walk]]]:
+    """Warm the server up with one walk, then per round its sessions at once, each opening the
+    app and walking every page, then walking them again: (CPU-s of the first walks, CPU-s of the
+    second walks, the walks)."""
     from playwright.async_api import async_playwright
 
     async with async_playwright() as playwright:
         browser = await playwright.chromium.launch(**CHROMIUM_LAUNCH)
         try:
-            warm = await session(browser, url, "warm-up", pages, None, sliders, 1, timeout_ms)
+            page, warm = await new_page(browser, timeout_ms), Walk("warm-up")
+            await guarded(warm, open_and_walk(page, url, warm, pages, None, sliders))
+            await page.context.close()
             if warm.errors:
                 raise RuntimeError("the warm-up failed: " + "; ".join(warm.errors))
             spy = None
             if profile is not None:
                 spy = subprocess.Popen(
-                    [str(Path(sys.executable).with_name("py-spy")), "record", "-p", str(pid), "-r", "50", "--gil", "-f", "raw", "-o", str(profile), "--nonblocking"],
+                    [str(Path(sys.executable).with_name("py-spy")), "record", "-p", str(pid), "-r", "50", "--gil",
+                     "-f", "raw", "-o", str(profile), "--nonblocking"],
                     stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
                 )
             results = []
             try:
                 for probes in rounds:
-                    before = cpu_seconds(pid)
-                    walks = await asyncio.gather(*(
-                        session(browser, url, f"N{len(probes)} session {number}", pages, probe, sliders, 2, timeout_ms)
-                        for number, probe in enumerate(probes, 1)
+                    walks = [Walk(f"N{len(probes)} session {number}") for number in range(1, len(probes) + 1)]
+                    tabs = [await new_page(browser, timeout_ms) for _ in probes]
+                    start = cpu_seconds(pid)
+                    await asyncio.gather(*(
+                        guarded(walk, open_and_walk(tab, url, walk, pages, probe, sliders))
+                        for walk, tab, probe in zip(walks, tabs, probes)
                     ))
-                    results.append((cpu_seconds(pid) - before, walks))
+                    middle = cpu_seconds(pid)
+                    for walk in walks:
+                        walk.first = len(walk.times)
+                    await asyncio.gather(*(guarded(walk, walk_pages(tab, walk, pages, sliders)) for walk, tab in zip(walks, tabs)))
+                    results.append((middle - start, cpu_seconds(pid) - middle, walks))
+                    for tab in tabs:
+                        await tab.context.close()
             finally:
                 if spy is not None:
                     spy.send_signal(2)  # SIGINT: py-spy writes what it has
@@ -170,15 +197,24 @@ async def measure(
             await browser.close()
 
 
-def report(n: int, cpu: float, walks: list[Walk]) -> str:
-    times = [seconds for walk in walks for _, seconds in walk.times]
-    errors = sum(len(walk.errors) for walk in walks)
+def per_view(label: str, cpu: float, times: list[float]) -> str:
     if not times:
-        return f"N={n:<3} no view finished; errors {errors}"
+        return f"{label}: no view finished"
     return (
-        f"N={n:<3} {len(times):4d} views  server {cpu:6.1f} CPU-s = {cpu / len(times):.3f} CPU-s/view"
-        f"  page p50 {percentile(times, 50):5.2f} s  p95 {percentile(times, 95):5.2f} s  errors {errors}"
+        f"{label}: {len(times):3d} views, {cpu:5.1f} CPU-s = {cpu / len(times):.3f} CPU-s/view,"
+        f" page p50 {percentile(times, 50):5.2f} s p95 {percentile(times, 95):5.2f} s"
     )
+
+
+def report(n: int, first: float, second: float, walks: list[Walk]) -> str:
+    errors = sum(len(walk.errors) for walk in walks)
+    firsts = [took for walk in walks for _, took in walk.times[:walk.first]]
+    revisits = [took for walk in walks for _, took in walk.times[walk.first:]]
+    return "\n".join((
+        f"N={n:<3} {per_view('all', first + second, firsts + revisits)}  errors {errors}",
+        f"      {per_view('first walk (opening the app, a new image)', first, firsts)}",
+        f"      {per_view('second walk (revisits, nothing new)', second, revisits)}",
+    ))
 
 
 def by_view(walks: list[Walk]) -> str:
@@ -215,13 +251,13 @@ def main() -> None:
         results = asyncio.run(measure(
             url, process.pid, rounds, pages, args.vit_b16, args.timeout * 1000, args.profile
         ))
-    for n, (cpu, walks) in zip(args.sessions, results):
-        print(report(n, cpu, walks))
+    for n, (first, second, walks) in zip(args.sessions, results):
+        print(report(n, first, second, walks))
         print(f"      p50 per view: {by_view(walks)}")
         for walk in walks:
             for line in walk.errors:
                 print(f"  {walk.name}: {line}")
-    if any(walk.errors for _, walks in results for walk in walks):
+    if any(walk.errors for *_, walks in results for walk in walks):
         print("server log (last lines):\n" + log_tail(log))
     with contextlib.suppress(OSError):
         print(f"server log: {log}")

@@ -93,3 +93,16 @@ def test_figures_serialize_the_same_with_orjson_as_with_the_standard_encoder():
         assert json.loads(pio.to_json(fig, validate=False, engine="orjson")) == json.loads(
             pio.to_json(fig, validate=False, engine="json")
         )
+
+
+def test_the_bench_reads_a_process_cpu_time_from_proc():
+    """bench.server_cpu's CPU-seconds of a process: this one's agrees with its own clock."""
+    import time
+
+    from bench.server_cpu import cpu_seconds
+
+    before, clock = cpu_seconds(os.getpid()), time.process_time()
+    while time.process_time() - clock < 0.3:  # busy
+        pass
+    spent = cpu_seconds(os.getpid()) - before
+    assert 0.2 < spent < 0.6  # clock ticks of 10 ms; other threads of pytest may add a little
