@@ -1,7 +1,7 @@
 """The app on loopback and a headless Chromium to drive it: shared by the browser tests and benches.
 
-`serve_app` runs `streamlit run app.py` on a free 127.0.0.1 port and always ends it again
-(`serve_app_process` yields the process too, for benches that read its CPU time);
+`serve_app` runs `streamlit run app.py` on a free 127.0.0.1 port and always ends it again (`app_server`
+the same, with a port of one's choice, giving the process id too);
 `CHROMIUM_LAUNCH` are the arguments for Playwright's `chromium.launch` (sync or async API) that
 use the system Chromium (Debian: apt-get install chromium): Playwright's own browser download is
 not needed.
@@ -18,6 +18,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,20 +48,26 @@ def log_tail(path: Path, lines: int = 40) -> str:
     return ""
 
 
+@dataclass(frozen=True)
+class Server:
+    url: str
+    pid: int  # the streamlit process: its CPU time is in /proc/<pid>/stat
+
+
 @contextlib.contextmanager
 def serve_app(env: dict[str, str] | None = None, log: Path | None = None, start_timeout: float = 90.0) -> Iterator[str]:
     """`streamlit run app.py` on 127.0.0.1 with ``env`` added; yields its URL, terminates it after."""
-    with serve_app_process(env, log, start_timeout) as (url, _):
-        yield url
+    with app_server(env, log, start_timeout) as server:
+        yield server.url
 
 
 @contextlib.contextmanager
-def serve_app_process(
-    env: dict[str, str] | None = None, log: Path | None = None, start_timeout: float = 90.0,
-    args: Sequence[str] = (), port: int | None = None,
-) -> Iterator[tuple[str, subprocess.Popen]]:
+def app_server(
+    env: dict[str, str] | None = None, log: Path | None = None, start_timeout: float = 90.0, port: int | None = None,
+    args: Sequence[str] = (),
+) -> Iterator[Server]:
     """`streamlit run app.py` (with ``args``) on 127.0.0.1 (``port``, else a free one) with ``env``
-    added; yields its URL and process once it answers, terminates it after.
+    added; yields its URL and process id once it answers, terminates it after.
 
     The server's output goes to ``log`` (a temporary file by default), not to a pipe that nobody
     reads and that would block the server once full.
@@ -86,7 +93,7 @@ def serve_app_process(
             if time.monotonic() > deadline:
                 raise ServerError(f"streamlit did not answer within {start_timeout:.0f} s:\n{log_tail(log)}")
             time.sleep(0.5)
-        yield url, process
+        yield Server(url, process.pid)
     finally:
         process.terminate()
         try:

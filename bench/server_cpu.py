@@ -48,7 +48,7 @@ from bench.app_load import (
     settle,
     summarize,
 )
-from bench.browser import CHROMIUM_LAUNCH, log_tail, serve_app_process
+from bench.browser import CHROMIUM_LAUNCH, app_server, log_tail
 from vit_explorer.train import DEFAULT_WEIGHTS
 
 # Text drawn once a page's main content is (None: its heading and an idle app).
@@ -63,7 +63,8 @@ SLIDERS = ("Attention", "Inside a layer")  # pages whose "Layer" slider the --vi
 
 
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of process ``pid`` so far, all its threads (not its children)."""
+    """User + system CPU time of process ``pid`` so far, all its threads (not its children).
+    (bench.class_load has the like; importing it would patch the standard library for gevent.)"""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
@@ -247,9 +248,9 @@ def main() -> None:
           f"{os.cpu_count()} cores shared with the browsers")
     log = folder / "streamlit.log"
     environment = {"VIT_EXPLORER_RUNS_DIR": str(folder / "runs"), "VIT_EXPLORER_DEFAULT_MODEL": str(weights)}
-    with serve_app_process(environment, log=log, args=args.server_arg, port=args.port) as (url, process):
+    with app_server(environment, log=log, port=args.port, args=args.server_arg) as server:
         results = asyncio.run(measure(
-            url, process.pid, rounds, pages, args.vit_b16, args.timeout * 1000, args.profile
+            server.url, server.pid, rounds, pages, args.vit_b16, args.timeout * 1000, args.profile
         ))
     for n, (first, second, walks) in zip(args.sessions, results):
         print(report(n, first, second, walks))

@@ -1,4 +1,8 @@
 """The model agrees with timm's VisionTransformer, and its two attention paths agree."""
+import os
+import subprocess
+import sys
+
 import pytest
 import timm
 import torch
@@ -120,3 +124,16 @@ def test_the_pi_resize_operator_is_computed_once_per_pair_of_sizes():
     first = pi_resize_operator(4, 8, torch.device("cpu"), torch.float32)
     assert pi_resize_operator(4, 8, torch.device("cpu"), torch.float32) is first
     assert first.shape == (64, 16)
+
+
+def test_importing_the_package_makes_idle_openmp_threads_sleep_unless_told_otherwise():
+    """A server's concurrent passes must not lose the cores to spinning OpenMP threads; the setting
+    only works if it is made before torch loads, which importing vit_explorer first guarantees."""
+    probe = "import os, vit_explorer, torch; print(os.environ['OMP_WAIT_POLICY'])"
+    env = {key: value for key, value in os.environ.items() if key != "OMP_WAIT_POLICY"}
+    default = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    assert default.stdout.strip() == "PASSIVE"
+    chosen = subprocess.run(
+        [sys.executable, "-c", probe], env={**env, "OMP_WAIT_POLICY": "ACTIVE"}, capture_output=True, text=True, check=True
+    )
+    assert chosen.stdout.strip() == "ACTIVE"
