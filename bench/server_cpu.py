@@ -213,7 +213,7 @@ def report(n: int, first: float, second: float, walks: list[Walk]) -> str:
     revisits = [took for walk in walks for _, took in walk.times[walk.first:]]
     return "\n".join((
         f"N={n:<3} {per_view('all', first + second, firsts + revisits)}  errors {errors}",
-        f"      {per_view('first walk (opening the app, a new image)', first, firsts)}",
+        f"      {per_view('first walk (opening the app; an upload, if any)', first, firsts)}",
         f"      {per_view('second walk (revisits, nothing new)', second, revisits)}",
     ))
 
