@@ -153,7 +153,10 @@ with st.sidebar:
             )
             selection = ui.selection()
             width, height = selection.image.size
-            st.image(selection.image, caption=f"{width}x{height} px as given", width=160)
+            st.image(
+                ui.sidebar_image(selection.image_key, selection.image), caption=f"{width}x{height} px as given",
+                width=160,
+            )
             reason = ui.unreadable_photo_reason(selection)
             if reason:
                 # Only models that can be had: downloaded, or their publisher answers.

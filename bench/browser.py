@@ -17,7 +17,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,9 +64,10 @@ def serve_app(env: dict[str, str] | None = None, log: Path | None = None, start_
 @contextlib.contextmanager
 def app_server(
     env: dict[str, str] | None = None, log: Path | None = None, start_timeout: float = 90.0, port: int | None = None,
+    args: Sequence[str] = (),
 ) -> Iterator[Server]:
-    """`streamlit run app.py` on 127.0.0.1 (``port``, else a free one) with ``env`` added; yields
-    its URL and process id once it answers, terminates it after.
+    """`streamlit run app.py` (with ``args``) on 127.0.0.1 (``port``, else a free one) with ``env``
+    added; yields its URL and process id once it answers, terminates it after.
 
     The server's output goes to ``log`` (a temporary file by default), not to a pipe that nobody
     reads and that would block the server once full.
@@ -78,7 +79,7 @@ def app_server(
         process = subprocess.Popen(
             [sys.executable, "-m", "streamlit", "run", "app.py", "--server.port", str(port),
              "--server.address", "127.0.0.1", "--server.headless", "true",
-             "--browser.gatherUsageStats", "false"],
+             "--browser.gatherUsageStats", "false", *args],
             cwd=ROOT, env={**os.environ, **(env or {})}, stdout=output, stderr=subprocess.STDOUT, text=True,
         )
     try:

@@ -11,7 +11,9 @@ the app).
 """
 from __future__ import annotations
 
+import gc
 import hashlib
+import io
 import os
 import secrets
 import shutil
@@ -34,7 +36,7 @@ from PIL import Image
 from streamlit.runtime.memory_uploaded_file_manager import MemoryUploadedFileManager
 from streamlit.runtime.scriptrunner import get_script_run_ctx
 
-from . import catalogue, resources, runs, train
+from . import catalogue, figures, resources, runs, train  # noqa: F401 (figures: frozen below with plotly)
 from .ablation import HeadSweep, KnockOut, head_sweep
 from .analysis import attribution, display_image, near_chance
 from .cache import ByteBoundedCache, nbytes, trim_to_quota
@@ -243,6 +245,29 @@ def photo(name: str) -> Image.Image:
     return load_image(PHOTOS_DIR / name)
 
 
+# The sidebar draws the chosen picture 160 px wide: it is sent at most twice that (sharp on
+# high-density screens).
+SIDEBAR_IMAGE_PX = 320
+
+
+def sidebar_image(image_key: str, image: Image.Image) -> bytes:
+    """``image`` as the sidebar shows it: encoded once per image for everybody. Given the PIL
+    image, st.image encodes it again as PNG on every run of every session (0.3-1 s for a
+    512 x 512 photo on a busy 2-core server); small pictures (the shapes) stay PNG, photos go as
+    JPEG, both shrunk to SIDEBAR_IMAGE_PX."""
+    def encode() -> bytes:
+        small = image.copy()
+        small.thumbnail((SIDEBAR_IMAGE_PX, SIDEBAR_IMAGE_PX))
+        buffer = io.BytesIO()
+        if small.width * small.height <= 128 * 128:
+            small.save(buffer, format="PNG")
+        else:
+            small.save(buffer, format="JPEG", quality=90)
+        return buffer.getvalue()
+
+    return memo((image_key, image.size, "sidebar image"), encode)
+
+
 def uploaded_image_path(digest: str) -> Path:
     return UPLOADS_DIR / f"image-{digest}"
 
@@ -258,13 +283,17 @@ def uploaded_image(digest: str) -> Image.Image:
 
 
 def sample_image_options(image_size: tuple[int, int]) -> dict[str, str]:
-    """Image key -> label for the built-in pictures (shapes are drawn at the model's size)."""
-    options = {
-        f"shapes:{index}": f"Shapes #{index}: {shapes_image(index, image_size)[1]}"
-        for index in range(SHAPE_SAMPLES)
-    }
-    options.update({f"photo:{name}": f"Photo: {Path(name).stem}" for name in photo_names()})
-    return options
+    """Image key -> label for the built-in pictures (shapes are drawn at the model's size): a
+    fresh dict of labels made once per size (each run of the sidebar asks; through
+    st.cache_data each label cost unpickling its picture)."""
+    def options() -> dict[str, str]:
+        shapes = {
+            f"shapes:{index}": f"Shapes #{index}: {shapes_image(index, image_size)[1]}"
+            for index in range(SHAPE_SAMPLES)
+        }
+        return {**shapes, **{f"photo:{name}": f"Photo: {Path(name).stem}" for name in photo_names()}}
+
+    return dict(memo((tuple(image_size), "sample image options"), options))
 
 
 def uploaded_image_options() -> dict[str, str]:
@@ -1354,3 +1383,20 @@ def compared_selection(
     model = model_at(model_key, patch_size, image_size or config.img_size)
     image_key, image = resolve_image(st.session_state["image_key"], model.config.img_size)
     return Selection(model_key, patch_size, image_key, model, image)
+
+
+
+# Streamlit collects every generation after every script run (runner.postScriptGC, on by
+# default): a full collection walks every object the process holds, and the modules of torch,
+# plotly, streamlit and this package are about 250k of them that are never garbage, so each run
+# paid 0.1-1 s of the server's one interpreter (39% of its CPU under a class's load). Frozen once
+# here, after the imports (this module is imported once per process), they are left out of every
+# collection, and the one after a run walks only what the runs made since. The collection first
+# drops what is already garbage, since anything frozen is never collected. Turning the post-run
+# collection off instead (runner.postScriptGC=false) saves about as much CPU, but leaves cyclic
+# garbage (a run's frames, figures, tensors) to Python's own full collections: rarer (3 in 36
+# page views), each as long as before (0.4-0.7 s) and run on whichever thread allocates, the
+# event loop's included, where they stall every session. (Slower pages once seen with it off
+# did not reproduce: three A/B pairs on the shared 2-core machine went both ways.)
+gc.collect()
+gc.freeze()

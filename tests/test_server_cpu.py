@@ -1,0 +1,109 @@
+"""What keeps the server's CPU per page view down: the import-time freeze of the collector.
+
+Run in a fresh interpreter, since this pytest process imported vit_explorer.ui long ago.
+"""
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+FREEZE_PROBE = """
+import gc, json, sys
+before = gc.get_freeze_count()
+from vit_explorer import ui
+frozen = gc.get_freeze_count()
+from streamlit.testing.v1 import AppTest
+app = AppTest.from_file(sys.argv[1], default_timeout=120)
+app.run()
+app.run()
+print(json.dumps(dict(before=before, frozen=frozen, after=gc.get_freeze_count(),
+                      exceptions=[e.value for e in app.exception])))
+"""
+
+
+def test_the_imports_are_frozen_once_and_runs_are_not(tmp_path):
+    """Importing ui freezes torch's, plotly's and streamlit's objects (so that Streamlit's
+    collection after each run skips them); runs of the app freeze nothing more."""
+    env = {"VIT_EXPLORER_RUNS_DIR": str(tmp_path / "runs"), "VIT_EXPLORER_UPLOADS_DIR": str(tmp_path / "uploads")}
+    done = subprocess.run(
+        [sys.executable, "-c", FREEZE_PROBE, str(ROOT / "app.py")], cwd=ROOT, capture_output=True, text=True, check=False,
+        env={**os.environ, **env}, timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    counts = json.loads(done.stdout.strip().splitlines()[-1])
+    assert counts["exceptions"] == []
+    assert counts["before"] == 0
+    assert counts["frozen"] > 100_000  # torch, plotly, streamlit and the package's modules
+    # Two runs later: frozen objects may have been freed, none were added by a second freeze.
+    assert counts["after"] <= counts["frozen"]
+
+
+def test_the_sidebar_image_is_encoded_once_and_small():
+    """st.image of a PIL image re-encodes it as PNG on every run; the sidebar gets bytes made
+    once per image: a photo as a JPEG within SIDEBAR_IMAGE_PX, a small picture as it is (PNG)."""
+    from PIL import Image
+
+    from vit_explorer import ui
+
+    photo = Image.open(ROOT / "assets" / "samples" / "astronaut.png").convert("RGB")
+    encoded = ui.sidebar_image("photo:astronaut.png", photo)
+    assert encoded is ui.sidebar_image("photo:astronaut.png", photo)  # computed once, then shared
+    shown = Image.open(io.BytesIO(encoded))
+    assert shown.format == "JPEG" and max(shown.size) == ui.SIDEBAR_IMAGE_PX
+    assert shown.size[0] / shown.size[1] == photo.size[0] / photo.size[1]
+
+    shapes = Image.new("RGB", (32, 32), (10, 200, 30))
+    small = Image.open(io.BytesIO(ui.sidebar_image("shapes:0", shapes)))
+    assert small.format == "PNG" and small.size == (32, 32)
+    assert small.getpixel((5, 5)) == (10, 200, 30)  # lossless
+
+
+def test_sample_image_options_are_made_once_and_handed_out_fresh():
+    """The sidebar's labels come from the shared cache, and the app adds its uploads to what it
+    gets: that never reaches the cached labels or another session."""
+    from vit_explorer import ui
+
+    first = ui.sample_image_options((32, 32))
+    assert "shapes:0" in first and any(key.startswith("photo:") for key in first)
+    first["upload:mine"] = "Uploaded: mine.png"
+    again = ui.sample_image_options((32, 32))
+    assert "upload:mine" not in again and again.keys() == first.keys() - {"upload:mine"}
+
+
+def test_figures_serialize_the_same_with_orjson_as_with_the_standard_encoder():
+    """st.plotly_chart serializes every figure on every run through plotly.io.to_json, which
+    takes orjson where it is installed (a requirement, for speed): the browser must get the
+    same figure, NaN gaps and float16 attention included."""
+    import numpy as np
+    import plotly.io as pio
+    import pytest
+
+    from vit_explorer import figures
+
+    pytest.importorskip("orjson")
+    image = np.random.default_rng(0).integers(0, 255, (12, 8, 3), dtype=np.uint8)
+    maps = np.random.default_rng(1).random((3, 3, 2)).astype(np.float16)
+    maps[0, 0, 0] = np.nan
+    for fig in (figures.attention_heads_grid(image, maps, opacity=0.5, layer=1),
+                figures.attention_overlay(image, maps[1].astype(np.float32), opacity=0.4, title="Rollout")):
+        assert json.loads(pio.to_json(fig, validate=False, engine="orjson")) == json.loads(
+            pio.to_json(fig, validate=False, engine="json")
+        )
+
+
+def test_the_bench_reads_a_process_cpu_time_from_proc():
+    """bench.server_cpu's CPU-seconds of a process: this one's agrees with its own clock."""
+    import time
+
+    from bench.server_cpu import cpu_seconds
+
+    before, clock = cpu_seconds(os.getpid()), time.process_time()  # both: every thread of it
+    while time.process_time() - clock < 0.3:  # busy
+        pass
+    spent, counted = cpu_seconds(os.getpid()) - before, time.process_time() - clock
+    assert spent > 0.2
+    assert abs(spent - counted) < 0.05  # /proc counts in clock ticks of 10 ms
