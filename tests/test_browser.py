@@ -114,6 +114,9 @@ def test_the_app_in_chromium(server, shots):
         page.screenshot(path=shots / "4_training.png", full_page=True)
         expect(page.get_by_text(re.compile(r"Training: step (?!%d )\d+ of 256" % first)).first).to_be_visible()
         page.get_by_role("button", name="Explore this model").wait_for(timeout=240_000)
+        # The sidebar's progress bar goes once the app has seen the run end, and that rerun of
+        # the whole page is over: a click during it could be lost (Streamlit coalesces the two).
+        expect(page.get_by_text(re.compile(r"^Training run \d+: "))).to_have_count(0, timeout=30_000)
         settle(page)
         page.screenshot(path=shots / "5_trained.png", full_page=True)
         page.get_by_role("button", name="Explore this model").click()
