@@ -446,3 +446,39 @@ def test_a_pictures_encoding_is_reused_by_content_and_the_kept_ones_are_bounded(
     for seed in range(_base.URI_CACHE_SIZE + 5):
         _base.image_data_uri(np.full((2, 2, 3), seed, dtype=np.uint8))
     assert len(_base._URIS) == _base.URI_CACHE_SIZE
+
+
+def _attention_matrix_the_old_way(attention, labels, value, tokens, cells, prefix, row, title):
+    """attention_matrix as it was built before: a figure, then add_shape and update_* calls."""
+    from vit_explorer.figures._base import MARGIN, VALUE_SCALE, _title, attention_top
+    from vit_explorer.figures.attention import MATRIX_PIXELS, QUERY_COLOUR
+
+    fig = go.Figure(go.Heatmap(
+        z=attention.astype(np.float32), x=labels, y=labels, colorscale=VALUE_SCALE,
+        zmin=0, zmax=attention_top(attention, 1 / tokens),
+        hovertemplate=f"query %{{y}}<br>key %{{x}}<br>{value} %{{z:.4g}}<extra></extra>",
+        colorbar=dict(title=value.replace(" ", "<br>")),
+    ))
+    if prefix:
+        edge, line = prefix - 0.5, dict(color="white", width=1, dash="dot")
+        fig.add_shape(type="line", x0=edge, x1=edge, y0=-0.5, y1=cells - 0.5, line=line)
+        fig.add_shape(type="line", x0=-0.5, x1=cells - 0.5, y0=edge, y1=edge, line=line)
+    if row is not None:
+        fig.add_shape(type="rect", x0=-0.5, x1=cells - 0.5, y0=row - 0.5, y1=row + 0.5,
+                      line=dict(color=QUERY_COLOUR, width=2))
+    fig.update_xaxes(title="key token", constrain="domain", showgrid=False, type="category")
+    fig.update_yaxes(title="query token", autorange="reversed", scaleanchor="x", constrain="domain",
+                     showgrid=False, type="category")
+    fig.update_layout(title=_title(title), margin=MARGIN, height=MATRIX_PIXELS)
+    return fig
+
+
+@pytest.mark.parametrize("tokens, prefix, query_token", [(17, 1, 0), (17, 1, 5), (16, 0, None), (20, 4, 2)])
+def test_the_attention_matrix_built_in_one_go_is_the_figure_it_was(tokens, prefix, query_token):
+    rng = np.random.default_rng(tokens)
+    attention = rng.random((tokens, tokens))
+    attention /= attention.sum(-1, keepdims=True)
+    labels = figures.token_labels(tokens, prefix)
+    new = figures.attention_matrix(attention, prefix, title="t", query_token=query_token)
+    old = _attention_matrix_the_old_way(attention, labels, "attention", tokens, tokens, prefix, query_token, "t")
+    assert new.to_plotly_json() == old.to_plotly_json()
