@@ -482,3 +482,36 @@ def test_the_attention_matrix_built_in_one_go_is_the_figure_it_was(tokens, prefi
     new = figures.attention_matrix(attention, prefix, title="t", query_token=query_token)
     old = _attention_matrix_the_old_way(attention, labels, "attention", tokens, tokens, prefix, query_token, "t")
     assert new.to_plotly_json() == old.to_plotly_json()
+
+
+def test_patch_maps_as_trace_dicts_give_the_figures_they_gave_as_heatmap_objects(monkeypatch):
+    """_patch_heatmap returns a dict (the figure validates it once); the figures built from it
+    are the ones a validated go.Heatmap gave."""
+    from vit_explorer.figures import _base, attention, image_set, internals, patches
+
+    rng = np.random.default_rng(3)
+    image = rng.integers(0, 256, (32, 48, 3), dtype=np.uint8)
+    maps = rng.random((3, 4, 6))
+    values = rng.random(1 + 24)
+    cosines = rng.random((2, 4, 6)) * 2 - 1
+
+    def draw():
+        return [
+            figures.attention_overlay(image, maps[0], query_patch=5, weights=True),
+            figures.attention_heads_grid(image, maps, layer=2, query_patch=3, columns=2),
+            figures.attention_masks_grid(image, maps > 0.5, 0.6, layer=1),
+            figures.patch_picker(image, (4, 6), 7),
+            internals.token_values_on_grid(image, values, (4, 6), 1, ["CLS"], "t", "score", query_patch=2),
+            image_set.correspondence_grid([image, image], cosines, [3, 4], 0, 3, ["a", "b"], "tokens"),
+        ]
+
+    new = [figure.to_plotly_json() for figure in draw()]
+    heatmap_dict = _base._patch_heatmap
+
+    def as_object(*args, **kwargs):
+        return go.Heatmap({key: value for key, value in heatmap_dict(*args, **kwargs).items() if key != "type"})
+
+    for module in (attention, image_set, internals):
+        monkeypatch.setattr(module, "_patch_heatmap", as_object)
+    monkeypatch.setattr(patches, "_patch_heatmap", lambda *args, **kwargs: as_object(*args, **kwargs).to_plotly_json())
+    assert new == [figure.to_plotly_json() for figure in draw()]
