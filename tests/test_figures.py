@@ -515,3 +515,49 @@ def test_patch_maps_as_trace_dicts_give_the_figures_they_gave_as_heatmap_objects
         monkeypatch.setattr(module, "_patch_heatmap", as_object)
     monkeypatch.setattr(patches, "_patch_heatmap", lambda *args, **kwargs: as_object(*args, **kwargs).to_plotly_json())
     assert new == [figure.to_plotly_json() for figure in draw()]
+
+
+def _token_matrix_the_old_way(shown, labels, limit, count, title):
+    from vit_explorer.figures._base import MARGIN, SIMILARITY_SCALE, _title
+
+    fig = go.Figure(go.Heatmap(
+        z=shown, y=labels, colorscale=SIMILARITY_SCALE, zmin=-limit, zmax=limit,
+        hovertemplate="%{y}, dimension %{x}<br>value %{z:.4g}<extra></extra>", colorbar=dict(title="value"),
+    ))
+    fig.update_xaxes(title="embedding dimension")
+    fig.update_yaxes(title="token", autorange="reversed", type="category", showticklabels=count <= 40)
+    fig.update_layout(title=_title(title), margin=MARGIN)
+    return fig
+
+
+def _topk_bar_the_old_way(probs, top, names):
+    from vit_explorer.figures._base import MARGIN, _title
+
+    fig = go.Figure(go.Bar(
+        x=probs[top], y=[names[i] for i in top], orientation="h",
+        text=[f"{100 * probs[i]:.1f}%" for i in top], textposition="auto",
+        marker_color="#4c78a8", hovertemplate="%{y}: %{x:.4f}<extra></extra>",
+    ))
+    fig.update_xaxes(title="probability", range=[0, 1])
+    fig.update_yaxes(autorange="reversed")
+    fig.update_layout(title=_title(f"Top-{len(top)} predictions"), margin=MARGIN)
+    return fig
+
+
+@pytest.mark.parametrize("count", [5, 50])
+def test_token_matrix_and_top5_built_in_one_go_are_the_figures_they_were(count):
+    rng = np.random.default_rng(count)
+    tokens = rng.standard_normal((count, 20))
+    shown = tokens[:, :16]
+    new = figures.token_matrix(tokens, 1, "Tokens", max_dims=16)
+    old = _token_matrix_the_old_way(
+        shown, figures.token_labels(count, 1), float(np.abs(shown).max()), count,
+        f"Tokens: {count} x 20 (first {count} x 16 shown)",
+    )
+    assert new.to_plotly_json() == old.to_plotly_json()
+
+    probs = rng.random(count)
+    probs /= probs.sum()
+    top = np.argsort(-probs, kind="stable")[:5]
+    names = [f"class {index}" for index in range(count)]
+    assert figures.topk_bar(probs, names).to_plotly_json() == _topk_bar_the_old_way(probs, top, names).to_plotly_json()

@@ -117,18 +117,17 @@ def token_matrix(tokens, num_prefix_tokens: int, title: str, class_token: bool =
     shown = tokens[:max_tokens, :max_dims]
     labels = token_labels(count, num_prefix_tokens, class_token, dist_token)[: shown.shape[0]]
     limit = float(np.abs(shown).max()) or 1.0
-    fig = go.Figure(
-        go.Heatmap(
-            z=shown, y=labels, colorscale=SIMILARITY_SCALE, zmin=-limit, zmax=limit,
-            hovertemplate="%{y}, dimension %{x}<br>value %{z:.4g}<extra></extra>",
-            colorbar=dict(title="value"),
-        )
-    )
-    fig.update_xaxes(title="embedding dimension")
-    fig.update_yaxes(title="token", autorange="reversed", type="category", showticklabels=count <= 40)
     cut = "" if shown.shape == tokens.shape else f" (first {shown.shape[0]} x {shown.shape[1]} shown)"
-    fig.update_layout(title=_title(f"{title}: {count} x {dims}{cut}"), margin=MARGIN)
-    return fig
+    # One Figure call: each update_* re-validated the whole figure.
+    return go.Figure(data=[dict(
+        type="heatmap", z=shown, y=labels, colorscale=SIMILARITY_SCALE, zmin=-limit, zmax=limit,
+        hovertemplate="%{y}, dimension %{x}<br>value %{z:.4g}<extra></extra>",
+        colorbar=dict(title=dict(text="value")),
+    )], layout=dict(
+        xaxis=dict(title=dict(text="embedding dimension")),
+        yaxis=dict(title=dict(text="token"), autorange="reversed", type="category", showticklabels=count <= 40),
+        title=_title(f"{title}: {count} x {dims}{cut}"), margin=MARGIN,
+    ))
 
 
 def token_norms_figure(

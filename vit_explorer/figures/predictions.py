@@ -50,14 +50,12 @@ def topk_bar(probs, class_names: Sequence[str] | None = None, k: int = 5) -> go.
     probs = _float_array(probs).reshape(-1)
     names = _class_names(probs.shape[0], class_names)
     top = np.argsort(-probs, kind="stable")[:k]
-    fig = go.Figure(
-        go.Bar(
-            x=probs[top], y=[names[i] for i in top], orientation="h",
-            text=[f"{100 * probs[i]:.1f}%" for i in top], textposition="auto",
-            marker_color="#4c78a8", hovertemplate="%{y}: %{x:.4f}<extra></extra>",
-        )
-    )
-    fig.update_xaxes(title="probability", range=[0, 1])
-    fig.update_yaxes(autorange="reversed")
-    fig.update_layout(title=_title(f"Top-{len(top)} predictions"), margin=MARGIN)
-    return fig
+    # One Figure call: each update_* re-validated the whole figure.
+    return go.Figure(data=[dict(
+        type="bar", x=probs[top], y=[names[i] for i in top], orientation="h",
+        text=[f"{100 * probs[i]:.1f}%" for i in top], textposition="auto",
+        marker=dict(color="#4c78a8"), hovertemplate="%{y}: %{x:.4f}<extra></extra>",
+    )], layout=dict(
+        xaxis=dict(title=dict(text="probability"), range=[0, 1]), yaxis=dict(autorange="reversed"),
+        title=_title(f"Top-{len(top)} predictions"), margin=MARGIN,
+    ))
