@@ -561,3 +561,51 @@ def test_token_matrix_and_top5_built_in_one_go_are_the_figures_they_were(count):
     top = np.argsort(-probs, kind="stable")[:5]
     names = [f"class {index}" for index in range(count)]
     assert figures.topk_bar(probs, names).to_plotly_json() == _topk_bar_the_old_way(probs, top, names).to_plotly_json()
+
+
+def _layer_head_figures_the_old_way(values, probs, shown, names):
+    from vit_explorer.figures._base import MARGIN, VALUE_SCALE, _title
+
+    layers = list(range(values.shape[0]))
+    heatmap = go.Figure(go.Heatmap(
+        z=values, x=list(range(values.shape[1])), y=layers, colorscale=VALUE_SCALE,
+        hovertemplate="layer %{y}, head %{x}<br>e %{z:.4g}<extra></extra>", colorbar=dict(title="e"),
+    ))
+    heatmap.update_xaxes(title="head", dtick=1)
+    heatmap.update_yaxes(title="layer", autorange="reversed", type="category")
+    heatmap.update_layout(title=_title("h"), margin=MARGIN)
+    scatter = go.Figure()
+    for head in range(values.shape[1]):
+        scatter.add_trace(go.Scatter(
+            x=layers, y=values[:, head], mode="markers", name=f"head {head}", marker=dict(size=8, opacity=0.8),
+            hovertemplate=f"layer %{{x}}, head {head}<br>d %{{y:.4g}}<extra></extra>",
+        ))
+    scatter.add_trace(go.Scatter(
+        x=layers, y=values.mean(axis=1), mode="lines", name="mean over heads", line=dict(color="black", width=2),
+        hovertemplate="layer %{x}, mean<br>d %{y:.4g}<extra></extra>",
+    ))
+    scatter.update_xaxes(title="layer", tickvals=layers)
+    scatter.update_yaxes(title="d", rangemode="tozero")
+    scatter.update_layout(title=_title("s"), margin=MARGIN)
+    rows = ["embeddings"] + [f"after block {block}" for block in range(probs.shape[0] - 1)]
+    lens = go.Figure(go.Heatmap(
+        z=probs[:, shown], x=[names[i] for i in shown], y=rows, colorscale=VALUE_SCALE, zmin=0, zmax=1,
+        colorbar=dict(title="probability"), hovertemplate="%{y}<br>%{x}: %{z:.3f}<extra></extra>",
+    ))
+    lens.update_yaxes(autorange="reversed")
+    lens.update_xaxes(title="class (most probable at the output first)")
+    lens.update_layout(title=_title("Logit lens: the classifier head applied after every block"), margin=MARGIN)
+    return heatmap, scatter, lens
+
+
+def test_layer_head_figures_and_the_logit_lens_built_in_one_go_are_the_figures_they_were():
+    rng = np.random.default_rng(7)
+    values = rng.random((4, 3))
+    probs = rng.random((5, 12))
+    probs /= probs.sum(-1, keepdims=True)
+    names = [f"class {index}" for index in range(12)]
+    shown = np.argsort(-probs[-1], kind="stable")[:10]
+    new = (figures.layer_head_heatmap(values, "h", "e"), figures.layer_head_scatter(values, "s", "d"),
+           figures.logit_lens_figure(probs, names))
+    old = _layer_head_figures_the_old_way(values, probs, shown, names)
+    assert [figure.to_plotly_json() for figure in new] == [figure.to_plotly_json() for figure in old]

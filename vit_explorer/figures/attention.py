@@ -259,17 +259,16 @@ def layer_head_heatmap(
     if values.ndim != 2:
         raise ValueError(f"values must be (L, H), not {values.shape}")
     layer_labels = _layer_labels(values.shape[0], layers)
-    fig = go.Figure(
-        go.Heatmap(
-            z=values, x=list(range(values.shape[1])), y=layer_labels, colorscale=VALUE_SCALE,
-            hovertemplate=f"layer %{{y}}, head %{{x}}<br>{colorbar_title} %{{z:.4g}}<extra></extra>",
-            colorbar=dict(title=colorbar_title),
-        )
-    )
-    fig.update_xaxes(title="head", dtick=1)
-    fig.update_yaxes(title="layer", autorange="reversed", type="category")
-    fig.update_layout(title=_title(title), margin=MARGIN)
-    return fig
+    # One Figure call here and below: add_trace and each update_* re-validated the whole figure.
+    return go.Figure(data=[dict(
+        type="heatmap", z=values, x=list(range(values.shape[1])), y=layer_labels, colorscale=VALUE_SCALE,
+        hovertemplate=f"layer %{{y}}, head %{{x}}<br>{colorbar_title} %{{z:.4g}}<extra></extra>",
+        colorbar=dict(title=dict(text=colorbar_title)),
+    )], layout=dict(
+        xaxis=dict(title=dict(text="head"), dtick=1),
+        yaxis=dict(title=dict(text="layer"), autorange="reversed", type="category"),
+        title=_title(title), margin=MARGIN,
+    ))
 
 
 def layer_head_scatter(
@@ -281,23 +280,21 @@ def layer_head_scatter(
     if values.ndim != 2:
         raise ValueError(f"values must be (L, H), not {values.shape}")
     layer_labels = _layer_labels(values.shape[0], layers)
-    fig = go.Figure()
-    for head in range(values.shape[1]):
-        fig.add_trace(
-            go.Scatter(
-                x=layer_labels, y=values[:, head], mode="markers", name=f"head {head}",
-                marker=dict(size=8, opacity=0.8),
-                hovertemplate=f"layer %{{x}}, head {head}<br>{yaxis_title} %{{y:.4g}}<extra></extra>",
-            )
+    traces = [
+        dict(
+            type="scatter", x=layer_labels, y=values[:, head], mode="markers", name=f"head {head}",
+            marker=dict(size=8, opacity=0.8),
+            hovertemplate=f"layer %{{x}}, head {head}<br>{yaxis_title} %{{y:.4g}}<extra></extra>",
         )
-    fig.add_trace(
-        go.Scatter(
-            x=layer_labels, y=values.mean(axis=1), mode="lines", name="mean over heads",
-            line=dict(color="black", width=2),
-            hovertemplate=f"layer %{{x}}, mean<br>{yaxis_title} %{{y:.4g}}<extra></extra>",
-        )
-    )
-    fig.update_xaxes(title="layer", tickvals=layer_labels)
-    fig.update_yaxes(title=yaxis_title, rangemode="tozero")
-    fig.update_layout(title=_title(title), margin=MARGIN)
-    return fig
+        for head in range(values.shape[1])
+    ]
+    traces.append(dict(
+        type="scatter", x=layer_labels, y=values.mean(axis=1), mode="lines", name="mean over heads",
+        line=dict(color="black", width=2),
+        hovertemplate=f"layer %{{x}}, mean<br>{yaxis_title} %{{y:.4g}}<extra></extra>",
+    ))
+    return go.Figure(data=traces, layout=dict(
+        xaxis=dict(title=dict(text="layer"), tickvals=layer_labels),
+        yaxis=dict(title=dict(text=yaxis_title), rangemode="tozero"),
+        title=_title(title), margin=MARGIN,
+    ))

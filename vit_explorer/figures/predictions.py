@@ -30,19 +30,15 @@ def logit_lens_figure(probs, class_names: Sequence[str] | None = None, max_class
     shown = np.argsort(-probs[-1], kind="stable")[:max_classes]
     depth = probs.shape[0] - 1
     rows = ["embeddings"] + [f"after block {block}" for block in range(depth)]
-    fig = go.Figure(
-        go.Heatmap(
-            z=probs[:, shown], x=[names[i] for i in shown], y=rows, colorscale=VALUE_SCALE,
-            zmin=0, zmax=1, colorbar=dict(title="probability"),
-            hovertemplate="%{y}<br>%{x}: %{z:.3f}<extra></extra>",
-        )
-    )
-    fig.update_yaxes(autorange="reversed")
-    fig.update_xaxes(title="class (most probable at the output first)")
-    fig.update_layout(
-        title=_title("Logit lens: the classifier head applied after every block"), margin=MARGIN
-    )
-    return fig
+    # One Figure call: each update_* re-validated the whole figure.
+    return go.Figure(data=[dict(
+        type="heatmap", z=probs[:, shown], x=[names[i] for i in shown], y=rows, colorscale=VALUE_SCALE,
+        zmin=0, zmax=1, colorbar=dict(title=dict(text="probability")),
+        hovertemplate="%{y}<br>%{x}: %{z:.3f}<extra></extra>",
+    )], layout=dict(
+        yaxis=dict(autorange="reversed"), xaxis=dict(title=dict(text="class (most probable at the output first)")),
+        title=_title("Logit lens: the classifier head applied after every block"), margin=MARGIN,
+    ))
 
 
 def topk_bar(probs, class_names: Sequence[str] | None = None, k: int = 5) -> go.Figure:
