@@ -609,3 +609,37 @@ def test_layer_head_figures_and_the_logit_lens_built_in_one_go_are_the_figures_t
            figures.logit_lens_figure(probs, names))
     old = _layer_head_figures_the_old_way(values, probs, shown, names)
     assert [figure.to_plotly_json() for figure in new] == [figure.to_plotly_json() for figure in old]
+
+
+def _token_norms_the_old_way(norms, grid_size, prefix, labels, title):
+    from plotly.subplots import make_subplots
+
+    from vit_explorer.figures._base import MARGIN, VALUE_SCALE, _image_axes, _patch_positions, _title
+
+    fig = make_subplots(rows=1, cols=2, column_widths=[0.45, 0.55], horizontal_spacing=0.16,
+                        subplot_titles=("patch tokens on the grid", "every token"))
+    fig.add_trace(go.Heatmap(
+        z=norms[prefix:].reshape(grid_size), colorscale=VALUE_SCALE, customdata=_patch_positions(grid_size),
+        hovertemplate="patch %{customdata[0]} (row %{customdata[1]}, col %{customdata[2]})"
+        "<br>norm %{z:.4g}<extra></extra>", colorbar=dict(title="norm", x=0.39, thickness=12),
+    ), row=1, col=1)
+    fig.add_trace(go.Bar(
+        x=list(range(norms.shape[0])), y=norms, marker_color=["#e45756"] * prefix + ["#4c78a8"] * (norms.shape[0] - prefix),
+        customdata=labels, hovertemplate="token %{x} (%{customdata})<br>norm %{y:.4g}<extra></extra>", showlegend=False,
+    ), row=1, col=2)
+    _image_axes(fig, [(1, 1)], columns=2)
+    fig.update_xaxes(title="token (prefix tokens in red)", row=1, col=2)
+    fig.update_yaxes(title="L2 norm", row=1, col=2)
+    fig.update_layout(title=_title(title), margin=MARGIN)
+    return fig
+
+
+@pytest.mark.parametrize("prefix, layer", [(1, 3), (0, None), (5, 0)])
+def test_token_norms_built_in_one_go_are_the_figure_they_were(prefix, layer):
+    norms = np.random.default_rng(prefix).random(prefix + 12)
+    new = figures.token_norms_figure(norms, (3, 4), prefix, layer=layer)
+    old = _token_norms_the_old_way(
+        norms, (3, 4), prefix, figures.token_labels(prefix + 12, prefix),
+        f"Token norms after block {layer}" if layer is not None else "Token norms",
+    )
+    assert new.to_plotly_json() == old.to_plotly_json()
