@@ -458,7 +458,8 @@ def test_a_real_size_model_runs_only_what_the_view_shows(monkeypatch):
     app.switch_page("views/patches.py").run()
     compare = next(button for button in app.button if button.label.startswith("Compare all"))
     compare.click().run()
-    # Per patch size: a warm-up pass of this image, its timed passes and the held-out batch.
+    # Per patch size: a warm-up pass of this image, its timed passes and the held-out batch (this
+    # model's first comparison: nobody has timed it yet).
     compared = sum(2 + planned.timed_passes for planned in ui.comparison_plan(tiny_model().config, held_out=True))
     assert len(forwards) == 2 + ui.TIMED_PASSES + compared
     app.switch_page("views/pipeline.py").run()

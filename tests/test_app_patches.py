@@ -2,6 +2,7 @@
 
 Uses test_app's tiny default model (its autouse fixture) and helpers.
 """
+import io
 import socket
 import threading
 
@@ -67,17 +68,55 @@ def test_an_expensive_patch_size_is_timed_once_after_its_warm_up():
     assert plan[16] == ui.TIMED_PASSES and plan[8] == 1  # 785 tokens: 4x the work of patch 16
 
 
-def test_the_estimate_counts_exactly_the_passes_the_comparison_runs(monkeypatch):
+@pytest.mark.parametrize("timed", [True, False])
+def test_the_estimate_counts_exactly_the_passes_the_comparison_runs(monkeypatch, timed):
     model = tiny_model()
     config = model.config
+    forward_ms = None if timed else dict.fromkeys(ui.patch_size_options(config), 1.0)
     calls = counting_forwards(monkeypatch)
-    ui.predictions_by_patch_size(model, shapes_sample(0, 32)[0])
+    ui.predictions_by_patch_size(model, shapes_sample(0, 32)[0], forward_ms=forward_ms)
     ui.held_out_accuracy_by_patch_size(model, ui.held_out_set(config))
     by_tokens = {ui.token_count(config, patch): patch for patch in ui.patch_size_options(config)}
     ran = sum(ui.pass_cost(config, by_tokens[tokens], batch) for batch, tokens in calls)
     resizes = sum(ui.resize_cost(config, patch) for patch in ui.patch_size_options(config))
-    estimate = ui.patch_size_comparison_cost(config, held_out=True) * ui.pass_cost(config)
+    estimate = ui.patch_size_comparison_cost(config, held_out=True, timed=timed) * ui.pass_cost(config)
     assert estimate == pytest.approx(ran + resizes)
+
+
+def test_times_given_run_each_size_once_with_the_same_predictions_as_timing(monkeypatch):
+    model = tiny_model()
+    image = shapes_sample(1, 32)[0]
+    timed = ui.predictions_by_patch_size(model, image)
+    forward_ms = {patch: float(patch) for patch in ui.patch_size_options(model.config)}
+    calls = counting_forwards(monkeypatch)
+    seen = []
+    rows = ui.predictions_by_patch_size(model, image, lambda done, text: seen.append(text), forward_ms)
+    assert calls == [(1, row["tokens"]) for row in rows]
+    assert [row["forward ms"] for row in rows] == [float(row["patch size"]) for row in rows]
+    assert [(row["prediction"], row["probability"]) for row in rows] == [(row["prediction"], row["probability"]) for row in timed]
+    assert seen[0].startswith("Running patch ") and seen[-1] == "Done."
+
+
+def test_a_second_image_is_not_timed_again_and_gets_its_own_predictions(monkeypatch):
+    app = open_app("views/patches.py")
+    first = app.dataframe[0].value
+    picture = io.BytesIO()
+    image = shapes_sample(5, 32)[0]
+    image.save(picture, format="PNG")
+    config = tiny_model().config
+    calls = counting_forwards(monkeypatch)
+    app.file_uploader(key="image_upload").set_value(("second.png", picture.getvalue(), "image/png")).run()
+    assert errors(app) == []
+    second = app.dataframe[0].value
+    # The capture, then one pass of this image per patch size: no timing, no held-out batch.
+    assert calls == [(1, config.num_tokens)] + [(1, tokens) for tokens in second["tokens"]]
+    assert list(second["forward ms"]) == list(first["forward ms"])
+    assert list(second["held-out accuracy"]) == list(first["held-out accuracy"])
+    own = ui.predictions_by_patch_size(tiny_model(), image, forward_ms=dict(zip(first["patch size"], first["forward ms"])))
+    assert second[["prediction", "probability"]].to_dict("records") == [
+        {"prediction": row["prediction"], "probability": row["probability"]} for row in own
+    ]
+    assert list(second["probability"]) != list(first["probability"])
 
 
 def test_a_stopped_comparison_leaves_nothing_cached(monkeypatch):
@@ -148,6 +187,14 @@ def test_a_real_size_model_says_what_the_comparison_costs_before_it_runs(monkeyp
     assert title_matching(app, "^The same weights at every patch size")
     # Once the comparison is there, neither its button nor Stop is offered.
     assert not [button.label for button in app.button if button.label == "Stop" or button.label.startswith("Compare all")]
+    # Another image: the button announces only its own passes (times and held-out accuracy are the model's).
+    picture = io.BytesIO()
+    shapes_sample(5, 32)[0].save(picture, format="PNG")
+    app.file_uploader(key="image_upload").set_value(("second.png", picture.getvalue(), "image/png")).run()
+    (compare,) = [button for button in app.button if button.label.startswith("Compare all")]
+    config = tiny_model().config
+    cost = ui.patch_size_comparison_cost(config, timed=False)
+    assert cost < ui.patch_size_comparison_cost(config) and compare.help.startswith(f"About {cost:.0f} forward passes")
 
 
 # --- the model picker ------------------------------------------------------------------------
@@ -241,5 +288,5 @@ def test_the_trade_off_figure_of_a_headless_model_has_no_prediction_panel():
 
     rows = [{"patch size": patch, "grid": f"{32 // patch}x{32 // patch}", "tokens": 1 + (32 // patch) ** 2, "forward ms": 1.0} for patch in (4, 8)]
     fig = figures.patch_size_tradeoff(rows, 4)
-    assert [annotation.text for annotation in fig.layout.annotations] == ["tokens", "forward time of this image (ms)"]
+    assert [annotation.text for annotation in fig.layout.annotations] == ["tokens", "forward time of one image (ms)"]
     assert len(fig.data) == 2

@@ -25,6 +25,16 @@ def test_least_recently_used_values_go_first_when_the_bytes_run_out():
     assert cache.total_bytes == 900
 
 
+def test_get_reads_without_computing_and_counts_as_a_use():
+    cache = ByteBoundedCache(max_bytes=1000)
+    assert cache.get("a") is None and cache.get("a", 0) == 0 and "a" not in cache
+    for key in "ab":
+        cache.get_or_compute(key, lambda: torch.zeros(100))  # 400 bytes each
+    assert cache.get("a").numel() == 100  # a is now the most recent
+    cache.get_or_compute("c", lambda: torch.zeros(100))
+    assert "b" not in cache and "a" in cache
+
+
 def test_a_value_larger_than_the_budget_is_returned_but_not_kept():
     cache = ByteBoundedCache(max_bytes=100)
     cache.get_or_compute("small", lambda: torch.zeros(10))

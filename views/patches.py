@@ -34,12 +34,14 @@ st.caption(
 st.subheader("Smaller patches: more tokens, more detail, more cost")
 st.write(
     "The same weights at every patch size, side by side: how many tokens the transformer handles,"
-    " how long one forward pass of this image takes (measured just now on this server) and, for a"
-    " model with classes, how well it does, on this image and, where the model comes with a"
-    " dataset, on held-out images it never trained on."
+    " how long one forward pass takes (measured once per model on this server: the time depends on"
+    " the input's size, not on what the image shows) and, for a model with classes, how well it"
+    " does, on this image and, where the model comes with a dataset, on held-out images it never"
+    " trained on."
 )
-# Every patch size is a warm-up and a few timed passes at that size (plus the held-out batch):
-# for a real-size model that is dozens of forward passes' worth, so it runs when asked.
+# Every patch size is a pass of this image, the first time for this model a warm-up and a few
+# timed passes (plus the held-out batch): for a real-size model that is dozens of forward passes'
+# worth, so it runs when asked.
 cost = selection.comparison_cost()
 rows = selection.predictions_by_patch_size(run=ui.is_quick(base, forwards=cost))
 if rows is None:
@@ -57,9 +59,9 @@ if rows is None:
         controls.empty()
     else:
         st.caption(
-            f"Running this image at all {len(options)} patch sizes (a warm-up pass, then up to"
-            f" {ui.TIMED_PASSES} timed passes each) costs about {cost:.0f} forward passes of this"
-            f" model, about {wait} on this server now, so it runs when you press the button."
+            f"Running this image at all {len(options)} patch sizes costs about {cost:.0f} forward"
+            f" passes of this model (the first time, a warm-up pass then up to {ui.TIMED_PASSES}"
+            f" timed passes each), about {wait} on this server now, so it runs when you press the button."
         )
 if rows is not None:
     if config.num_classes == 0:

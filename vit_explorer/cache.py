@@ -71,6 +71,14 @@ class ByteBoundedCache:
         with self._lock:
             return key in self._entries
 
+    def get(self, key: Hashable, default: Any = None) -> Any:
+        """The value of ``key`` if it is there (computing nothing), else ``default``."""
+        with self._lock:
+            if key not in self._entries:
+                return default
+            self._entries.move_to_end(key)
+            return self._entries[key][0]
+
     def get_or_compute(self, key: Hashable, compute: Callable[[], T], size: Callable[[T], int] = nbytes) -> T:
         """The value of ``key``, computed now if missing; ``size`` says what a value holds of its
         own (by default everything it references)."""

@@ -390,9 +390,10 @@ def is_quick(config, forwards: float = 1.0) -> bool:
 
 # --- every patch size side by side ---------------------------------------------------------------
 
-# Each patch size is timed on this image: a warm-up pass, then the median of TIMED_PASSES passes,
-# or of one where a pass costs more than EXPENSIVE_PASS passes at the model's own patch size
-# (three would make that size most of the wait, and one warm sample of it is long enough).
+# Each patch size is timed once per model and input size (a pass's time does not depend on the
+# image): a warm-up pass, then the median of TIMED_PASSES passes, or of one where a pass costs more
+# than EXPENSIVE_PASS passes at the model's own patch size (three would make that size most of
+# the wait, and one warm sample of it is long enough). Later images get one untimed pass per size.
 TIMED_PASSES = 3
 EXPENSIVE_PASS = 2.0
 # What a pass costs beyond its multiply-adds, per block, in multiply-adds: the operators'
@@ -406,16 +407,17 @@ class PlannedSize:
     ``held_out_accuracy_by_patch_size`` run at it, and what ``comparison_cost`` counts."""
 
     patch_size: int
-    timed_passes: int  # after one warm-up pass of the image
+    timed_passes: int  # after one warm-up pass of the image; 0: one untimed pass (already timed)
     held_out_images: int  # 0: no held-out batch
 
 
-def comparison_plan(config, held_out: bool = False) -> list[PlannedSize]:
+def comparison_plan(config, held_out: bool = False, timed: bool = True) -> list[PlannedSize]:
+    """``timed``: whether the forward times are measured now (nobody has for this model and size)."""
     native = pass_cost(config)
     return [
         PlannedSize(
             patch,
-            1 if pass_cost(config, patch) > EXPENSIVE_PASS * native else TIMED_PASSES,
+            0 if not timed else 1 if pass_cost(config, patch) > EXPENSIVE_PASS * native else TIMED_PASSES,
             HELD_OUT_IMAGES if held_out else 0,
         )
         for patch in patch_size_options(config)
@@ -446,10 +448,11 @@ def size_cost(config, planned: PlannedSize) -> float:
     return cost
 
 
-def patch_size_comparison_cost(config, held_out: bool = False) -> float:
+def patch_size_comparison_cost(config, held_out: bool = False, timed: bool = True) -> float:
     """What trying every patch size costs, in forward passes of the model at its own size, from
     the plan the comparison runs (:func:`comparison_plan`)."""
-    return sum(size_cost(config, planned) for planned in comparison_plan(config, held_out)) / pass_cost(config)
+    plan = comparison_plan(config, held_out, timed)
+    return sum(size_cost(config, planned) for planned in plan) / pass_cost(config)
 
 
 def _median_forward(model: ViT, x: torch.Tensor, passes: int, warm_up: bool = True) -> tuple[torch.Tensor, float]:
@@ -471,9 +474,9 @@ def _median_forward(model: ViT, x: torch.Tensor, passes: int, warm_up: bool = Tr
 Progress = Callable[[float, str], None]
 
 
-def _each_size(config, held_out: bool, progress: Progress | None, what: str):
+def _each_size(config, held_out: bool, progress: Progress | None, what: str, timed: bool = True):
     """The comparison plan's sizes, reporting before each the share of the work done so far."""
-    plan = comparison_plan(config, held_out)
+    plan = comparison_plan(config, held_out, timed)
     costs = [size_cost(config, planned) for planned in plan]
     for index, planned in enumerate(plan):
         if progress is not None:
@@ -487,19 +490,28 @@ def _each_size(config, held_out: bool, progress: Progress | None, what: str):
         progress(1.0, "Done.")
 
 
-def predictions_by_patch_size(model: ViT, image: Image.Image, progress: Progress | None = None) -> list[dict]:
-    """Per allowed patch size: grid, tokens, the forward time of this image (a warm-up pass, then
-    the median of the plan's timed passes) and, for a model with classes, its top-1 prediction.
-    Each size runs on the model resized to it once (FlexiViT PI-resize), so the time is the
-    transformer's at that size, not the kernel's resampling; the shared model is unchanged."""
+def predictions_by_patch_size(
+    model: ViT, image: Image.Image, progress: Progress | None = None, forward_ms: dict[int, float] | None = None
+) -> list[dict]:
+    """Per allowed patch size: grid, tokens, the forward time (a warm-up pass, then the median of
+    the plan's timed passes) and, for a model with classes, the image's top-1 prediction.
+    ``forward_ms`` (patch size -> milliseconds) are times measured before for this model and input
+    size: then each size runs the image once, untimed. Each size runs on the model resized to it
+    once (FlexiViT PI-resize), so the time is the transformer's at that size, not the kernel's
+    resampling; the shared model is unchanged."""
     config = model.config
     names = config.class_names
     x = preprocess(image, config).to(DEVICE)
+    timed = forward_ms is None
     rows = []
-    for planned in _each_size(config, False, progress, "Timing"):
+    for planned in _each_size(config, False, progress, "Timing" if timed else "Running", timed):
         patch = planned.patch_size
         resized = model if patch == config.patch_size else resize_model(model, patch_size=patch, share_weights=True).eval()
-        output, milliseconds = _median_forward(resized, x, planned.timed_passes)
+        if timed:
+            output, milliseconds = _median_forward(resized, x, planned.timed_passes)
+        else:
+            with torch.no_grad():
+                output, milliseconds = resized(x)[0].float().cpu(), forward_ms[patch]
         del resized  # a large patch's kernel is hundreds of MB: gone before the next size
         grid_h, grid_w = model.grid_size(patch)
         row = {
@@ -646,11 +658,12 @@ class Selection:
         )
 
     def comparison_cost(self) -> float:
-        """What ``predictions_by_patch_size`` would compute now, in forward passes (the held-out
-        accuracy is per model, so it counts only until somebody has computed it)."""
+        """What ``predictions_by_patch_size`` would compute now, in forward passes (the forward
+        times and the held-out accuracy are per model, so they count only until somebody has
+        computed them)."""
         config = self.base_model.config
         held_out = has_held_out(config) and self._held_out_key not in shared_results()
-        return patch_size_comparison_cost(config, held_out=held_out)
+        return patch_size_comparison_cost(config, held_out=held_out, timed=self._forward_ms_key not in shared_results())
 
     def forward_seconds(self) -> float:
         """Seconds of one forward pass of this image at the model's own patch size: the median of
@@ -663,6 +676,10 @@ class Selection:
     @property
     def _held_out_key(self) -> tuple:
         return (self.model_key, "held-out accuracy by patch size")
+
+    @property
+    def _forward_ms_key(self) -> tuple:
+        return (self.model_key, self.config.img_size, "forward ms by patch size")
 
     def predictions_by_patch_size(self, run: bool = True) -> list[dict] | None:
         """Per allowed patch size: tokens, forward time and (with classes) the top-1 prediction of
@@ -677,14 +694,17 @@ class Selection:
         model = self.base_model
         config = model.config
         held_out = has_held_out(config)
+        forward_ms = shared_results().get(self._forward_ms_key)  # None: nobody has timed them yet
         # One bar over both parts, each advancing by its share of the plan's cost.
-        image_share = patch_size_comparison_cost(config) / max(self.comparison_cost(), 1e-9)
+        image_share = patch_size_comparison_cost(config, timed=forward_ms is None) / max(self.comparison_cost(), 1e-9)
         slot = st.empty()
 
         def report(start: float, share: float) -> Progress:
             return lambda done, text: slot.progress(min(start + share * done, 1.0), text=text)
 
-        rows = memo(key, lambda: predictions_by_patch_size(model, self.image, report(0.0, image_share)))
+        rows = memo(key, lambda: predictions_by_patch_size(model, self.image, report(0.0, image_share), forward_ms))
+        if forward_ms is None:  # these rows timed every size: the times of later images
+            memo(self._forward_ms_key, lambda: {row["patch size"]: row["forward ms"] for row in rows})
         if held_out:
             accuracy = memo(self._held_out_key, lambda: held_out_accuracy_by_patch_size(
                 model, held_out_set(config), report(image_share, 1 - image_share)

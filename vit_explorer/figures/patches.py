@@ -141,13 +141,13 @@ def patch_picker(image, grid_size: tuple[int, int], selected: int | None = None,
 def patch_size_tradeoff(rows: Sequence[Mapping], current: int) -> go.Figure:
     """Smaller patches: more tokens, more cost, more detail. Panels over the patch sizes, rows as
     ``ui.Selection.predictions_by_patch_size`` gives them: the token count, the measured forward
-    time of this image and, where the rows have predictions (a model with classes), how well the
+    time of one image and, where the rows have predictions (a model with classes), how well the
     model does (the top-1 probability on this image labelled with the class, and the accuracy on
     a held-out batch where the rows have one). ``current`` is highlighted."""
     labels = [f"p={row['patch size']} ({row['grid']})" for row in rows]
     colours = ["#e45756" if row["patch size"] == current else "#4c78a8" for row in rows]
     predictions = all("probability" in row for row in rows)
-    titles = ("tokens", "forward time of this image (ms)") + (("how well it does",) if predictions else ())
+    titles = ("tokens", "forward time of one image (ms)") + (("how well it does",) if predictions else ())
     fig = make_subplots(rows=1, cols=len(titles), horizontal_spacing=0.08, subplot_titles=titles)
     fig.add_trace(go.Bar(
         x=labels, y=[row["tokens"] for row in rows], marker_color=colours, showlegend=False,
