@@ -446,3 +446,200 @@ def test_a_pictures_encoding_is_reused_by_content_and_the_kept_ones_are_bounded(
     for seed in range(_base.URI_CACHE_SIZE + 5):
         _base.image_data_uri(np.full((2, 2, 3), seed, dtype=np.uint8))
     assert len(_base._URIS) == _base.URI_CACHE_SIZE
+
+
+def _attention_matrix_the_old_way(attention, labels, value, tokens, cells, prefix, row, title):
+    """attention_matrix as it was built before: a figure, then add_shape and update_* calls."""
+    from vit_explorer.figures._base import MARGIN, VALUE_SCALE, _title, attention_top
+    from vit_explorer.figures.attention import MATRIX_PIXELS, QUERY_COLOUR
+
+    fig = go.Figure(go.Heatmap(
+        z=attention.astype(np.float32), x=labels, y=labels, colorscale=VALUE_SCALE,
+        zmin=0, zmax=attention_top(attention, 1 / tokens),
+        hovertemplate=f"query %{{y}}<br>key %{{x}}<br>{value} %{{z:.4g}}<extra></extra>",
+        colorbar=dict(title=value.replace(" ", "<br>")),
+    ))
+    if prefix:
+        edge, line = prefix - 0.5, dict(color="white", width=1, dash="dot")
+        fig.add_shape(type="line", x0=edge, x1=edge, y0=-0.5, y1=cells - 0.5, line=line)
+        fig.add_shape(type="line", x0=-0.5, x1=cells - 0.5, y0=edge, y1=edge, line=line)
+    if row is not None:
+        fig.add_shape(type="rect", x0=-0.5, x1=cells - 0.5, y0=row - 0.5, y1=row + 0.5,
+                      line=dict(color=QUERY_COLOUR, width=2))
+    fig.update_xaxes(title="key token", constrain="domain", showgrid=False, type="category")
+    fig.update_yaxes(title="query token", autorange="reversed", scaleanchor="x", constrain="domain",
+                     showgrid=False, type="category")
+    fig.update_layout(title=_title(title), margin=MARGIN, height=MATRIX_PIXELS)
+    return fig
+
+
+@pytest.mark.parametrize("tokens, prefix, query_token", [(17, 1, 0), (17, 1, 5), (16, 0, None), (20, 4, 2)])
+def test_the_attention_matrix_built_in_one_go_is_the_figure_it_was(tokens, prefix, query_token):
+    rng = np.random.default_rng(tokens)
+    attention = rng.random((tokens, tokens))
+    attention /= attention.sum(-1, keepdims=True)
+    labels = figures.token_labels(tokens, prefix)
+    new = figures.attention_matrix(attention, prefix, title="t", query_token=query_token)
+    old = _attention_matrix_the_old_way(attention, labels, "attention", tokens, tokens, prefix, query_token, "t")
+    assert new.to_plotly_json() == old.to_plotly_json()
+
+
+def test_patch_maps_as_trace_dicts_give_the_figures_they_gave_as_heatmap_objects(monkeypatch):
+    """_patch_heatmap returns a dict (the figure validates it once); the figures built from it
+    are the ones a validated go.Heatmap gave."""
+    from vit_explorer.figures import _base, attention, image_set, internals, patches
+
+    rng = np.random.default_rng(3)
+    image = rng.integers(0, 256, (32, 48, 3), dtype=np.uint8)
+    maps = rng.random((3, 4, 6))
+    values = rng.random(1 + 24)
+    cosines = rng.random((2, 4, 6)) * 2 - 1
+
+    def draw():
+        return [
+            figures.attention_overlay(image, maps[0], query_patch=5, weights=True),
+            figures.attention_heads_grid(image, maps, layer=2, query_patch=3, columns=2),
+            figures.attention_masks_grid(image, maps > 0.5, 0.6, layer=1),
+            figures.patch_picker(image, (4, 6), 7),
+            internals.token_values_on_grid(image, values, (4, 6), 1, ["CLS"], "t", "score", query_patch=2),
+            image_set.correspondence_grid([image, image], cosines, [3, 4], 0, 3, ["a", "b"], "tokens"),
+        ]
+
+    new = [figure.to_plotly_json() for figure in draw()]
+    heatmap_dict = _base._patch_heatmap
+
+    def as_object(*args, **kwargs):
+        return go.Heatmap({key: value for key, value in heatmap_dict(*args, **kwargs).items() if key != "type"})
+
+    for module in (attention, image_set, internals):
+        monkeypatch.setattr(module, "_patch_heatmap", as_object)
+    monkeypatch.setattr(patches, "_patch_heatmap", lambda *args, **kwargs: as_object(*args, **kwargs).to_plotly_json())
+    assert new == [figure.to_plotly_json() for figure in draw()]
+
+
+def _token_matrix_the_old_way(shown, labels, limit, count, title):
+    from vit_explorer.figures._base import MARGIN, SIMILARITY_SCALE, _title
+
+    fig = go.Figure(go.Heatmap(
+        z=shown, y=labels, colorscale=SIMILARITY_SCALE, zmin=-limit, zmax=limit,
+        hovertemplate="%{y}, dimension %{x}<br>value %{z:.4g}<extra></extra>", colorbar=dict(title="value"),
+    ))
+    fig.update_xaxes(title="embedding dimension")
+    fig.update_yaxes(title="token", autorange="reversed", type="category", showticklabels=count <= 40)
+    fig.update_layout(title=_title(title), margin=MARGIN)
+    return fig
+
+
+def _topk_bar_the_old_way(probs, top, names):
+    from vit_explorer.figures._base import MARGIN, _title
+
+    fig = go.Figure(go.Bar(
+        x=probs[top], y=[names[i] for i in top], orientation="h",
+        text=[f"{100 * probs[i]:.1f}%" for i in top], textposition="auto",
+        marker_color="#4c78a8", hovertemplate="%{y}: %{x:.4f}<extra></extra>",
+    ))
+    fig.update_xaxes(title="probability", range=[0, 1])
+    fig.update_yaxes(autorange="reversed")
+    fig.update_layout(title=_title(f"Top-{len(top)} predictions"), margin=MARGIN)
+    return fig
+
+
+@pytest.mark.parametrize("count", [5, 50])
+def test_token_matrix_and_top5_built_in_one_go_are_the_figures_they_were(count):
+    rng = np.random.default_rng(count)
+    tokens = rng.standard_normal((count, 20))
+    shown = tokens[:, :16]
+    new = figures.token_matrix(tokens, 1, "Tokens", max_dims=16)
+    old = _token_matrix_the_old_way(
+        shown, figures.token_labels(count, 1), float(np.abs(shown).max()), count,
+        f"Tokens: {count} x 20 (first {count} x 16 shown)",
+    )
+    assert new.to_plotly_json() == old.to_plotly_json()
+
+    probs = rng.random(count)
+    probs /= probs.sum()
+    top = np.argsort(-probs, kind="stable")[:5]
+    names = [f"class {index}" for index in range(count)]
+    assert figures.topk_bar(probs, names).to_plotly_json() == _topk_bar_the_old_way(probs, top, names).to_plotly_json()
+
+
+def _layer_head_figures_the_old_way(values, probs, shown, names):
+    from vit_explorer.figures._base import MARGIN, VALUE_SCALE, _title
+
+    layers = list(range(values.shape[0]))
+    heatmap = go.Figure(go.Heatmap(
+        z=values, x=list(range(values.shape[1])), y=layers, colorscale=VALUE_SCALE,
+        hovertemplate="layer %{y}, head %{x}<br>e %{z:.4g}<extra></extra>", colorbar=dict(title="e"),
+    ))
+    heatmap.update_xaxes(title="head", dtick=1)
+    heatmap.update_yaxes(title="layer", autorange="reversed", type="category")
+    heatmap.update_layout(title=_title("h"), margin=MARGIN)
+    scatter = go.Figure()
+    for head in range(values.shape[1]):
+        scatter.add_trace(go.Scatter(
+            x=layers, y=values[:, head], mode="markers", name=f"head {head}", marker=dict(size=8, opacity=0.8),
+            hovertemplate=f"layer %{{x}}, head {head}<br>d %{{y:.4g}}<extra></extra>",
+        ))
+    scatter.add_trace(go.Scatter(
+        x=layers, y=values.mean(axis=1), mode="lines", name="mean over heads", line=dict(color="black", width=2),
+        hovertemplate="layer %{x}, mean<br>d %{y:.4g}<extra></extra>",
+    ))
+    scatter.update_xaxes(title="layer", tickvals=layers)
+    scatter.update_yaxes(title="d", rangemode="tozero")
+    scatter.update_layout(title=_title("s"), margin=MARGIN)
+    rows = ["embeddings"] + [f"after block {block}" for block in range(probs.shape[0] - 1)]
+    lens = go.Figure(go.Heatmap(
+        z=probs[:, shown], x=[names[i] for i in shown], y=rows, colorscale=VALUE_SCALE, zmin=0, zmax=1,
+        colorbar=dict(title="probability"), hovertemplate="%{y}<br>%{x}: %{z:.3f}<extra></extra>",
+    ))
+    lens.update_yaxes(autorange="reversed")
+    lens.update_xaxes(title="class (most probable at the output first)")
+    lens.update_layout(title=_title("Logit lens: the classifier head applied after every block"), margin=MARGIN)
+    return heatmap, scatter, lens
+
+
+def test_layer_head_figures_and_the_logit_lens_built_in_one_go_are_the_figures_they_were():
+    rng = np.random.default_rng(7)
+    values = rng.random((4, 3))
+    probs = rng.random((5, 12))
+    probs /= probs.sum(-1, keepdims=True)
+    names = [f"class {index}" for index in range(12)]
+    shown = np.argsort(-probs[-1], kind="stable")[:10]
+    new = (figures.layer_head_heatmap(values, "h", "e"), figures.layer_head_scatter(values, "s", "d"),
+           figures.logit_lens_figure(probs, names))
+    old = _layer_head_figures_the_old_way(values, probs, shown, names)
+    assert [figure.to_plotly_json() for figure in new] == [figure.to_plotly_json() for figure in old]
+
+
+def _token_norms_the_old_way(norms, grid_size, prefix, labels, title):
+    from plotly.subplots import make_subplots
+
+    from vit_explorer.figures._base import MARGIN, VALUE_SCALE, _image_axes, _patch_positions, _title
+
+    fig = make_subplots(rows=1, cols=2, column_widths=[0.45, 0.55], horizontal_spacing=0.16,
+                        subplot_titles=("patch tokens on the grid", "every token"))
+    fig.add_trace(go.Heatmap(
+        z=norms[prefix:].reshape(grid_size), colorscale=VALUE_SCALE, customdata=_patch_positions(grid_size),
+        hovertemplate="patch %{customdata[0]} (row %{customdata[1]}, col %{customdata[2]})"
+        "<br>norm %{z:.4g}<extra></extra>", colorbar=dict(title="norm", x=0.39, thickness=12),
+    ), row=1, col=1)
+    fig.add_trace(go.Bar(
+        x=list(range(norms.shape[0])), y=norms, marker_color=["#e45756"] * prefix + ["#4c78a8"] * (norms.shape[0] - prefix),
+        customdata=labels, hovertemplate="token %{x} (%{customdata})<br>norm %{y:.4g}<extra></extra>", showlegend=False,
+    ), row=1, col=2)
+    _image_axes(fig, [(1, 1)], columns=2)
+    fig.update_xaxes(title="token (prefix tokens in red)", row=1, col=2)
+    fig.update_yaxes(title="L2 norm", row=1, col=2)
+    fig.update_layout(title=_title(title), margin=MARGIN)
+    return fig
+
+
+@pytest.mark.parametrize("prefix, layer", [(1, 3), (0, None), (5, 0)])
+def test_token_norms_built_in_one_go_are_the_figure_they_were(prefix, layer):
+    norms = np.random.default_rng(prefix).random(prefix + 12)
+    new = figures.token_norms_figure(norms, (3, 4), prefix, layer=layer)
+    old = _token_norms_the_old_way(
+        norms, (3, 4), prefix, figures.token_labels(prefix + 12, prefix),
+        f"Token norms after block {layer}" if layer is not None else "Token norms",
+    )
+    assert new.to_plotly_json() == old.to_plotly_json()

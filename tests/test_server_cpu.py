@@ -107,3 +107,31 @@ def test_the_bench_reads_a_process_cpu_time_from_proc():
     spent, counted = cpu_seconds(os.getpid()) - before, time.process_time() - clock
     assert spent > 0.2
     assert abs(spent - counted) < 0.05  # /proc counts in clock ticks of 10 ms
+
+
+def test_a_memoised_figure_is_sent_as_its_own_json_and_made_into_a_dict_once():
+    """st.plotly_chart asks every figure for to_dict (a deep copy) on every run; a memoised
+    figure hands out the dict made when it was cached, and Streamlit sends the same JSON."""
+    import numpy as np
+    import plotly.io as pio
+    import plotly.tools
+
+    from vit_explorer import figures, ui
+
+    rng = np.random.default_rng(0)
+    image = rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)
+    maps = rng.random((3, 4, 4))
+
+    def grid():
+        return figures.attention_heads_grid(image, maps, layer=1, query="CLS")
+
+    def sent(figure):  # what st.plotly_chart sends
+        return pio.to_json(plotly.tools.return_figure_from_figure_or_data(figure, True), validate=False)
+
+    key = ("test sent figure", id(maps))
+    shared = ui.memo(key, lambda: {"grid": grid(), "note": "text"})
+    assert isinstance(shared["grid"], ui.SentFigure) and shared["note"] == "text"
+    assert sent(shared["grid"]) == sent(grid())
+    assert shared["grid"].to_plotly_json() == grid().to_plotly_json()
+    assert shared["grid"].to_dict() is shared["grid"].to_dict()  # made once
+    assert ui.memo(key, lambda: None) is shared

@@ -196,11 +196,13 @@ if config.num_classes == 0:
     st.info(ui.NO_CLASSIFIER.format(what="Class attribution"))
 else:
     names = selection.class_names()
-    for caveat in ui.prediction_caveats(selection, result.logits[0].softmax(-1)):
+    probabilities = result.logits[0].softmax(-1)
+    for caveat in ui.prediction_caveats(selection, probabilities):
         st.warning(caveat)
     ranked = result.logits[0].argsort(descending=True).tolist()
+    shares = probabilities.tolist()  # one softmax, not one per option (1000 of them for ImageNet)
     target = st.selectbox(
-        "Class", ranked, format_func=lambda index: f"{names[index]} ({result.logits[0].softmax(-1)[index]:.1%})",
+        "Class", ranked, format_func=lambda index: f"{names[index]} ({shares[index]:.1%})",
         **ui.keep("attribution_class", ranked[0], lambda index: index in ranked),
     )
     # A backward pass through a real-size model costs several forward passes: asked for, not unasked.

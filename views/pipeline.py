@@ -188,4 +188,4 @@ else:
     st.write(f"The model says **{names[best]}** with probability {float(probabilities[best]):.1%}.")
     for caveat in ui.prediction_caveats(selection, probabilities):
         st.warning(caveat)
-    st.plotly_chart(figures.topk_bar(probabilities, names, k=5))
+    st.plotly_chart(selection.memo("top-5 figure", compute=lambda: figures.topk_bar(probabilities, names, k=5)))

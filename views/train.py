@@ -151,19 +151,25 @@ def live_view() -> None:
     columns[1].metric("Training loss", f"{steps[-1]['loss']:.3f}" if steps else "-")
     columns[2].metric("Training accuracy", f"{steps[-1]['accuracy']:.1%}" if steps else "-")
     columns[3].metric("Test accuracy", f"{epochs_done[-1]['test_accuracy']:.1%}" if epochs_done else "-")
-    st.plotly_chart(figures.training_curves(history))
+    # A live run redraws every second for every watcher: its figures are shared while nothing new came.
+    st.plotly_chart(ui.memo(
+        ("training curves", run_id, len(steps), len(epochs_done), steps[-1]["step"] if steps else None),
+        lambda: figures.training_curves(history),
+    ))
 
     snapshot = run.latest_snapshot
     if snapshot is not None:
         last = snapshot.attentions.shape[1] - 1
-        maps = analysis.query_map(
-            snapshot.attentions[0, last], snapshot.grid_size, snapshot.num_prefix_tokens
-        )  # (H, gh, gw)
         st.write(
             f"The probe image at step {snapshot.step}: the model says **{snapshot.prediction}**"
             f" ({max(snapshot.probabilities):.0%}). Its last layer's attention:"
         )
-        st.plotly_chart(figures.attention_heads_grid(snapshot.image, maps, layer=last))
+        st.plotly_chart(ui.memo(
+            ("training snapshot", run_id, snapshot.step),
+            lambda: figures.attention_heads_grid(snapshot.image, analysis.query_map(
+                snapshot.attentions[0, last], snapshot.grid_size, snapshot.num_prefix_tokens
+            ), layer=last),  # (H, gh, gw) maps
+        ))
 
     if run.checkpoint is not None:
         explore, download = st.columns(2)

@@ -177,15 +177,17 @@ def _patch_heatmap(
     value_name: str = "attention",
     label: str = "",
     **kwargs,
-) -> go.Heatmap:
-    """A (gh, gw) map drawn one cell per patch over an image of ``image_size`` = (H, W) pixels.
+) -> dict:
+    """A (gh, gw) map drawn one cell per patch over an image of ``image_size`` = (H, W) pixels,
+    as a trace dict: the figure it goes into validates it (a go.Heatmap here was validated twice).
 
     go.Image puts pixel centres at 0..W-1, so patch j spans pixels [j*dx - 0.5, (j+1)*dx - 0.5].
     """
     grid_h, grid_w = values.shape
     height, width = image_size
     dy, dx = height / grid_h, width / grid_w
-    return go.Heatmap(
+    return dict(
+        type="heatmap",
         z=values,
         x0=dx / 2 - 0.5,
         dx=dx,

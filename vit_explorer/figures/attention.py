@@ -215,33 +215,33 @@ def attention_matrix(
     # Token names as category coordinates: the hover names both tokens without an N x N
     # customdata array (a 577-token matrix would carry 666k strings).
     value = "attention" if block == 1 else "largest attention"
-    fig = go.Figure(
-        go.Heatmap(
-            z=attention.astype(np.float32), x=labels, y=labels, colorscale=VALUE_SCALE,  # half the JSON
-            zmin=0, zmax=attention_top(attention, 1 / tokens),  # uniform rows look flat and pale
-            hovertemplate=f"query %{{y}}<br>key %{{x}}<br>{value} %{{z:.4g}}<extra></extra>",
-            colorbar=dict(title=value.replace(" ", "<br>")),
-        )
+    heatmap = dict(
+        type="heatmap", z=attention.astype(np.float32), x=labels, y=labels, colorscale=VALUE_SCALE,  # half the JSON
+        zmin=0, zmax=attention_top(attention, 1 / tokens),  # uniform rows look flat and pale
+        hovertemplate=f"query %{{y}}<br>key %{{x}}<br>{value} %{{z:.4g}}<extra></extra>",
+        colorbar=dict(title=dict(text=value.replace(" ", "<br>"))),
     )
+    shapes = []
     if num_prefix_tokens:
         # Lines between the prefix tokens and the patches.
         edge = num_prefix_tokens - 0.5
         line = dict(color="white", width=1, dash="dot")
-        fig.add_shape(type="line", x0=edge, x1=edge, y0=-0.5, y1=cells - 0.5, line=line)
-        fig.add_shape(type="line", x0=-0.5, x1=cells - 0.5, y0=edge, y1=edge, line=line)
+        shapes += [dict(type="line", x0=edge, x1=edge, y0=-0.5, y1=cells - 0.5, line=line),
+                   dict(type="line", x0=-0.5, x1=cells - 0.5, y0=edge, y1=edge, line=line)]
     if query_token is not None:
         row = query_token if query_token < num_prefix_tokens else (
             num_prefix_tokens + (query_token - num_prefix_tokens) // block
         )
-        fig.add_shape(type="rect", x0=-0.5, x1=cells - 0.5, y0=row - 0.5, y1=row + 0.5,
-                      line=dict(color=QUERY_COLOUR, width=2))
-    fig.update_xaxes(title="key token", constrain="domain", showgrid=False, type="category")
-    fig.update_yaxes(
-        title="query token", autorange="reversed", scaleanchor="x", constrain="domain",
-        showgrid=False, type="category",
-    )
-    fig.update_layout(title=_title(title), margin=MARGIN, height=MATRIX_PIXELS)
-    return fig
+        shapes.append(dict(type="rect", x0=-0.5, x1=cells - 0.5, y0=row - 0.5, y1=row + 0.5,
+                           line=dict(color=QUERY_COLOUR, width=2)))
+    # One layout in one go: add_shape and each update_* re-validate the whole figure.
+    return go.Figure(data=[heatmap], layout=dict(
+        **({"shapes": shapes} if shapes else {}),
+        xaxis=dict(title=dict(text="key token"), constrain="domain", showgrid=False, type="category"),
+        yaxis=dict(title=dict(text="query token"), autorange="reversed", scaleanchor="x", constrain="domain",
+                   showgrid=False, type="category"),
+        title=_title(title), margin=MARGIN, height=MATRIX_PIXELS,
+    ))
 
 
 def _layer_labels(count: int, layers: Sequence[int] | None) -> list[int]:
@@ -259,17 +259,16 @@ def layer_head_heatmap(
     if values.ndim != 2:
         raise ValueError(f"values must be (L, H), not {values.shape}")
     layer_labels = _layer_labels(values.shape[0], layers)
-    fig = go.Figure(
-        go.Heatmap(
-            z=values, x=list(range(values.shape[1])), y=layer_labels, colorscale=VALUE_SCALE,
-            hovertemplate=f"layer %{{y}}, head %{{x}}<br>{colorbar_title} %{{z:.4g}}<extra></extra>",
-            colorbar=dict(title=colorbar_title),
-        )
-    )
-    fig.update_xaxes(title="head", dtick=1)
-    fig.update_yaxes(title="layer", autorange="reversed", type="category")
-    fig.update_layout(title=_title(title), margin=MARGIN)
-    return fig
+    # One Figure call here and below: add_trace and each update_* re-validated the whole figure.
+    return go.Figure(data=[dict(
+        type="heatmap", z=values, x=list(range(values.shape[1])), y=layer_labels, colorscale=VALUE_SCALE,
+        hovertemplate=f"layer %{{y}}, head %{{x}}<br>{colorbar_title} %{{z:.4g}}<extra></extra>",
+        colorbar=dict(title=dict(text=colorbar_title)),
+    )], layout=dict(
+        xaxis=dict(title=dict(text="head"), dtick=1),
+        yaxis=dict(title=dict(text="layer"), autorange="reversed", type="category"),
+        title=_title(title), margin=MARGIN,
+    ))
 
 
 def layer_head_scatter(
@@ -281,23 +280,21 @@ def layer_head_scatter(
     if values.ndim != 2:
         raise ValueError(f"values must be (L, H), not {values.shape}")
     layer_labels = _layer_labels(values.shape[0], layers)
-    fig = go.Figure()
-    for head in range(values.shape[1]):
-        fig.add_trace(
-            go.Scatter(
-                x=layer_labels, y=values[:, head], mode="markers", name=f"head {head}",
-                marker=dict(size=8, opacity=0.8),
-                hovertemplate=f"layer %{{x}}, head {head}<br>{yaxis_title} %{{y:.4g}}<extra></extra>",
-            )
+    traces = [
+        dict(
+            type="scatter", x=layer_labels, y=values[:, head], mode="markers", name=f"head {head}",
+            marker=dict(size=8, opacity=0.8),
+            hovertemplate=f"layer %{{x}}, head {head}<br>{yaxis_title} %{{y:.4g}}<extra></extra>",
         )
-    fig.add_trace(
-        go.Scatter(
-            x=layer_labels, y=values.mean(axis=1), mode="lines", name="mean over heads",
-            line=dict(color="black", width=2),
-            hovertemplate=f"layer %{{x}}, mean<br>{yaxis_title} %{{y:.4g}}<extra></extra>",
-        )
-    )
-    fig.update_xaxes(title="layer", tickvals=layer_labels)
-    fig.update_yaxes(title=yaxis_title, rangemode="tozero")
-    fig.update_layout(title=_title(title), margin=MARGIN)
-    return fig
+        for head in range(values.shape[1])
+    ]
+    traces.append(dict(
+        type="scatter", x=layer_labels, y=values.mean(axis=1), mode="lines", name="mean over heads",
+        line=dict(color="black", width=2),
+        hovertemplate=f"layer %{{x}}, mean<br>{yaxis_title} %{{y:.4g}}<extra></extra>",
+    ))
+    return go.Figure(data=traces, layout=dict(
+        xaxis=dict(title=dict(text="layer"), tickvals=layer_labels),
+        yaxis=dict(title=dict(text=yaxis_title), rangemode="tozero"),
+        title=_title(title), margin=MARGIN,
+    ))

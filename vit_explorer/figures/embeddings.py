@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import plotly.graph_objects as go
-from plotly.subplots import make_subplots
 
 from ._base import (
     VALUE_SCALE, SIMILARITY_SCALE, CELL_PIXELS, MARGIN, _array, _float_array, _rgb_uint8, _mosaic,
@@ -117,18 +116,17 @@ def token_matrix(tokens, num_prefix_tokens: int, title: str, class_token: bool =
     shown = tokens[:max_tokens, :max_dims]
     labels = token_labels(count, num_prefix_tokens, class_token, dist_token)[: shown.shape[0]]
     limit = float(np.abs(shown).max()) or 1.0
-    fig = go.Figure(
-        go.Heatmap(
-            z=shown, y=labels, colorscale=SIMILARITY_SCALE, zmin=-limit, zmax=limit,
-            hovertemplate="%{y}, dimension %{x}<br>value %{z:.4g}<extra></extra>",
-            colorbar=dict(title="value"),
-        )
-    )
-    fig.update_xaxes(title="embedding dimension")
-    fig.update_yaxes(title="token", autorange="reversed", type="category", showticklabels=count <= 40)
     cut = "" if shown.shape == tokens.shape else f" (first {shown.shape[0]} x {shown.shape[1]} shown)"
-    fig.update_layout(title=_title(f"{title}: {count} x {dims}{cut}"), margin=MARGIN)
-    return fig
+    # One Figure call: each update_* re-validated the whole figure.
+    return go.Figure(data=[dict(
+        type="heatmap", z=shown, y=labels, colorscale=SIMILARITY_SCALE, zmin=-limit, zmax=limit,
+        hovertemplate="%{y}, dimension %{x}<br>value %{z:.4g}<extra></extra>",
+        colorbar=dict(title=dict(text="value")),
+    )], layout=dict(
+        xaxis=dict(title=dict(text="embedding dimension")),
+        yaxis=dict(title=dict(text="token"), autorange="reversed", type="category", showticklabels=count <= 40),
+        title=_title(f"{title}: {count} x {dims}{cut}"), margin=MARGIN,
+    ))
 
 
 def token_norms_figure(
@@ -145,32 +143,27 @@ def token_norms_figure(
             f" {grid_h}x{grid_w} grid"
         )
     labels = token_labels(norms.shape[0], num_prefix_tokens, class_token, dist_token)
-    fig = make_subplots(
-        rows=1, cols=2, column_widths=[0.45, 0.55], horizontal_spacing=0.16,
-        subplot_titles=("patch tokens on the grid", "every token"),
+    # make_subplots' layout, cached (_subplots), and one Figure call: add_trace(row=, col=) and
+    # each update re-validated the whole figure.
+    grid, cells = _subplots(
+        1, 2, ("patch tokens on the grid", "every token"), column_widths=[0.45, 0.55], horizontal_spacing=0.16,
     )
     patch_norms = norms[num_prefix_tokens:].reshape(grid_h, grid_w)
-    fig.add_trace(
-        go.Heatmap(
-            z=patch_norms, colorscale=VALUE_SCALE, customdata=_patch_positions(grid_size),
-            hovertemplate="patch %{customdata[0]} (row %{customdata[1]}, col %{customdata[2]})"
-            "<br>norm %{z:.4g}<extra></extra>",
-            colorbar=dict(title="norm", x=0.39, thickness=12),
-        ),
-        row=1, col=1,
+    heatmap = dict(
+        type="heatmap", z=patch_norms, colorscale=VALUE_SCALE, customdata=_patch_positions(grid_size),
+        hovertemplate="patch %{customdata[0]} (row %{customdata[1]}, col %{customdata[2]})"
+        "<br>norm %{z:.4g}<extra></extra>",
+        colorbar=dict(title=dict(text="norm"), x=0.39, thickness=12),
     )
     colours = ["#e45756"] * num_prefix_tokens + ["#4c78a8"] * (norms.shape[0] - num_prefix_tokens)
-    fig.add_trace(
-        go.Bar(
-            x=list(range(norms.shape[0])), y=norms, marker_color=colours, customdata=labels,
-            hovertemplate="token %{x} (%{customdata})<br>norm %{y:.4g}<extra></extra>",
-            showlegend=False,
-        ),
-        row=1, col=2,
+    bars = dict(
+        type="bar", x=list(range(norms.shape[0])), y=norms, marker=dict(color=colours), customdata=labels,
+        hovertemplate="token %{x} (%{customdata})<br>norm %{y:.4g}<extra></extra>", showlegend=False,
     )
-    _image_axes(fig, [(1, 1)], columns=2)
-    fig.update_xaxes(title="token (prefix tokens in red)", row=1, col=2)
-    fig.update_yaxes(title="L2 norm", row=1, col=2)
+    for axis, settings in _image_axis_layout(cells[1, 1]).items():
+        grid[axis].update(settings)
+    grid[f"xaxis{cells[1, 2]}"]["title"] = dict(text="token (prefix tokens in red)")
+    grid[f"yaxis{cells[1, 2]}"]["title"] = dict(text="L2 norm")
     where = f" after block {layer}" if layer is not None else ""
-    fig.update_layout(title=_title(f"Token norms{where}"), margin=MARGIN)
-    return fig
+    grid.update(title=_title(f"Token norms{where}"), margin=MARGIN)
+    return go.Figure(data=[_on_axes(heatmap, cells[1, 1]), _on_axes(bars, cells[1, 2])], layout=grid)

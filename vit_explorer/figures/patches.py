@@ -34,7 +34,7 @@ def _grid_parts(image, grid_size: tuple[int, int], highlight: int | tuple[int, i
     hover = _patch_heatmap(
         _patch_positions(grid_size)[..., 0].astype(float), (height, width),
         colorscale=clear, showscale=False,
-    ).to_plotly_json()
+    )
     hover["hovertemplate"] = "patch %{customdata[0]} (row %{customdata[1]}, col %{customdata[2]})<extra></extra>"
     line = dict(color="rgba(255,255,255,0.8)", width=1)
     rows = [row * height / grid_h - 0.5 for row in range(1, grid_h)]

@@ -30,19 +30,15 @@ def logit_lens_figure(probs, class_names: Sequence[str] | None = None, max_class
     shown = np.argsort(-probs[-1], kind="stable")[:max_classes]
     depth = probs.shape[0] - 1
     rows = ["embeddings"] + [f"after block {block}" for block in range(depth)]
-    fig = go.Figure(
-        go.Heatmap(
-            z=probs[:, shown], x=[names[i] for i in shown], y=rows, colorscale=VALUE_SCALE,
-            zmin=0, zmax=1, colorbar=dict(title="probability"),
-            hovertemplate="%{y}<br>%{x}: %{z:.3f}<extra></extra>",
-        )
-    )
-    fig.update_yaxes(autorange="reversed")
-    fig.update_xaxes(title="class (most probable at the output first)")
-    fig.update_layout(
-        title=_title("Logit lens: the classifier head applied after every block"), margin=MARGIN
-    )
-    return fig
+    # One Figure call: each update_* re-validated the whole figure.
+    return go.Figure(data=[dict(
+        type="heatmap", z=probs[:, shown], x=[names[i] for i in shown], y=rows, colorscale=VALUE_SCALE,
+        zmin=0, zmax=1, colorbar=dict(title=dict(text="probability")),
+        hovertemplate="%{y}<br>%{x}: %{z:.3f}<extra></extra>",
+    )], layout=dict(
+        yaxis=dict(autorange="reversed"), xaxis=dict(title=dict(text="class (most probable at the output first)")),
+        title=_title("Logit lens: the classifier head applied after every block"), margin=MARGIN,
+    ))
 
 
 def topk_bar(probs, class_names: Sequence[str] | None = None, k: int = 5) -> go.Figure:
@@ -50,14 +46,12 @@ def topk_bar(probs, class_names: Sequence[str] | None = None, k: int = 5) -> go.
     probs = _float_array(probs).reshape(-1)
     names = _class_names(probs.shape[0], class_names)
     top = np.argsort(-probs, kind="stable")[:k]
-    fig = go.Figure(
-        go.Bar(
-            x=probs[top], y=[names[i] for i in top], orientation="h",
-            text=[f"{100 * probs[i]:.1f}%" for i in top], textposition="auto",
-            marker_color="#4c78a8", hovertemplate="%{y}: %{x:.4f}<extra></extra>",
-        )
-    )
-    fig.update_xaxes(title="probability", range=[0, 1])
-    fig.update_yaxes(autorange="reversed")
-    fig.update_layout(title=_title(f"Top-{len(top)} predictions"), margin=MARGIN)
-    return fig
+    # One Figure call: each update_* re-validated the whole figure.
+    return go.Figure(data=[dict(
+        type="bar", x=probs[top], y=[names[i] for i in top], orientation="h",
+        text=[f"{100 * probs[i]:.1f}%" for i in top], textposition="auto",
+        marker=dict(color="#4c78a8"), hovertemplate="%{y}: %{x:.4f}<extra></extra>",
+    )], layout=dict(
+        xaxis=dict(title=dict(text="probability"), range=[0, 1]), yaxis=dict(autorange="reversed"),
+        title=_title(f"Top-{len(top)} predictions"), margin=MARGIN,
+    ))
