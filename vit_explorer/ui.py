@@ -30,6 +30,11 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
+# Imported here, once, before any session runs: plotly's validators and Streamlit's elements
+# import pandas lazily on whichever thread needs it first, and a second session's thread then
+# finds it half-initialised ("module 'pandas' has no attribute 'Series'", seen on the Attention
+# page's first view in Chromium). Frozen below with the other imports.
+import pandas  # noqa: F401
 import plotly.graph_objects as go
 import streamlit as st
 import torch
