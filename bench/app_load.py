@@ -118,6 +118,17 @@ async def go_to(page, title: str) -> None:
     await arrive(page, title)
 
 
+async def upload_image(page, path: Path) -> None:
+    """Upload ``path`` through the sidebar and wait until the image picker shows it."""
+    uploader = page.locator('[data-testid="stFileUploader"]').filter(has_text="Upload an image")
+    await uploader.locator('input[type="file"]').set_input_files(path)
+    picker = page.get_by_role("combobox", name="Image", exact=True)
+    for _ in range(600):  # the sidebar shows the upload once the app has taken it (<= 60 s)
+        if await picker.input_value() == f"Uploaded: {path.name}":
+            break
+        await page.wait_for_timeout(100)
+
+
 def summarize(error: Exception) -> str:
     lines = str(error).strip().splitlines()
     return f"{type(error).__name__}: {lines[0] if lines else ''}"
@@ -182,13 +193,7 @@ async def walk(page, url: str, probe: Probe, name: str, shots: Path | None = Non
 
         where = "Pipeline (upload)"
         start = time.perf_counter()
-        uploader = page.locator('[data-testid="stFileUploader"]').filter(has_text="Upload an image")
-        await uploader.locator('input[type="file"]').set_input_files(probe.path)
-        picker = page.get_by_role("combobox", name="Image", exact=True)
-        for _ in range(600):  # the sidebar shows the upload once the app has taken it (<= 60 s)
-            if await picker.input_value() == f"Uploaded: {probe.path.name}":
-                break
-            await page.wait_for_timeout(100)
+        await upload_image(page, probe.path)
         await arrive(page, "Pipeline")
         report.times.append((where, time.perf_counter() - start))
         report.errors += [f"{where}: {error}" for error in await errors_on(page)]

@@ -47,6 +47,7 @@ from bench.app_load import (
     random_vit_b16,
     settle,
     summarize,
+    upload_image,
 )
 from bench.browser import CHROMIUM_LAUNCH, app_server, log_tail
 from vit_explorer.train import DEFAULT_WEIGHTS
@@ -99,13 +100,7 @@ async def go_to(page, title: str) -> None:
 
 
 async def upload(page, probe: Probe) -> None:
-    uploader = page.locator('[data-testid="stFileUploader"]').filter(has_text="Upload an image")
-    await uploader.locator('input[type="file"]').set_input_files(probe.path)
-    picker = page.get_by_role("combobox", name="Image", exact=True)
-    for _ in range(600):  # the sidebar shows the upload once the app has taken it (<= 60 s)
-        if await picker.input_value() == f"Uploaded: {probe.path.name}":
-            break
-        await page.wait_for_timeout(100)
+    await upload_image(page, probe.path)
     await arrive(page, "Pipeline")
 
 
