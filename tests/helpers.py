@@ -42,3 +42,15 @@ def timm_twin(config: vx.ViTConfig) -> VisionTransformer:
         no_embed_class=config.no_embed_class,
         init_values=config.init_values,
     ).eval()
+
+
+SMALL_RUN_MODEL = vx.ViTConfig(image_size=16, patch_size=4, num_classes=8, embed_dim=32, depth=2, num_heads=4)
+
+
+def small_run_config(tmp_path, epochs: int, **changes) -> vx.TrainConfig:
+    """A training run of SMALL_RUN_MODEL on a few shapes that logs every step, in ``tmp_path``."""
+    base = dict(
+        model=SMALL_RUN_MODEL, epochs=epochs, batch_size=16, train_size=64, test_size=32, lr=2e-3,
+        warmup_steps=2, device="cpu", out_dir=str(tmp_path), log_every=1, snapshot_every=3,
+    )
+    return vx.TrainConfig(**{**base, **changes})

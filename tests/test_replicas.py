@@ -8,7 +8,6 @@ missing.
 import re
 import signal
 import socket
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,17 +18,14 @@ from vit_explorer import cli, runs, serve
 from vit_explorer import train as training
 from vit_explorer.config import TrainConfig
 from vit_explorer.data import SHAPE_CLASSES
+from helpers import SMALL_RUN_MODEL, small_run_config
 
-SMALL_MODEL = vx.ViTConfig(image_size=16, patch_size=4, num_classes=8, embed_dim=32, depth=2, num_heads=4)
+SMALL_MODEL = SMALL_RUN_MODEL
 ONE_SLOT = runs.Limits(max_runs=1, queue_size=0, memory=64 * runs.GB, threads=1)
 
 
 def small_config(tmp_path, **changes) -> TrainConfig:
-    base = dict(
-        model=SMALL_MODEL, epochs=500, batch_size=16, train_size=64, test_size=32, lr=2e-3,
-        warmup_steps=2, device="cpu", out_dir=str(tmp_path), log_every=1, snapshot_every=3,
-    )
-    return TrainConfig(**{**base, **changes})
+    return small_run_config(tmp_path, **{"epochs": 500, **changes})
 
 
 def test_two_servers_on_one_runs_folder_share_runs_owners_admission_and_stop(tmp_path):

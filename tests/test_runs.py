@@ -12,17 +12,14 @@ import vit_explorer as vx
 from vit_explorer import runs
 from vit_explorer import train as training
 from vit_explorer.config import TrainConfig
+from helpers import SMALL_RUN_MODEL, small_run_config
 
-SMALL_MODEL = vx.ViTConfig(image_size=16, patch_size=4, num_classes=8, embed_dim=32, depth=2, num_heads=4)
+SMALL_MODEL = SMALL_RUN_MODEL
 PLENTY = runs.Limits(max_runs=1, queue_size=2, memory=64 * runs.GB, threads=1)
 
 
 def small_config(tmp_path, **changes) -> TrainConfig:
-    base = dict(
-        model=SMALL_MODEL, epochs=1, batch_size=16, train_size=64, test_size=32, lr=2e-3,
-        warmup_steps=2, device="cpu", out_dir=str(tmp_path), log_every=1, snapshot_every=3,
-    )
-    return TrainConfig(**{**base, **changes})
+    return small_run_config(tmp_path, **{"epochs": 1, **changes})
 
 
 def wait_for_a_step(run: training.TrainingRun) -> None:

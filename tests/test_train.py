@@ -11,16 +11,13 @@ import vit_explorer as vx
 from vit_explorer import train as training
 from vit_explorer.config import TrainConfig
 from vit_explorer.data import SHAPE_CLASSES
+from helpers import SMALL_RUN_MODEL, small_run_config
 
-SMALL_MODEL = vx.ViTConfig(image_size=16, patch_size=4, num_classes=8, embed_dim=32, depth=2, num_heads=4)
+SMALL_MODEL = SMALL_RUN_MODEL
 
 
 def small_config(tmp_path, **changes) -> TrainConfig:
-    base = dict(
-        model=SMALL_MODEL, epochs=2, batch_size=16, train_size=64, test_size=32, lr=2e-3,
-        warmup_steps=2, device="cpu", out_dir=str(tmp_path), log_every=1, snapshot_every=3,
-    )
-    return TrainConfig(**{**base, **changes})
+    return small_run_config(tmp_path, **{"epochs": 2, **changes})
 
 
 def test_train_config_json_round_trip():
