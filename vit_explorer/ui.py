@@ -30,12 +30,14 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
+import orjson
 # Imported here, once, before any session runs: plotly's validators and Streamlit's elements
 # import pandas lazily on whichever thread needs it first, and a second session's thread then
 # finds it half-initialised ("module 'pandas' has no attribute 'Series'", seen on the Attention
 # page's first view in Chromium). Frozen below with the other imports.
 import pandas  # noqa: F401
 import plotly.graph_objects as go
+import plotly.io as pio
 import streamlit as st
 import torch
 from PIL import Image
@@ -345,15 +347,33 @@ def memo(key: tuple, compute: Callable[[], T], spinner: str | None = None) -> T:
 
 
 class SentFigure(go.Figure):
-    """A memoised figure, which nobody changes once cached: the dict that ``st.plotly_chart``
-    asks for on every rerun (``to_dict``, a deep copy of the figure: 14 ms for a 12-head grid,
-    more than the JSON) is made once."""
+    """A memoised figure as ``st.plotly_chart`` sends it, and nothing else: its JSON, made once
+    when cached. Streamlit collects every generation after every run of every session, and a
+    cached go.Figure (with its to_dict) held a few hundred objects for the collection to walk,
+    tens of thousands with a few images in the cache: most of the server's CPU per warm view.
+    Serializing it again on every run (``to_dict``, a deep copy, then plotly's JSON) cost more."""
+
+    def __init__(self, figure: go.Figure):  # go.Figure's own __init__ would build it again
+        self._sent = _SentDict(figure)
 
     def to_dict(self) -> dict:
-        return self._sent  # plotly's __setattr__ lets names starting with "_" through
+        return self._sent
 
     def to_plotly_json(self) -> dict:
         return self._sent
+
+
+class _SentDict(dict):
+    """What ``st.plotly_chart`` reads of ``to_dict()``: the layout's size, and the figure's JSON,
+    which plotly's serializer takes from ``to_plotly_json`` and orjson writes as it is."""
+
+    def __init__(self, figure: go.Figure):
+        size = {name: figure.layout[name] for name in ("width", "height") if figure.layout[name] is not None}
+        super().__init__(layout=size)
+        self.json = pio.to_json(figure, validate=False).encode()  # the JSON st.plotly_chart would send
+
+    def to_plotly_json(self) -> orjson.Fragment:
+        return orjson.Fragment(self.json)
 
 
 def _sent_figures(value: T) -> T:
@@ -362,19 +382,19 @@ def _sent_figures(value: T) -> T:
     if type(value) is tuple:
         return tuple(_sent_figures(item) for item in value)
     if type(value) is go.Figure:
-        sent = value.to_dict()
-        value.__class__ = SentFigure  # same object, nothing copied: it is new and not yet shared
-        value._sent = sent
+        return SentFigure(value)
     return value
 
 
 def _memo_bytes(value) -> int:
-    """The cache's bytes of a memo value: a figure counts twice (itself and its dict)."""
+    """The cache's bytes of a memo value (a figure: its JSON)."""
     if type(value) is dict:
         return sum(_memo_bytes(item) for item in value.values()) + 64 * len(value)
     if type(value) is tuple:
         return sum(_memo_bytes(item) for item in value) + 8 * len(value)
-    return nbytes(value) * (2 if isinstance(value, SentFigure) else 1)
+    if isinstance(value, SentFigure):
+        return len(value.to_dict().json)
+    return nbytes(value)
 
 
 def forward_cost(config, patch_size: int | None = None) -> float:
