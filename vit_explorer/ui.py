@@ -1480,5 +1480,36 @@ def compared_selection(
 # page views), each as long as before (0.4-0.7 s) and run on whichever thread allocates, the
 # event loop's included, where they stall every session. (Slower pages once seen with it off
 # did not reproduce: three A/B pairs on the shared 2-core machine went both ways.)
+def _import_what_runs_import_lazily() -> None:
+    """Imports and builds once what the first runs would: plotly's classes for each trace and
+    layout part (imported on first use), its JSON and Streamlit's plotly modules, PIL's format
+    plugins, pyarrow's pandas bridge. Made before the freeze below, they are frozen with the rest;
+    made by a run, they stayed in every collection for the life of the process (half the objects
+    a warm server's collection walked)."""
+    import plotly.tools  # noqa: F401 (st.plotly_chart's)
+    import pyarrow.pandas_compat  # noqa: F401 (st.dataframe's)
+    from plotly.subplots import make_subplots
+
+    Image.init()
+    axis = dict(title=dict(text=""), tickfont=dict(size=9))
+    colorbar = dict(title=dict(text=""), tickfont=dict(size=9))
+    figure = go.Figure(
+        data=[
+            go.Heatmap(z=[[0.0]], colorbar=colorbar, textfont=dict(size=9)), go.Bar(x=[0], y=[0], marker=dict(color="red")),
+            go.Histogram(x=[0], marker=dict(color="red")), go.Image(z=[[[0, 0, 0]]]),
+            go.Scatter(x=[0], y=[0], line=dict(color="red"), selected=dict(marker=dict(color="red")),
+                       unselected=dict(marker=dict(opacity=0.5))),
+        ],
+        layout=dict(
+            xaxis=axis, yaxis=axis, coloraxis=dict(colorbar=colorbar), margin=dict(t=0),
+            title=dict(text=""), font=dict(size=9), annotations=[dict(text="", font=dict(size=9))],
+            shapes=[dict(type="line", line=dict(color="red"))], legend=dict(x=0), hoverlabel=dict(font_size=9),
+        ),
+    )
+    pio.to_json(figure, validate=False)
+    make_subplots(rows=1, cols=2, subplot_titles=("", ""))
+
+
+_import_what_runs_import_lazily()
 gc.collect()
 gc.freeze()
