@@ -243,45 +243,46 @@ def inside_layer_figures(
 ) -> dict[str, go.Figure]:
     """The "Inside a layer" page's figures for one head and query token, by step, from a
     vit_explorer.internals.LayerInternals (image 0): what the page shows and ``inspect --head
-    --query`` writes. ``labels`` name the N tokens (figures.token_labels); ``query_patch`` is
+    --query`` writes; ``steps`` holds ``token``'s rows. ``labels`` name the N tokens (figures.token_labels); ``query_patch`` is
     outlined on the image; ``activation`` names the MLP's nonlinearity."""
     from .. import internals as inside  # the per-token analyses the page shows
 
     name, layer, prefix = labels[token], steps.layer, len(labels) - grid_size[0] * grid_size[1]
     where, dim, heads = f"layer {layer}, head {head}", steps.input.shape[-1], steps.num_heads
     prefix_labels = list(labels[:prefix])
+    row = steps.row(token)
     hidden = steps.mlp_hidden.shape[-1]
-    activity = inside.mlp_activity(steps.mlp_hidden[0, token])
+    activity = inside.mlp_activity(steps.mlp_hidden[0, row])
     return {
         "layernorm": vector_strips(
-            {"x": steps.input[0, token], "LN(x)": steps.norm1[0, token]},
+            {"x": steps.input[0, row], "LN(x)": steps.norm1[0, row]},
             f"{name} before and after LayerNorm ({dim} numbers each)",
         ),
         "query": vector_strips(
-            {"q": steps.q[0, head, token]}, f"Query q of {name}, {where} ({steps.head_dim} numbers)"
+            {"q": steps.q[0, head, row]}, f"Query q of {name}, {where} ({steps.head_dim} numbers)"
         ),
         "keys_values": key_value_matrices(
             steps.k[0, head], steps.v[0, head], token, labels,
             f"Keys and values of all {steps.num_tokens} tokens, {where}",
         ),
         "scores": token_values_on_grid(
-            image, steps.scores[0, head, token], grid_size, prefix, prefix_labels,
+            image, steps.scores[0, head, row], grid_size, prefix, prefix_labels,
             f"Scores of {name} for every key, {where}, before the softmax", "score", query_patch, centred=True,
         ),
         "attention": token_values_on_grid(
-            image, steps.attention[0, head, token], grid_size, prefix, prefix_labels,
+            image, steps.attention[0, head, row], grid_size, prefix, prefix_labels,
             f"Attention of {name}, {where}: the softmax of the scores", "attention", query_patch,
         ),
         "head_sources": head_sources_figure(
             inside.head_output_sources(steps, head, token), labels, f"Where head {head}'s output for {name} comes from"
         ),
         "heads_projection": vector_strips(
-            {"heads side by side": steps.concatenated[0, token], "W_o [...] + b_o": steps.attn_out[0, token]},
+            {"heads side by side": steps.concatenated[0, row], "W_o [...] + b_o": steps.attn_out[0, row]},
             f"All {heads} heads of {name} and the output projection, layer {layer}", group=steps.head_dim,
         ),
         "attention_residual": vector_strips(
-            {"x": steps.input[0, token], "added by attention": steps.attention_branch[0, token],
-             "x'": steps.middle[0, token]},
+            {"x": steps.input[0, row], "added by attention": steps.attention_branch[0, row],
+             "x'": steps.middle[0, row]},
             f"The first residual add for {name}, layer {layer}",
         ),
         "mlp_units": mlp_activations_figure(
@@ -289,7 +290,7 @@ def inside_layer_figures(
             f"The {hidden} hidden units of {name}, layer {layer}, after {activation}",
         ),
         "mlp_residual": vector_strips(
-            {"x'": steps.middle[0, token], "added by the MLP": steps.mlp_branch[0, token], "y": steps.output[0, token]},
+            {"x'": steps.middle[0, row], "added by the MLP": steps.mlp_branch[0, row], "y": steps.output[0, row]},
             f"The second residual add: {name} leaving layer {layer}",
         ),
     }
