@@ -365,7 +365,8 @@ class SentFigure(go.Figure):
 
 class _SentDict(dict):
     """What ``st.plotly_chart`` reads of ``to_dict()``: the layout's size, and the figure's JSON,
-    which plotly's serializer takes from ``to_plotly_json`` and orjson writes as it is."""
+    which plotly's serializer takes from ``to_plotly_json`` and orjson writes as it is (orjson
+    is a requirement: plotly's other engine would write this dict itself)."""
 
     def __init__(self, figure: go.Figure):
         size = {name: figure.layout[name] for name in ("width", "height") if figure.layout[name] is not None}
@@ -1470,18 +1471,6 @@ def compared_selection(
 
 
 
-# Streamlit collects every generation after every script run (runner.postScriptGC, on by
-# default): a full collection walks every object the process holds, and the modules of torch,
-# plotly, streamlit and this package are about 250k of them that are never garbage, so each run
-# paid 0.1-1 s of the server's one interpreter (39% of its CPU under a class's load). Frozen once
-# here, after the imports (this module is imported once per process), they are left out of every
-# collection, and the one after a run walks only what the runs made since. The collection first
-# drops what is already garbage, since anything frozen is never collected. Turning the post-run
-# collection off instead (runner.postScriptGC=false) saves about as much CPU, but leaves cyclic
-# garbage (a run's frames, figures, tensors) to Python's own full collections: rarer (3 in 36
-# page views), each as long as before (0.4-0.7 s) and run on whichever thread allocates, the
-# event loop's included, where they stall every session. (Slower pages once seen with it off
-# did not reproduce: three A/B pairs on the shared 2-core machine went both ways.)
 def _import_what_runs_import_lazily() -> None:
     """Imports and builds once what the first runs would: plotly's classes for each trace and
     layout part (imported on first use), its JSON and Streamlit's plotly modules, PIL's format
@@ -1512,6 +1501,18 @@ def _import_what_runs_import_lazily() -> None:
     make_subplots(rows=1, cols=2, subplot_titles=("", ""))
 
 
+# Streamlit collects every generation after every script run (runner.postScriptGC, on by
+# default): a full collection walks every object the process holds, and the modules of torch,
+# plotly, streamlit and this package are about 250k of them that are never garbage, so each run
+# paid 0.1-1 s of the server's one interpreter (39% of its CPU under a class's load). Frozen once
+# here, after the imports (this module is imported once per process), they are left out of every
+# collection, and the one after a run walks only what the runs made since. The collection first
+# drops what is already garbage, since anything frozen is never collected. Turning the post-run
+# collection off instead (runner.postScriptGC=false) saves about as much CPU, but leaves cyclic
+# garbage (a run's frames, figures, tensors) to Python's own full collections: rarer (3 in 36
+# page views), each as long as before (0.4-0.7 s) and run on whichever thread allocates, the
+# event loop's included, where they stall every session. (Slower pages once seen with it off
+# did not reproduce: three A/B pairs on the shared 2-core machine went both ways.)
 _import_what_runs_import_lazily()
 gc.collect()
 gc.freeze()
