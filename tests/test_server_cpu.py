@@ -109,12 +109,16 @@ def test_the_bench_reads_a_process_cpu_time_from_proc():
     assert abs(spent - counted) < 0.05  # /proc counts in clock ticks of 10 ms
 
 
-def test_a_memoised_figure_is_sent_as_its_own_json_and_made_into_a_dict_once():
-    """st.plotly_chart asks every figure for to_dict (a deep copy) on every run; a memoised
-    figure hands out the dict made when it was cached, and Streamlit sends the same JSON."""
+def test_a_memoised_figure_is_sent_as_its_own_json_made_once_and_holds_no_plotly_objects():
+    """st.plotly_chart serializes every figure on every run, and Streamlit's collection after
+    every run walks every object a cached figure holds; a memoised figure is its JSON, made
+    when it was cached, and Streamlit sends the same JSON and the same size."""
+    import gc
+
     import numpy as np
     import plotly.io as pio
     import plotly.tools
+    from streamlit.elements.plotly_chart import _resolve_content_height, _resolve_content_width
 
     from vit_explorer import figures, ui
 
@@ -125,13 +129,21 @@ def test_a_memoised_figure_is_sent_as_its_own_json_and_made_into_a_dict_once():
     def grid():
         return figures.attention_heads_grid(image, maps, layer=1, query="CLS")
 
-    def sent(figure):  # what st.plotly_chart sends
-        return pio.to_json(plotly.tools.return_figure_from_figure_or_data(figure, True), validate=False)
+    def sent(figure):  # what st.plotly_chart sends, and the size it gives the chart
+        as_dict = plotly.tools.return_figure_from_figure_or_data(figure, True)
+        size = _resolve_content_width("content", as_dict), _resolve_content_height("content", as_dict)
+        return pio.to_json(as_dict, validate=False), size
 
     key = ("test sent figure", id(maps))
     shared = ui.memo(key, lambda: {"grid": grid(), "note": "text"})
     assert isinstance(shared["grid"], ui.SentFigure) and shared["note"] == "text"
     assert sent(shared["grid"]) == sent(grid())
-    assert shared["grid"].to_plotly_json() == grid().to_plotly_json()
+    assert sent(shared["grid"])[1][1] == grid().layout.height  # the grid's own height, not a default
     assert shared["grid"].to_dict() is shared["grid"].to_dict()  # made once
+    # The collector sees a handful of objects (besides classes), not a figure's hundreds.
+    held = [shared["grid"]]
+    for _ in range(3):
+        held = [child for item in held for child in gc.get_referents(item)
+                if gc.is_tracked(child) and not isinstance(child, type)]
+        assert len(held) <= 4
     assert ui.memo(key, lambda: None) is shared

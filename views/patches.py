@@ -66,7 +66,7 @@ if rows is None:
 if rows is not None:
     if config.num_classes == 0:
         st.info(ui.NO_CLASSIFIER.format(what="The prediction at each patch size"))
-    st.plotly_chart(figures.patch_size_tradeoff(rows, config.patch_size))
+    st.plotly_chart(selection.memo("patch size tradeoff", compute=lambda: figures.patch_size_tradeoff(rows, config.patch_size)))
     st.dataframe(
         rows, hide_index=True,
         column_config={

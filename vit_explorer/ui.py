@@ -30,12 +30,14 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
+import orjson
 # Imported here, once, before any session runs: plotly's validators and Streamlit's elements
 # import pandas lazily on whichever thread needs it first, and a second session's thread then
 # finds it half-initialised ("module 'pandas' has no attribute 'Series'", seen on the Attention
 # page's first view in Chromium). Frozen below with the other imports.
 import pandas  # noqa: F401
 import plotly.graph_objects as go
+import plotly.io as pio
 import streamlit as st
 import torch
 from PIL import Image
@@ -345,15 +347,34 @@ def memo(key: tuple, compute: Callable[[], T], spinner: str | None = None) -> T:
 
 
 class SentFigure(go.Figure):
-    """A memoised figure, which nobody changes once cached: the dict that ``st.plotly_chart``
-    asks for on every rerun (``to_dict``, a deep copy of the figure: 14 ms for a 12-head grid,
-    more than the JSON) is made once."""
+    """A memoised figure as ``st.plotly_chart`` sends it, and nothing else: its JSON, made once
+    when cached. Streamlit collects every generation after every run of every session, and a
+    cached go.Figure (with its to_dict) held a few hundred objects for the collection to walk,
+    tens of thousands with a few images in the cache: most of the server's CPU per warm view.
+    Serializing it again on every run (``to_dict``, a deep copy, then plotly's JSON) cost more."""
+
+    def __init__(self, figure: go.Figure):  # go.Figure's own __init__ would build it again
+        self._sent = _SentDict(figure)
 
     def to_dict(self) -> dict:
-        return self._sent  # plotly's __setattr__ lets names starting with "_" through
+        return self._sent
 
     def to_plotly_json(self) -> dict:
         return self._sent
+
+
+class _SentDict(dict):
+    """What ``st.plotly_chart`` reads of ``to_dict()``: the layout's size, and the figure's JSON,
+    which plotly's serializer takes from ``to_plotly_json`` and orjson writes as it is (orjson
+    is a requirement: plotly's other engine would write this dict itself)."""
+
+    def __init__(self, figure: go.Figure):
+        size = {name: figure.layout[name] for name in ("width", "height") if figure.layout[name] is not None}
+        super().__init__(layout=size)
+        self.json = pio.to_json(figure, validate=False).encode()  # the JSON st.plotly_chart would send
+
+    def to_plotly_json(self) -> orjson.Fragment:
+        return orjson.Fragment(self.json)
 
 
 def _sent_figures(value: T) -> T:
@@ -362,19 +383,19 @@ def _sent_figures(value: T) -> T:
     if type(value) is tuple:
         return tuple(_sent_figures(item) for item in value)
     if type(value) is go.Figure:
-        sent = value.to_dict()
-        value.__class__ = SentFigure  # same object, nothing copied: it is new and not yet shared
-        value._sent = sent
+        return SentFigure(value)
     return value
 
 
 def _memo_bytes(value) -> int:
-    """The cache's bytes of a memo value: a figure counts twice (itself and its dict)."""
+    """The cache's bytes of a memo value (a figure: its JSON)."""
     if type(value) is dict:
         return sum(_memo_bytes(item) for item in value.values()) + 64 * len(value)
     if type(value) is tuple:
         return sum(_memo_bytes(item) for item in value) + 8 * len(value)
-    return nbytes(value) * (2 if isinstance(value, SentFigure) else 1)
+    if isinstance(value, SentFigure):
+        return len(value.to_dict().json)
+    return nbytes(value)
 
 
 def forward_cost(config, patch_size: int | None = None) -> float:
@@ -1450,6 +1471,36 @@ def compared_selection(
 
 
 
+def _import_what_runs_import_lazily() -> None:
+    """Imports and builds once what the first runs would: plotly's classes for each trace and
+    layout part (imported on first use), its JSON and Streamlit's plotly modules, PIL's format
+    plugins, pyarrow's pandas bridge. Made before the freeze below, they are frozen with the rest;
+    made by a run, they stayed in every collection for the life of the process (half the objects
+    a warm server's collection walked)."""
+    import plotly.tools  # noqa: F401 (st.plotly_chart's)
+    import pyarrow.pandas_compat  # noqa: F401 (st.dataframe's)
+    from plotly.subplots import make_subplots
+
+    Image.init()
+    axis = dict(title=dict(text=""), tickfont=dict(size=9))
+    colorbar = dict(title=dict(text=""), tickfont=dict(size=9))
+    figure = go.Figure(
+        data=[
+            go.Heatmap(z=[[0.0]], colorbar=colorbar, textfont=dict(size=9)), go.Bar(x=[0], y=[0], marker=dict(color="red")),
+            go.Histogram(x=[0], marker=dict(color="red")), go.Image(z=[[[0, 0, 0]]]),
+            go.Scatter(x=[0], y=[0], line=dict(color="red"), selected=dict(marker=dict(color="red")),
+                       unselected=dict(marker=dict(opacity=0.5))),
+        ],
+        layout=dict(
+            xaxis=axis, yaxis=axis, coloraxis=dict(colorbar=colorbar), margin=dict(t=0),
+            title=dict(text=""), font=dict(size=9), annotations=[dict(text="", font=dict(size=9))],
+            shapes=[dict(type="line", line=dict(color="red"))], legend=dict(x=0), hoverlabel=dict(font_size=9),
+        ),
+    )
+    pio.to_json(figure, validate=False)
+    make_subplots(rows=1, cols=2, subplot_titles=("", ""))
+
+
 # Streamlit collects every generation after every script run (runner.postScriptGC, on by
 # default): a full collection walks every object the process holds, and the modules of torch,
 # plotly, streamlit and this package are about 250k of them that are never garbage, so each run
@@ -1462,5 +1513,6 @@ def compared_selection(
 # page views), each as long as before (0.4-0.7 s) and run on whichever thread allocates, the
 # event loop's included, where they stall every session. (Slower pages once seen with it off
 # did not reproduce: three A/B pairs on the shared 2-core machine went both ways.)
+_import_what_runs_import_lazily()
 gc.collect()
 gc.freeze()
