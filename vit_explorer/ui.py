@@ -796,8 +796,11 @@ class ImageSet:
         return memo((*self.key, *key), compute, spinner)
 
     def model_input(self) -> torch.Tensor:
-        """(B, C, H, W): every image resized to the model's input size, whatever its own size."""
-        return torch.cat([preprocess(image, self.selection.config) for image in self.images])
+        """(B, C, H, W): every image resized to the model's input size, whatever its own size;
+        once per set (the pass and the pictures shown both read it)."""
+        return self.memo("model input", compute=lambda: torch.cat([
+            preprocess(image, self.selection.config) for image in self.images
+        ]))
 
     def image_tokens(self) -> list[torch.Tensor]:
         """(depth + 1, N, D) per image: the tokens entering the first block, then leaving each
@@ -820,7 +823,7 @@ class ImageSet:
         def run(indices: list[int]) -> torch.Tensor:
             """One pass of the images ``indices``; the first one's tokens (the others' are kept
             before this returns, so that a session waiting for the first one finds them too)."""
-            x = torch.cat([preprocess(self.images[index], selection.config) for index in indices])
+            x = self.model_input()[indices]
             batch = capture(selection.model, x, layers=[-1], attention_dtype=torch.float16).tokens
             ran.update({index: tokens.clone() for index, tokens in zip(indices, batch)})  # own storage each
             for index in indices[1:]:
