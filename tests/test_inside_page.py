@@ -72,22 +72,23 @@ def test_a_view_costs_one_capture_and_one_block_and_widgets_reuse_them(monkeypat
         return vx.capture(*args, **kwargs)
 
     def counting_internals(*args, **kwargs):
-        blocks.append(args[2])
+        blocks.append((args[2], tuple(kwargs["queries"])))  # one token's steps, not the whole block
         return vx.layer_internals(*args, **kwargs)
 
     monkeypatch.setattr(ui, "capture", counting_capture)
     monkeypatch.setattr(ui, "layer_internals", counting_internals)
     app = open_app(PAGE)
-    assert (len(captures), blocks) == (1, [3])
+    assert (len(captures), blocks) == (1, [(3, (0,))])  # the class token
     widget(app.selectbox, "Head").set_value(1).run()
-    widget(app.selectbox, "Query token").set_value(12).run()
     widget(app.select_slider, "Softmax scale, as a multiple of 1/sqrt(d_head)").set_value(4.0).run()
-    assert (len(captures), blocks) == (1, [3])
+    assert (len(captures), blocks) == (1, [(3, (0,))])
+    widget(app.selectbox, "Query token").set_value(12).run()
+    assert (len(captures), blocks) == (1, [(3, (0,)), (3, (13,))])
     widget(app.slider, "Layer").set_value(0).run()
-    assert (len(captures), blocks) == (1, [3, 0])  # one block, not the model
+    assert (len(captures), blocks) == (1, [(3, (0,)), (3, (13,)), (0, (13,))])  # part of one block, not the model
     app.switch_page("views/attention.py").run()
     app.switch_page(PAGE).run()
-    assert not app.exception and (len(captures), blocks) == (1, [3, 0])
+    assert not app.exception and len(captures) == 1 and len(blocks) == 3
 
 
 def test_the_scale_control_changes_only_its_own_charts():

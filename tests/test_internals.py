@@ -111,6 +111,34 @@ def test_one_block_from_the_captured_tokens_gives_the_same_pass(family):
     torch.testing.assert_close(alone.output, cap.tokens[:, 3], atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_steps_of_some_query_tokens_are_their_rows_of_the_whole_block(family):
+    model = family_model(FAMILIES[family])
+    cap = vx.capture(model, images())
+    whole = layer_internals(model, cap.tokens[:, 1], 1)
+    queries = [model.config.num_tokens - 1, 0, 5]
+    some = layer_internals(model, cap.tokens[:, 1], 1, queries=queries)
+    assert some.queries == tuple(queries) and some.num_tokens == whole.num_tokens
+    assert (some.layer_scale1 is None) == (whole.layer_scale1 is None)
+    for name in ("k", "v"):  # every token's: what the queries attend over
+        torch.testing.assert_close(getattr(some, name), getattr(whole, name), atol=1e-6, rtol=1e-6)
+    for name in ("input", "norm1", "attn_out", "middle", "norm2", "mlp_hidden", "mlp_out", "output",
+                 "concatenated", "attention_branch", "mlp_branch"):
+        torch.testing.assert_close(getattr(some, name), getattr(whole, name)[:, queries], atol=1e-6, rtol=1e-6)
+    for name in ("q", "scores", "attention", "heads"):
+        torch.testing.assert_close(getattr(some, name), getattr(whole, name)[:, :, queries], atol=1e-6, rtol=1e-6)
+    for token in queries:
+        assert some.row(token) == queries.index(token) and whole.row(token) == token
+        np.testing.assert_allclose(inside.rescaled_attention(some, 2, token, 0.3),
+                                   inside.rescaled_attention(whole, 2, token, 0.3), atol=1e-6)
+        for mine, theirs in zip(inside.head_output_sources(some, 1, token), inside.head_output_sources(whole, 1, token)):
+            assert mine["token"] == theirs["token"] and mine["share"] == pytest.approx(theirs["share"], abs=1e-6)
+    with pytest.raises(ValueError, match="not token 1"):
+        some.row(1)
+    with pytest.raises(ValueError, match="queries must be some of the"):
+        layer_internals(model, cap.tokens[:, 1], 1, queries=[model.config.num_tokens])
+
+
 def test_the_softmax_row_is_captures_attention_for_every_head_and_query():
     model = family_model(FAMILIES["registers, distillation token, LayerScale"])
     x = images()

@@ -57,8 +57,9 @@ with picker:
         config={"displayModeBar": False},
     )
 
-steps = selection.internals(layer)
 token = 0 if query == CLASS_QUERY else prefix + query
+steps = selection.internals(layer, token)
+row = steps.row(token)
 name = labels[token]
 dim, head_dim, hidden = config.embed_dim, steps.head_dim, steps.mlp_hidden.shape[-1]
 query_patch = None if query == CLASS_QUERY else query
@@ -77,7 +78,7 @@ with st.expander(f"1. {name} enters layer {layer}, and LayerNorm", expanded=True
         " stretch and shift each of the numbers. Hover over the strips for every number."
     )
     mean, std = selection.memo("inside norm", layer, token, compute=lambda: inside.layer_norm_statistics(
-        steps.input[0, token], steps.norm_eps
+        steps.input[0, row], steps.norm_eps
     ))
     left, right = st.columns(2)
     left.metric("mean μ", f"{mean:.4g}")
@@ -115,7 +116,7 @@ with st.expander("3. Scores and the softmax", expanded=True):
     st.plotly_chart(figs["scores"])
     st.plotly_chart(figs["attention"])
     entropy, largest = selection.memo("inside softmax", layer, head, token, compute=lambda: inside.softmax_statistics(
-        steps.attention[0, head, token]
+        steps.attention[0, head, row]
     ))
     left, right = st.columns(2)
     left.metric("entropy", f"{entropy:.3f} nats", help=(
@@ -161,7 +162,7 @@ with st.expander("4. The head's output, all heads together, and the residual add
     )
     st.plotly_chart(figs["heads_projection"])
     attention_change = selection.memo("inside attention add", layer, token, compute=lambda: inside.residual_change(
-        steps.input[0, token], steps.attention_branch[0, token], steps.middle[0, token]
+        steps.input[0, row], steps.attention_branch[0, row], steps.middle[0, row]
     ))
     for column, (label, value) in zip(st.columns(4), attention_change.items()):
         column.metric(label, f"{value:.4g}")
@@ -181,7 +182,7 @@ with st.expander(f"5. The MLP, and {name} leaving layer {layer}", expanded=True)
         + (" LayerScale γ₂ scales them first." if steps.layer_scale2 is not None else "")
     )
     activity = selection.memo(
-        "inside mlp", layer, token, compute=lambda: inside.mlp_activity(steps.mlp_hidden[0, token])
+        "inside mlp", layer, token, compute=lambda: inside.mlp_activity(steps.mlp_hidden[0, row])
     )
     units = activity["units"]
     columns = st.columns(3)
@@ -195,7 +196,7 @@ with st.expander(f"5. The MLP, and {name} leaving layer {layer}", expanded=True)
     )
     st.plotly_chart(figs["mlp_units"])
     mlp_change = selection.memo("inside mlp add", layer, token, compute=lambda: inside.residual_change(
-        steps.middle[0, token], steps.mlp_branch[0, token], steps.output[0, token]
+        steps.middle[0, row], steps.mlp_branch[0, row], steps.output[0, row]
     ))
     for column, (label, value) in zip(st.columns(4), mlp_change.items()):
         column.metric(label, f"{value:.4g}")

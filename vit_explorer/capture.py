@@ -294,20 +294,59 @@ def _resume_layer(
     return start if opened is None else min(start, opened)
 
 
-def layer_internals(model: ViT, tokens: torch.Tensor, layer: int) -> LayerInternals:
+def layer_internals(
+    model: ViT, tokens: torch.Tensor, layer: int, queries: Sequence[int] | None = None
+) -> LayerInternals:
     """Every step of encoder layer ``layer`` on its input ``tokens`` (B, N, D), in eval mode
     without gradients: that block alone runs under a recorder, as in :func:`capture`.
 
     With a capture's ``tokens[:, layer]`` it gives that pass's numbers (the output is its
     ``tokens[:, layer + 1]``) for 1/depth of a forward pass, so that opening another layer of
     an image already captured costs one block, not the whole model.
+
+    ``queries`` (token indices): the steps of those tokens only. Every field then holds their rows
+    (``LayerInternals.row``) but k and v, which hold every token's (what a query attends over), so
+    the cost is this layer's q, k, v projection (a fifth of a block): what one token's view needs.
     """
     index = _layer_indices([layer], model.config.depth)[0]
     block = model.blocks[index]
     parameter = next(model.parameters())
     if tokens.ndim == 2:
         tokens = tokens.unsqueeze(0)
+    tokens = tokens.to(parameter.device, parameter.dtype)
+    if queries is not None:
+        queries = tuple(int(token) for token in queries)
+        if not queries or not all(0 <= token < tokens.shape[1] for token in queries):
+            raise ValueError(f"queries must be some of the {tokens.shape[1]} tokens, not {queries}")
+        with torch.no_grad(), eval_mode(model):
+            states = _block_rows(block, tokens, queries)
+        return LayerInternals.from_recorded(index, block, states, queries)
     recorder = Recorder(model, (), internals=index)
     with torch.no_grad(), eval_mode(model), recording(recorder):
-        block(tokens.to(parameter.device, parameter.dtype))
+        block(tokens)
     return LayerInternals.from_recorded(index, block, recorder.internal_states)
+
+
+def _block_rows(block: torch.nn.Module, x: torch.Tensor, rows: Sequence[int]) -> dict[str, torch.Tensor]:
+    """``Block.forward`` step by step for the tokens ``rows`` of x (B, N, D) only, with the
+    block's own modules; every token still gives its key and value."""
+    attn, mlp = block.attn, block.mlp
+    picked = torch.as_tensor(rows, device=x.device)
+    normed = block.norm1(x)
+    q, k, v = attn._qkv(normed).unbind(0)  # (B, nh, N, hd) each
+    q = q[:, :, picked]
+    scores = (q * attn.scale) @ k.transpose(-2, -1)  # (B, nh, rows, N)
+    attention = attn.attend(scores)
+    heads = attention @ v
+    attended = attn.proj(rearrange(heads, "b nh n hd -> b n (nh hd)"))
+    entering = x[:, picked]
+    middle = entering + block.ls1(attended)
+    normed_middle = block.norm2(middle)
+    hidden = mlp.act(mlp.fc1(normed_middle))
+    mlp_out = mlp.fc2(hidden)
+    states = dict(
+        input=entering, norm1=normed[:, picked], q=q, k=k, v=v, scores=scores, attention=attention, heads=heads,
+        attn_out=attended, middle=middle, norm2=normed_middle, mlp_hidden=hidden, mlp_out=mlp_out,
+        output=middle + block.ls2(mlp_out),
+    )
+    return {name: _own_cpu_copy(tensor) for name, tensor in states.items()}

@@ -5,11 +5,13 @@ LayerNorms, each head's queries, keys and values, the scaled scores and their so
 outputs, the output projection, the MLP's hidden units and both residual adds. It comes from the
 per-call recorder of :mod:`vit_explorer.capture`, in the same pass as the rest of a capture
 (``capture(model, x, internals=layer)``) or by running that one block again on a capture's tokens
-(``layer_internals(model, cap.tokens[:, layer], layer)``: 1/depth of a forward pass). The
+(``layer_internals(model, cap.tokens[:, layer], layer)``: 1/depth of a forward pass; with
+``queries=[token]``, one token's steps for a fifth of that). The
 functions below are the small analyses the "Inside a layer" page shows for one token and head;
 none of them touches the model.
 
-Shapes: B images, N tokens, D embed dim, nh heads, hd head dim, hidden = D * mlp_ratio.
+Shapes: B images, N tokens, D embed dim, nh heads, hd head dim, hidden = D * mlp_ratio; R rows:
+the N tokens, or the query tokens a :class:`LayerInternals` was made for (its ``queries``).
 """
 from __future__ import annotations
 
@@ -31,27 +33,38 @@ ACTIVATION_NAMES = {"gelu": "GELU", "gelu_tanh": "GELU (tanh)", "quick_gelu": "Q
 
 @dataclass(frozen=True)
 class LayerInternals:
-    """One encoder layer of one forward pass, step by step (float32 on the CPU)."""
+    """One encoder layer of one forward pass, step by step (float32 on the CPU). Every field
+    holds R rows, one per token, but k and v, which hold all N tokens: a token's numbers are at
+    ``row(token)``."""
 
     layer: int
     scale: float  # the softmax scale the model uses, 1 / sqrt(hd)
     norm_eps: float  # the LayerNorms' epsilon
-    input: torch.Tensor  # (B, N, D) tokens entering the layer
-    norm1: torch.Tensor  # (B, N, D) LayerNorm before attention
-    q: torch.Tensor  # (B, nh, N, hd)
+    input: torch.Tensor  # (B, R, D) tokens entering the layer
+    norm1: torch.Tensor  # (B, R, D) LayerNorm before attention
+    q: torch.Tensor  # (B, nh, R, hd)
     k: torch.Tensor  # (B, nh, N, hd)
     v: torch.Tensor  # (B, nh, N, hd)
-    scores: torch.Tensor  # (B, nh, N, N) (q * scale) @ k^T, before the softmax
-    attention: torch.Tensor  # (B, nh, N, N) softmax of the scores; rows sum to 1
-    heads: torch.Tensor  # (B, nh, N, hd) attention @ v, each head's output
-    attn_out: torch.Tensor  # (B, N, D) output projection of the concatenated heads
-    middle: torch.Tensor  # (B, N, D) after the first residual add
-    norm2: torch.Tensor  # (B, N, D) LayerNorm before the MLP
-    mlp_hidden: torch.Tensor  # (B, N, hidden) the MLP's hidden units, after the nonlinearity
-    mlp_out: torch.Tensor  # (B, N, D) second MLP layer
-    output: torch.Tensor  # (B, N, D) tokens leaving the layer
+    scores: torch.Tensor  # (B, nh, R, N) (q * scale) @ k^T, before the softmax
+    attention: torch.Tensor  # (B, nh, R, N) softmax of the scores; rows sum to 1
+    heads: torch.Tensor  # (B, nh, R, hd) attention @ v, each head's output
+    attn_out: torch.Tensor  # (B, R, D) output projection of the concatenated heads
+    middle: torch.Tensor  # (B, R, D) after the first residual add
+    norm2: torch.Tensor  # (B, R, D) LayerNorm before the MLP
+    mlp_hidden: torch.Tensor  # (B, R, hidden) the MLP's hidden units, after the nonlinearity
+    mlp_out: torch.Tensor  # (B, R, D) second MLP layer
+    output: torch.Tensor  # (B, R, D) tokens leaving the layer
     layer_scale1: torch.Tensor | None = None  # (D,) LayerScale of the attention branch, if any
     layer_scale2: torch.Tensor | None = None  # (D,) LayerScale of the MLP branch, if any
+    queries: tuple[int, ...] | None = None  # the tokens of the R rows, in order; None: all N
+
+    def row(self, token: int) -> int:
+        """Where ``token``'s numbers are in the fields of R rows."""
+        if self.queries is None:
+            return token
+        if token not in self.queries:
+            raise ValueError(f"these internals hold tokens {list(self.queries)}, not token {token}")
+        return self.queries.index(token)
 
     @property
     def num_heads(self) -> int:
@@ -63,39 +76,42 @@ class LayerInternals:
 
     @property
     def num_tokens(self) -> int:
-        return self.input.shape[1]
+        """N, the tokens of the layer (every one a key)."""
+        return self.k.shape[2]
 
     @property
     def concatenated(self) -> torch.Tensor:
-        """(B, N, D): the heads' outputs side by side, what the output projection reads."""
+        """(B, R, D): the heads' outputs side by side, what the output projection reads."""
         batch, heads, tokens, head_dim = self.heads.shape
         return self.heads.transpose(1, 2).reshape(batch, tokens, heads * head_dim)
 
     @property
     def attention_branch(self) -> torch.Tensor:
-        """(B, N, D): what the attention adds to the residual stream (LayerScale applied)."""
+        """(B, R, D): what the attention adds to the residual stream (LayerScale applied)."""
         return self.attn_out if self.layer_scale1 is None else self.attn_out * self.layer_scale1
 
     @property
     def mlp_branch(self) -> torch.Tensor:
-        """(B, N, D): what the MLP adds to the residual stream (LayerScale applied)."""
+        """(B, R, D): what the MLP adds to the residual stream (LayerScale applied)."""
         return self.mlp_out if self.layer_scale2 is None else self.mlp_out * self.layer_scale2
 
     @classmethod
-    def from_recorded(cls, layer: int, block: torch.nn.Module, states: dict[str, torch.Tensor]) -> LayerInternals:
-        """Assemble what a recorder collected from ``block`` (model.blocks[layer])."""
+    def from_recorded(
+        cls, layer: int, block: torch.nn.Module, states: dict[str, torch.Tensor], queries: tuple[int, ...] | None = None,
+    ) -> LayerInternals:
+        """Assemble what a recorder collected from ``block`` (model.blocks[layer]), for ``queries``."""
         def gamma(layer_scale: torch.nn.Module) -> torch.Tensor | None:
             weight = getattr(layer_scale, "gamma", None)
             return None if weight is None else weight.detach().to("cpu", torch.float32, copy=True)
 
         missing = {field for field in cls.__dataclass_fields__ if field not in states} - {
-            "layer", "scale", "norm_eps", "layer_scale1", "layer_scale2"
+            "layer", "scale", "norm_eps", "layer_scale1", "layer_scale2", "queries"
         }
         if missing:
             raise RuntimeError(f"the forward pass did not record layer {layer}'s {sorted(missing)}")
         return cls(
             layer=layer, scale=float(block.attn.scale), norm_eps=float(block.norm1.eps),
-            layer_scale1=gamma(block.ls1), layer_scale2=gamma(block.ls2),
+            layer_scale1=gamma(block.ls1), layer_scale2=gamma(block.ls2), queries=queries,
             **{name: states[name] for name in cls.__dataclass_fields__ if name in states},
         )
 
@@ -118,7 +134,7 @@ def rescaled_attention(internals: LayerInternals, head: int, token: int, scale: 
     """(N,): the attention row of ``token`` in ``head`` had the model used ``scale`` instead of
     1/sqrt(hd), computed as the model does it ((q * scale) @ k^T, then the softmax), from this
     pass's q and k. Nothing is changed; at the model's own scale it is the recorded row."""
-    query = internals.q[image, head, token]  # (hd,)
+    query = internals.q[image, head, internals.row(token)]  # (hd,)
     return torch.softmax((query * scale) @ internals.k[image, head].T, dim=-1)
 
 
@@ -144,7 +160,7 @@ def head_output_sources(
     keys j with the largest share: the weight a_j and the share of out that a_j v_j carries,
     its projection on out, (a_j v_j . out) / |out|^2 (the shares of all keys sum to 1; a key
     whose value points away from out has a negative share)."""
-    weights = internals.attention[image, head, token].double()  # (N,)
+    weights = internals.attention[image, head, internals.row(token)].double()  # (N,)
     contributions = weights[:, None] * internals.v[image, head].double()  # (N, hd)
     output = contributions.sum(dim=0)
     shares = contributions @ output / output.dot(output).clamp_min(1e-300)

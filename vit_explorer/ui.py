@@ -733,13 +733,15 @@ class Selection:
         names = self.config.class_names
         return list(names) if names else [f"class {i}" for i in range(self.config.num_classes)]
 
-    def internals(self, layer: int) -> LayerInternals:
-        """Every step of encoder layer ``layer`` for this image (vit_explorer.internals): that one
-        block run again on the captured tokens entering it, so another layer costs 1/depth of a
-        forward pass and another head or query nothing. Only this layer's q, k, v are kept."""
+    def internals(self, layer: int, token: int) -> LayerInternals:
+        """Every step of encoder layer ``layer`` for query ``token`` of this image
+        (vit_explorer.internals), from the captured tokens entering the layer: this layer's q, k, v
+        projection and the rest of the block for that one token, so that another layer or query
+        costs a fifth of a block (at patch 8 the whole block was most of a view) and another head
+        nothing."""
         return self.memo(
-            "internals", layer,
-            compute=lambda: layer_internals(self.model, self.capture().tokens[:, layer], layer),
+            "internals", layer, token,
+            compute=lambda: layer_internals(self.model, self.capture().tokens[:, layer], layer, queries=[token]),
             spinner=f"Opening layer {layer} ...",
         )
 

@@ -8,6 +8,7 @@ import hashlib
 import io
 import json
 import math
+import os
 import threading
 from collections.abc import Sequence
 
@@ -15,6 +16,7 @@ import numpy as np
 import plotly.colors as plotly_colors
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
+from _plotly_utils.basevalidators import ColorscaleValidator
 from PIL import Image
 
 # Attention over an image: one colour whose opacity grows with the value, from 0 (transparent:
@@ -28,6 +30,38 @@ SIMILARITY_SCALE = "RdBu_r"  # red = similar, blue = opposite
 CELL_PIXELS = 240  # on-screen size of one image panel in a grid of panels
 MARGIN = dict(l=10, r=10, t=60, b=10)
 
+# Figures are built from trace and layout dicts without plotly's per-property validation, which
+# cost more than everything else a figure takes (for a page of figures, more than running the
+# layer they show). Set (the test suite does), each figure is also built validated and must give
+# the same JSON, so that a misspelt property or a value plotly would coerce still fails a test.
+CHECK_FIGURES = os.environ.get("VIT_EXPLORER_CHECK_FIGURES") == "1"
+
+
+def figure(data: Sequence[dict], layout: dict) -> go.Figure:
+    """A figure of trace dicts (each with its ``type``) and a layout dict, built unvalidated.
+    Empty lists in the layout (no shapes, no annotations) are left out, as validation does."""
+    layout = {key: value for key, value in layout.items() if not (isinstance(value, list) and not value)}
+    fig = go.Figure(data=list(data), layout=layout, _validate=False)
+    if CHECK_FIGURES:
+        difference = _difference(json.loads(fig.to_json()), json.loads(go.Figure(data=list(data), layout=layout).to_json()))
+        if difference:
+            raise AssertionError(f"a figure built unvalidated differs from the same figure validated at {difference}")
+    return fig
+
+
+def _difference(built, validated, path: str = "") -> str | None:
+    """The first place where two figures' JSON differ (keys in any order), as "path: a != b"."""
+    if isinstance(built, dict) and isinstance(validated, dict):
+        for key in sorted(set(built) | set(validated)):
+            difference = _difference(built.get(key), validated.get(key), f"{path}.{key}")
+            if difference:
+                return difference
+        return None
+    if isinstance(built, list) and isinstance(validated, list) and len(built) == len(validated):
+        return next((found for index, (a, b) in enumerate(zip(built, validated))
+                     if (found := _difference(a, b, f"{path}[{index}]"))), None)
+    return None if built == validated else f"{path}: {str(built)[:80]} != {str(validated)[:80]}"
+
 
 def _array(values) -> np.ndarray:
     if hasattr(values, "detach"):
@@ -37,6 +71,13 @@ def _array(values) -> np.ndarray:
 
 def _float_array(values) -> np.ndarray:
     return _array(values).astype(np.float64)
+
+
+@functools.lru_cache(maxsize=16)
+def _scale(name: str) -> tuple:
+    """A named plotly colour scale ("Viridis", "RdBu_r") as its (position, colour) stops, as plotly's
+    validation writes it into a figure: plotly.js knows some names but not the reversed "_r" ones."""
+    return tuple(tuple(stop) for stop in ColorscaleValidator("colorscale", "heatmap").validate_coerce(name))
 
 
 def _rgb_uint8(image) -> np.ndarray:
@@ -164,10 +205,10 @@ def _encode_uri(image: np.ndarray, lossless: bool) -> str:
     return "data:image/png;base64," + base64.b64encode(png).decode("ascii")
 
 
-def _image_trace(image: np.ndarray, hover: bool = True, lossless: bool = False, **kwargs) -> go.Image:
+def _image_trace(image: np.ndarray, hover: bool = True, lossless: bool = False, **kwargs) -> dict:
     # An encoded source is ~10x smaller in the figure JSON than z as nested lists of numbers.
-    return go.Image(
-        source=image_data_uri(image, lossless), hoverinfo="x+y+color" if hover else "skip", **kwargs
+    return dict(
+        type="image", source=image_data_uri(image, lossless), hoverinfo="x+y+color" if hover else "skip", **kwargs
     )
 
 
@@ -179,7 +220,7 @@ def _patch_heatmap(
     **kwargs,
 ) -> dict:
     """A (gh, gw) map drawn one cell per patch over an image of ``image_size`` = (H, W) pixels,
-    as a trace dict: the figure it goes into validates it (a go.Heatmap here was validated twice).
+    as a trace dict.
 
     go.Image puts pixel centres at 0..W-1, so patch j spans pixels [j*dx - 0.5, (j+1)*dx - 0.5].
     """
@@ -202,31 +243,14 @@ def _patch_heatmap(
     )
 
 
-def _image_axes(fig: go.Figure, cells: Sequence[tuple[int, int]] | None = None, columns: int = 1) -> None:
-    """Image convention: y grows downwards, square pixels, no ticks; for the figure's only axes,
-    or for the subplots at ``cells`` (row, col) of a make_subplots grid ``columns`` wide, in one
-    layout update (an update per axis re-validates the whole figure: for 12 panels that took
-    longer than drawing them)."""
-    if cells is None:
-        fig.update_xaxes(visible=False, constrain="domain")
-        fig.update_yaxes(visible=False, autorange="reversed", scaleanchor="x", constrain="domain")
-        return
-    layout = {}
-    for row, col in cells:
-        index = (row - 1) * columns + col  # make_subplots numbers its axes row by row
-        layout.update(_image_axis_layout("" if index == 1 else str(index)))
-    fig.update_layout(layout)
-
-
 def _subplots(
     rows: int, columns: int, titles: Sequence[str] = (), column_titles: Sequence[str] = (),
     row_titles: Sequence[str] = (), **options,
 ) -> tuple[dict, dict[tuple[int, int], str]]:
     """make_subplots' layout of a ``rows`` x ``columns`` grid as a new dict (the axes' domains and
     anchors, the titles' annotations; ``options``: make_subplots' own, spacing, specs, ...), and
-    each (row, col) cell's axis suffix ("" for x/y, "2" for x2/y2, ...). A figure built from them
-    in one go costs a fraction of make_subplots followed by add_trace(row=, col=) and updates:
-    each of those re-validates the whole figure, half of a 12-head grid's time."""
+    each (row, col) cell's axis suffix ("" for x/y, "2" for x2/y2, ...), for a figure built in
+    one go: make_subplots itself costs more than drawing a 12-head grid."""
     layout, cells = json.loads(_subplots_json(
         rows, columns, len(titles), len(column_titles), len(row_titles), json.dumps(options, sort_keys=True)
     ))
@@ -256,14 +280,13 @@ def _subplots_json(rows: int, columns: int, titles: int, column_titles: int, row
     return json.dumps([layout, cells])
 
 
-def _on_axes(trace, suffix: str) -> dict:
-    """A trace (graph object or dict) placed on the axes x{suffix}/y{suffix} of a :func:`_subplots` grid."""
-    trace = trace if isinstance(trace, dict) else trace.to_plotly_json()
+def _on_axes(trace: dict, suffix: str) -> dict:
+    """A trace dict placed on the axes x{suffix}/y{suffix} of a :func:`_subplots` grid."""
     return {**trace, "xaxis": f"x{suffix}", "yaxis": f"y{suffix}"}
 
 
 def _image_axis_layout(suffix: str = "") -> dict:
-    """Layout entries of one image panel's axes x{suffix}/y{suffix}, as :func:`_image_axes` sets them."""
+    """Layout entries of an image's axes x{suffix}/y{suffix}: y grows downwards, square pixels, no ticks."""
     return {
         f"xaxis{suffix}": dict(visible=False, constrain="domain"),
         f"yaxis{suffix}": dict(visible=False, autorange="reversed", scaleanchor=f"x{suffix}", constrain="domain"),

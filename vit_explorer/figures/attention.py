@@ -9,9 +9,10 @@ import numpy as np
 import plotly.graph_objects as go
 
 from ._base import (
+    _scale,
     ATTENTION_SCALE, VALUE_SCALE, CELL_PIXELS, MARGIN, _array, _float_array, _rgb_uint8, _check_map,
     attention_top, image_data_uri, _image_trace, _patch_heatmap, _panel_height, _subplots,
-    _image_axis_layout, _on_axes, _title,
+    _image_axis_layout, _on_axes, _title, figure,
     token_labels,
 )
 
@@ -51,10 +52,9 @@ def attention_overlay(
         top = overlay_top(attention_map, weights)
     heatmap = _patch_heatmap(
         attention_map, image.shape[:2], value_name, colorscale=ATTENTION_SCALE, zmin=0, zmax=top,
-        opacity=opacity, colorbar=dict(title=f"{value_name}<br>(0 = clear)"),
+        opacity=opacity, colorbar=dict(title=dict(text=f"{value_name}<br>(0 = clear)")),
     )
-    # In one go: add_trace and the axes' updates each re-validate the figure.
-    return go.Figure(data=[_image_trace(image, hover=False), heatmap], layout=dict(
+    return figure([_image_trace(image, hover=False), heatmap], dict(
         **_image_axis_layout(), title=_title(title), margin=MARGIN,
         shapes=_query_outline(query_patch, attention_map.shape, image.shape[:2]),
     ))
@@ -80,9 +80,7 @@ def _head_panels(
     """One panel per head: the image with that head's overlay, titled "head h" (or ``titles``),
     the query patch outlined in each; ``layout`` adds to the figure's layout (title, ...).
 
-    Built in one go from make_subplots' grid layout (:func:`_subplots`), one PNG for all
-    panels: make_subplots, add_traces and per-axis updates each re-validate the whole figure,
-    which made these figures the slowest part of a rerun.
+    Built in one go from make_subplots' grid layout (:func:`_subplots`), one PNG for all panels.
     """
     heads = len(overlays)
     columns = min(columns, heads)
@@ -105,7 +103,7 @@ def _head_panels(
             for shape in _query_outline(query_patch, grid_size, image.shape[:2], "" if head == 0 else str(head + 1))
         ]
     grid.update({"margin": MARGIN, **layout})
-    return go.Figure(data=traces, layout=grid)
+    return figure(traces, grid)
 
 
 def heads_height(image_shape: tuple[int, ...], heads: int, columns: int) -> int:
@@ -124,8 +122,7 @@ def attention_heads_grid(
     never tops out below 3x the uniform weight, so that attention spread evenly stays pale.
     ``query_patch`` (row-major index, None for a token without a patch) is outlined in every panel.
     ``top`` sets the shared scale's top (another grid's, to compare two on one scale); ``layout``
-    adds to the figure's layout last (a caller's own title, margin, height: in one go, as an
-    update afterwards re-validates the whole figure)."""
+    adds to the figure's layout last (a caller's own title, margin, height)."""
     image = _rgb_uint8(image)
     maps = _float_array(maps)
     if maps.ndim != 3:
@@ -144,7 +141,7 @@ def attention_heads_grid(
     if shared:
         layout["coloraxis"] = dict(
             colorscale=ATTENTION_SCALE, cmin=0, cmax=top if top is not None else attention_top(maps, uniform),
-            colorbar=dict(title="attention<br>(all heads,<br>0 = clear)"),
+            colorbar=dict(title=dict(text="attention<br>(all heads,<br>0 = clear)")),
         )
     return _head_panels(image, [
         _patch_heatmap(head_map, image.shape[:2], label=f"head {head}", opacity=opacity, **colour)
@@ -216,7 +213,7 @@ def attention_matrix(
     # customdata array (a 577-token matrix would carry 666k strings).
     value = "attention" if block == 1 else "largest attention"
     heatmap = dict(
-        type="heatmap", z=attention.astype(np.float32), x=labels, y=labels, colorscale=VALUE_SCALE,  # half the JSON
+        type="heatmap", z=attention.astype(np.float32), x=labels, y=labels, colorscale=_scale(VALUE_SCALE),  # half the JSON
         zmin=0, zmax=attention_top(attention, 1 / tokens),  # uniform rows look flat and pale
         hovertemplate=f"query %{{y}}<br>key %{{x}}<br>{value} %{{z:.4g}}<extra></extra>",
         colorbar=dict(title=dict(text=value.replace(" ", "<br>"))),
@@ -234,8 +231,7 @@ def attention_matrix(
         )
         shapes.append(dict(type="rect", x0=-0.5, x1=cells - 0.5, y0=row - 0.5, y1=row + 0.5,
                            line=dict(color=QUERY_COLOUR, width=2)))
-    # One layout in one go: add_shape and each update_* re-validate the whole figure.
-    return go.Figure(data=[heatmap], layout=dict(
+    return figure([heatmap], dict(
         **({"shapes": shapes} if shapes else {}),
         xaxis=dict(title=dict(text="key token"), constrain="domain", showgrid=False, type="category"),
         yaxis=dict(title=dict(text="query token"), autorange="reversed", scaleanchor="x", constrain="domain",
@@ -259,12 +255,11 @@ def layer_head_heatmap(
     if values.ndim != 2:
         raise ValueError(f"values must be (L, H), not {values.shape}")
     layer_labels = _layer_labels(values.shape[0], layers)
-    # One Figure call here and below: add_trace and each update_* re-validated the whole figure.
-    return go.Figure(data=[dict(
-        type="heatmap", z=values, x=list(range(values.shape[1])), y=layer_labels, colorscale=VALUE_SCALE,
+    return figure([dict(
+        type="heatmap", z=values, x=list(range(values.shape[1])), y=layer_labels, colorscale=_scale(VALUE_SCALE),
         hovertemplate=f"layer %{{y}}, head %{{x}}<br>{colorbar_title} %{{z:.4g}}<extra></extra>",
         colorbar=dict(title=dict(text=colorbar_title)),
-    )], layout=dict(
+    )], dict(
         xaxis=dict(title=dict(text="head"), dtick=1),
         yaxis=dict(title=dict(text="layer"), autorange="reversed", type="category"),
         title=_title(title), margin=MARGIN,
@@ -293,7 +288,7 @@ def layer_head_scatter(
         line=dict(color="black", width=2),
         hovertemplate=f"layer %{{x}}, mean<br>{yaxis_title} %{{y:.4g}}<extra></extra>",
     ))
-    return go.Figure(data=traces, layout=dict(
+    return figure(traces, dict(
         xaxis=dict(title=dict(text="layer"), tickvals=layer_labels),
         yaxis=dict(title=dict(text=yaxis_title), rangemode="tozero"),
         title=_title(title), margin=MARGIN,

@@ -6,9 +6,10 @@ import numpy as np
 import plotly.graph_objects as go
 
 from ._base import (
+    _scale,
     VALUE_SCALE, SIMILARITY_SCALE, CELL_PIXELS, MARGIN, _array, _float_array, _rgb_uint8, _mosaic,
-    _patch_positions, colour_mapped, image_data_uri, _image_trace, _image_axes, _image_axis_layout, _on_axes,
-    _panel_height, _subplots, _title,
+    _patch_positions, colour_mapped, image_data_uri, _image_trace, _image_axis_layout, _on_axes,
+    _panel_height, _subplots, _title, figure,
     token_labels,
 )
 
@@ -37,7 +38,7 @@ def token_pca_image(colors, image, **layout) -> go.Figure:
         "title": _title("Token PCA: patches with similar tokens get similar colours"),
         "margin": MARGIN, "height": _panel_height(image.shape, 1, 1.5 * CELL_PIXELS), **layout,
     })
-    return go.Figure(data=traces, layout=grid)
+    return figure(traces, grid)
 
 
 def position_similarity_grid(similarity) -> go.Figure:
@@ -58,31 +59,29 @@ def position_similarity_grid(similarity) -> go.Figure:
     tile_h, tile_w = grid_h + 1, grid_w + 1  # a tile and its gap, in mosaic cells
     rows, cols = np.indices((grid_h, grid_w))
     colours = colour_mapped(mosaic, SIMILARITY_SCALE, -1, 1)
-    fig = go.Figure([
-        go.Image(source=image_data_uri(colours, lossless=True), hoverinfo="skip"),
-        go.Heatmap(
-            z=np.zeros((grid_h, grid_w)), opacity=0.0,
+    return figure([
+        dict(type="image", source=image_data_uri(colours, lossless=True), hoverinfo="skip"),
+        dict(
+            type="heatmap", z=np.zeros((grid_h, grid_w)), opacity=0.0,
             x0=(grid_w - 1) / 2, dx=tile_w, y0=(grid_h - 1) / 2, dy=tile_h,
             customdata=np.stack([rows, cols], axis=-1),
             hovertemplate="patch (%{customdata[0]}, %{customdata[1]}) against every patch<extra></extra>",
-            colorscale=SIMILARITY_SCALE, zmin=-1, zmax=1, showscale=True, colorbar=dict(title="cosine"),
+            colorscale=_scale(SIMILARITY_SCALE), zmin=-1, zmax=1, showscale=True, colorbar=dict(title=dict(text="cosine")),
         ),
-    ])
-    fig.update_xaxes(
-        title="input patch column", tickvals=[col * tile_w + (grid_w - 1) / 2 for col in range(grid_w)],
-        ticktext=list(range(grid_w)), showgrid=False, zeroline=False, constrain="domain",
-    )
-    fig.update_yaxes(
-        title="input patch row", tickvals=[row * tile_h + (grid_h - 1) / 2 for row in range(grid_h)],
-        ticktext=list(range(grid_h)), autorange="reversed", scaleanchor="x", showgrid=False,
-        zeroline=False, constrain="domain",
-    )
-    # Two short lines: the app draws this in half a page, where one long line was cut off.
-    fig.update_layout(
+    ], dict(
+        xaxis=dict(
+            title=dict(text="input patch column"), tickvals=[col * tile_w + (grid_w - 1) / 2 for col in range(grid_w)],
+            ticktext=list(range(grid_w)), showgrid=False, zeroline=False, constrain="domain",
+        ),
+        yaxis=dict(
+            title=dict(text="input patch row"), tickvals=[row * tile_h + (grid_h - 1) / 2 for row in range(grid_h)],
+            ticktext=list(range(grid_h)), autorange="reversed", scaleanchor="x", showgrid=False,
+            zeroline=False, constrain="domain",
+        ),
+        # Two short lines: the app draws this in half a page, where one long line was cut off.
         title=_title("Position embedding similarity<br><sup>each tile: one patch against all patches</sup>"),
         margin={**MARGIN, "t": 80}, plot_bgcolor="white",
-    )
-    return fig
+    ))
 
 
 def embedding_filters_figure(filters, columns: int = 7) -> go.Figure:
@@ -96,13 +95,10 @@ def embedding_filters_figure(filters, columns: int = 7) -> go.Figure:
     count, patch = filters.shape[:2]
     tiles = np.stack([_rgb_uint8(tile) for tile in filters])
     mosaic = _mosaic(tiles, min(columns, count), max(1, patch // 4), fill=255)
-    fig = go.Figure(_image_trace(mosaic))
-    _image_axes(fig)
-    fig.update_layout(
-        title=_title(f"Patch embedding filters: the first {count} principal components"),
+    return figure([_image_trace(mosaic)], dict(
+        **_image_axis_layout(), title=_title(f"Patch embedding filters: the first {count} principal components"),
         margin=MARGIN,
-    )
-    return fig
+    ))
 
 
 def token_matrix(tokens, num_prefix_tokens: int, title: str, class_token: bool = True,
@@ -117,12 +113,11 @@ def token_matrix(tokens, num_prefix_tokens: int, title: str, class_token: bool =
     labels = token_labels(count, num_prefix_tokens, class_token, dist_token)[: shown.shape[0]]
     limit = float(np.abs(shown).max()) or 1.0
     cut = "" if shown.shape == tokens.shape else f" (first {shown.shape[0]} x {shown.shape[1]} shown)"
-    # One Figure call: each update_* re-validated the whole figure.
-    return go.Figure(data=[dict(
-        type="heatmap", z=shown, y=labels, colorscale=SIMILARITY_SCALE, zmin=-limit, zmax=limit,
+    return figure([dict(
+        type="heatmap", z=shown, y=labels, colorscale=_scale(SIMILARITY_SCALE), zmin=-limit, zmax=limit,
         hovertemplate="%{y}, dimension %{x}<br>value %{z:.4g}<extra></extra>",
         colorbar=dict(title=dict(text="value")),
-    )], layout=dict(
+    )], dict(
         xaxis=dict(title=dict(text="embedding dimension")),
         yaxis=dict(title=dict(text="token"), autorange="reversed", type="category", showticklabels=count <= 40),
         title=_title(f"{title}: {count} x {dims}{cut}"), margin=MARGIN,
@@ -143,14 +138,12 @@ def token_norms_figure(
             f" {grid_h}x{grid_w} grid"
         )
     labels = token_labels(norms.shape[0], num_prefix_tokens, class_token, dist_token)
-    # make_subplots' layout, cached (_subplots), and one Figure call: add_trace(row=, col=) and
-    # each update re-validated the whole figure.
     grid, cells = _subplots(
         1, 2, ("patch tokens on the grid", "every token"), column_widths=[0.45, 0.55], horizontal_spacing=0.16,
     )
     patch_norms = norms[num_prefix_tokens:].reshape(grid_h, grid_w)
     heatmap = dict(
-        type="heatmap", z=patch_norms, colorscale=VALUE_SCALE, customdata=_patch_positions(grid_size),
+        type="heatmap", z=patch_norms, colorscale=_scale(VALUE_SCALE), customdata=_patch_positions(grid_size),
         hovertemplate="patch %{customdata[0]} (row %{customdata[1]}, col %{customdata[2]})"
         "<br>norm %{z:.4g}<extra></extra>",
         colorbar=dict(title=dict(text="norm"), x=0.39, thickness=12),
@@ -166,4 +159,4 @@ def token_norms_figure(
     grid[f"yaxis{cells[1, 2]}"]["title"] = dict(text="L2 norm")
     where = f" after block {layer}" if layer is not None else ""
     grid.update(title=_title(f"Token norms{where}"), margin=MARGIN)
-    return go.Figure(data=[_on_axes(heatmap, cells[1, 1]), _on_axes(bars, cells[1, 2])], layout=grid)
+    return figure([_on_axes(heatmap, cells[1, 1]), _on_axes(bars, cells[1, 2])], grid)

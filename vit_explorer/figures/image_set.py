@@ -8,8 +8,9 @@ import numpy as np
 import plotly.graph_objects as go
 
 from ._base import (
+    _scale,
     ATTENTION_SCALE, CELL_PIXELS, MARGIN, SIMILARITY_SCALE, VALUE_SCALE, _float_array, _image_axis_layout,
-    _image_trace, _on_axes, _panel_height, _patch_heatmap, _rgb_uint8, _subplots, _title, colour_mapped,
+    _image_trace, _on_axes, _panel_height, _patch_heatmap, _rgb_uint8, _subplots, _title, colour_mapped, figure,
 )
 
 MARK = "#00e5ff"  # the chosen patch and the best matches
@@ -24,7 +25,7 @@ def _check_set(images: Sequence, maps: np.ndarray, name: str) -> list[np.ndarray
     return images
 
 
-def _grid_image(values: np.ndarray, image_shape: tuple[int, ...]) -> go.Image:
+def _grid_image(values: np.ndarray, image_shape: tuple[int, ...]) -> dict:
     """A (gh, gw, 3) uint8 map drawn one cell per patch over an image of ``image_shape``."""
     grid_h, grid_w = values.shape[:2]
     height, width = image_shape[:2]
@@ -78,7 +79,7 @@ def foreground_pca_grid(
         ),
         margin=MARGIN, height=_panel_height(images[0].shape, 3, min(CELL_PIXELS, 1100 // count)),
     )
-    return go.Figure(data=traces, layout=layout)
+    return figure(traces, layout)
 
 
 def _merge(layout: dict, axes: dict) -> None:
@@ -113,7 +114,7 @@ def correspondence_grid(
         traces.append(_on_axes(_image_trace(image, hover=False), suffix))
         traces.append(_on_axes(_patch_heatmap(
             cosines[index], image.shape[:2], value_name="cosine", label=labels[index], colorscale=ATTENTION_SCALE,
-            zmin=low, zmax=1.0, showscale=index == 0, colorbar=dict(title="cosine", thickness=12),
+            zmin=low, zmax=1.0, showscale=index == 0, colorbar=dict(title=dict(text="cosine"), thickness=12),
         ), suffix))
         row, patch_col = divmod(int(source_patch if index == source_image else best[index]), grid_w)
         style = dict(color=MARK, width=3, dash="solid" if index == source_image else "dot")
@@ -128,7 +129,7 @@ def correspondence_grid(
         ),
         margin=MARGIN, height=_panel_height(images[0].shape, 1, min(CELL_PIXELS, 1100 // count)),
     )
-    return go.Figure(data=traces, layout=layout)
+    return figure(traces, layout)
 
 
 def norm_outliers_grid(
@@ -157,20 +158,20 @@ def norm_outliers_grid(
     for index in range(count):
         suffix = cells[1, index + 1]
         traces.append(_on_axes(_patch_heatmap(
-            norms[index], (height, width), value_name="norm", label=labels[index], colorscale=VALUE_SCALE,
+            norms[index], (height, width), value_name="norm", label=labels[index], colorscale=_scale(VALUE_SCALE),
             zmin=low, zmax=high if high > low else low + 1, showscale=index == 0,
-            colorbar=dict(title="norm", thickness=12, len=0.6, y=1, yanchor="top"),
+            colorbar=dict(title=dict(text="norm"), thickness=12, len=0.6, y=1, yanchor="top"),
         ), suffix))
         rows, cols = np.nonzero(outliers[index])
-        traces.append(_on_axes(go.Scatter(
-            x=(cols + 0.5) * width / grid_w - 0.5, y=(rows + 0.5) * height / grid_h - 0.5, mode="markers",
+        traces.append(_on_axes(dict(
+            type="scatter", x=(cols + 0.5) * width / grid_w - 0.5, y=(rows + 0.5) * height / grid_h - 0.5, mode="markers",
             marker=dict(symbol="x-thin-open", size=10, line=dict(width=2, color="#e45756")), showlegend=False,
             customdata=rows * grid_w + cols, hovertemplate="outlier: patch %{customdata}<extra></extra>",
         ), suffix))
         _merge(layout, _image_axis_layout(suffix))
     histogram = cells[2, 1]
-    traces.append(_on_axes(go.Histogram(x=norms.reshape(-1), nbinsx=60, marker_color="#4c78a8", showlegend=False,
-                                        hovertemplate="norm %{x}: %{y} patches<extra></extra>"), histogram))
+    traces.append(_on_axes(dict(type="histogram", x=norms.reshape(-1), nbinsx=60, marker=dict(color="#4c78a8"),
+                                showlegend=False, hovertemplate="norm %{x}: %{y} patches<extra></extra>"), histogram))
     _merge(layout, {f"xaxis{histogram}": dict(title=dict(text="L2 norm of a patch token")),
                     f"yaxis{histogram}": dict(title=dict(text="patches"))})
     layout.update(
@@ -180,4 +181,4 @@ def norm_outliers_grid(
         title=_title(f"Patch-token norms after layer {layer}; outliers (x) above {threshold:.3g} = {rule}"),
         margin={**MARGIN, "l": 50}, height=_panel_height(image_shape, 1, min(CELL_PIXELS, 1100 // count)) + 260,
     )
-    return go.Figure(data=traces, layout=layout)
+    return figure(traces, layout)

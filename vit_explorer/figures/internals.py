@@ -10,8 +10,9 @@ import numpy as np
 import plotly.graph_objects as go
 
 from ._base import (
+    _scale,
     ATTENTION_SCALE, MARGIN, SIMILARITY_SCALE, _float_array, _image_trace, _patch_heatmap, _rgb_uint8, _title,
-    attention_top,
+    attention_top, figure,
 )
 from .attention import QUERY_COLOUR, _query_outline
 
@@ -24,11 +25,6 @@ def _panel_title(text: str, x: float) -> dict:
     """A subplot title as make_subplots writes it, centred above the panel at paper ``x``."""
     return dict(text=text, x=x, y=1.0, xref="paper", yref="paper", xanchor="center", yanchor="bottom",
                 showarrow=False, font=dict(size=14))
-
-
-# The figures below write their layout in one go, without make_subplots, add_shape(row=, col=)
-# or add_vline: each of those re-validates the figure, which made this page's figures cost more
-# than running the layer they show.
 
 
 def vector_strips(
@@ -45,15 +41,15 @@ def vector_strips(
         dict(type="line", x0=edge - 0.5, x1=edge - 0.5, y0=-0.5, y1=len(names) - 0.5, line=line)
         for edge in range(group, rows.shape[1], group)
     ] if group else []
-    return go.Figure(
-        go.Heatmap(
-            z=rows.astype(np.float32), y=names, colorscale=SIMILARITY_SCALE, zmin=-limit, zmax=limit,
+    return figure(
+        [dict(
+            type="heatmap", z=rows.astype(np.float32), y=names, colorscale=_scale(SIMILARITY_SCALE), zmin=-limit, zmax=limit,
             hovertemplate=f"%{{y}}, number %{{x}}<br>{value_name} %{{z:.4g}}<extra></extra>",
-            colorbar=dict(title=value_name, thickness=12),
-        ),
-        layout=dict(
+            colorbar=dict(title=dict(text=value_name), thickness=12),
+        )],
+        dict(
             title=_title(title), margin=MARGIN, height=140 + 36 * len(names), shapes=shapes,
-            xaxis=dict(title=f"{rows.shape[1]} numbers", showgrid=False),
+            xaxis=dict(title=dict(text=f"{rows.shape[1]} numbers"), showgrid=False),
             yaxis=dict(autorange="reversed", type="category", showgrid=False),
         ),
     )
@@ -70,16 +66,17 @@ def key_value_matrices(keys, values, query_token: int, labels: Sequence[str], ti
     for index, (matrix, name, symbol, domain, bar_x) in enumerate(panels, start=1):
         suffix = "" if index == 1 else str(index)
         limit = _symmetric_limit(matrix)
-        traces.append(go.Heatmap(
-            z=matrix.astype(np.float32), y=list(labels), colorscale=SIMILARITY_SCALE, zmin=-limit, zmax=limit,
-            colorbar=dict(title=name, x=bar_x, thickness=10), xaxis=f"x{suffix}", yaxis=f"y{suffix}",
+        traces.append(dict(
+            type="heatmap", z=matrix.astype(np.float32), y=list(labels), colorscale=_scale(SIMILARITY_SCALE),
+            zmin=-limit, zmax=limit, colorbar=dict(title=dict(text=name), x=bar_x, thickness=10), xaxis=f"x{suffix}", yaxis=f"y{suffix}",
             hovertemplate=f"%{{y}}, number %{{x}}<br>{name} %{{z:.4g}}<extra></extra>",
         ))
         shapes.append(dict(
             type="rect", xref=f"x{suffix}", yref=f"y{suffix}", x0=-0.5, x1=matrix.shape[1] - 0.5,
             y0=query_token - 0.5, y1=query_token + 0.5, line=dict(color=QUERY_COLOUR, width=2),
         ))
-        layout[f"xaxis{suffix}"] = dict(domain=domain, anchor=f"y{suffix}", title="head dimension", showgrid=False)
+        layout[f"xaxis{suffix}"] = dict(domain=domain, anchor=f"y{suffix}", title=dict(text="head dimension"),
+                                         showgrid=False)
         layout[f"yaxis{suffix}"] = dict(
             anchor=f"x{suffix}", autorange="reversed", type="category", showgrid=False,
             showticklabels=len(labels) <= 40,
@@ -88,7 +85,7 @@ def key_value_matrices(keys, values, query_token: int, labels: Sequence[str], ti
         _panel_title(f"{symbol}: {matrix.shape[0]} x {matrix.shape[1]}", sum(domain) / 2)
         for matrix, _, symbol, domain, _ in panels
     ]
-    return go.Figure(traces, layout=dict(
+    return figure(traces, dict(
         title=_title(f"{title} (the query's row outlined)"), margin=MARGIN, shapes=shapes,
         annotations=panel_titles, height=min(900, 240 + 6 * len(labels)), **layout,
     ))
@@ -111,7 +108,7 @@ def token_values_on_grid(
         )
     if centred:
         limit = _symmetric_limit(values)
-        colours = dict(colorscale=SIMILARITY_SCALE, zmin=-limit, zmax=limit, opacity=0.85)
+        colours = dict(colorscale=_scale(SIMILARITY_SCALE), zmin=-limit, zmax=limit, opacity=0.85)
         colour_title = value_name
     else:
         colours = dict(colorscale=ATTENTION_SCALE, zmin=0.0, zmax=attention_top(values, 1 / values.shape[0]))
@@ -122,7 +119,7 @@ def token_values_on_grid(
         _image_trace(image, hover=False),
         _patch_heatmap(
             values[num_prefix_tokens:].reshape(grid_h, grid_w), (height, width), value_name,
-            colorbar=dict(title=colour_title, thickness=12, x=grid_domain[1] + 0.01), **colours,
+            colorbar=dict(title=dict(text=colour_title), thickness=12, x=grid_domain[1] + 0.01), **colours,
         ),
     ]
     layout = dict(
@@ -132,16 +129,17 @@ def token_values_on_grid(
     shapes = _query_outline(query_patch, grid_size, (height, width))
     annotations = []
     if num_prefix_tokens:
-        traces.append(go.Bar(
-            x=list(prefix_labels), y=values[:num_prefix_tokens], marker_color="#e45756", showlegend=False,
+        traces.append(dict(
+            type="bar", x=list(prefix_labels), y=values[:num_prefix_tokens], marker=dict(color="#e45756"),
+            showlegend=False,
             xaxis="x2", yaxis="y2", hovertemplate=f"%{{x}}<br>{value_name} %{{y:.4g}}<extra></extra>",
         ))
         layout.update(
             xaxis2=dict(domain=(0.84, 1.0), anchor="y2"),
-            yaxis2=dict(anchor="x2", title=value_name, side="right"),
+            yaxis2=dict(anchor="x2", title=dict(text=value_name), side="right"),
         )
         annotations = [_panel_title("patch tokens", 0.35), _panel_title("prefix tokens", 0.92)]
-    return go.Figure(traces, layout=dict(
+    return figure(traces, dict(
         title=_title(title), margin=MARGIN, shapes=shapes, annotations=annotations, **layout,
     ))
 
@@ -156,26 +154,26 @@ def softmax_scale_figure(sweep: Mapping[str, Sequence[float]], chosen: float, ti
     marks = [(1.0, "the model's 1/sqrt(hd)", dict(color="grey", dash="dot"))]
     if chosen != 1.0:
         marks.append((chosen, "chosen", dict(color=QUERY_COLOUR, width=2)))
-    return go.Figure(
+    return figure(
         [
-            go.Scatter(
-                x=factors, y=list(sweep["entropy"]), name="entropy (nats)", mode="lines",
+            dict(
+                type="scatter", x=factors, y=list(sweep["entropy"]), name="entropy (nats)", mode="lines",
                 hovertemplate="scale x%{x:.3g}<br>entropy %{y:.3f} nats<extra></extra>",
             ),
-            go.Scatter(
-                x=factors, y=list(sweep["largest weight"]), name="largest weight", mode="lines",
+            dict(
+                type="scatter", x=factors, y=list(sweep["largest weight"]), name="largest weight", mode="lines",
                 yaxis="y2", hovertemplate="scale x%{x:.3g}<br>largest weight %{y:.3f}<extra></extra>",
             ),
         ],
-        layout=dict(
+        dict(
             title=_title(title), margin=MARGIN, legend=dict(orientation="h", y=-0.25),
             xaxis=dict(
-                type="log", title="scale, as a multiple of 1/sqrt(hd)", tickvals=ticks,
+                type="log", title=dict(text="scale, as a multiple of 1/sqrt(hd)"), tickvals=ticks,
                 ticktext=[f"x{tick:g}" if tick >= 1 else f"x1/{1 / tick:g}" for tick in ticks],
             ),
-            yaxis=dict(title="entropy (nats)", rangemode="tozero"),
+            yaxis=dict(title=dict(text="entropy (nats)"), rangemode="tozero"),
             yaxis2=dict(
-                title="largest weight", range=[0, 1.05], overlaying="y", side="right", showgrid=False,
+                title=dict(text="largest weight"), range=[0, 1.05], overlaying="y", side="right", showgrid=False,
                 tickmode="linear", tick0=0, dtick=0.2,
             ),
             shapes=[
@@ -194,20 +192,20 @@ def head_sources_figure(sources: Sequence[Mapping], labels: Sequence[str], title
     """The keys that make most of a head's output (vit_explorer.internals.head_output_sources):
     each one's attention weight beside its share of the output."""
     names = [labels[source["token"]] for source in sources]
-    return go.Figure(
+    return figure(
         [
-            go.Bar(
-                y=names, x=[source["weight"] for source in sources], orientation="h",
+            dict(
+                type="bar", y=names, x=[source["weight"] for source in sources], orientation="h",
                 name="attention weight a_j", hovertemplate="%{y}<br>weight %{x:.4f}<extra></extra>",
             ),
-            go.Bar(
-                y=names, x=[source["share"] for source in sources], orientation="h", name="share of the output",
+            dict(
+                type="bar", y=names, x=[source["share"] for source in sources], orientation="h", name="share of the output",
                 hovertemplate="%{y}<br>share %{x:.1%}<extra></extra>",
             ),
         ],
-        layout=dict(
+        dict(
             title=_title(title), margin=MARGIN, barmode="group", height=160 + 44 * len(names),
-            legend=dict(orientation="h", y=-0.2), xaxis=dict(title="weight, share"),
+            legend=dict(orientation="h", y=-0.2), xaxis=dict(title=dict(text="weight, share")),
             yaxis=dict(autorange="reversed", type="category"),
         ),
     )
@@ -217,18 +215,19 @@ def mlp_activations_figure(sorted_values, units, near_zero: float, title: str) -
     """One token's MLP hidden units after the nonlinearity, sorted from the largest (``units``:
     which unit each value is, for the hover); the band of near-zero values is shaded."""
     values = _float_array(sorted_values).reshape(-1)
-    return go.Figure(
-        go.Scatter(
-            x=np.arange(values.shape[0]), y=values.astype(np.float32), mode="lines", fill="tozeroy",
+    return figure(
+        [dict(
+            type="scatter", x=np.arange(values.shape[0]), y=values.astype(np.float32), mode="lines", fill="tozeroy",
             customdata=_float_array(units).reshape(-1).astype(np.int64), showlegend=False,
             hovertemplate="unit %{customdata} (rank %{x})<br>activation %{y:.4g}<extra></extra>",
-        ),
-        layout=dict(
+        )],
+        dict(
             title=_title(title), margin=MARGIN,
-            xaxis=dict(title=f"hidden unit, sorted ({values.shape[0]} units)"), yaxis=dict(title="activation"),
+            xaxis=dict(title=dict(text=f"hidden unit, sorted ({values.shape[0]} units)")),
+            yaxis=dict(title=dict(text="activation")),
             shapes=[dict(
                 type="rect", xref="paper", yref="y", x0=0, x1=1, y0=-near_zero, y1=near_zero,
-                fillcolor="grey", opacity=0.25, line_width=0,
+                fillcolor="grey", opacity=0.25, line=dict(width=0),
             )],
             annotations=[dict(
                 text=f"near zero (|h| < {near_zero:g})", xref="paper", x=1.0, xanchor="right", yref="y",
@@ -244,45 +243,46 @@ def inside_layer_figures(
 ) -> dict[str, go.Figure]:
     """The "Inside a layer" page's figures for one head and query token, by step, from a
     vit_explorer.internals.LayerInternals (image 0): what the page shows and ``inspect --head
-    --query`` writes. ``labels`` name the N tokens (figures.token_labels); ``query_patch`` is
+    --query`` writes; ``steps`` holds ``token``'s rows. ``labels`` name the N tokens (figures.token_labels); ``query_patch`` is
     outlined on the image; ``activation`` names the MLP's nonlinearity."""
     from .. import internals as inside  # the per-token analyses the page shows
 
     name, layer, prefix = labels[token], steps.layer, len(labels) - grid_size[0] * grid_size[1]
     where, dim, heads = f"layer {layer}, head {head}", steps.input.shape[-1], steps.num_heads
     prefix_labels = list(labels[:prefix])
+    row = steps.row(token)
     hidden = steps.mlp_hidden.shape[-1]
-    activity = inside.mlp_activity(steps.mlp_hidden[0, token])
+    activity = inside.mlp_activity(steps.mlp_hidden[0, row])
     return {
         "layernorm": vector_strips(
-            {"x": steps.input[0, token], "LN(x)": steps.norm1[0, token]},
+            {"x": steps.input[0, row], "LN(x)": steps.norm1[0, row]},
             f"{name} before and after LayerNorm ({dim} numbers each)",
         ),
         "query": vector_strips(
-            {"q": steps.q[0, head, token]}, f"Query q of {name}, {where} ({steps.head_dim} numbers)"
+            {"q": steps.q[0, head, row]}, f"Query q of {name}, {where} ({steps.head_dim} numbers)"
         ),
         "keys_values": key_value_matrices(
             steps.k[0, head], steps.v[0, head], token, labels,
             f"Keys and values of all {steps.num_tokens} tokens, {where}",
         ),
         "scores": token_values_on_grid(
-            image, steps.scores[0, head, token], grid_size, prefix, prefix_labels,
+            image, steps.scores[0, head, row], grid_size, prefix, prefix_labels,
             f"Scores of {name} for every key, {where}, before the softmax", "score", query_patch, centred=True,
         ),
         "attention": token_values_on_grid(
-            image, steps.attention[0, head, token], grid_size, prefix, prefix_labels,
+            image, steps.attention[0, head, row], grid_size, prefix, prefix_labels,
             f"Attention of {name}, {where}: the softmax of the scores", "attention", query_patch,
         ),
         "head_sources": head_sources_figure(
             inside.head_output_sources(steps, head, token), labels, f"Where head {head}'s output for {name} comes from"
         ),
         "heads_projection": vector_strips(
-            {"heads side by side": steps.concatenated[0, token], "W_o [...] + b_o": steps.attn_out[0, token]},
+            {"heads side by side": steps.concatenated[0, row], "W_o [...] + b_o": steps.attn_out[0, row]},
             f"All {heads} heads of {name} and the output projection, layer {layer}", group=steps.head_dim,
         ),
         "attention_residual": vector_strips(
-            {"x": steps.input[0, token], "added by attention": steps.attention_branch[0, token],
-             "x'": steps.middle[0, token]},
+            {"x": steps.input[0, row], "added by attention": steps.attention_branch[0, row],
+             "x'": steps.middle[0, row]},
             f"The first residual add for {name}, layer {layer}",
         ),
         "mlp_units": mlp_activations_figure(
@@ -290,7 +290,7 @@ def inside_layer_figures(
             f"The {hidden} hidden units of {name}, layer {layer}, after {activation}",
         ),
         "mlp_residual": vector_strips(
-            {"x'": steps.middle[0, token], "added by the MLP": steps.mlp_branch[0, token], "y": steps.output[0, token]},
+            {"x'": steps.middle[0, row], "added by the MLP": steps.mlp_branch[0, row], "y": steps.output[0, row]},
             f"The second residual add: {name} leaving layer {layer}",
         ),
     }

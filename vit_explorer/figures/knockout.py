@@ -6,7 +6,7 @@ from collections.abc import Sequence
 import numpy as np
 import plotly.graph_objects as go
 
-from ._base import MARGIN, _float_array, _title, attention_top
+from ._base import MARGIN, _float_array, _title, attention_top, figure, _scale
 from .attention import attention_heads_grid, attention_overlay, overlay_top
 from .predictions import _class_names
 
@@ -22,27 +22,25 @@ def knockout_topk(intact, knocked, class_names: Sequence[str] | None = None, k: 
     top = np.argsort(-knocked, kind="stable")[:k]
     labels = [names[i] for i in top]
     change = 100 * (knocked[top] - intact[top])
-    fig = go.Figure([
-        go.Bar(
-            x=intact[top], y=labels, orientation="h", name="intact", marker_color=INTACT_COLOUR,
+    return figure([
+        dict(
+            type="bar", x=intact[top], y=labels, orientation="h", name="intact", marker=dict(color=INTACT_COLOUR),
             text=[f"{100 * p:.1f}%" for p in intact[top]], textposition="auto",
             hovertemplate="%{y}, intact: %{x:.4f}<extra></extra>",
         ),
-        go.Bar(
-            x=knocked[top], y=labels, orientation="h", name="knocked out", marker_color=KNOCKED_COLOUR,
+        dict(
+            type="bar", x=knocked[top], y=labels, orientation="h", name="knocked out",
+            marker=dict(color=KNOCKED_COLOUR),
             text=[f"{100 * p:.1f}% ({delta:+.2f} pts)" for p, delta in zip(knocked[top], change)],
             textposition="auto", customdata=change,
             hovertemplate="%{y}, knocked out: %{x:.4f} (%{customdata:+.2f} points)<extra></extra>",
         ),
-    ])
-    fig.update_xaxes(title="probability", range=[0, 1])
-    fig.update_yaxes(autorange="reversed")
-    fig.update_layout(
+    ], dict(
+        xaxis=dict(title=dict(text="probability"), range=[0, 1]), yaxis=dict(autorange="reversed"),
         title=_title(f"Top-{len(top)} with {what or 'the knock-out'}, against the intact model"),
         barmode="group", margin=MARGIN, legend=dict(orientation="h", y=-0.2),
         height=120 + 60 * len(top),
-    )
-    return fig
+    ))
 
 
 def head_sweep_grid(values, measure: str, knocked=None, title: str = "") -> go.Figure:
@@ -59,33 +57,32 @@ def head_sweep_grid(values, measure: str, knocked=None, title: str = "") -> go.F
     depth, heads = values.shape
     limit = float(np.abs(values).max()) or 1.0
     layer_grid, head_grid = np.meshgrid(np.arange(depth), np.arange(heads), indexing="ij")
-    fig = go.Figure(go.Heatmap(
-        z=values, x=list(range(heads)), y=list(range(depth)), colorscale="RdBu", zmid=0, zmin=-limit, zmax=limit,
-        colorbar=dict(title=measure), hoverinfo="skip",
-        # Each cell's value written in it while the cells are large enough to hold it.
-        texttemplate="%{z:.2f}" if heads <= 16 else None, textfont=dict(size=10),
-    ))
-    fig.add_trace(go.Scatter(
-        x=head_grid.ravel(), y=layer_grid.ravel(), mode="markers", customdata=values.ravel(), showlegend=False,
+    heatmap = dict(
+        type="heatmap", z=values, x=list(range(heads)), y=list(range(depth)), colorscale=_scale("RdBu"), zmid=0,
+        zmin=-limit, zmax=limit, colorbar=dict(title=dict(text=measure)), hoverinfo="skip", textfont=dict(size=10),
+    )
+    if heads <= 16:  # each cell's value written in it while the cells are large enough to hold it
+        heatmap["texttemplate"] = "%{z:.2f}"
+    markers = dict(
+        type="scatter", x=head_grid.ravel(), y=layer_grid.ravel(), mode="markers", customdata=values.ravel(), showlegend=False,
         marker=dict(size=max(6, min(28, 360 // max(depth, heads))), symbol="square", color="rgba(0,0,0,0)"),
         selected=dict(marker=dict(color="rgba(0,0,0,0)")), unselected=dict(marker=dict(opacity=0)),
         hovertemplate=f"layer %{{y}}, head %{{x}}<br>{measure}: %{{customdata:.4g}}"
         "<br>click to knock this head out above<extra></extra>",
-    ))
-    if knocked is not None:
-        for layer, head in zip(*np.nonzero(np.asarray(knocked, dtype=bool))):
-            fig.add_shape(
-                type="rect", x0=head - 0.5, x1=head + 0.5, y0=layer - 0.5, y1=layer + 0.5,
-                line=dict(color="black", width=3),
-            )
-    fig.update_xaxes(title="head", dtick=1, range=[-0.5, heads - 0.5])
-    fig.update_yaxes(title="layer", dtick=1, range=[depth - 0.5, -0.5])  # layer 0 on top
-    fig.update_layout(
+    )
+    outlines = [] if knocked is None else [
+        dict(type="rect", x0=head - 0.5, x1=head + 0.5, y0=layer - 0.5, y1=layer + 0.5,
+             line=dict(color="black", width=3))
+        for layer, head in zip(*np.nonzero(np.asarray(knocked, dtype=bool)))
+    ]
+    return figure([heatmap, markers], dict(
+        xaxis=dict(title=dict(text="head"), dtick=1, range=[-0.5, heads - 0.5]),
+        yaxis=dict(title=dict(text="layer"), dtick=1, range=[depth - 0.5, -0.5]),  # layer 0 on top
+        **({"shapes": outlines} if outlines else {}),
         title=_title(title or f"Knocking out each head alone: {measure}"), margin=MARGIN,
         hovermode="closest", hoverdistance=-1, clickmode="event+select", dragmode=False,
         height=160 + 32 * depth,
-    )
-    return fig
+    ))
 
 
 def intact_and_knocked_heads(

@@ -7,11 +7,10 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 import plotly.graph_objects as go
-from plotly.subplots import make_subplots
 
 from ._base import (
-    MARGIN, _array, _rgb_uint8, _mosaic, _patch_positions, _image_trace, _patch_heatmap, _image_axes, _image_axis_layout,
-    _panel_height, _title,
+    MARGIN, _array, _rgb_uint8, _mosaic, _patch_positions, _image_trace, _patch_heatmap, _image_axis_layout,
+    _on_axes, _panel_height, _subplots, _title, figure,
 )
 
 
@@ -20,12 +19,11 @@ def image_with_grid(
 ) -> go.Figure:
     """The model's input image cut into its gh x gw patches; hover names each patch."""
     traces, layout = _grid_parts(image, grid_size, highlight)
-    return go.Figure(data=traces, layout=layout)
+    return figure(traces, layout)
 
 
 def _grid_parts(image, grid_size: tuple[int, int], highlight: int | tuple[int, int] | None) -> tuple[list, dict]:
-    """:func:`image_with_grid`'s traces and layout, for a figure built in one go (add_trace,
-    add_shape and each update re-validate the figure: most of a patch picker's time)."""
+    """:func:`image_with_grid`'s traces and layout, for a figure built in one go."""
     image = _rgb_uint8(image)
     grid_h, grid_w = grid_size
     height, width = image.shape[:2]
@@ -77,36 +75,27 @@ def patch_sequence(patches, max_patches: int = 64, per_row: int = 16) -> go.Figu
     columns = min(per_row, shown)
     gap = max(1, patch // 4)
     mosaic = _mosaic(tiles, columns, gap, fill=255)
-    fig = go.Figure(_image_trace(mosaic, hover=False))
     # One invisible cell per slot for the hover; empty slots are gaps.
     slots = np.full((math.ceil(shown / columns), columns), np.nan)
     slots.flat[:shown] = np.arange(shown)
     step = patch + gap
-    fig.add_trace(
-        go.Heatmap(
-            z=slots, x0=(patch - 1) / 2, dx=step, y0=(patch - 1) / 2, dy=step,
-            colorscale=[[0, "rgba(0,0,0,0)"], [1, "rgba(0,0,0,0)"]], showscale=False,
-            hoverongaps=False,
-            customdata=np.stack(np.divmod(np.nan_to_num(slots, nan=-1), grid_w), axis=-1),
-            hovertemplate="patch %{z}: row %{customdata[0]}, col %{customdata[1]}<extra></extra>",
-        )
+    hover = dict(
+        type="heatmap", z=slots, x0=(patch - 1) / 2, dx=step, y0=(patch - 1) / 2, dy=step,
+        colorscale=[[0, "rgba(0,0,0,0)"], [1, "rgba(0,0,0,0)"]], showscale=False,
+        hoverongaps=False,
+        customdata=np.stack(np.divmod(np.nan_to_num(slots, nan=-1), grid_w), axis=-1),
+        hovertemplate="patch %{z}: row %{customdata[0]}, col %{customdata[1]}<extra></extra>",
     )
-    _image_axes(fig)
     what = "all" if shown == total else f"the first {shown} of"
-    fig.update_layout(
-        title=_title(f"Patch sequence: {what} {total} patches in token order (row by row)"),
+    return figure([_image_trace(mosaic, hover=False), hover], dict(
+        **_image_axis_layout(), title=_title(f"Patch sequence: {what} {total} patches in token order (row by row)"),
         margin=MARGIN, height=_panel_height(mosaic.shape, 1, 900),
-    )
-    return fig
+    ))
 
 
 def input_image(image, title: str) -> go.Figure:
     """An image at its true pixel size with each pixel's RGB value on hover."""
-    image = _rgb_uint8(image)
-    fig = go.Figure(_image_trace(image))
-    _image_axes(fig)
-    fig.update_layout(title=_title(title), margin=MARGIN)
-    return fig
+    return figure([_image_trace(_rgb_uint8(image))], dict(**_image_axis_layout(), title=_title(title), margin=MARGIN))
 
 
 def patch_picker(image, grid_size: tuple[int, int], selected: int | None = None, **layout) -> go.Figure:
@@ -121,8 +110,8 @@ def patch_picker(image, grid_size: tuple[int, int], selected: int | None = None,
     height, width = _rgb_uint8(image).shape[:2]
     grid_h, grid_w = grid_size
     positions = _patch_positions(grid_size).reshape(-1, 3)
-    traces.append(go.Scatter(
-        x=(positions[:, 2] + 0.5) * width / grid_w - 0.5,
+    traces.append(dict(
+        type="scatter", x=(positions[:, 2] + 0.5) * width / grid_w - 0.5,
         y=(positions[:, 1] + 0.5) * height / grid_h - 0.5,
         mode="markers", customdata=positions, showlegend=False,
         marker=dict(size=max(4, min(30, 360 // max(grid_h, grid_w))), color="rgba(0,0,0,0)"),
@@ -135,7 +124,7 @@ def patch_picker(image, grid_size: tuple[int, int], selected: int | None = None,
         title=_title("Click a patch to make it the query"), hovermode="closest", hoverdistance=-1,
         clickmode="event+select", dragmode=False,
     )
-    return go.Figure(data=traces, layout={**grid, **layout})
+    return figure(traces, {**grid, **layout})
 
 
 def patch_size_tradeoff(rows: Sequence[Mapping], current: int) -> go.Figure:
@@ -148,35 +137,38 @@ def patch_size_tradeoff(rows: Sequence[Mapping], current: int) -> go.Figure:
     colours = ["#e45756" if row["patch size"] == current else "#4c78a8" for row in rows]
     predictions = all("probability" in row for row in rows)
     titles = ("tokens", "forward time of one image (ms)") + (("how well it does",) if predictions else ())
-    fig = make_subplots(rows=1, cols=len(titles), horizontal_spacing=0.08, subplot_titles=titles)
-    fig.add_trace(go.Bar(
-        x=labels, y=[row["tokens"] for row in rows], marker_color=colours, showlegend=False,
-        text=[row["tokens"] for row in rows], textposition="auto",
-        hovertemplate="%{x}: %{y} tokens<extra></extra>",
-    ), row=1, col=1)
-    fig.add_trace(go.Bar(
-        x=labels, y=[row["forward ms"] for row in rows], marker_color=colours, showlegend=False,
-        text=[f"{row['forward ms']:.1f}" for row in rows], textposition="auto",
-        hovertemplate="%{x}: %{y:.2f} ms<extra></extra>",
-    ), row=1, col=2)
+    grid, cells = _subplots(1, len(titles), titles, horizontal_spacing=0.08)
+    traces = [
+        _on_axes(dict(
+            type="bar", x=labels, y=[row["tokens"] for row in rows], marker=dict(color=colours), showlegend=False,
+            text=[str(row["tokens"]) for row in rows], textposition="auto",
+            hovertemplate="%{x}: %{y} tokens<extra></extra>",
+        ), cells[1, 1]),
+        _on_axes(dict(
+            type="bar", x=labels, y=[row["forward ms"] for row in rows], marker=dict(color=colours), showlegend=False,
+            text=[f"{row['forward ms']:.1f}" for row in rows], textposition="auto",
+            hovertemplate="%{x}: %{y:.2f} ms<extra></extra>",
+        ), cells[1, 2]),
+    ]
     if predictions:
-        fig.add_trace(go.Bar(
-            x=labels, y=[row["probability"] for row in rows], marker_color=colours,
+        traces.append(_on_axes(dict(
+            type="bar", x=labels, y=[row["probability"] for row in rows], marker=dict(color=colours),
             name="top-1 probability on this image", text=[row["prediction"] for row in rows],
             textposition="auto", hovertemplate="%{x}<br>%{text}: %{y:.3f}<extra></extra>",
-        ), row=1, col=3)
+        ), cells[1, 3]))
         held_out = [row.get("held-out accuracy") for row in rows]
         if any(value is not None for value in held_out):
-            fig.add_trace(go.Scatter(
-                x=labels, y=held_out, mode="lines+markers", name="accuracy on held-out images",
+            traces.append(_on_axes(dict(
+                type="scatter", x=labels, y=held_out, mode="lines+markers", name="accuracy on held-out images",
                 line=dict(color="#f58518"), marker=dict(size=9),
                 hovertemplate="%{x}: %{y:.1%} of held-out images right<extra></extra>",
-            ), row=1, col=3)
-        fig.update_yaxes(range=[0, 1.05], row=1, col=3)
-    fig.update_xaxes(type="category", tickangle=-45)
-    fig.update_layout(
+            ), cells[1, 3]))
+        grid[f"yaxis{cells[1, 3]}"]["range"] = [0, 1.05]
+    for suffix in cells.values():
+        grid[f"xaxis{suffix}"].update(type="category", tickangle=-45)
+    grid.update(
         title=_title("The same weights at every patch size (current in red)"),
         margin={**MARGIN, "l": 50},  # room for the first panel's tick labels and slanted x labels
         legend=dict(orientation="h", yanchor="top", y=-0.35, x=1, xanchor="right"), height=380,
     )
-    return fig
+    return figure(traces, grid)

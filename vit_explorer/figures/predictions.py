@@ -6,7 +6,7 @@ from collections.abc import Sequence
 import numpy as np
 import plotly.graph_objects as go
 
-from ._base import VALUE_SCALE, MARGIN, _float_array, _title
+from ._base import VALUE_SCALE, MARGIN, _float_array, _title, figure, _scale
 
 
 def _class_names(count: int, class_names: Sequence[str] | None) -> list[str]:
@@ -30,12 +30,11 @@ def logit_lens_figure(probs, class_names: Sequence[str] | None = None, max_class
     shown = np.argsort(-probs[-1], kind="stable")[:max_classes]
     depth = probs.shape[0] - 1
     rows = ["embeddings"] + [f"after block {block}" for block in range(depth)]
-    # One Figure call: each update_* re-validated the whole figure.
-    return go.Figure(data=[dict(
-        type="heatmap", z=probs[:, shown], x=[names[i] for i in shown], y=rows, colorscale=VALUE_SCALE,
+    return figure([dict(
+        type="heatmap", z=probs[:, shown], x=[names[i] for i in shown], y=rows, colorscale=_scale(VALUE_SCALE),
         zmin=0, zmax=1, colorbar=dict(title=dict(text="probability")),
         hovertemplate="%{y}<br>%{x}: %{z:.3f}<extra></extra>",
-    )], layout=dict(
+    )], dict(
         yaxis=dict(autorange="reversed"), xaxis=dict(title=dict(text="class (most probable at the output first)")),
         title=_title("Logit lens: the classifier head applied after every block"), margin=MARGIN,
     ))
@@ -46,12 +45,11 @@ def topk_bar(probs, class_names: Sequence[str] | None = None, k: int = 5) -> go.
     probs = _float_array(probs).reshape(-1)
     names = _class_names(probs.shape[0], class_names)
     top = np.argsort(-probs, kind="stable")[:k]
-    # One Figure call: each update_* re-validated the whole figure.
-    return go.Figure(data=[dict(
+    return figure([dict(
         type="bar", x=probs[top], y=[names[i] for i in top], orientation="h",
         text=[f"{100 * probs[i]:.1f}%" for i in top], textposition="auto",
         marker=dict(color="#4c78a8"), hovertemplate="%{y}: %{x:.4f}<extra></extra>",
-    )], layout=dict(
+    )], dict(
         xaxis=dict(title=dict(text="probability"), range=[0, 1]), yaxis=dict(autorange="reversed"),
         title=_title(f"Top-{len(top)} predictions"), margin=MARGIN,
     ))

@@ -4,9 +4,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import plotly.graph_objects as go
-from plotly.subplots import make_subplots
 
-from ._base import MARGIN, _title
+from ._base import MARGIN, _on_axes, _subplots, _title, figure
 
 
 def _epoch_steps(history: Mapping) -> list[float]:
@@ -30,27 +29,25 @@ def training_curves(history: Mapping | None) -> go.Figure:
     history = history or {}
     steps = history.get("steps", [])
     epochs = history.get("epochs", [])
-    fig = make_subplots(
-        rows=1, cols=3, subplot_titles=("loss", "accuracy", "learning rate"),
-        horizontal_spacing=0.08,
-    )
+    grid, cells = _subplots(1, 3, ("loss", "accuracy", "learning rate"), horizontal_spacing=0.08)
     step_x = [record["step"] for record in steps]
     epoch_x = _epoch_steps(history)
-    train = dict(mode="lines", line=dict(color="#4c78a8"), legendgroup="train")
-    test = dict(mode="lines+markers", line=dict(color="#e45756"), legendgroup="test")
-    fig.add_trace(go.Scatter(x=step_x, y=[r["loss"] for r in steps], name="train (per step)",
-                             **train), row=1, col=1)
-    fig.add_trace(go.Scatter(x=step_x, y=[r["accuracy"] for r in steps], showlegend=False,
-                             name="train (per step)", **train), row=1, col=2)
-    fig.add_trace(go.Scatter(x=step_x, y=[r["lr"] for r in steps], showlegend=False,
-                             name="learning rate", **train), row=1, col=3)
-    fig.add_trace(go.Scatter(x=epoch_x, y=[r["test_loss"] for r in epochs], name="test (per epoch)",
-                             **test), row=1, col=1)
-    fig.add_trace(go.Scatter(x=epoch_x, y=[r["test_accuracy"] for r in epochs], showlegend=False,
-                             name="test (per epoch)", **test), row=1, col=2)
-    fig.update_xaxes(title="step")
-    fig.update_yaxes(range=[0, 1], row=1, col=2)
-    fig.update_yaxes(exponentformat="e", row=1, col=3)
+    train = dict(type="scatter", mode="lines", line=dict(color="#4c78a8"), legendgroup="train")
+    test = dict(type="scatter", mode="lines+markers", line=dict(color="#e45756"), legendgroup="test")
+    loss, accuracy, rate = cells[1, 1], cells[1, 2], cells[1, 3]
+    traces = [
+        _on_axes(dict(x=step_x, y=[r["loss"] for r in steps], name="train (per step)", **train), loss),
+        _on_axes(dict(x=step_x, y=[r["accuracy"] for r in steps], showlegend=False, name="train (per step)",
+                      **train), accuracy),
+        _on_axes(dict(x=step_x, y=[r["lr"] for r in steps], showlegend=False, name="learning rate", **train), rate),
+        _on_axes(dict(x=epoch_x, y=[r["test_loss"] for r in epochs], name="test (per epoch)", **test), loss),
+        _on_axes(dict(x=epoch_x, y=[r["test_accuracy"] for r in epochs], showlegend=False, name="test (per epoch)",
+                      **test), accuracy),
+    ]
+    for suffix in cells.values():
+        grid[f"xaxis{suffix}"]["title"] = dict(text="step")
+    grid[f"yaxis{accuracy}"]["range"] = [0, 1]
+    grid[f"yaxis{rate}"]["exponentformat"] = "e"
     if steps:
         latest = steps[-1]
         title = (
@@ -61,6 +58,5 @@ def training_curves(history: Mapping | None) -> go.Figure:
             title += f"; test accuracy {epochs[-1]['test_accuracy']:.1%}"
     else:
         title = "Training curves (nothing logged yet)"
-    fig.update_layout(title=_title(title), margin=MARGIN,
-                      legend=dict(orientation="h", y=-0.2))
-    return fig
+    grid.update(title=_title(title), margin=MARGIN, legend=dict(orientation="h", y=-0.2))
+    return figure(traces, grid)
