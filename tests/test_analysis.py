@@ -445,6 +445,18 @@ def test_token_pca_fits_one_pca_for_the_batch():
         analysis.token_pca(tokens, (2, 3), k=9)
 
 
+def test_randomized_principal_axes_are_the_full_svds():
+    # 300 samples whose spread falls off along 64 features, as tokens' does: the leading axes agree.
+    generator = torch.Generator().manual_seed(0)
+    samples = torch.randn(300, 64, generator=generator) * torch.logspace(1, -1, 64)
+    randomized = analysis._principal_axes(samples, 3, randomized=True)
+    torch.testing.assert_close(randomized, analysis._principal_axes(samples, 3), atol=1e-4, rtol=0)
+    # Samples on a plane: the third axis is zero, not rounding noise.
+    plane = torch.randn(300, 2, generator=generator) @ torch.randn(2, 64, generator=generator)
+    axes = analysis._principal_axes(plane, 3, randomized=True)
+    assert axes[:2].norm(dim=1).allclose(torch.ones(2)) and torch.equal(axes[2], torch.zeros(64))
+
+
 def test_token_norms_and_top_k_by_hand():
     assert torch.equal(analysis.token_norms(torch.tensor([[3.0, 4.0], [0.0, 0.0]])),
                        torch.tensor([5.0, 0.0]))

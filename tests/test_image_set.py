@@ -206,6 +206,27 @@ def test_a_picture_added_to_the_set_runs_that_one_alone(forwards):
     assert sum(forwards) == pytest.approx(1) and errors(app) == []
 
 
+def test_the_sidebars_image_is_read_from_its_capture_and_the_others_run_in_one_batch(monkeypatch):
+    batches = []
+    original = model_module.Block.forward
+    monkeypatch.setattr(model_module.Block, "forward", lambda self, x: batches.append(x.shape[0]) or original(self, x))
+    app = AppTest.from_file(APP, default_timeout=60).run()  # Pipeline captures the sidebar's shapes 4
+    depth = len(ui.base_model(ui.DEFAULT_MODEL).blocks)
+    assert batches == [1] * depth
+    batches.clear()
+    app.switch_page(PAGE).run()
+    assert not app.exception and batches == [2] * depth  # shapes 0 and 1 together; shapes 4 not again
+    # Nothing captured yet (the page opened first): the sidebar's image gets the capture every
+    # page shares, the others their one batch.
+    ui.shared_results().clear()
+    batches.clear()
+    app.run()
+    assert not app.exception and batches == [1] * depth + [2] * depth
+    batches.clear()
+    app.switch_page("views/pipeline.py").run()
+    assert not app.exception and batches == []
+
+
 def test_the_images_batch_is_shared_by_every_session(forwards):
     choose(open_page(), THREE)
     forwards.clear()

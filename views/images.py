@@ -37,7 +37,7 @@ chosen = st.multiselect(
 )
 try:
     image_set = ui.image_set(selection, chosen)
-    image_set.captures()
+    image_set.image_tokens()
 except ValueError as error:
     st.info(str(error))
     st.stop()

@@ -468,12 +468,26 @@ def _scale_to_unit(values: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
     return torch.where(span > 1e-12, scaled, torch.full_like(values, 0.5))
 
 
-def _principal_axes(samples: torch.Tensor, k: int) -> torch.Tensor:
+# Randomized PCA as scikit-learn's PCA does it for a few components of a large matrix: at least
+# 10 more directions than asked, 7 power iterations (Halko, Martinsson & Tropp 2011, Algorithm
+# 4.4). The directions come in multiples of 16: MKL multiplied 588 x 768 by 768 x 11 in 4x the
+# time it took for 768 x 16.
+OVERSAMPLING, POWER_ITERATIONS, DIRECTIONS_MULTIPLE = 10, 7, 16
+
+
+def _principal_axes(samples: torch.Tensor, k: int, randomized: bool = False) -> torch.Tensor:
     """(k, F) top-k principal axes of (M, F) samples, each signed so that its largest entry is
     positive (SVD signs are arbitrary; this keeps colours stable). Axes beyond the samples'
-    numerical rank are zero, so that rounding noise is never stretched into colours."""
+    numerical rank are zero, so that rounding noise is never stretched into colours.
+
+    ``randomized``: from :func:`_randomized_svd` where the samples span more directions than it
+    iterates (a few products with them instead of a full SVD)."""
     centred = samples - samples.mean(dim=0, keepdim=True)
-    _, singular, vh = torch.linalg.svd(centred, full_matrices=False)  # (min(M, F), F)
+    rank = DIRECTIONS_MULTIPLE * math.ceil((k + OVERSAMPLING) / DIRECTIONS_MULTIPLE)
+    if randomized and min(centred.shape) > rank:
+        singular, vh = _randomized_svd(centred, rank)  # (rank, F)
+    else:
+        _, singular, vh = torch.linalg.svd(centred, full_matrices=False)  # (min(M, F), F)
     tolerance = singular.amax() * max(centred.shape) * torch.finfo(centred.dtype).eps
     axes = vh[:k] * (singular[:k, None] > tolerance)
     largest = axes.gather(1, axes.abs().argmax(dim=1, keepdim=True))
@@ -481,6 +495,20 @@ def _principal_axes(samples: torch.Tensor, k: int) -> torch.Tensor:
     if axes.shape[0] < k:
         axes = torch.cat([axes, axes.new_zeros(k - axes.shape[0], axes.shape[1])])
     return axes
+
+
+def _randomized_svd(matrix: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``rank`` leading singular values (rank,) and right singular vectors (rank, F) of an
+    (M, F) matrix by subspace iteration from a fixed random start (the same matrix always gives
+    the same axes). The leading ones match a full SVD's to float32 rounding on ViT tokens, at a
+    tenth of its time for 588 x 768 (three images' patches; one CPU thread: 8 ms against 100)."""
+    start = torch.randn(matrix.shape[1], rank, generator=torch.Generator().manual_seed(0), dtype=matrix.dtype)
+    basis = start.to(matrix.device)  # (F, rank)
+    for _ in range(POWER_ITERATIONS):  # orthonormalised at each step, or the leading direction swamps the rest
+        basis = torch.linalg.qr(matrix @ basis).Q  # (M, rank)
+        basis = torch.linalg.qr(matrix.T @ basis).Q  # (F, rank)
+    _, singular, vh = torch.linalg.svd(matrix @ basis, full_matrices=False)  # (M, rank): a small SVD
+    return singular, vh @ basis.T
 
 
 @torch.no_grad()

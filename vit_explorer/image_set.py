@@ -77,7 +77,7 @@ def first_component(features: torch.Tensor) -> tuple[torch.Tensor, float]:
     reads in standard deviations and 0 splits by the sign."""
     samples = rearrange(features.float(), "b p d -> (b p) d")
     centred = samples - samples.mean(dim=0, keepdim=True)
-    axis = _principal_axes(samples, 1)[0]  # (D,) sign: its largest entry positive (arbitrary)
+    axis = _principal_axes(samples, 1, randomized=True)[0]  # (D,) sign: its largest entry positive (arbitrary)
     projected = centred @ axis
     spread = projected.std()
     total = centred.pow(2).sum()
@@ -112,7 +112,7 @@ def joint_pca_foreground(
     colours = features.new_zeros(*features.shape[:2], 3)
     if foreground.any():
         chosen = features[foreground].float()  # (F, D) every image's foreground patches
-        axes = _principal_axes(chosen, 3)  # (3, D)
+        axes = _principal_axes(chosen, 3, randomized=True)  # (3, D)
         projected = (chosen - chosen.mean(dim=0, keepdim=True)) @ axes.T  # (F, 3)
         colours[foreground] = _scale_to_unit(projected, dims=(0,))
 

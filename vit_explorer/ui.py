@@ -25,7 +25,7 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -675,6 +675,10 @@ class Selection:
             spinner="Running the model ...",
         )
 
+    def cached_capture(self) -> Capture | None:
+        """:meth:`capture` if a page has made it already (for anybody), else None: nothing runs."""
+        return shared_results().get((*self.key, "capture"))
+
     def attribution(self, target: int) -> np.ndarray:
         """(gh, gw) relevance of each patch for class ``target``; one backward pass per class."""
         return self.memo(
@@ -799,10 +803,10 @@ class Selection:
 @dataclass(frozen=True)
 class ImageSet:
     """Several images read together by the selected model (the Several images page): each image's
-    pass memoised for everybody by model, sizes and image key, so that a set with one more image
+    tokens memoised for everybody by model, sizes and image key, so that a set with one more image
     runs that one alone; what the page reads of them is memoised by the set's image keys."""
 
-    selection: Selection  # the model at its patch size and input size; its own image is not used
+    selection: Selection  # the model at its patch size and input size, and the sidebar's image
     image_keys: tuple[str, ...]  # cache keys (shapes include their render size)
     images: tuple[Image.Image, ...]  # as given, before resizing
 
@@ -815,29 +819,55 @@ class ImageSet:
         return memo((*self.key, *key), compute, spinner)
 
     def model_input(self) -> torch.Tensor:
-        """(B, C, H, W): every image resized to the model's input size, whatever its own size."""
-        return torch.cat([preprocess(image, self.selection.config) for image in self.images])
+        """(B, C, H, W): every image resized to the model's input size, whatever its own size;
+        once per set (the pass and the pictures shown both read it)."""
+        return self.memo("model input", compute=lambda: torch.cat([
+            preprocess(image, self.selection.config) for image in self.images
+        ]))
 
-    def captures(self) -> list[Capture]:
-        """Each image's pass, the attention of the last layer only (the page reads tokens)."""
+    def image_tokens(self) -> list[torch.Tensor]:
+        """(depth + 1, N, D) per image: the tokens entering the first block, then leaving each
+        (the page reads tokens only). The sidebar's image is read from its capture, which every
+        page shares (made now if no page has yet), and so is any image that a page has captured
+        already; the others go through the model together in one batch, and each one's tokens are
+        kept by themselves, so that a set with one more image runs that one alone."""
         selection = self.selection
-        return [
-            memo(
-                (selection.model_key, selection.patch_size, selection.config.img_size, "set image capture", image_key),
-                lambda image=image: capture(
-                    selection.model, preprocess(image, selection.config), layers=[-1], attention_dtype=torch.float16
-                ),
-                spinner=f"Running the model on image {index + 1} ...",
+        found = [
+            None if captured is None else captured.tokens[0]
+            for captured in (
+                selection.capture() if image_key == selection.image_key
+                else replace(selection, image_key=image_key, image=image).cached_capture()
+                for image_key, image in zip(self.image_keys, self.images)
             )
-            for index, (image_key, image) in enumerate(zip(self.image_keys, self.images))
         ]
+        missing = [index for index, tokens in enumerate(found) if tokens is None]
+        ran: dict[int, torch.Tensor] = {}
+
+        def run(indices: list[int]) -> torch.Tensor:
+            """One pass of the images ``indices``; the first one's tokens (the others' are kept
+            before this returns, so that a session waiting for the first one finds them too)."""
+            x = self.model_input()[indices]
+            batch = capture(selection.model, x, layers=[-1], attention_dtype=torch.float16).tokens
+            ran.update({index: tokens.clone() for index, tokens in zip(indices, batch)})  # own storage each
+            for index in indices[1:]:
+                memo(self._tokens_key(index), lambda index=index: ran[index])
+            return ran[indices[0]]
+
+        spinner = f"Running the model on {len(missing)} image{'s' if len(missing) > 1 else ''} ..."
+        for index in missing:  # the first one missing runs every one still missing
+            found[index] = memo(self._tokens_key(index), lambda index=index: ran[index] if index in ran else run([
+                index, *(later for later in missing if later > index and self._tokens_key(later) not in shared_results())
+            ]), spinner=spinner)
+        return found
+
+    def _tokens_key(self, index: int) -> tuple:
+        selection = self.selection
+        return (selection.model_key, selection.patch_size, selection.config.img_size, "set image tokens", self.image_keys[index])
 
     def tokens(self, index: int) -> torch.Tensor:
-        """(B, N, D) every image's tokens at ``index`` of the captures' tokens (0: entering the
+        """(B, N, D) every image's tokens at ``index`` of :meth:`image_tokens` (0: entering the
         first block, -1: leaving the last)."""
-        return self.memo("tokens", index, compute=lambda: torch.cat([
-            captured.tokens[:, index] for captured in self.captures()
-        ]))
+        return self.memo("tokens", index, compute=lambda: torch.stack([tokens[index] for tokens in self.image_tokens()]))
 
     def keys(self, layer: int) -> torch.Tensor:
         """(B, P, nh * hd) the patches' keys in ``layer``: that layer's norm and qkv projection
