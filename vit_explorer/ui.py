@@ -1500,7 +1500,6 @@ def compared_selection(
     return Selection(model_key, patch_size, image_key, model, image)
 
 
-
 def _import_what_runs_import_lazily() -> None:
     """Imports and builds once what the first runs would: plotly's classes for each trace and
     layout part (imported on first use), its JSON and Streamlit's plotly modules, PIL's format
