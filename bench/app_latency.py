@@ -133,7 +133,13 @@ def run(small: bool, device: torch.device, pages: Sequence[str] = PAGES) -> list
     size = dict(embed_dim=384, depth=12, num_heads=6) if small else dict(embed_dim=768, depth=12, num_heads=12)
     torch.manual_seed(0)
     model = vx.ViT(vx.ViTConfig(image_size=224, patch_size=16, num_classes=1000, **size))
-    folder = Path(tempfile.mkdtemp(prefix="vit_explorer_latency_"))
+    # Removed after the round: two ViT-B/16 checkpoints are 700 MB a round, which piled up in /tmp.
+    with tempfile.TemporaryDirectory(prefix="vit_explorer_latency_") as temporary:
+        return _round(model, Path(temporary), size, device, pages)
+
+
+def _round(model: torch.nn.Module, folder: Path, size: dict, device: torch.device, pages: Sequence[str]
+           ) -> list[tuple[str, str, float, float]]:
     weights = folder / "vit_b16_random.safetensors"
     vx.save_model(model, weights)
     os.environ["VIT_EXPLORER_DEFAULT_MODEL"] = str(weights)

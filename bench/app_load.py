@@ -22,6 +22,7 @@ import re
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -89,12 +90,22 @@ def make_probes(count: int, folder: Path, weights: Path = DEFAULT_WEIGHTS, first
     return probes
 
 
-def random_vit_b16(folder: Path) -> Path:
-    """A ViT-B/16-sized checkpoint with random weights (nothing downloaded)."""
+@contextlib.contextmanager
+def random_vit_b16(folder: Path) -> Iterator[Path]:
+    """A ViT-B/16-sized checkpoint with random weights (nothing downloaded), deleted after: the
+    benches keep their folders for the logs, and 330 MB a run filled the disk."""
     torch.manual_seed(0)
     path = folder / "vit_b16_random.safetensors"
     vx.save_model(vx.ViT(vx.ViTConfig(image_size=224, patch_size=16, num_classes=1000)), path)
-    return path
+    try:
+        yield path
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def app_weights(folder: Path, vit_b16: bool) -> contextlib.AbstractContextManager[Path]:
+    """The checkpoint a bench serves: a random ViT-B/16 in ``folder``, or the shipped model."""
+    return random_vit_b16(folder) if vit_b16 else contextlib.nullcontext(DEFAULT_WEIGHTS)
 
 
 # --- driving one page ---------------------------------------------------------------------------
@@ -311,16 +322,8 @@ def summary(n: int, reports: list[SessionReport]) -> str:
     )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("sessions", nargs="*", type=int, default=[1, 4, 8], help="concurrent sessions per round")
-    parser.add_argument("--timeout", type=float, default=180, help="seconds any one wait may take")
-    parser.add_argument("--no-training", action="store_true", help="for comparison: no training run meanwhile")
-    parser.add_argument("--verbose", action="store_true", help="also print every session's step times")
-    parser.add_argument("--vit-b16", action="store_true", help="a random ViT-B/16 as the app's model")
-    args = parser.parse_args()
-    folder = Path(tempfile.mkdtemp(prefix="vit_explorer_load_"))  # kept: the server log and screenshots
-    weights = random_vit_b16(folder) if args.vit_b16 else DEFAULT_WEIGHTS
+def run_rounds(args: argparse.Namespace, folder: Path, weights: Path) -> tuple[list, list[str]]:
+    """Serve ``weights`` and load it with every round's sessions."""
     print(f"streamlit app.py on 127.0.0.1, {'a random ViT-B/16' if args.vit_b16 else 'shipped shapes model'},"
           f" torch {torch.__version__}, {torch.get_num_threads()} threads;"
           f" {'no' if args.no_training else 'one'} training run active throughout")
@@ -332,6 +335,20 @@ def main() -> None:
         results, training_errors = asyncio.run(load_test(
             url, rounds, args.timeout * 1000, not args.no_training, shots=folder / "failed"
         ))
+    return results, training_errors
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("sessions", nargs="*", type=int, default=[1, 4, 8], help="concurrent sessions per round")
+    parser.add_argument("--timeout", type=float, default=180, help="seconds any one wait may take")
+    parser.add_argument("--no-training", action="store_true", help="for comparison: no training run meanwhile")
+    parser.add_argument("--verbose", action="store_true", help="also print every session's step times")
+    parser.add_argument("--vit-b16", action="store_true", help="a random ViT-B/16 as the app's model")
+    args = parser.parse_args()
+    folder = Path(tempfile.mkdtemp(prefix="vit_explorer_load_"))  # kept: the server log and screenshots
+    with app_weights(folder, args.vit_b16) as weights:
+        results, training_errors = run_rounds(args, folder, weights)
     for n, reports in zip(args.sessions, results):
         print(summary(n, reports))
     for n, reports in zip(args.sessions, results):
@@ -344,7 +361,7 @@ def main() -> None:
     for line in training_errors:
         print(f"  {line}")
     if any(report.errors or report.mixups for reports in results for report in reports) or training_errors:
-        print("server log (last lines):\n" + log_tail(log))
+        print("server log (last lines):\n" + log_tail(folder / "streamlit.log"))
         print(f"server log and screenshots of failed steps: {folder}")
 
 

@@ -69,10 +69,15 @@ def app_server(
     """`streamlit run app.py` (with ``args``) on 127.0.0.1 (``port``, else a free one) with ``env``
     added; yields its URL and process id once it answers, terminates it after.
 
-    The server's output goes to ``log`` (a temporary file by default), not to a pipe that nobody
-    reads and that would block the server once full.
+    The server's output goes to ``log`` (by default a temporary file, removed after: a failed
+    start's error quotes its end), not to a pipe that nobody reads and that would block the
+    server once full.
     """
-    log = log or Path(tempfile.mkdtemp(prefix="vit_explorer_app_")) / "streamlit.log"
+    if log is None:
+        with tempfile.TemporaryDirectory(prefix="vit_explorer_app_") as folder:
+            with app_server(env, Path(folder) / "streamlit.log", start_timeout, port, args) as server:
+                yield server
+        return
     port = port or free_port()
     url = f"http://127.0.0.1:{port}"
     with open(log, "w") as output:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import re
 import subprocess
@@ -40,17 +39,16 @@ from pathlib import Path
 from bench.app_load import CONTENT as LOAD_CONTENT
 from bench.app_load import (
     Probe,
+    app_weights,
     errors_on,
     make_probes,
     new_page,
     percentile,
-    random_vit_b16,
     settle,
     summarize,
     upload_image,
 )
 from bench.browser import CHROMIUM_LAUNCH, app_server, log_tail
-from vit_explorer.train import DEFAULT_WEIGHTS
 
 # Text drawn once a page's main content is (None: its heading and an idle app).
 CONTENT = {
@@ -221,17 +219,8 @@ def by_view(walks: list[Walk]) -> str:
     return "  ".join(f"{view} {percentile(times, 50):.2f}" for view, times in views.items())
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sessions", nargs="+", type=int, default=[4], help="concurrent sessions per round")
-    parser.add_argument("--vit-b16", action="store_true", help="warm views of a random ViT-B/16")
-    parser.add_argument("--timeout", type=float, default=240, help="seconds any one wait may take")
-    parser.add_argument("--server-arg", action="append", default=[], help="an extra `streamlit run` option")
-    parser.add_argument("--port", type=int, help="the server's port (default: a free one)")
-    parser.add_argument("--profile", type=Path, help="py-spy's collapsed stacks of the measured part, to this file")
-    args = parser.parse_args()
-    folder = Path(tempfile.mkdtemp(prefix="vit_explorer_cpu_"))
-    weights = random_vit_b16(folder) if args.vit_b16 else DEFAULT_WEIGHTS
+def measure_rounds(args: argparse.Namespace, folder: Path, weights: Path) -> list:
+    """Serve ``weights`` and walk it with every round's sessions."""
     pages = EXPLORE if args.vit_b16 else EVERY_PAGE
     firsts = [sum(args.sessions[:i]) for i in range(len(args.sessions))]
     rounds = [
@@ -247,16 +236,31 @@ def main() -> None:
         results = asyncio.run(measure(
             server.url, server.pid, rounds, pages, args.vit_b16, args.timeout * 1000, args.profile
         ))
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sessions", nargs="+", type=int, default=[4], help="concurrent sessions per round")
+    parser.add_argument("--vit-b16", action="store_true", help="warm views of a random ViT-B/16")
+    parser.add_argument("--timeout", type=float, default=240, help="seconds any one wait may take")
+    parser.add_argument("--server-arg", action="append", default=[], help="an extra `streamlit run` option")
+    parser.add_argument("--port", type=int, help="the server's port (default: a free one)")
+    parser.add_argument("--profile", type=Path, help="py-spy's collapsed stacks of the measured part, to this file")
+    args = parser.parse_args()
+    folder = Path(tempfile.mkdtemp(prefix="vit_explorer_cpu_"))  # kept: the server log
+    with app_weights(folder, args.vit_b16) as weights:
+        results = measure_rounds(args, folder, weights)
     for n, (first, second, walks) in zip(args.sessions, results):
         print(report(n, first, second, walks))
         print(f"      p50 per view: {by_view(walks)}")
         for walk in walks:
             for line in walk.errors:
                 print(f"  {walk.name}: {line}")
+    log = folder / "streamlit.log"
     if any(walk.errors for *_, walks in results for walk in walks):
         print("server log (last lines):\n" + log_tail(log))
-    with contextlib.suppress(OSError):
-        print(f"server log: {log}")
+    print(f"server log: {log}")
 
 
 if __name__ == "__main__":
