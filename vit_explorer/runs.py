@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from .config import TrainConfig, ViTConfig
-from .data import SHAPE_CLASSES, TORCHVISION_DATASETS
+from .data import SHAPE_CLASSES
 from .model import ViT
 from .train import TrainingError, TrainingRun, model_config, process_identity, resolve_device, run_files
 
