@@ -45,7 +45,8 @@ def vector_strips(
         [dict(
             type="heatmap", z=rows.astype(np.float32), y=names, colorscale=_scale(SIMILARITY_SCALE), zmin=-limit, zmax=limit,
             hovertemplate=f"%{{y}}, number %{{x}}<br>{value_name} %{{z:.4g}}<extra></extra>",
-            colorbar=dict(title=dict(text=value_name), thickness=12),
+            # A strip's plot area is a few dozen pixels tall: more ticks than three overlap.
+            colorbar=dict(title=dict(text=value_name), thickness=12, nticks=3),
         )],
         dict(
             title=_title(title), margin=MARGIN, height=140 + 36 * len(names), shapes=shapes,
