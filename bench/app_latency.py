@@ -226,6 +226,8 @@ def patch_8_steps(app: AppTest, steps: Steps) -> None:
                lambda: widget(app.slider, "Layer").set_value(5))
     steps.time("Attention at patch 8: choose another head", "widget at patch 8",
                lambda: widget(app.selectbox, "Head").set_value(1))
+    steps.time("Patches at patch 8: back (nothing new)", "page switch", steps.page("views/patches.py"))
+    steps.time("Attention at patch 8: back (nothing new)", "page switch", steps.page("views/attention.py"))
     steps.time("Inside a layer at patch 8: first view", "inside first view", steps.page(INSIDE))
     steps.time("Inside a layer at patch 8: move the layer slider", "inside widget",
                lambda: widget(app.slider, "Layer").set_value(2))
@@ -233,8 +235,9 @@ def patch_8_steps(app: AppTest, steps: Steps) -> None:
                lambda: widget(app.selectbox, "Head").set_value(7))
     steps.time("Inside a layer at patch 8: choose another query", "inside widget",
                lambda: widget(app.selectbox, "Query token").set_value(400))
-    steps.time("Patches at patch 8: back (nothing new)", "page switch", steps.page("views/patches.py"))
-    steps.time("Attention at patch 8: back (nothing new)", "page switch", steps.page("views/attention.py"))
+    # Not "nothing new": the layer, head and query are shared, and Inside a layer has just moved them.
+    steps.time("Attention at patch 8: the layer, head and query Inside chose", "widget at patch 8",
+               steps.page("views/attention.py"))
 
 
 def knockout_steps(app: AppTest, steps: Steps) -> None:

@@ -40,6 +40,7 @@ import plotly.graph_objects as go
 import plotly.io as pio
 import streamlit as st
 import torch
+from _plotly_utils.utils import convert_to_base64
 from PIL import Image
 from streamlit.runtime.memory_uploaded_file_manager import MemoryUploadedFileManager
 from streamlit.runtime.scriptrunner import get_script_run_ctx
@@ -371,7 +372,12 @@ class _SentDict(dict):
     def __init__(self, figure: go.Figure):
         size = {name: figure.layout[name] for name in ("width", "height") if figure.layout[name] is not None}
         super().__init__(layout=size)
-        self.json = pio.to_json(figure, validate=False).encode()  # the JSON st.plotly_chart would send
+        # The JSON st.plotly_chart would send: to_dict's, from the figure's own dicts. to_dict deep-
+        # copies them first, the largest part of a figure's cost after building it; this figure
+        # is dropped once serialized, so its arrays may become typed-array specs in place.
+        figure_dict = {"data": figure._data, "layout": figure._layout}
+        convert_to_base64(figure_dict)
+        self.json = pio.to_json(figure_dict, validate=False).encode()
 
     def to_plotly_json(self) -> orjson.Fragment:
         return orjson.Fragment(self.json)
