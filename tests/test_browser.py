@@ -159,6 +159,9 @@ def test_moving_between_pages_keeps_the_control_of_a_run(server, shots):
         page.screenshot(path=shots / "7_train_again.png", full_page=True)
 
         stop.click()
-        # The run's process sees the request at its next step: at nice 15 on a busy machine, a while.
+        # Said at once; the run's process sees the request at its next step: at nice 15 on a busy
+        # machine, a while.
+        expect(page.get_by_text(re.compile(r"run 1 stopping"))).to_be_visible()
+        expect(stop).to_have_count(0)
         expect(page.get_by_text(re.compile(r"run 1 stopped"))).to_be_visible(timeout=240_000)
         browser.close()

@@ -149,8 +149,13 @@ def test_a_run_launched_through_one_replica_is_followed_and_stopped_through_anot
         expect(step).not_to_have_text(seen)  # it follows the run live
         expect(again.get_by_text("only they can stop it")).to_have_count(0)
 
-        again.get_by_test_id("stMainBlockContainer").get_by_role("button", name="Stop").click()
-        expect(again.get_by_text(re.compile(r"run 1 stopped"))).to_be_visible(timeout=90_000)
+        stop = again.get_by_test_id("stMainBlockContainer").get_by_role("button", name="Stop")
+        stop.click()
+        # Said at once; the run's process sees the request at its next step, then tests itself
+        # and writes its checkpoint: at nice 15 beside two servers and a browser, a while.
+        expect(again.get_by_text(re.compile(r"run 1 stopping"))).to_be_visible()
+        expect(stop).to_have_count(0)
+        expect(again.get_by_text(re.compile(r"run 1 stopped"))).to_be_visible(timeout=240_000)
         browser.close()
     (checkpoint,) = (tmp_path / "runs").glob("*.safetensors")
     assert not training.load_history(checkpoint)["finished"]

@@ -102,10 +102,17 @@ def test_a_run_beyond_its_memory_limit_fails_inside_its_process(tmp_path):
 
 
 def test_stopping_a_process_run_writes_its_checkpoint(tmp_path):
-    run = training.TrainingRun(small_config(tmp_path, epochs=500), process=True).start()
+    config = small_config(tmp_path, epochs=500)
+    run = training.TrainingRun(config, process=True).start()
     wait_for_a_step(run)
+    # Another server following the same process sees the stop asked through its file at once,
+    # before the run has ended (a page says "stopping" rather than nothing).
+    follower = training.TrainingRun(config).follow(run.pid, training.process_identity(run.pid)[1])
+    assert not run.stop_requested and not follower.stop_requested
     run.stop()
+    assert run.stop_requested and follower.stop_requested
     assert run.join(60) and run.status == "stopped", run.error
+    assert follower.join(60) and follower.status == "stopped" and not follower.stop_requested
     assert vx.load_model(run.checkpoint).config.class_names == vx.SHAPE_CLASSES
     assert not training.load_history(run.checkpoint)["finished"]
 

@@ -127,14 +127,18 @@ def live_view() -> None:
         st.rerun()  # withdrawn, started or ended, or now the model: the page and sidebar must show it
     status, progress, eta = run.status, run.progress, run.eta_seconds
     place = ui.run_manager().place(run_id)
+    stopping = place is None and run.stop_requested  # said at once: the run itself may take a minute to end
     if place is not None:
         st.progress(0.0, text=f"{run_id} queued: {ordinal(place)} in line; it starts by itself when a slot frees")
+    elif stopping:
+        st.progress(progress, text=f"{run_id} stopping at {progress:.0%}: it ends after its current step,"
+                    " then measures its test accuracy and writes its checkpoint")
     else:
         eta_text = f", about {eta:.0f} s left" if eta is not None and status == "running" else ""
         st.progress(progress, text=f"{run_id} {status}: {progress:.0%}{eta_text}")
     if ui.someone_elses_run(run_id):
         st.caption("Someone else launched this run: you can watch it, only they can stop it.")
-    elif status in ("pending", "running") and ui.owns_run(run_id):
+    elif status in ("pending", "running") and not stopping and ui.owns_run(run_id):
         st.button(
             "Stop" if place is None else "Withdraw", on_click=ui.stop_run, args=(run_id,),
             icon=":material/stop:",

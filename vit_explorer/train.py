@@ -809,6 +809,17 @@ class TrainingRun:
             with contextlib.suppress(OSError):
                 run_files(self.config)["stop"].touch()
 
+    @property
+    def stop_requested(self) -> bool:
+        """Whether a stop has been asked for a run still running (by anyone, for a run process:
+        its stop file). Such a run still finishes its step, tests itself and writes its checkpoint,
+        which at nice 15 on a busy machine can take a minute."""
+        if self.status != "running":
+            return False
+        if self._stop.is_set():
+            return True
+        return (self._process_mode or self._followed is not None) and run_files(self.config)["stop"].exists()
+
     def join(self, timeout: float | None = None) -> bool:
         """Wait for the run to end; True if it has."""
         if self._thread is not None:
