@@ -805,9 +805,13 @@ class TrainingRun:
         """Ask the run to end after its current step; it still writes a checkpoint. A run process
         (here or elsewhere) is asked through its stop file, which any server may leave."""
         self._stop.set()
-        if self._process_mode or self._followed is not None:
+        if (stop_file := self._stop_file()) is not None:
             with contextlib.suppress(OSError):
-                run_files(self.config)["stop"].touch()
+                stop_file.touch()
+
+    def _stop_file(self) -> Path | None:
+        """The file that asks this run's process to stop (None: the run trains on a thread here)."""
+        return run_files(self.config)["stop"] if self._process_mode or self._followed is not None else None
 
     @property
     def stop_requested(self) -> bool:
@@ -818,7 +822,8 @@ class TrainingRun:
             return False
         if self._stop.is_set():
             return True
-        return (self._process_mode or self._followed is not None) and run_files(self.config)["stop"].exists()
+        stop_file = self._stop_file()
+        return stop_file is not None and stop_file.exists()
 
     def join(self, timeout: float | None = None) -> bool:
         """Wait for the run to end; True if it has."""
