@@ -14,14 +14,14 @@ import torch
 
 import vit_explorer as vx
 from bench.browser import CHROMIUM, CHROMIUM_LAUNCH, ROOT
-from vit_explorer import cli, runs, serve
+from vit_explorer import admission, cli, runs, serve
 from vit_explorer import train as training
 from vit_explorer.config import TrainConfig
 from vit_explorer.data import SHAPE_CLASSES
 from helpers import SMALL_RUN_MODEL, small_run_config
 
 SMALL_MODEL = SMALL_RUN_MODEL
-ONE_SLOT = runs.Limits(max_runs=1, queue_size=0, memory=64 * runs.GB, threads=1)
+ONE_SLOT = admission.Limits(max_runs=1, queue_size=0, memory=64 * admission.GB, threads=1)
 
 
 def small_config(tmp_path, **changes) -> TrainConfig:
@@ -41,7 +41,7 @@ def test_two_servers_on_one_runs_folder_share_runs_owners_admission_and_stop(tmp
         pass
     assert followed.status == "running", followed.error
     assert followed.pid == a.runs()[run_id].pid  # the same process, followed through its files
-    with pytest.raises(runs.RunRefused, match="The server is busy: 1 runs are training and 0 are waiting"):
+    with pytest.raises(admission.RunRefused, match="The server is busy: 1 runs are training and 0 are waiting"):
         b.launch(small_config(tmp_path), owner="bob")
     while followed.latest_snapshot is None and not followed.join(0.05):
         pass

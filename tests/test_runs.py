@@ -9,20 +9,20 @@ import pytest
 import torch
 
 import vit_explorer as vx
-from vit_explorer import runs
+from vit_explorer import admission, runs, training_run
 from vit_explorer import train as training
 from vit_explorer.config import TrainConfig
 from helpers import SMALL_RUN_MODEL, small_run_config
 
 SMALL_MODEL = SMALL_RUN_MODEL
-PLENTY = runs.Limits(max_runs=1, queue_size=2, memory=64 * runs.GB, threads=1)
+PLENTY = admission.Limits(max_runs=1, queue_size=2, memory=64 * admission.GB, threads=1)
 
 
 def small_config(tmp_path, **changes) -> TrainConfig:
     return small_run_config(tmp_path, **{"epochs": 1, **changes})
 
 
-def wait_for_a_step(run: training.TrainingRun) -> None:
+def wait_for_a_step(run: training_run.TrainingRun) -> None:
     while not run.history["steps"] and not run.join(0.05):
         pass
     assert run.status == "running", run.error
@@ -37,7 +37,7 @@ def wait_for_a_step(run: training.TrainingRun) -> None:
 ])
 def test_a_process_run_streams_its_events_and_stays_under_its_estimate(tmp_path, changes):
     config = small_config(tmp_path, image_size=None, **changes)
-    run = training.TrainingRun(config, process=True, memory_limit=4 * runs.GB).start()
+    run = training_run.TrainingRun(config, process=True, memory_limit=4 * admission.GB).start()
     assert run.join(120) and run.status == "finished", run.error
     assert run.pid != os.getpid()
     steps = run.history["steps"]
@@ -47,7 +47,7 @@ def test_a_process_run_streams_its_events_and_stays_under_its_estimate(tmp_path,
     assert torch.allclose(snapshot.attentions.sum(-1), torch.ones(1))
     assert vx.load_model(run.checkpoint).config.num_classes == len(vx.SHAPE_CLASSES)
     # The estimate bounds the process's measured peak (VmHWM), and not absurdly loosely.
-    estimate = runs.estimate_memory(config).total
+    estimate = admission.estimate_memory(config).total
     print(f"estimate {estimate / 2**20:.0f} MB, measured peak {run.peak_rss / 2**20:.0f} MB")
     assert run.peak_rss <= estimate <= 2 * run.peak_rss
 
@@ -59,7 +59,7 @@ OUT_OF_MEMORY = (
 
 
 def test_a_run_process_killed_from_outside_fails_alone_and_is_not_blamed_on_memory(tmp_path):
-    run = training.TrainingRun(small_config(tmp_path, epochs=500), process=True, memory_limit=16 * runs.GB).start()
+    run = training_run.TrainingRun(small_config(tmp_path, epochs=500), process=True, memory_limit=16 * admission.GB).start()
     wait_for_a_step(run)
     os.kill(run.pid, signal.SIGKILL)  # someone ends it, well within its memory
     assert run.join(60)
@@ -70,7 +70,7 @@ def test_a_run_process_killed_from_outside_fails_alone_and_is_not_blamed_on_memo
 
 def test_a_run_process_killed_at_its_memory_limit_is_blamed_on_memory(tmp_path):
     limit = 100 * 2**20  # less than torch alone holds: the process outgrows it while it starts
-    run = training.TrainingRun(small_config(tmp_path, epochs=500), process=True, memory_limit=limit).start()
+    run = training_run.TrainingRun(small_config(tmp_path, epochs=500), process=True, memory_limit=limit).start()
     while (run.peak_rss or 0) < limit and not run.join(0.05):
         pass
     assert run.status == "running", run.error
@@ -81,21 +81,21 @@ def test_a_run_process_killed_at_its_memory_limit_is_blamed_on_memory(tmp_path):
 
 def test_a_kill_is_blamed_on_memory_when_the_kernel_counted_one_or_the_run_was_near_its_limit():
     killed, within = -signal.SIGKILL, dict(peak_rss=2**30, memory_limit=16 * 2**30)
-    assert training.exit_sentence(killed, **within, oom_killed=True) == OUT_OF_MEMORY
-    assert training.exit_sentence(killed, peak_rss=15 * 2**30, memory_limit=16 * 2**30, oom_killed=False) == OUT_OF_MEMORY
-    assert training.exit_sentence(killed, **within, oom_killed=False) == (
+    assert training_run.exit_sentence(killed, **within, oom_killed=True) == OUT_OF_MEMORY
+    assert training_run.exit_sentence(killed, peak_rss=15 * 2**30, memory_limit=16 * 2**30, oom_killed=False) == OUT_OF_MEMORY
+    assert training_run.exit_sentence(killed, **within, oom_killed=False) == (
         "the run's process was killed from outside after using 1.0 GB of the 16.0 GB it may use,"
         " not for lack of memory; it can be started again"
     )
     # Without the kernel's count (no /proc/vmstat), a kill well within the limit could be either.
-    assert training.exit_sentence(killed, **within).startswith(
+    assert training_run.exit_sentence(killed, **within).startswith(
         "the run's process was killed, from outside or for lack of memory; if it was memory, lower the batch size"
     )
 
 
 def test_a_run_beyond_its_memory_limit_fails_inside_its_process(tmp_path):
     config = small_config(tmp_path, model="tiny", image_size=None, batch_size=512, train_size=1024)
-    run = training.TrainingRun(config, process=True, memory_limit=100 * 2**20).start()
+    run = training_run.TrainingRun(config, process=True, memory_limit=100 * 2**20).start()
     assert run.join(60)
     assert run.status == "failed"
     assert run.error.startswith("the run needed more memory than it may use; lower the batch size")
@@ -103,11 +103,11 @@ def test_a_run_beyond_its_memory_limit_fails_inside_its_process(tmp_path):
 
 def test_stopping_a_process_run_writes_its_checkpoint(tmp_path):
     config = small_config(tmp_path, epochs=500)
-    run = training.TrainingRun(config, process=True).start()
+    run = training_run.TrainingRun(config, process=True).start()
     wait_for_a_step(run)
     # Another server following the same process sees the stop asked through its file at once,
     # before the run has ended (a page says "stopping" rather than nothing).
-    follower = training.TrainingRun(config).follow(run.pid, training.process_identity(run.pid)[1])
+    follower = training_run.TrainingRun(config).follow(run.pid, training_run.process_identity(run.pid)[1])
     assert not run.stop_requested and not follower.stop_requested
     run.stop()
     assert run.stop_requested and follower.stop_requested
@@ -122,9 +122,9 @@ def test_the_issue_config_is_refused_before_any_allocation(tmp_path, monkeypatch
         raise AssertionError("a refused config must not get as far as a run")
 
     monkeypatch.setattr(runs, "TrainingRun", no_run)
-    manager = runs.RunManager(tmp_path, runs.Limits(max_runs=1, queue_size=1, memory=8 * runs.GB, threads=1))
+    manager = runs.RunManager(tmp_path, admission.Limits(max_runs=1, queue_size=1, memory=8 * admission.GB, threads=1))
     huge = vx.ViTConfig(image_size=32, patch_size=1, embed_dim=1024, depth=24, num_heads=16)
-    with pytest.raises(runs.RunRefused) as refusal:
+    with pytest.raises(admission.RunRefused) as refusal:
         manager.launch(TrainConfig(model=huge, batch_size=4096, device="cpu"), owner="alice")
     sentence = str(refusal.value)
     assert sentence.startswith("This run would need about ") and "more than the 8.0 GB a run may use" in sentence
@@ -135,7 +135,7 @@ def test_the_issue_config_is_refused_before_any_allocation(tmp_path, monkeypatch
 
 def test_the_estimate_grows_with_what_costs_memory():
     base = TrainConfig(model=SMALL_MODEL, device="cpu")
-    total = lambda **changes: runs.estimate_memory(base.replace(**changes)).total  # noqa: E731
+    total = lambda **changes: admission.estimate_memory(base.replace(**changes)).total  # noqa: E731
     assert total(batch_size=256) > total(batch_size=64)
     assert total(model=SMALL_MODEL.replace(patch_size=2)) > total()
     assert total(model=SMALL_MODEL.replace(embed_dim=256)) > total()
@@ -146,13 +146,13 @@ def test_a_flexivit_run_is_estimated_and_admitted_at_its_smallest_patch_size():
     flexi = TrainConfig(model="small", patch_sizes=(1, 4), device="cpu")
     at_patch_1 = TrainConfig(model=vx.ViTConfig(image_size=32, **{**vx.config.PRESETS["small"], "patch_size": 1}),
                              device="cpu")
-    assert runs.estimate_memory(flexi).activations == runs.estimate_memory(at_patch_1).activations
-    limits = runs.Limits(max_runs=1, queue_size=1, memory=4 * runs.GB, threads=1)
-    with pytest.raises(runs.RunRefused, match=r"use a larger patch size \(patch 1 gives 1025 tokens per image\)"):
-        runs.admit(flexi, limits)
+    assert admission.estimate_memory(flexi).activations == admission.estimate_memory(at_patch_1).activations
+    limits = admission.Limits(max_runs=1, queue_size=1, memory=4 * admission.GB, threads=1)
+    with pytest.raises(admission.RunRefused, match=r"use a larger patch size \(patch 1 gives 1025 tokens per image\)"):
+        admission.admit(flexi, limits)
     # Patch sizes above the model's own cost no more than the model's own.
-    own_only = runs.estimate_memory(flexi.replace(patch_sizes=None))
-    assert runs.estimate_memory(flexi.replace(patch_sizes=(4, 8))) == own_only
+    own_only = admission.estimate_memory(flexi.replace(patch_sizes=None))
+    assert admission.estimate_memory(flexi.replace(patch_sizes=(4, 8))) == own_only
 
 
 def test_limits_come_from_the_environment(monkeypatch):
@@ -160,15 +160,15 @@ def test_limits_come_from_the_environment(monkeypatch):
     monkeypatch.setenv("VIT_EXPLORER_RUN_QUEUE", "0")
     monkeypatch.setenv("VIT_EXPLORER_RUN_MEMORY_LIMIT", "1.5")
     monkeypatch.setenv("VIT_EXPLORER_RUN_THREADS", "2")
-    assert runs.Limits.from_environment() == runs.Limits(max_runs=3, queue_size=0, memory=int(1.5 * runs.GB), threads=2)
+    assert admission.Limits.from_environment() == admission.Limits(max_runs=3, queue_size=0, memory=int(1.5 * admission.GB), threads=2)
     monkeypatch.setenv("VIT_EXPLORER_MAX_RUNS", "many")
     with pytest.raises(ValueError, match="VIT_EXPLORER_MAX_RUNS must be a whole number of at least 1, not 'many'"):
-        runs.Limits.from_environment()
+        admission.Limits.from_environment()
     monkeypatch.delenv("VIT_EXPLORER_MAX_RUNS")
     monkeypatch.delenv("VIT_EXPLORER_RUN_MEMORY_LIMIT")
-    defaults = runs.Limits.from_environment()
+    defaults = admission.Limits.from_environment()
     assert defaults.max_runs == max(1, os.cpu_count() // 2)
-    assert 0 < defaults.memory < runs.available_memory()
+    assert 0 < defaults.memory < admission.available_memory()
 
 
 def test_queue_order_and_only_the_owner_stops(tmp_path):
@@ -178,7 +178,7 @@ def test_queue_order_and_only_the_owner_stops(tmp_path):
     second = manager.launch(long, owner="bob")
     third = manager.launch(long, owner="alice")
     assert [first, second, third] == ["run 1", "run 2", "run 3"]
-    with pytest.raises(runs.RunRefused, match="The server is busy: 1 runs are training and 2 are waiting"):
+    with pytest.raises(admission.RunRefused, match="The server is busy: 1 runs are training and 2 are waiting"):
         manager.launch(long, owner="carol")
     assert list(manager.running()) == [first]
     assert [manager.place(run_id) for run_id in (first, second, third)] == [None, 1, 2]

@@ -9,6 +9,7 @@ import torch
 
 import vit_explorer as vx
 from vit_explorer import train as training
+from vit_explorer import training_run
 from vit_explorer.config import TrainConfig
 from vit_explorer.data import SHAPE_CLASSES
 from helpers import SMALL_RUN_MODEL, small_run_config
@@ -120,7 +121,7 @@ def test_resume_errors(tmp_path):
 
 
 def test_training_run_stop_leaves_a_loadable_checkpoint(tmp_path):
-    run = training.TrainingRun(small_config(tmp_path, epochs=200, snapshot_every=5))
+    run = training_run.TrainingRun(small_config(tmp_path, epochs=200, snapshot_every=5))
     assert run.status == "pending"
     run.start()
     while not run.history["steps"] and run.join(0.05) is False:
@@ -136,7 +137,7 @@ def test_training_run_stop_leaves_a_loadable_checkpoint(tmp_path):
 
 
 def test_training_run_failure_is_reported_not_raised(tmp_path):
-    run = training.TrainingRun(small_config(tmp_path, dataset=f"folder:{tmp_path / 'nowhere'}"))
+    run = training_run.TrainingRun(small_config(tmp_path, dataset=f"folder:{tmp_path / 'nowhere'}"))
     run.start()
     assert run.join(60)
     assert run.status == "failed"
@@ -147,7 +148,7 @@ def test_training_run_failure_is_reported_not_raised(tmp_path):
 def test_diverging_loss_fails_with_a_sentence(tmp_path, monkeypatch):
     diverged = lambda self, x, patch_size=None: self.forward_head(self.forward_features(x)) * math.nan  # noqa: E731
     monkeypatch.setattr(vx.ViT, "forward", diverged)
-    run = training.TrainingRun(small_config(tmp_path, snapshot_every=0)).start()
+    run = training_run.TrainingRun(small_config(tmp_path, snapshot_every=0)).start()
     assert run.join(60)
     assert run.status == "failed"
     assert run.error == "the loss became nan at step 1; lower the learning rate (now 0.002)"
@@ -155,8 +156,8 @@ def test_diverging_loss_fails_with_a_sentence(tmp_path, monkeypatch):
 
 def test_two_runs_side_by_side_share_nothing(tmp_path):
     runs = [
-        training.TrainingRun(small_config(tmp_path / "a", seed=1)),
-        training.TrainingRun(small_config(tmp_path / "b", seed=2, epochs=1)),
+        training_run.TrainingRun(small_config(tmp_path / "a", seed=1)),
+        training_run.TrainingRun(small_config(tmp_path / "b", seed=2, epochs=1)),
     ]
     for run in runs:
         run.start()

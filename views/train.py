@@ -4,9 +4,10 @@ from pathlib import Path
 import streamlit as st
 
 from vit_explorer import analysis, figures, ui
+from vit_explorer.admission import RunRefused
 from vit_explorer.config import PRESETS, TrainConfig, ViTConfig, parse_patch_sizes
-from vit_explorer.runs import RunRefused, ordinal
 from vit_explorer.data import SHAPE_CLASSES, native_image_size
+from vit_explorer.runs import ordinal
 from vit_explorer.train import model_config
 
 DATASETS = {

@@ -15,9 +15,8 @@ from .data import SHAPE_CLASSES, DatasetError, load_dataset, shapes_sample
 from .images import InvalidImageError, load_image, preprocess
 from .internals import LayerInternals
 from .model import ViT
-from .train import (
-    DEFAULT_WEIGHTS, DoneEvent, EpochEvent, SnapshotEvent, StepEvent, TrainingError, TrainingRun,
-)
+from .train import DEFAULT_WEIGHTS, DoneEvent, EpochEvent, SnapshotEvent, StepEvent, TrainingError
+from .training_run import TrainingRun
 from .weights import CheckpointError, load_model, load_pretrained, resize_model, save_model
 
 __all__ = [
