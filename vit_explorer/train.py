@@ -15,7 +15,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -335,160 +335,199 @@ def train(config: TrainConfig, stop: threading.Event | None = None) -> Iterator[
 
 
 def _train(config, stop, rank, world_size, device, started_at) -> Iterator[Event]:
-    bf16 = config.precision == "bf16" or (config.precision == "auto" and device.type == "cuda")
-    paths = checkpoint_paths(config)
-    is_main = rank == 0
-    root = Path(config.data_root).expanduser() if config.data_root else DEFAULT_DATA_ROOT
-    image_size = model_config(config).img_size  # validates patch and image size before any data work
+    run = _Run(config, stop, rank, world_size, device)
+    if run.is_main and config.snapshot_every:
+        yield run.snapshot()
+    run.model.train()
+    for epoch in range(run.step // run.steps_per_epoch, config.epochs):
+        epoch_started = time.perf_counter()
+        sums, seen = yield from run.epoch_steps(epoch)
+        if run.stopped:
+            break
+        yield run.test(epoch, sums, seen, epoch_started)
+        run.save(finished=epoch + 1 == config.epochs)
+    yield from run.finish(started_at)
 
-    data_options = dict(image_size=image_size, root=root, seed=config.seed, device=device)
-    train_set = load_dataset(config.dataset, "train", size=config.train_size, **data_options)
-    test_set = load_dataset(config.dataset, "test", size=config.test_size, **data_options)
-    # Shapes renders a new slice of its endless stream every epoch: fresh images teach more than
-    # repeated, augmented ones, and crops could cut the shape off.
-    fresh_shapes = config.dataset == "shapes"
-    train_loader = DeviceLoader(
-        train_set, config.batch_size, train=True, seed=config.seed,
-        augment=config.augment and not fresh_shapes, rank=rank, world_size=world_size,
-    )
-    test_loader = DeviceLoader(test_set, EVAL_BATCH, train=False, rank=rank, world_size=world_size)
-    steps_per_epoch = len(train_loader)
-    if steps_per_epoch == 0:
-        raise TrainingError(
-            f"the training set has {len(train_set)} images, fewer than one batch of "
-            f"{config.batch_size * world_size}; lower the batch size"
+
+class _Run:
+    """One run's training state, on one rank: its data, model, optimizer, step and history."""
+
+    def __init__(self, config: TrainConfig, stop, rank: int, world_size: int, device: torch.device):
+        self.config, self.stop, self.world_size, self.device = config, stop, world_size, device
+        self.is_main = rank == 0
+        self.bf16 = config.precision == "bf16" or (config.precision == "auto" and device.type == "cuda")
+        self.paths = checkpoint_paths(config)
+        self.image_size = model_config(config).img_size  # validates patch and image size before any data work
+        self._load_data(rank)
+        self.total_steps = self.steps_per_epoch * config.epochs
+
+        torch.manual_seed(config.seed)  # the same initial weights on every rank and every resume
+        self.model = ViT(model_config(config, self.train_set)).to(device)
+        self.optimizer = torch.optim.AdamW(
+            _parameter_groups(self.model, config.weight_decay), lr=config.lr, fused=device.type == "cuda"
         )
-    total_steps = steps_per_epoch * config.epochs
+        self.history: dict[str, list] = {"steps": [], "epochs": []}
+        self.step = 0
+        if config.resume:
+            self.step, self.history = _resume(config, self.paths, self.model, self.optimizer, self.total_steps)
+        self.step_model: nn.Module = self.model
+        if world_size > 1:
+            self.step_model = nn.parallel.DistributedDataParallel(
+                self.model, device_ids=[device.index] if device.type == "cuda" else None
+            )
+        if config.compile:
+            self.step_model = torch.compile(self.step_model)
 
-    torch.manual_seed(config.seed)  # the same initial weights on every rank and every resume
-    model = ViT(model_config(config, train_set)).to(device)
-    optimizer = torch.optim.AdamW(
-        _parameter_groups(model, config.weight_decay), lr=config.lr, fused=device.type == "cuda"
-    )
-    history: dict[str, list] = {"steps": [], "epochs": []}
-    step = 0
-    if config.resume:
-        step, history = _resume(config, paths, model, optimizer, total_steps)
+        self.probe_image = rearrange(self.test_set.images[0], "c h w -> h w c").cpu().numpy()
+        self.probe = self.test_loader.normalize(self.test_set.images[:1])
+        self.stopped = False
+        epochs = self.history["epochs"]
+        self.test_accuracy = epochs[-1]["test_accuracy"] if epochs else float("nan")
 
-    step_model: nn.Module = model
-    if world_size > 1:
-        step_model = nn.parallel.DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None
+    def _load_data(self, rank: int) -> None:
+        config = self.config
+        root = Path(config.data_root).expanduser() if config.data_root else DEFAULT_DATA_ROOT
+        data_options = dict(image_size=self.image_size, root=root, seed=config.seed, device=self.device)
+        self.train_set = load_dataset(config.dataset, "train", size=config.train_size, **data_options)
+        self.test_set = load_dataset(config.dataset, "test", size=config.test_size, **data_options)
+        # Shapes renders a new slice of its endless stream every epoch: fresh images teach more than
+        # repeated, augmented ones, and crops could cut the shape off.
+        self.fresh_shapes = config.dataset == "shapes"
+        self.train_loader = DeviceLoader(
+            self.train_set, config.batch_size, train=True, seed=config.seed,
+            augment=config.augment and not self.fresh_shapes, rank=rank, world_size=self.world_size,
         )
-    if config.compile:
-        step_model = torch.compile(step_model)
+        self.test_loader = DeviceLoader(self.test_set, EVAL_BATCH, train=False, rank=rank, world_size=self.world_size)
+        self.steps_per_epoch = len(self.train_loader)
+        if self.steps_per_epoch == 0:
+            raise TrainingError(
+                f"the training set has {len(self.train_set)} images, fewer than one batch of "
+                f"{config.batch_size * self.world_size}; lower the batch size"
+            )
 
-    probe_image = rearrange(test_set.images[0], "c h w -> h w c").cpu().numpy()
-    probe = test_loader.normalize(test_set.images[:1])
-    if is_main and config.snapshot_every:
-        yield _snapshot(model, probe, probe_image, step)
+    def snapshot(self) -> SnapshotEvent:
+        return _snapshot(self.model, self.probe, self.probe_image, self.step)
 
-    def save(finished: bool) -> None:
-        if not is_main:
+    def train_step(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """One optimizer step; (the loss sum and correct count of its batch, on the device; its lr)."""
+        config = self.config
+        lr = learning_rate(self.step, self.total_steps, config)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        # FlexiViT: a patch size per step, a pure function of seed and step, so that every
+        # DDP rank and a resumed run draw the same one.
+        sizes = config.patch_sizes
+        patch = sizes[np.random.default_rng((config.seed, self.step)).integers(len(sizes))] if sizes else None
+        with _autocast(self.device, self.bf16):
+            logits = self.step_model(images, patch_size=patch)
+            loss = F.cross_entropy(logits.float(), labels, label_smoothing=config.label_smoothing)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimizer.step()
+        self.step += 1
+        return torch.stack((loss.detach() * labels.numel(), (logits.argmax(-1) == labels).sum().float())), lr
+
+    def epoch_steps(self, epoch: int) -> Generator[Event, None, tuple[torch.Tensor, int]]:
+        """One epoch's steps (from where a resumed run left off), yielding a StepEvent every
+        ``log_every`` steps and snapshots; returns the epoch's (loss sum, correct) and images.
+        A stop ends it after the current step, with ``stopped`` set."""
+        config, steps_per_epoch = self.config, self.steps_per_epoch
+        sums, seen = torch.zeros(2, device=self.device), 0  # this epoch's loss sum, correct; images
+        interval = torch.zeros(2, device=self.device)  # the same since the last StepEvent
+        interval_started, interval_steps = time.perf_counter(), 0
+        if self.fresh_shapes and epoch > 0:
+            size = len(self.train_set)
+            self.train_loader.dataset = shapes_dataset(
+                size, self.image_size, config.seed, "train", self.device, start=epoch * size
+            )
+        for images, labels in self.train_loader.epoch(epoch, start=self.step % steps_per_epoch):
+            batch, lr = self.train_step(images, labels)
+            interval_steps += 1
+            # Summed on the device; reading them back waits for it, so only every log_every steps.
+            interval += batch
+            stop_now = self.stop.is_set()
+            if self.step % config.log_every == 0 or self.step % steps_per_epoch == 0 or stop_now:
+                yield self._step_event(epoch, interval, interval_steps, lr, time.perf_counter() - interval_started)
+                sums += interval
+                seen += interval_steps * config.batch_size
+                interval.zero_()
+                interval_started, interval_steps = time.perf_counter(), 0
+            if self.is_main and config.snapshot_every and self.step % config.snapshot_every == 0:
+                yield self.snapshot()
+            if stop_now:
+                self.stopped = True
+                break
+        return sums, seen
+
+    def _step_event(self, epoch: int, interval: torch.Tensor, steps: int, lr: float, seconds: float) -> StepEvent:
+        """The StepEvent for the last ``steps`` steps (their loss sum and correct in ``interval``)."""
+        loss_sum, correct = interval.tolist()
+        count = steps * self.config.batch_size
+        if not math.isfinite(loss_sum):
+            raise TrainingError(
+                f"the loss became {loss_sum / count} at step {self.step}; lower the learning rate (now {self.config.lr})"
+            )
+        event = StepEvent(
+            step=self.step, total_steps=self.total_steps, epoch=epoch + 1, loss=loss_sum / count,
+            accuracy=correct / count, lr=lr, images_per_s=count * self.world_size / max(seconds, 1e-9),
+        )
+        self.history["steps"].append(asdict(event))
+        return event
+
+    def test(self, epoch: int, sums: torch.Tensor, seen: int, epoch_started: float) -> EpochEvent:
+        """The end of an epoch: test the model and record the epoch."""
+        test_loss, self.test_accuracy = evaluate(self.model, self.test_loader, self.bf16)
+        loss_sum, correct = sums.tolist()
+        event = EpochEvent(
+            epoch=epoch + 1, epochs=self.config.epochs, train_loss=loss_sum / max(seen, 1),
+            train_accuracy=correct / max(seen, 1), test_loss=test_loss, test_accuracy=self.test_accuracy,
+            seconds=time.perf_counter() - epoch_started,
+        )
+        self.history["epochs"].append(asdict(event))
+        return event
+
+    def finish(self, started_at: float) -> Iterator[Event]:
+        """After the last epoch or a stop: the last snapshot, FlexiViT's accuracy per patch size, DoneEvent."""
+        config, paths = self.config, self.paths
+        if self.stopped:
+            _, self.test_accuracy = evaluate(self.model, self.test_loader, self.bf16)
+            self.save(finished=False)
+        if self.is_main and config.snapshot_every and self.step % config.snapshot_every:
+            yield self.snapshot()
+        by_patch_size = None
+        if config.patch_sizes:
+            by_patch_size = {
+                patch: evaluate(self.model, self.test_loader, self.bf16, patch)[1] for patch in config.patch_sizes
+            }
+            if self.is_main:
+                sidecar = json.loads(paths["sidecar"].read_text())
+                sidecar["test_accuracy_by_patch_size"] = {str(patch): value for patch, value in by_patch_size.items()}
+                _write_json(paths["sidecar"], sidecar)
+        if self.world_size > 1:
+            dist.barrier()  # the checkpoint exists before any rank reports it
+        yield DoneEvent(
+            checkpoint=str(paths["checkpoint"]), stopped=self.stopped, test_accuracy=self.test_accuracy,
+            seconds=time.perf_counter() - started_at, test_accuracy_by_patch_size=by_patch_size,
+        )
+
+    def save(self, finished: bool) -> None:
+        """The checkpoint and its sidecar (rank 0); the optimizer state too while unfinished, for a resume."""
+        if not self.is_main:
             return
+        config, paths, history = self.config, self.paths, self.history
         paths["checkpoint"].parent.mkdir(parents=True, exist_ok=True)
-        save_model(model, paths["checkpoint"], {"train_config": config.replace(resume=False).to_json()})
+        save_model(self.model, paths["checkpoint"], {"train_config": config.replace(resume=False).to_json()})
         _write_json(paths["sidecar"], {
             "train_config": config.replace(resume=False).to_dict(),
-            "step": step, "total_steps": total_steps, "finished": finished, "history": history,
+            "step": self.step, "total_steps": self.total_steps, "finished": finished, "history": history,
             "test_accuracy": history["epochs"][-1]["test_accuracy"] if history["epochs"] else None,
         })
         if finished:
             paths["state"].unlink(missing_ok=True)
         else:
             temporary = paths["state"].with_name(f".{paths['state'].name}.tmp")
-            torch.save({"optimizer": optimizer.state_dict(), "step": step}, temporary)
+            torch.save({"optimizer": self.optimizer.state_dict(), "step": self.step}, temporary)
             os.replace(temporary, paths["state"])
-
-    model.train()
-    stopped = False
-    test_accuracy = history["epochs"][-1]["test_accuracy"] if history["epochs"] else float("nan")
-    flexi_sizes = config.patch_sizes
-    for epoch in range(step // steps_per_epoch, config.epochs):
-        epoch_started = time.perf_counter()
-        sums, seen = torch.zeros(2, device=device), 0  # this epoch's loss sum, correct; images
-        interval = torch.zeros(2, device=device)  # the same since the last StepEvent
-        interval_started, interval_steps = time.perf_counter(), 0
-        if fresh_shapes and epoch > 0:
-            train_loader.dataset = shapes_dataset(
-                len(train_set), image_size, config.seed, "train", device, start=epoch * len(train_set)
-            )
-        for images, labels in train_loader.epoch(epoch, start=step % steps_per_epoch):
-            lr = learning_rate(step, total_steps, config)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            # FlexiViT: a patch size per step, a pure function of seed and step, so that every
-            # DDP rank and a resumed run draw the same one.
-            patch = (
-                flexi_sizes[np.random.default_rng((config.seed, step)).integers(len(flexi_sizes))]
-                if flexi_sizes else None
-            )
-            with _autocast(device, bf16):
-                logits = step_model(images, patch_size=patch)
-                loss = F.cross_entropy(logits.float(), labels, label_smoothing=config.label_smoothing)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            step += 1
-            interval_steps += 1
-            # Summed on the device; reading them back waits for it, so only every log_every steps.
-            interval += torch.stack((loss.detach() * labels.numel(), (logits.argmax(-1) == labels).sum().float()))
-            stop_now = stop.is_set()
-            if step % config.log_every == 0 or step % steps_per_epoch == 0 or stop_now:
-                loss_sum, correct = interval.tolist()
-                count = interval_steps * config.batch_size
-                if not math.isfinite(loss_sum):
-                    raise TrainingError(
-                        f"the loss became {loss_sum / count} at step {step}; lower the learning rate (now {config.lr})"
-                    )
-                seconds = time.perf_counter() - interval_started
-                event = StepEvent(
-                    step=step, total_steps=total_steps, epoch=epoch + 1, loss=loss_sum / count,
-                    accuracy=correct / count, lr=lr,
-                    images_per_s=interval_steps * config.batch_size * world_size / max(seconds, 1e-9),
-                )
-                history["steps"].append(asdict(event))
-                yield event
-                sums += interval
-                seen += count
-                interval.zero_()
-                interval_started, interval_steps = time.perf_counter(), 0
-            if is_main and config.snapshot_every and step % config.snapshot_every == 0:
-                yield _snapshot(model, probe, probe_image, step)
-            if stop_now:
-                stopped = True
-                break
-        if stopped:
-            break
-        test_loss, test_accuracy = evaluate(model, test_loader, bf16)
-        loss_sum, correct = sums.tolist()
-        event = EpochEvent(
-            epoch=epoch + 1, epochs=config.epochs, train_loss=loss_sum / max(seen, 1),
-            train_accuracy=correct / max(seen, 1), test_loss=test_loss, test_accuracy=test_accuracy,
-            seconds=time.perf_counter() - epoch_started,
-        )
-        history["epochs"].append(asdict(event))
-        yield event
-        save(finished=epoch + 1 == config.epochs)
-
-    if stopped:
-        _, test_accuracy = evaluate(model, test_loader, bf16)
-        save(finished=False)
-    if is_main and config.snapshot_every and step % config.snapshot_every:
-        yield _snapshot(model, probe, probe_image, step)
-    by_patch_size = None
-    if flexi_sizes:
-        by_patch_size = {patch: evaluate(model, test_loader, bf16, patch)[1] for patch in flexi_sizes}
-        if is_main:
-            sidecar = json.loads(paths["sidecar"].read_text())
-            sidecar["test_accuracy_by_patch_size"] = {str(patch): value for patch, value in by_patch_size.items()}
-            _write_json(paths["sidecar"], sidecar)
-    if world_size > 1:
-        dist.barrier()  # the checkpoint exists before any rank reports it
-    yield DoneEvent(
-        checkpoint=str(paths["checkpoint"]), stopped=stopped, test_accuracy=test_accuracy,
-        seconds=time.perf_counter() - started_at, test_accuracy_by_patch_size=by_patch_size,
-    )
 
 
 def _resume(config, paths, model, optimizer, total_steps) -> tuple[int, dict]:
