@@ -4,7 +4,7 @@ import torch
 from einops import rearrange
 
 import vit_explorer as vx
-from vit_explorer.capture import record_attention
+from vit_explorer.recorder import record_attention
 
 from helpers import VARIANTS, randomize, tiny_config
 

@@ -12,7 +12,9 @@ import torch
 from safetensors.torch import save_file
 
 import vit_explorer as vx
-from vit_explorer import weights as vw
+from vit_explorer import model as vm
+from vit_explorer.weights import load_metadata, project
+from vit_explorer.weights.resize import resize_patches
 
 from helpers import randomize
 
@@ -49,7 +51,7 @@ def test_project_round_trip_is_identical(tmp_path):
     for key, value in model.state_dict().items():
         assert torch.equal(loaded.state_dict()[key], value), key
     assert torch.equal(loaded(_images()), model(_images()))
-    assert vw.load_metadata(path) == {"epochs": "7", "accuracy": "0.91"}
+    assert load_metadata(path) == {"epochs": "7", "accuracy": "0.91"}
     assert os.listdir(tmp_path) == ["run.safetensors"]  # no temporary file left behind
     plain = tmp_path / "plain.txt"
     plain.write_text("")
@@ -64,7 +66,7 @@ def test_save_is_atomic_when_writing_fails(tmp_path, monkeypatch):
     def crash(*args, **kwargs):
         raise KeyboardInterrupt  # e.g. Ctrl-C after part of the file was written
 
-    monkeypatch.setattr(vw.os, "fsync", crash)
+    monkeypatch.setattr(project.os, "fsync", crash)
     with pytest.raises(KeyboardInterrupt):
         vx.save_model(_tiny(depth=1), path)
     assert path.read_bytes() == before
@@ -447,7 +449,7 @@ def test_pi_resize_preserves_patch_embeddings_of_upsampled_input():
     model = _tiny(image_size=16, patch_size=4)
     resized = vx.resize_model(model, patch_size=8, image_size=32)  # same 4x4 grid, bigger patches
     x = _images(16)
-    upsampled = vw.resize_patches(x, 4, 8)
+    upsampled = resize_patches(x, 4, 8)
     torch.testing.assert_close(
         resized.patch_embed(upsampled), model.patch_embed(x), atol=1e-5, rtol=1e-5
     )
@@ -464,7 +466,7 @@ def test_pi_resize_matches_timm_reference(new_patch):
         kernel, [new_patch, new_patch], interpolation="bilinear", antialias=True
     )
     torch.testing.assert_close(
-        vw.resample_patch_embed(kernel, new_patch), expected, atol=1e-4, rtol=1e-4
+        vm.resample_patch_embed(kernel, new_patch), expected, atol=1e-4, rtol=1e-4
     )
 
 
@@ -472,12 +474,12 @@ def test_pos_embed_resample_keeps_prefix_and_matches_timm():
     from timm.layers import resample_abs_pos_embed
 
     pos_embed = torch.randn(1, 2 + 16, 8, generator=torch.Generator().manual_seed(3))
-    resampled = vw.resample_pos_embed(pos_embed, (4, 4), (6, 3), num_prefix_tokens=2)
+    resampled = vm.resample_pos_embed(pos_embed, (4, 4), (6, 3), num_prefix_tokens=2)
     assert resampled.shape == (1, 2 + 18, 8)
     assert torch.equal(resampled[:, :2], pos_embed[:, :2])
     expected = resample_abs_pos_embed(pos_embed, [6, 3], [4, 4], num_prefix_tokens=2)
     torch.testing.assert_close(resampled, expected)
-    assert vw.resample_pos_embed(pos_embed, (4, 4), (4, 4), 2) is pos_embed
+    assert vm.resample_pos_embed(pos_embed, (4, 4), (4, 4), 2) is pos_embed
 
 
 def test_resize_model_leaves_the_original_untouched():

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .capture import Recorder, eval_mode, recording
 from .model import ACTIVE_KNOCKOUT, ViT
+from .recorder import Recorder, eval_mode, recording
 
 MODES = ("zero", "mean")
 # The sweep runs at most this many knocked-out copies of the image in one batch.

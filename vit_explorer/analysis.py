@@ -14,9 +14,10 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange, reduce
 
-from .capture import Capture, eval_mode, record_attention
+from .capture import Capture
 from .config import ViTConfig
 from .model import ViT
+from .recorder import eval_mode, record_attention
 
 HEAD_FUSIONS = ("mean", "max", "min")
 

@@ -3,7 +3,7 @@
 A :class:`LayerInternals` holds what one block computed for every token in one forward pass: the
 LayerNorms, each head's queries, keys and values, the scaled scores and their softmax, the heads'
 outputs, the output projection, the MLP's hidden units and both residual adds. It comes from the
-per-call recorder of :mod:`vit_explorer.capture`, in the same pass as the rest of a capture
+per-call recorder of :mod:`vit_explorer.recorder`, in the same pass as the rest of a capture
 (``capture(model, x, internals=layer)``) or by running that one block again on a capture's tokens
 (``layer_internals(model, cap.tokens[:, layer], layer)``: 1/depth of a forward pass; with
 ``queries=[token]``, one token's steps for a fifth of that). The

@@ -17,7 +17,7 @@ from torch import nn
 from .config import ViTConfig
 
 # The recorder of the forward pass running in this context (thread), if one asked: see
-# vit_explorer.capture. Capture and attribution choose the explicit attention path and collect
+# vit_explorer.recorder. Capture and attribution choose the explicit attention path and collect
 # tensors through it per call, so a model shared by many threads is never switched or hooked.
 ACTIVE_RECORDER: ContextVar[Any] = ContextVar("vit_explorer_recorder", default=None)
 # The knock-out of the forward pass running in this context, if one asked (see

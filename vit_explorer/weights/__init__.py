@@ -1,0 +1,142 @@
+"""Checkpoints: our safetensors files, timm / torchvision / Hugging Face ViT imports, resizing.
+
+Every format is converted to our (timm-named) state dict first; the config is then inferred from
+the tensor shapes alone, so one code path builds and checks the model whatever the source was.
+Files may come from anyone (the class server's uploads): no pickle code runs, what a file declares
+is checked against its size before anything is allocated, and nothing outside a model's folder
+is read.
+
+    checks.py            reading untrusted files (CheckpointError, the limits)
+    project.py           our own format: weights + config (+ class names, metadata) in one file
+    from_timm.py, from_torchvision.py, from_huggingface.py
+                         each source's state dict renamed to ours, with what the shapes cannot tell
+    infer.py             the ViTConfig from the tensors (where a family is recognised by its keys)
+    build.py             the tensors checked against that config, then the model built
+    resize.py            resize_model: another patch size and/or image size
+
+A new source or family gets a reader beside the others, recognised in :func:`_convert` (or by
+its model type in from_huggingface), and teaches infer.py its shapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import torch
+
+from ..config import ViTConfig
+from ..model import ViT
+from . import from_huggingface, from_timm, from_torchvision
+from .build import build
+from .checks import CheckpointError, read_tensors
+from .from_torchvision import TORCHVISION_VITS
+from .infer import infer_config
+from .project import CONFIG_KEY, load_metadata, save_model, saved_config
+from .resize import resize_model
+
+__all__ = [
+    "CONFIG_KEY", "CheckpointError", "load_metadata", "load_model", "load_pretrained",
+    "resize_model", "save_model",
+]
+
+
+def load_model(path: str | os.PathLike, **overrides) -> ViT:
+    """Load a ViT in eval mode on the CPU from any supported checkpoint; the format is detected.
+
+    ``path``: our ``.safetensors`` file; a timm or torchvision state dict (``.safetensors``,
+    ``.pth``, ``.bin``, possibly wrapped in ``{"state_dict": ...}`` or ``{"model": ...}``); a
+    Hugging Face ViT folder (config.json + weights) or a weights file inside one. Whatever the
+    weights do not reveal (num_heads defaults to embed_dim // 64) and any other ViTConfig field
+    can be given as a keyword; a different ``image_size``/``patch_size`` resamples the model.
+    """
+    path = Path(path)
+    if path.is_dir():
+        if not os.path.lexists(path / "config.json"):
+            raise CheckpointError(
+                f"{path} is a folder but not a Hugging Face model (no config.json)"
+            )
+        hf_config = from_huggingface.read_config(path, path.name)
+        state = from_huggingface.read_weights(path)
+        converted, known = from_huggingface.convert(state, hf_config, path.name)
+        return _model_from_state(converted, known, overrides, path.name)
+
+    state, metadata = read_tensors(path)
+    converted, known = _convert(state, metadata, path)
+    return _model_from_state(converted, known, overrides, path.name)
+
+
+def _convert(
+    state: dict[str, torch.Tensor], metadata: dict[str, str], path: Path
+) -> tuple[dict[str, torch.Tensor], dict]:
+    """(our state dict, config fields the shapes cannot tell) of one file's tensors.
+
+    The format is recognised here, from the file's metadata or its keys; timm comes last, since
+    its names are ours.
+    """
+    saved = saved_config(metadata, path.name)
+    if saved is not None:
+        return state, saved
+    if from_huggingface.recognises(state):
+        hf_config = from_huggingface.read_config(path.parent, path.name)
+        return from_huggingface.convert(state, hf_config, path.name)
+    if from_torchvision.recognises(state):
+        return from_torchvision.convert(state)
+    return from_timm.convert(state)
+
+
+def _model_from_state(
+    state: dict[str, torch.Tensor], known: dict, overrides: dict, name: str
+) -> ViT:
+    """Build from the native geometry; a different image/patch size asked for is then resampled."""
+    unknown = sorted(set(overrides) - {field.name for field in dataclasses.fields(ViTConfig)})
+    if unknown:
+        raise CheckpointError(f"unknown ViTConfig field(s) to override: {', '.join(unknown)}")
+    kernel = state.get("patch_embed.proj.weight")
+    rest = {key: value for key, value in overrides.items() if key != "patch_size"}
+    geometry = {}
+    if kernel is not None and overrides.get("patch_size", kernel.shape[-1]) != kernel.shape[-1]:
+        geometry["patch_size"] = overrides["patch_size"]
+    try:
+        config = infer_config(state, known, rest, name)
+    except CheckpointError:
+        if "image_size" not in rest:
+            raise
+        # The weights were trained for another size: build that one, then resample it.
+        geometry["image_size"] = rest.pop("image_size")
+        config = infer_config(state, known, rest, name)
+    try:
+        model = build(state, config, name)
+    except (RuntimeError, TypeError) as error:  # sizes torch cannot make
+        last_line = str(error).strip().splitlines()[-1].strip()
+        raise CheckpointError(f"{name} does not fit its config ({last_line})") from None
+    return resize_model(model, **geometry) if geometry else model
+
+
+def load_pretrained(name: str = "vit_b_16", progress=None) -> ViT:
+    """A pretrained model of the catalogue (vit_explorer.catalogue.CATALOGUE) or torchvision ViT.
+
+    Downloaded on first use into the cache (~/.cache/vit_explorer/models, or torchvision's for
+    its ViTs) and checked; ``progress(done_bytes, total_bytes or None)`` follows a download.
+    Offline, or given a wrong file, it raises a CheckpointError that says so in one sentence.
+    """
+    from .. import catalogue
+
+    if name in TORCHVISION_VITS:
+        converted, known = from_torchvision.read_pretrained(name, progress)
+        return _model_from_state(converted, known, {}, name)
+    if name not in catalogue.CATALOGUE:
+        raise CheckpointError(
+            f"unknown pretrained model {name!r}; choose one of"
+            f" {', '.join([*catalogue.CATALOGUE, *TORCHVISION_VITS[1:]])}"
+        )
+    entry = catalogue.entry(name)
+    try:
+        path = catalogue.download(name, progress)
+    except catalogue.DownloadError as error:
+        raise CheckpointError(str(error)) from None
+    state, _ = read_tensors(path)
+    for key in entry.drop_keys:
+        state.pop(key, None)
+    return build(state, entry.vit_config(), name)

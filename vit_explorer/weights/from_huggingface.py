@@ -1,0 +1,310 @@
+"""Hugging Face transformers ViTs: a model folder (config.json, preprocessor_config.json, weights
+in one file or shards) or a weights file beside its config.json. ViT, DeiT, DINOv2 (with
+registers) and the image towers of CLIP and SigLIP are converted to our names.
+
+A folder is untrusted like any upload: each config.json setting read is checked (_HF_SETTINGS)
+and every file the folder names must lie inside it (checks.folder_file). Another model type is
+added to HF_MODEL_TYPES with its renames (and prefix), its unsupported variants refused in
+_refuse_unsupported.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from ..config import _brief, _is_number
+from .checks import MAX_TENSORS, CheckpointError, folder_file, read_json, read_tensors
+
+HF_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+HF_SHARD_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+# Hugging Face model types we convert; the full CLIP / SigLIP models contribute their image tower.
+HF_MODEL_TYPES = (
+    "vit", "deit", "dinov2", "dinov2_with_registers",
+    "clip", "clip_vision_model", "siglip", "siglip_vision_model",
+)
+HF_ACTIVATIONS = {"gelu": "gelu", "quick_gelu": "quick_gelu", "gelu_pytorch_tanh": "gelu_tanh"}
+# Names of the BERT-style encoders (ViT, DeiT, DINOv2); files keep the transformers 4 names,
+# transformers 5 modules call the attention projections q/k/v/o_proj.
+_HF_VIT_RENAMES = [
+    (r"^embeddings\.cls_token$", "cls_token"),
+    (r"^embeddings\.distillation_token$", "dist_token"),
+    (r"^embeddings\.register_tokens$", "reg_token"),
+    (r"^embeddings\.position_embeddings$", "pos_embed"),
+    (r"^embeddings\.patch_embeddings\.projection\.", "patch_embed.proj."),
+    (r"^(encoder\.layer|layers)\.(\d+)\.", r"blocks.\2."),
+    (r"\.attention\.(output\.dense|o_proj)\.", ".attn.proj."),
+    (r"\.layernorm_before\.", ".norm1."),
+    (r"\.layernorm_after\.", ".norm2."),
+    (r"\.layer_scale(1|2)\.lambda1$", r".ls\1.gamma"),
+    (r"\.intermediate\.dense\.", ".mlp.fc1."),
+    (r"\.output\.dense\.", ".mlp.fc2."),
+    (r"^layernorm\.", "norm."),
+    (r"^classifier\.", "head."),
+    (r"^cls_classifier\.", "head."),
+    (r"^distillation_classifier\.", "head_dist."),
+]
+# CLIP's and SigLIP's vision towers (CLIPVisionModel, SiglipVisionModel).
+_HF_TOWER_RENAMES = [
+    (r"^embeddings\.patch_embedding\.", "patch_embed.proj."),
+    (r"^pre_layrnorm\.", "norm_pre."),  # sic: CLIP's own spelling
+    (r"^encoder\.layers\.(\d+)\.", r"blocks.\1."),
+    (r"\.layer_norm(1|2)\.", r".norm\1."),
+    (r"\.self_attn\.out_proj\.", ".attn.proj."),
+    (r"^post_layernorm\.", "norm."),
+    (r"^head\.probe$", "attn_pool.latent"),
+    (r"^head\.attention\.out_proj\.", "attn_pool.proj."),
+    (r"^head\.layernorm\.", "attn_pool.norm."),
+    (r"^head\.mlp\.", "attn_pool.mlp."),
+]
+_HF_SEPARATE_QKV = re.compile(
+    r"^(?:encoder\.layer|layers|encoder\.layers)\.(\d+)\.(?:attention\.(?:attention\.)?|self_attn\.)"
+    r"(query|key|value|q_proj|k_proj|v_proj)\.(weight|bias)$"
+)
+# The prefix of the encoder's keys in a model with a head (ViTForImageClassification: vit.*);
+# CLIP's and SigLIP's towers are vision_model.*.
+_HF_PREFIXES = {"vit": "vit.", "deit": "deit.", "dinov2": "dinov2.", "dinov2_with_registers": "dinov2."}
+
+
+def recognises(state: Mapping[str, torch.Tensor]) -> bool:
+    """Whether a lone weights file holds a Hugging Face model (its config.json lies beside it)."""
+    return any(
+        re.match(r"^(?:(?:vit|deit|dinov2|vision_model)\.)?embeddings\.patch_embeddings?\.", key)
+        for key in state
+    )
+
+
+def convert(
+    state: dict[str, torch.Tensor], hf_config: dict, name: str
+) -> tuple[dict[str, torch.Tensor], dict]:
+    """(our state dict, config fields the shapes cannot tell) of a Hugging Face model's weights,
+    given its settings (:func:`read_config`)."""
+    try:
+        return _convert(state, hf_config)
+    except (RuntimeError, IndexError):  # q, k and v (or SigLIP's pool) that do not fit together
+        raise CheckpointError(f"{name}'s tensors do not fit together as a Hugging Face ViT's") from None
+
+
+def _convert(
+    state: dict[str, torch.Tensor], hf_config: dict
+) -> tuple[dict[str, torch.Tensor], dict]:
+    model_type = _hf_setting(hf_config, "model_type", "vit")
+    if model_type not in HF_MODEL_TYPES:
+        raise CheckpointError(
+            f"Hugging Face model type {model_type!r} is not supported; we read"
+            f" {', '.join(HF_MODEL_TYPES)}"
+        )
+    tower = model_type.startswith(("clip", "siglip"))
+    if model_type in ("clip", "siglip"):  # the whole model: its settings for the image tower
+        hf_config = {**hf_config, **_hf_setting(hf_config, "vision_config", {})}
+        state = {
+            key.removeprefix("vision_model."): value
+            for key, value in state.items()
+            if key.startswith("vision_model.")
+        }
+    activation = _hf_setting(hf_config, "hidden_act", "gelu")
+    _refuse_unsupported(model_type, activation, hf_config, state)
+
+    state = {key.removeprefix(_HF_PREFIXES.get(model_type, "vision_model.")): value for key, value in state.items()}
+    converted = _renamed(state, _HF_TOWER_RENAMES if tower else _HF_VIT_RENAMES)
+    known: dict = {
+        "layer_norm_eps": float(_hf_setting(hf_config, "layer_norm_eps", 1e-12)),
+        "act_layer": HF_ACTIVATIONS[activation],
+    }
+    if tower:
+        # CLIP: a class embedding (D,) and position embeddings (N, D) stored without batch axes.
+        if "embeddings.class_embedding" in converted:
+            converted["cls_token"] = converted.pop("embeddings.class_embedding")[None, None]
+        if "embeddings.position_embedding.weight" in converted:
+            converted["pos_embed"] = converted.pop("embeddings.position_embedding.weight")[None]
+    if model_type == "dinov2_with_registers" and "cls_token" in converted and "pos_embed" in converted:
+        _fold_class_position(converted)
+        known["no_embed_class"] = True
+    known.update(_settings(hf_config, converted))
+    return converted, known
+
+
+def _refuse_unsupported(model_type: str, activation: str, hf_config: dict, state: dict) -> None:
+    """Variants of a supported model type that our ViT does not compute, each in one sentence."""
+    if activation not in HF_ACTIVATIONS:
+        raise CheckpointError(
+            f"Hugging Face activation {activation!r} is not supported, only"
+            f" {', '.join(HF_ACTIVATIONS)}"
+        )
+    if hf_config.get("use_swiglu_ffn"):
+        raise CheckpointError("DINOv2 with a SwiGLU MLP (ViT-g) is not supported")
+    if model_type.startswith("dinov2") and any(key.startswith("classifier.") for key in state):
+        raise CheckpointError(
+            "DINOv2's classifier reads the class token and the mean patch token together,"
+            " which our ViT does not do; load the backbone (Dinov2Model) instead"
+        )
+    if model_type == "deit" and any(key.startswith("classifier.") for key in state):
+        raise CheckpointError(
+            "this DeiT classifier reads only the class token of a distilled model, which our"
+            " ViT does not do; DeiTForImageClassificationWithTeacher and DeiTModel load"
+        )
+
+
+def _renamed(state: dict[str, torch.Tensor], renames: list) -> dict[str, torch.Tensor]:
+    """``state`` (its model prefix removed) under our names, q, k and v merged into qkv."""
+    converted: dict[str, torch.Tensor] = {}
+    separate_qkv: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in state.items():
+        if key.startswith("pooler.") or key == "embeddings.mask_token":
+            continue  # the pooler and the masked-image-modelling token never reach logits
+        found = _HF_SEPARATE_QKV.match(key)
+        if found:
+            block, role, kind = found.groups()
+            separate_qkv.setdefault(f"blocks.{block}.attn.qkv.{kind}", {})[role[0]] = value
+            continue
+        if key == "head.attention.in_proj_weight" or key == "head.attention.in_proj_bias":
+            # SigLIP's pooling attention: one (3D, ...) projection; its probe's query, then k, v.
+            kind = key.rsplit("_", 1)[1]
+            query, key_value = value.split([value.shape[0] // 3, 2 * value.shape[0] // 3])
+            converted[f"attn_pool.q.{kind}"] = query
+            converted[f"attn_pool.kv.{kind}"] = key_value
+            continue
+        for pattern, replacement in renames:
+            key = re.sub(pattern, replacement, key)
+        converted[key] = value
+    converted.update(_merge_qkv(separate_qkv))
+    return converted
+
+
+def _merge_qkv(separate: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """One qkv tensor per block from Hugging Face's separate query, key and value projections."""
+    merged = {}
+    for key, parts in separate.items():
+        if set(parts) != {"q", "k", "v"}:
+            raise CheckpointError(
+                f"the Hugging Face checkpoint lacks part of {key} (has {sorted(parts)})"
+            )
+        merged[key] = torch.cat([parts["q"], parts["k"], parts["v"]], dim=0)  # (3D, ...)
+    return merged
+
+
+def _fold_class_position(converted: dict[str, torch.Tensor]) -> None:
+    """Registers get no position embedding but the class token does: fold the class token's
+    into the token itself, as timm's DINOv2 layout (no_embed_class) does."""
+    class_position = converted["pos_embed"][:, :1]
+    if converted["cls_token"].shape != class_position.shape:  # an addition must not broadcast
+        raise CheckpointError(
+            "the Hugging Face checkpoint's class token and position embeddings do not fit"
+        )
+    converted["cls_token"] = converted["cls_token"] + class_position
+    converted["pos_embed"] = converted["pos_embed"][:, 1:]
+
+
+def _settings(hf_config: dict, converted: dict[str, torch.Tensor]) -> dict:
+    """The ViTConfig fields config.json gives: heads, image size, mean/std and class names."""
+    known = {}
+    for ours, theirs in (
+        ("num_heads", "num_attention_heads"), ("image_size", "image_size"),
+        ("mean", "image_mean"), ("std", "image_std"),
+    ):
+        if theirs in hf_config:
+            value = _hf_setting(hf_config, theirs)
+            known[ours] = tuple(value) if isinstance(value, list) else value
+    labels = _hf_setting(hf_config, "id2label", {}) or {}
+    num_classes = converted["head.weight"].shape[0] if "head.weight" in converted else 0
+    names = [labels.get(str(index)) for index in range(num_classes)]
+    if any(name is not None and not isinstance(name, str) for name in names):
+        raise CheckpointError("config.json's id2label must map class numbers to names (strings)")
+    # transformers fills id2label with LABEL_0, LABEL_1, ... when nobody named the classes.
+    if num_classes and all(names) and names != [f"LABEL_{index}" for index in range(num_classes)]:
+        known["class_names"] = tuple(names)
+    return known
+
+
+# ----------------------------------------------------------------------------- config.json and weights
+
+
+def _whole(value) -> bool:
+    return _is_number(value) and isinstance(value, int) and value > 0
+
+
+# The config.json settings we read: a check of each, and what it must be in words.
+_HF_SETTINGS = {
+    "model_type": (lambda value: isinstance(value, str), "a name"),
+    "vision_config": (lambda value: isinstance(value, dict), "an object of settings"),
+    "hidden_act": (lambda value: isinstance(value, str), "a name"),
+    "layer_norm_eps": (lambda value: _is_number(value) and value > 0, "a positive number"),
+    "num_attention_heads": (_whole, "a positive whole number"),
+    "image_size": (
+        lambda value: _whole(value)
+        or (isinstance(value, list) and len(value) == 2 and all(map(_whole, value))),
+        "a positive whole number or [height, width]",
+    ),
+    "image_mean": (
+        lambda value: isinstance(value, list) and all(map(_is_number, value)),
+        "a list of numbers, one per channel",
+    ),
+    "image_std": (
+        lambda value: isinstance(value, list) and all(map(_is_number, value)),
+        "a list of numbers, one per channel",
+    ),
+    "id2label": (
+        lambda value: value is None or isinstance(value, dict),
+        "an object from class numbers to names",
+    ),
+}
+
+
+def _hf_setting(hf_config: dict, key: str, default=None):
+    """``hf_config[key]`` (or ``default``), refused with a sentence unless it is what it must be."""
+    if key not in hf_config:
+        return default
+    valid, expected = _HF_SETTINGS[key]
+    if not valid(hf_config[key]):
+        raise CheckpointError(f"config.json's {key} must be {expected}, not {_brief(hf_config[key])}")
+    return hf_config[key]
+
+
+def read_config(folder: Path, name: str) -> dict:
+    """config.json of a Hugging Face model folder, with preprocessor_config.json's mean/std."""
+    if not os.path.lexists(folder / "config.json"):
+        raise CheckpointError(f"{name} has no Hugging Face config.json beside its weights")
+    hf_config = {}
+    for file_name in ("preprocessor_config.json", "config.json"):  # config.json's settings win
+        if file_name == "config.json" or os.path.lexists(folder / file_name):
+            settings = read_json(folder_file(folder, file_name, file_name), file_name, folder.name)
+            if not isinstance(settings, dict):
+                raise CheckpointError(f"{file_name} in {folder.name} is not a JSON object of settings")
+            hf_config.update(settings)
+    return hf_config
+
+
+def read_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """The weights of a Hugging Face model folder: one file (safetensors first) or shards."""
+    single = next((name for name in HF_WEIGHT_FILES if os.path.lexists(folder / name)), None)
+    if single is not None:
+        return read_tensors(folder_file(folder, single, single))[0]
+    index_name = next((name for name in HF_SHARD_INDEXES if os.path.lexists(folder / name)), None)
+    if index_name is None:
+        raise CheckpointError(f"{folder.name} has no {' or '.join(HF_WEIGHT_FILES)}")
+    index = read_json(folder_file(folder, index_name, index_name), index_name, folder.name)
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if (
+        not isinstance(weight_map, dict)
+        or not weight_map
+        or not all(isinstance(shard, str) for shard in weight_map.values())
+    ):
+        raise CheckpointError(
+            f"{index_name} in {folder.name} has no weight_map from tensor names to shard files"
+        )
+    # Every shard is checked before any is read.
+    what = f"a shard named in {index_name}"
+    shards = {folder_file(folder, shard, what) for shard in set(weight_map.values())}
+    state: dict[str, torch.Tensor] = {}
+    for shard in sorted(shards):
+        state.update(read_tensors(shard)[0])
+        if len(state) > MAX_TENSORS:
+            raise CheckpointError(
+                f"{folder.name}'s shards hold over {MAX_TENSORS} tensors; a ViT has fewer"
+            )
+    return state

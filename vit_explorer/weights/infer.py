@@ -1,0 +1,185 @@
+"""A ViTConfig from a converted (timm-named) state dict: what the tensors' presence and shapes
+say, the facts a format's reader knows (``known``) and the caller's overrides, checked against
+the tensors before any model is built.
+
+_architecture is where a family is recognised from its keys (a class token or not, registers, a
+MAP head, LayerScale, CLIP's pre-norm, ...); _with_positions finds the image size from the
+position embeddings. A family with other modules or positions extends these two.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import torch
+
+from ..config import ViTConfig, _brief
+from .checks import MAX_BLOCKS, CheckpointError
+
+# Every ViT we build has these; a state dict without them is not one.
+REQUIRED_KEYS = ("patch_embed.proj.weight", "blocks.0.attn.qkv.weight", "blocks.0.mlp.fc1.weight")
+# The rank of each tensor whose shape is read: checked before anything is computed from them.
+_RANKS = {
+    "patch_embed.proj.weight": 4, "blocks.0.mlp.fc1.weight": 2, "pos_embed": 3,
+    "reg_token": 3, "attn_pool.latent": 3, "head.weight": 2,
+}
+
+
+def infer_config(
+    state: dict[str, torch.Tensor], known: dict, requested: dict, name: str
+) -> ViTConfig:
+    """A ViTConfig from the tensor shapes, ``known`` source facts and the caller's overrides."""
+    _check_shapes(state, name)
+    tensors = _architecture(state, name)
+    num_prefix = int(tensors["class_token"]) + int(tensors["dist_token"]) + tensors["reg_tokens"]
+    fields = {
+        **tensors,
+        **known,
+        **requested,
+        "patch_size": state["patch_embed.proj.weight"].shape[-1],  # other sizes: resize_model
+    }
+    layout_given = "no_embed_class" in known or "no_embed_class" in requested
+    return _with_positions(fields, num_prefix, state, layout_given, name)
+
+
+def _check_shapes(state: dict[str, torch.Tensor], name: str) -> None:
+    if not all(key in state for key in REQUIRED_KEYS):
+        sample = ", ".join(_brief(key)[1:-1] for key in sorted(state)[:6])
+        raise CheckpointError(
+            f"{name} is not a ViT checkpoint we can read (found keys like {sample})"
+        )
+    for key, rank in _RANKS.items():
+        if key in state and (state[key].dim() != rank or 0 in state[key].shape):
+            raise CheckpointError(
+                f"{name}'s {key} has shape {tuple(state[key].shape)}, which no ViT's has"
+            )
+
+
+def _architecture(state: dict[str, torch.Tensor], name: str) -> dict:
+    """The ViTConfig fields the tensors tell: which exist, and their shapes."""
+    patch_weight = state["patch_embed.proj.weight"]  # (D, C, p, p)
+    embed_dim, in_chans, patch_h, patch_w = patch_weight.shape
+    if patch_h != patch_w:
+        raise CheckpointError(
+            f"{name} has non-square patches ({patch_h}x{patch_w}), which we do not support"
+        )
+    depth = _block_count(state, name)
+    class_token = "cls_token" in state
+    if "norm.weight" not in state and "fc_norm.weight" not in state:
+        raise CheckpointError(
+            f"{name} has no final norm (neither norm nor fc_norm), which our ViT needs"
+        )
+    attention_pool = "attn_pool.latent" in state
+    if attention_pool and state["attn_pool.latent"].shape[1] != 1:
+        raise CheckpointError(
+            f"{name} has an attention pool with {state['attn_pool.latent'].shape[1]} probe"
+            " queries; our ViT supports one"
+        )
+    mean_pool = not attention_pool and ("fc_norm.weight" in state or not class_token)
+    return {
+        "embed_dim": embed_dim,
+        "in_chans": in_chans,
+        "depth": depth,
+        "num_heads": max(1, embed_dim // 64),  # the timm / torchvision / HF convention
+        "mlp_ratio": state["blocks.0.mlp.fc1.weight"].shape[0] / embed_dim,
+        "qkv_bias": "blocks.0.attn.qkv.bias" in state,
+        "class_token": class_token,
+        "dist_token": "dist_token" in state,
+        "reg_tokens": state["reg_token"].shape[1] if "reg_token" in state else 0,
+        "global_pool": "map" if attention_pool else "mean" if mean_pool else "cls",
+        "pre_norm": "norm_pre.weight" in state,
+        "patch_bias": "patch_embed.proj.bias" in state,
+        # A CLIP image tower (norm_pre, no patch bias) is built by timm with LayerNorm eps 1e-5.
+        "layer_norm_eps": 1e-5 if "norm_pre.weight" in state and "patch_embed.proj.bias" not in state else 1e-6,
+        # Mean pooling without fc_norm weights means the final norm comes before the pooling.
+        "fc_norm": None if "fc_norm.weight" in state or not mean_pool else False,
+        # LayerScale's init value only matters for training from scratch; the weights set gamma.
+        "init_values": 1.0 if "blocks.0.ls1.gamma" in state else None,
+        "num_classes": state["head.weight"].shape[0] if "head.weight" in state else 0,
+        "mean": (0.5,) * in_chans,
+        "std": (0.5,) * in_chans,
+    }
+
+
+def _with_positions(
+    fields: dict, num_prefix: int, state: dict[str, torch.Tensor], layout_given: bool, name: str
+) -> ViTConfig:
+    """The config whose patch grid (and image size, unless given) the position embeddings cover."""
+    if "pos_embed" not in state:
+        raise CheckpointError(
+            f"{name} has no absolute position embedding (pos_embed), which our ViT needs"
+        )
+    # Position embeddings cover the patch grid, plus the prefix tokens unless no_embed_class;
+    # timm's default layout (prefix tokens included) is tried first.
+    num_positions = state["pos_embed"].shape[1]
+    image_size, patch_size = fields.get("image_size"), fields["patch_size"]
+    layouts = [False, True] if num_prefix else [False]
+    if layout_given:
+        layouts = [fields["no_embed_class"]]
+    try:
+        for no_embed_class in layouts:
+            num_patches = num_positions - (0 if no_embed_class else num_prefix)
+            grid = _grid_for(num_patches, image_size, patch_size)
+            if grid is not None:
+                fields["no_embed_class"] = no_embed_class
+                fields["image_size"] = image_size if image_size is not None else grid[0] * patch_size
+                return _check_sizes(ViTConfig(**fields), state, name)
+    except CheckpointError:
+        raise
+    except ValueError as error:  # a setting the file or the caller gave is not a valid ViTConfig
+        raise CheckpointError(f"{name} has an invalid config: {error}") from None
+    raise CheckpointError(
+        f"cannot tell the image size of {name} from its {num_positions} position embeddings; "
+        "pass image_size=(height, width) to load_model"
+    )
+
+
+def _grid_for(num_positions: int, image_size, patch_size: int) -> tuple[int, int] | None:
+    """The patch grid for ``num_positions`` positions: the requested image's grid, else a square."""
+    if num_positions < 1:
+        return None
+    if image_size is not None:
+        grid = ViTConfig(image_size=image_size, patch_size=patch_size, num_classes=0).grid_size
+        return grid if grid[0] * grid[1] == num_positions else None
+    side = math.isqrt(num_positions)
+    return (side, side) if side * side == num_positions else None
+
+
+def _block_count(state: dict[str, torch.Tensor], name: str) -> int:
+    """How many blocks the file holds, numbered 0, 1, 2, ... (a key like blocks.999999999.x
+    must not make the model that deep)."""
+    indices = {found.group(1) for key in state if (found := re.match(r"blocks\.(\d+)\.", key))}
+    if len(indices) > MAX_BLOCKS:
+        raise CheckpointError(f"{name} has {len(indices)} blocks; we load ViTs of up to {MAX_BLOCKS}")
+    if indices != {str(index) for index in range(len(indices))}:
+        raise CheckpointError(
+            f"{name}'s blocks are not numbered 0, 1, 2, ... without gaps, as a ViT's are"
+        )
+    return len(indices)
+
+
+def _check_sizes(config: ViTConfig, state: dict[str, torch.Tensor], name: str) -> ViTConfig:
+    """The sizes a file's metadata (or the caller) may claim must be those of its tensors: a
+    model of a claimed depth or width is never built, not even on "meta"."""
+    kernel = state["patch_embed.proj.weight"]  # (D, C, p, p)
+    hidden = state["blocks.0.mlp.fc1.weight"].shape[0]
+    from_tensors = {
+        "depth": _block_count(state, name),
+        "embed_dim": kernel.shape[0],
+        "in_chans": kernel.shape[1],
+        "num_classes": state["head.weight"].shape[0] if "head.weight" in state else 0,
+        "reg_tokens": state["reg_token"].shape[1] if "reg_token" in state else 0,
+        "mlp_ratio": hidden / kernel.shape[0],
+    }
+    claimed = {field: getattr(config, field) for field in from_tensors}
+    if int(config.embed_dim * config.mlp_ratio) == hidden:  # Mlp's own rounding of the ratio
+        claimed["mlp_ratio"] = from_tensors["mlp_ratio"]
+    for field, value in from_tensors.items():
+        if claimed[field] != value:
+            raise CheckpointError(
+                f"{name} cannot be built with {field} {_brief(claimed[field])}:"
+                f" its tensors have {field} {value}"
+            )
+    return config
+
