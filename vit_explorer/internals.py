@@ -31,6 +31,11 @@ SWEEP_FACTORS = tuple(2 ** (step / 4) for step in range(-12, 13))
 ACTIVATION_NAMES = {"gelu": "GELU", "gelu_tanh": "GELU (tanh)", "quick_gelu": "QuickGELU"}
 
 
+def activation_name(config) -> str:
+    """How the page and its formulas name a model's MLP nonlinearity: a SwiGLU gate or act_layer's."""
+    return "SwiGLU" if config.swiglu_mlp else ACTIVATION_NAMES[config.act_layer]
+
+
 @dataclass(frozen=True)
 class LayerInternals:
     """One encoder layer of one forward pass, step by step (float32 on the CPU). Every field
