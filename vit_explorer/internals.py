@@ -92,7 +92,8 @@ class LayerInternals:
 
     @property
     def concatenated(self) -> torch.Tensor:
-        """(B, R, D): the heads' outputs side by side, what the output projection reads."""
+        """(B, R, D): the heads' outputs side by side, what the output projection reads (after the
+        attention's own LayerNorm in a model with scale_attn_inner, EVA-02 CLIP)."""
         batch, heads, tokens, head_dim = self.heads.shape
         return self.heads.transpose(1, 2).reshape(batch, tokens, heads * head_dim)
 
