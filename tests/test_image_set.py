@@ -112,9 +112,9 @@ def forwards(monkeypatch):
     counted = []
     original = model_module.Block.forward
 
-    def counting(self, x):
+    def counting(self, x, rope=None):
         counted.append(x.shape[0] / len(ui.base_model(ui.DEFAULT_MODEL).blocks))
-        return original(self, x)
+        return original(self, x, rope)
 
     monkeypatch.setattr(model_module.Block, "forward", counting)
     return counted
@@ -209,7 +209,7 @@ def test_a_picture_added_to_the_set_runs_that_one_alone(forwards):
 def test_the_sidebars_image_is_read_from_its_capture_and_the_others_run_in_one_batch(monkeypatch):
     batches = []
     original = model_module.Block.forward
-    monkeypatch.setattr(model_module.Block, "forward", lambda self, x: batches.append(x.shape[0]) or original(self, x))
+    monkeypatch.setattr(model_module.Block, "forward", lambda self, x, rope=None: batches.append(x.shape[0]) or original(self, x, rope))
     app = AppTest.from_file(APP, default_timeout=60).run()  # Pipeline captures the sidebar's shapes 4
     depth = len(ui.base_model(ui.DEFAULT_MODEL).blocks)
     assert batches == [1] * depth

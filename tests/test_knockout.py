@@ -99,9 +99,9 @@ def counting_blocks(monkeypatch, model: vx.ViT) -> list[int]:
     original = vx.model.Block.forward
     layer_of = {id(block): layer for layer, block in enumerate(model.blocks)}
 
-    def counting(block, x):
+    def counting(block, x, rope=None):
         ran.append(layer_of[id(block)])
-        return original(block, x)
+        return original(block, x, rope)
 
     monkeypatch.setattr(vx.model.Block, "forward", counting)
     return ran

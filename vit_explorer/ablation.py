@@ -234,7 +234,8 @@ def head_sweep(
                 heads_off[torch.arange(len(heads)), layer, heads] = True
                 tokens = entering.expand(len(heads), -1, -1)
                 with knocking_out(model, heads_off, torch.zeros(len(heads), depth, dtype=torch.bool), mode):
-                    out = model.forward_head(model.forward_blocks(tokens, layer)).float()  # (b, classes or D)
+                    out = model.forward_blocks(tokens, layer, grid_size=config.grid_size)
+                    out = model.forward_head(out).float()  # (b, classes or D)
                 if classifier:
                     change = out.log_softmax(-1)[:, target] - reference
                 else:

@@ -450,6 +450,11 @@ def position_embedding_similarity(model: ViT) -> torch.Tensor:
     """(gh, gw, gh, gw): cosine similarity between the patches' position embeddings
     (ViT paper Fig. 7 centre); [i, j] is the similarity map of patch (i, j)."""
     config = model.config
+    if model.pos_embed is None:
+        raise AnalysisError(
+            "This model has no learned position embeddings: its positions are rotations of the"
+            " queries and keys (rotary positions)."
+        )
     pos_embed = model.pos_embed[0].detach().cpu()  # (embed_len, D)
     if not config.no_embed_class:
         pos_embed = pos_embed[config.num_prefix_tokens :]

@@ -94,7 +94,7 @@ def capture(
             logits = model(images)
         else:
             entering = intact.tokens[:, start].to(parameter.device, parameter.dtype)  # (B, N, D)
-            logits = model.forward_head(model.forward_blocks(entering, start))
+            logits = model.forward_head(model.forward_blocks(entering, start, grid_size=config.grid_size))
 
     attentions = recorder.stacked_attentions() if recorded or start == 0 else None
     tokens = torch.stack(recorder.token_states, dim=1)
@@ -141,10 +141,13 @@ def _resume_layer(
 
 
 def layer_internals(
-    model: ViT, tokens: torch.Tensor, layer: int, queries: Sequence[int] | None = None
+    model: ViT, tokens: torch.Tensor, layer: int, queries: Sequence[int] | None = None,
+    grid_size: tuple[int, int] | None = None,
 ) -> LayerInternals:
     """Every step of encoder layer ``layer`` on its input ``tokens`` (B, N, D), in eval mode
     without gradients: that block alone runs under a recorder, as in :func:`capture`.
+    ``grid_size``: the patch grid the tokens come from (default: the model's own, a capture's
+    ``grid_size``), which places the patches for rotary positions.
 
     With a capture's ``tokens[:, layer]`` it gives that pass's numbers (the output is its
     ``tokens[:, layer + 1]``) for 1/depth of a forward pass, so that opening another layer of
@@ -160,39 +163,45 @@ def layer_internals(
     if tokens.ndim == 2:
         tokens = tokens.unsqueeze(0)
     tokens = tokens.to(parameter.device, parameter.dtype)
+    rope = model.rope_tables(grid_size)
     if queries is not None:
         queries = tuple(int(token) for token in queries)
         if not queries or not all(0 <= token < tokens.shape[1] for token in queries):
             raise ValueError(f"queries must be some of the {tokens.shape[1]} tokens, not {queries}")
         with torch.no_grad(), eval_mode(model):
-            states = _block_rows(block, tokens, queries)
+            states = _block_rows(block, tokens, queries, rope)
         return LayerInternals.from_recorded(index, block, states, queries)
     recorder = Recorder(model, (), internals=index)
     with torch.no_grad(), eval_mode(model), recording(recorder):
-        block(tokens)
+        block(tokens, rope)
     return LayerInternals.from_recorded(index, block, recorder.internal_states)
 
 
-def _block_rows(block: torch.nn.Module, x: torch.Tensor, rows: Sequence[int]) -> dict[str, torch.Tensor]:
+def _block_rows(
+    block: torch.nn.Module, x: torch.Tensor, rows: Sequence[int], rope: tuple[torch.Tensor, torch.Tensor] | None,
+) -> dict[str, torch.Tensor]:
     """``Block.forward`` step by step for the tokens ``rows`` of x (B, N, D) only, with the
     block's own modules; every token still gives its key and value."""
     attn, mlp = block.attn, block.mlp
     picked = torch.as_tensor(rows, device=x.device)
     normed = block.norm1(x)
-    q, k, v = attn._qkv(normed).unbind(0)  # (B, nh, N, hd) each
-    q = q[:, :, picked]
+    q_unrotated, k_unrotated, v = attn._qkv(normed).unbind(0)  # (B, nh, N, hd) each
+    # Every query is rotated, then the rows picked: a row's angles are those of its own position.
+    q, k = attn.rotate(q_unrotated, rope)[:, :, picked], attn.rotate(k_unrotated, rope)
     scores = (q * attn.scale) @ k.transpose(-2, -1)  # (B, nh, rows, N)
     attention = attn.attend(scores)
     heads = attention @ v
-    attended = attn.proj(rearrange(heads, "b nh n hd -> b n (nh hd)"))
+    attended = attn.proj(attn.norm(rearrange(heads, "b nh n hd -> b n (nh hd)")))
     entering = x[:, picked]
     middle = entering + block.ls1(attended)
     normed_middle = block.norm2(middle)
-    hidden = mlp.act(mlp.fc1(normed_middle))
+    hidden = mlp.hidden(normed_middle)
     mlp_out = mlp.fc2(hidden)
     states = dict(
         input=entering, norm1=normed[:, picked], q=q, k=k, v=v, scores=scores, attention=attention, heads=heads,
         attn_out=attended, middle=middle, norm2=normed_middle, mlp_hidden=hidden, mlp_out=mlp_out,
         output=middle + block.ls2(mlp_out),
     )
+    if attn.rotary:
+        states.update(q_unrotated=q_unrotated[:, :, picked], k_unrotated=k_unrotated)
     return {name: own_cpu_copy(tensor) for name, tensor in states.items()}

@@ -231,7 +231,7 @@ def _run_inspect(args: argparse.Namespace) -> int:
     from . import analysis, figures
     from .capture import capture
     from .images import load_image, preprocess
-    from .internals import ACTIVATION_NAMES
+    from .internals import activation_name
     from .weights import load_model
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
@@ -293,9 +293,6 @@ def _run_inspect(args: argparse.Namespace) -> int:
             analysis.attention_entropy(captured.attentions)[0], "Attention entropy per head",
             "nats",
         ),
-        "position_similarity": figures.position_similarity_grid(
-            analysis.position_embedding_similarity(model)
-        ),
         "embedding_filters": figures.embedding_filters_figure(analysis.embedding_filters(model)),
         "token_pca": figures.token_pca_image(
             analysis.token_pca(captured.tokens[0, -1, prefix:], captured.grid_size), image
@@ -308,12 +305,14 @@ def _run_inspect(args: argparse.Namespace) -> int:
             for block in sorted({config.depth // 2 - 1, config.depth - 1})
         },
     }
+    if model.pos_embed is not None:  # rotary positions have no embeddings to compare
+        figs["position_similarity"] = figures.position_similarity_grid(analysis.position_embedding_similarity(model))
     if inside:
         labels = figures.token_labels(captured.num_tokens, prefix, config.class_token, config.dist_token)
         steps = captured.internals
         inside_figures = {
             **figures.inside_layer_figures(image, steps, captured.grid_size, labels, head, token, query_patch,
-                                           ACTIVATION_NAMES[config.act_layer]),
+                                           activation_name(config)),
             **figures.softmax_scale_figures(image, steps, captured.grid_size, labels, head, token, 1.0,
                                             query_patch),
         }

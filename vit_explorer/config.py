@@ -13,6 +13,10 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 ACTIVATIONS = ("gelu", "gelu_tanh", "quick_gelu")  # the MLP activations ViTConfig.act_layer names
+# Rotary position embeddings ViTConfig.rope_type names (timm's rope_type): DINOv3's, and EVA-02's
+# ("cat": timm's RotaryEmbeddingCat); the temperature each uses unless told otherwise.
+ROPE_TEMPERATURES = {"dinov3": 100.0, "cat": 10000.0}
+ROPE_PERIODS_DTYPES = ("float32", "bfloat16")
 
 
 def _pair(value: int | tuple[int, int] | list[int]) -> tuple[int, int]:
@@ -99,6 +103,28 @@ class ViTConfig(_JsonConfig):
     drop_path_rate: float = 0.0
     mean: tuple[float, ...] = (0.5, 0.5, 0.5)  # normalization the model's inputs must be given
     std: tuple[float, ...] = (0.5, 0.5, 0.5)
+    # Positions. abs_pos_embed: the learned pos_embed added to the tokens (timm Eva's use_abs_pos_emb;
+    # DINOv3 has none). rope_type: rotary positions on the patch tokens' queries and keys, None,
+    # "dinov3" (centred coordinates in [-1, 1] per axis, rotate-half layout) or "cat" (EVA-02: patch
+    # indices, interleaved pairs); rope_temperature None is the type's own (ROPE_TEMPERATURES).
+    abs_pos_embed: bool = True
+    rope_type: str | None = None
+    rope_temperature: float | None = None
+    rope_grid_indexing: str = "ij"  # "xy": the width coordinate takes the first half of the angles
+    ref_feat_shape: tuple[int, int] | None = None  # "cat": coordinates rescaled to this grid (EVA-02)
+    # "bfloat16": the rotary periods (frequencies) rounded to bfloat16, as the original DINOv3
+    # checkpoints keep them (timm computes them in float32; its model card rounds them to match).
+    rope_periods_dtype: str = "float32"
+    # Attention and MLP variants of timm's Eva. qkv_fused False: separate q_proj, k_proj (never a
+    # bias), v_proj (EVA-02 B/L). scale_attn_inner: a LayerNorm on the heads' outputs before proj
+    # (EVA-02 CLIP). swiglu_mlp: SiLU-gated MLP (timm's packed GluMlp, fc1 holding gate then value;
+    # with scale_mlp or swiglu_align_to its SwiGLU, fc1_g and fc1_x), act_layer unused; scale_mlp: a
+    # LayerNorm on the hidden units before fc2 (EVA-02); swiglu_align_to: hidden width rounded up.
+    qkv_fused: bool = True
+    scale_attn_inner: bool = False
+    swiglu_mlp: bool = False
+    scale_mlp: bool = False
+    swiglu_align_to: int = 0
 
     def __post_init__(self) -> None:
         # Normalise JSON lists to tuples so that configs compare and hash equal after a round trip.
@@ -106,6 +132,8 @@ class ViTConfig(_JsonConfig):
         self._check_types()
         if isinstance(self.image_size, (list, tuple)):
             set_field("image_size", _pair(self.image_size))
+        if self.ref_feat_shape is not None:
+            set_field("ref_feat_shape", _pair(self.ref_feat_shape))
         if self.class_names is not None:
             set_field("class_names", tuple(str(name) for name in self.class_names))
         set_field("mean", _numbers("mean", self.mean))
@@ -138,6 +166,23 @@ class ViTConfig(_JsonConfig):
             )
         if len(self.mean) != self.in_chans or len(self.std) != self.in_chans:
             raise ValueError(f"mean and std need one value per input channel ({self.in_chans})")
+        self._check_rope()
+
+    def _check_rope(self) -> None:
+        if self.rope_type is not None and (not isinstance(self.rope_type, str) or self.rope_type not in ROPE_TEMPERATURES):
+            raise ValueError(f"rope_type must be None or one of {', '.join(ROPE_TEMPERATURES)}, not {_brief(self.rope_type)}")
+        if self.rope_type is not None and self.head_dim % 4:
+            raise ValueError(
+                f"rotary positions need a head dimension divisible by 4 (two axes, pairs of channels), not {self.head_dim}"
+            )
+        if self.rope_grid_indexing not in ("ij", "xy"):
+            raise ValueError(f"rope_grid_indexing must be 'ij' or 'xy', not {_brief(self.rope_grid_indexing)}")
+        if self.rope_periods_dtype not in ROPE_PERIODS_DTYPES:
+            raise ValueError(
+                f"rope_periods_dtype must be one of {', '.join(ROPE_PERIODS_DTYPES)}, not {_brief(self.rope_periods_dtype)}"
+            )
+        if self.ref_feat_shape is not None and self.rope_type != "cat":
+            raise ValueError("ref_feat_shape rescales EVA-02's rotary coordinates: it needs rope_type='cat'")
 
     def _check_types(self) -> None:
         """Types and ranges, so that a config read from a file fails here with a sentence, not later."""
@@ -146,11 +191,14 @@ class ViTConfig(_JsonConfig):
             _check_whole("image_size", side, 1)
         minimums = {
             "patch_size": 1, "in_chans": 1, "num_classes": 0, "embed_dim": 1, "depth": 1,
-            "num_heads": 1, "reg_tokens": 0,
+            "num_heads": 1, "reg_tokens": 0, "swiglu_align_to": 0,
         }
         for name, minimum in minimums.items():
             _check_whole(name, getattr(self, name), minimum)
-        flags = ("qkv_bias", "class_token", "dist_token", "no_embed_class", "pre_norm", "patch_bias")
+        flags = (
+            "qkv_bias", "class_token", "dist_token", "no_embed_class", "pre_norm", "patch_bias", "abs_pos_embed",
+            "qkv_fused", "scale_attn_inner", "swiglu_mlp", "scale_mlp",
+        )
         for name in flags:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, not {_brief(getattr(self, name))}")
@@ -164,12 +212,20 @@ class ViTConfig(_JsonConfig):
             )
         if self.init_values is not None and not _is_number(self.init_values):
             raise ValueError(f"init_values must be a number or None, not {_brief(self.init_values)}")
+        if self.rope_temperature is not None and (not _is_number(self.rope_temperature) or self.rope_temperature <= 0):
+            raise ValueError(f"rope_temperature must be a positive number or None, not {_brief(self.rope_temperature)}")
+        ref = self.ref_feat_shape
+        if ref is not None:
+            if not (isinstance(ref, (list, tuple)) and len(ref) == 2 or isinstance(ref, numbers.Integral)):
+                raise ValueError(f"ref_feat_shape must be a grid size (height, width) or None, not {_brief(ref)}")
+            for side in ref if isinstance(ref, (list, tuple)) else [ref]:
+                _check_whole("ref_feat_shape", side, 1)
         for name in ("drop_rate", "attn_drop_rate", "drop_path_rate"):
             if not _is_number(getattr(self, name)) or not 0 <= getattr(self, name) < 1:
                 raise ValueError(f"{name} must be in [0, 1), not {_brief(getattr(self, name))}")
         if self.class_names is not None and not isinstance(self.class_names, (list, tuple)):
             raise ValueError(f"class_names must be a list of names, not {_brief(self.class_names)}")
-        for name in ("global_pool", "act_layer"):
+        for name in ("global_pool", "act_layer", "rope_grid_indexing", "rope_periods_dtype"):
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"{name} must be a string, not {_brief(getattr(self, name))}")
 
@@ -198,6 +254,26 @@ class ViTConfig(_JsonConfig):
     @property
     def head_dim(self) -> int:
         return self.embed_dim // self.num_heads
+
+    @property
+    def mlp_hidden(self) -> int:
+        """The MLP's hidden width, the units fc2 reads (timm's rounding and SwiGLU alignment)."""
+        hidden = int(self.embed_dim * self.mlp_ratio)
+        if self.swiglu_mlp and self.swiglu_align_to:
+            hidden += -hidden % self.swiglu_align_to
+        return hidden
+
+    @property
+    def mlp_matrices(self) -> int:
+        """How many (D, hidden) matrices the MLP multiplies by: 2, or 3 with a SwiGLU gate."""
+        return 3 if self.swiglu_mlp else 2
+
+    @property
+    def rope_base(self) -> float | None:
+        """The rotary temperature in use (None without rotary positions)."""
+        if self.rope_type is None:
+            return None
+        return float(self.rope_temperature or ROPE_TEMPERATURES[self.rope_type])
 
     @property
     def use_fc_norm(self) -> bool:

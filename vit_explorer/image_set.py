@@ -51,13 +51,16 @@ def patch_keys(internals: LayerInternals, num_prefix_tokens: int) -> torch.Tenso
 
 
 @torch.no_grad()
-def layer_keys(model: ViT, tokens: torch.Tensor, layer: int) -> torch.Tensor:
+def layer_keys(model: ViT, tokens: torch.Tensor, layer: int, grid_size: tuple[int, int] | None = None) -> torch.Tensor:
     """(B, P, nh * hd): :func:`patch_keys` of ``layer`` from the (B, N, D) ``tokens`` entering it,
     computed by that layer's norm and qkv projection alone, the very operations its pass runs
-    (a quarter of the block's work: the attention and the MLP are not needed for the keys)."""
+    (a quarter of the block's work: the attention and the MLP are not needed for the keys).
+    With rotary positions the keys are rotated as the pass rotates them, on ``grid_size`` (default:
+    the model's grid)."""
     block = model.blocks[layer]
     parameter = next(model.parameters())
-    keys = block.attn.keys(block.norm1(tokens.to(parameter.device, parameter.dtype)))  # (B, nh, N, hd)
+    normed = block.norm1(tokens.to(parameter.device, parameter.dtype))
+    keys = block.attn.keys(normed, model.rope_tables(grid_size))  # (B, nh, N, hd)
     return rearrange(keys, "b h n d -> b n (h d)")[:, model.config.num_prefix_tokens:].float().cpu()
 
 

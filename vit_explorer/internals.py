@@ -31,6 +31,11 @@ SWEEP_FACTORS = tuple(2 ** (step / 4) for step in range(-12, 13))
 ACTIVATION_NAMES = {"gelu": "GELU", "gelu_tanh": "GELU (tanh)", "quick_gelu": "QuickGELU"}
 
 
+def activation_name(config) -> str:
+    """How the page and its formulas name a model's MLP nonlinearity: a SwiGLU gate or act_layer's."""
+    return "SwiGLU" if config.swiglu_mlp else ACTIVATION_NAMES[config.act_layer]
+
+
 @dataclass(frozen=True)
 class LayerInternals:
     """One encoder layer of one forward pass, step by step (float32 on the CPU). Every field
@@ -42,8 +47,8 @@ class LayerInternals:
     norm_eps: float  # the LayerNorms' epsilon
     input: torch.Tensor  # (B, R, D) tokens entering the layer
     norm1: torch.Tensor  # (B, R, D) LayerNorm before attention
-    q: torch.Tensor  # (B, nh, R, hd)
-    k: torch.Tensor  # (B, nh, N, hd)
+    q: torch.Tensor  # (B, nh, R, hd) as the scores use them (rotated, with rotary positions)
+    k: torch.Tensor  # (B, nh, N, hd) likewise
     v: torch.Tensor  # (B, nh, N, hd)
     scores: torch.Tensor  # (B, nh, R, N) (q * scale) @ k^T, before the softmax
     attention: torch.Tensor  # (B, nh, R, N) softmax of the scores; rows sum to 1
@@ -51,12 +56,18 @@ class LayerInternals:
     attn_out: torch.Tensor  # (B, R, D) output projection of the concatenated heads
     middle: torch.Tensor  # (B, R, D) after the first residual add
     norm2: torch.Tensor  # (B, R, D) LayerNorm before the MLP
-    mlp_hidden: torch.Tensor  # (B, R, hidden) the MLP's hidden units, after the nonlinearity
+    # (B, R, hidden) the MLP's hidden units fc2 reads: after the nonlinearity (SwiGLU: the gated
+    # product; with scale_mlp, then its LayerNorm)
+    mlp_hidden: torch.Tensor
     mlp_out: torch.Tensor  # (B, R, D) second MLP layer
     output: torch.Tensor  # (B, R, D) tokens leaving the layer
     layer_scale1: torch.Tensor | None = None  # (D,) LayerScale of the attention branch, if any
     layer_scale2: torch.Tensor | None = None  # (D,) LayerScale of the MLP branch, if any
     queries: tuple[int, ...] | None = None  # the tokens of the R rows, in order; None: all N
+    # With rotary positions (ViTConfig.rope_type): q and k before the rotation, as the projection
+    # gives them (the prefix tokens' equal q's and k's); None for a model without.
+    q_unrotated: torch.Tensor | None = None  # (B, nh, R, hd)
+    k_unrotated: torch.Tensor | None = None  # (B, nh, N, hd)
 
     def row(self, token: int) -> int:
         """Where ``token``'s numbers are in the fields of R rows."""
@@ -81,7 +92,8 @@ class LayerInternals:
 
     @property
     def concatenated(self) -> torch.Tensor:
-        """(B, R, D): the heads' outputs side by side, what the output projection reads."""
+        """(B, R, D): the heads' outputs side by side, what the output projection reads (after the
+        attention's own LayerNorm in a model with scale_attn_inner, EVA-02 CLIP)."""
         batch, heads, tokens, head_dim = self.heads.shape
         return self.heads.transpose(1, 2).reshape(batch, tokens, heads * head_dim)
 
@@ -105,8 +117,10 @@ class LayerInternals:
             return None if weight is None else weight.detach().to("cpu", torch.float32, copy=True)
 
         missing = {field for field in cls.__dataclass_fields__ if field not in states} - {
-            "layer", "scale", "norm_eps", "layer_scale1", "layer_scale2", "queries"
+            "layer", "scale", "norm_eps", "layer_scale1", "layer_scale2", "queries", "q_unrotated", "k_unrotated"
         }
+        if block.attn.rotary:
+            missing |= {"q_unrotated", "k_unrotated"} - set(states)
         if missing:
             raise RuntimeError(f"the forward pass did not record layer {layer}'s {sorted(missing)}")
         return cls(

@@ -15,6 +15,7 @@ from einops import rearrange
 from torch import nn
 
 from .config import ViTConfig
+from .rope import RopeSpec, apply_rope, rope_angles, rope_tables
 
 # The recorder of the forward pass running in this context (thread), if one asked: see
 # vit_explorer.recorder. Capture and attribution choose the explicit attention path and collect
@@ -87,6 +88,28 @@ def resample_pos_embed(
     return torch.cat([prefix, grid], dim=1)
 
 
+def from_timm_eva(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A state dict of timm's ``Eva`` (DINOv3, EVA-02) with this ViT's names, for a ViTConfig that
+    mirrors the Eva's: LayerScale's ``gamma_1`` / ``gamma_2`` become ``ls1.gamma`` / ``ls2.gamma``,
+    and a fused qkv's ``q_bias`` and ``v_bias`` one ``qkv.bias`` with the keys' zero bias between
+    them (Eva keeps that one as a buffer it does not save). Every other name is already ours
+    (``q_proj``/``k_proj``/``v_proj``, ``mlp.fc1_g``/``fc1_x``/``norm``, ``attn.norm``); timm's
+    rotary buffers are not saved either, and would be dropped."""
+    converted = {}
+    for key, value in state.items():
+        if key.startswith("rope.") or key.endswith(".k_bias"):
+            continue
+        if key.endswith(".attn.v_bias"):
+            continue
+        if key.endswith(".attn.q_bias"):
+            v_bias = state[key.removesuffix("q_bias") + "v_bias"]
+            key, value = key.removesuffix("q_bias") + "qkv.bias", torch.cat([value, torch.zeros_like(value), v_bias])
+        elif key.endswith(".gamma_1") or key.endswith(".gamma_2"):
+            key = f"{key[:-len('gamma_1')]}ls{key[-1]}.gamma"
+        converted[key] = value
+    return converted
+
+
 # --- the model ----------------------------------------------------------------------------------
 
 
@@ -148,30 +171,64 @@ class Attention(nn.Module):
     gradients; a recorder asking for this layer's internals also gets q, k, v, the scaled scores
     and the heads' outputs. The two paths agree to float rounding. A knock-out of this call
     (:data:`ACTIVE_KNOCKOUT`, vit_explorer.ablation) replaces some heads' outputs before ``proj``.
+
+    A model with rotary positions (``config.rope_type``) rotates the patch tokens' queries and keys
+    before either path (:func:`vit_explorer.rope.apply_rope`), with the sin/cos tables of this
+    pass's grid given as ``rope``; the recorder then also gets them before the rotation.
     """
 
     def __init__(self, config: ViTConfig):
         super().__init__()
+        dim = config.embed_dim
         self.num_heads = config.num_heads
         self.head_dim = config.head_dim
         self.scale = self.head_dim**-0.5
         self.fused_attn = True
-        self.qkv = nn.Linear(config.embed_dim, config.embed_dim * 3, bias=config.qkv_bias)
+        self.num_prefix_tokens = config.num_prefix_tokens
+        spec = RopeSpec.of(config)
+        self.rotary = spec is not None
+        self.rotate_half = spec is not None and spec.rotate_half
+        self.qkv_fused = config.qkv_fused
+        if config.qkv_fused:
+            self.qkv = nn.Linear(dim, dim * 3, bias=config.qkv_bias)
+        else:  # EVA-02's separate projections; its keys never have a bias
+            self.q_proj = nn.Linear(dim, dim, bias=config.qkv_bias)
+            self.k_proj = nn.Linear(dim, dim, bias=False)
+            self.v_proj = nn.Linear(dim, dim, bias=config.qkv_bias)
         self.attend = Softmax(dim=-1)
         self.attn_drop = nn.Dropout(config.attn_drop_rate)
-        self.proj = nn.Linear(config.embed_dim, config.embed_dim)
+        self.norm = nn.LayerNorm(dim, eps=config.layer_norm_eps) if config.scale_attn_inner else nn.Identity()
+        self.proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(config.drop_rate)
 
     def _qkv(self, x: torch.Tensor) -> torch.Tensor:
-        return rearrange(self.qkv(x), "b n (qkv nh hd) -> qkv b nh n hd", qkv=3, nh=self.num_heads)
+        """(B, N, D) normed tokens -> (3, B, nh, N, hd): q, k, v before any rotation."""
+        if self.qkv_fused:
+            return rearrange(self.qkv(x), "b n (qkv nh hd) -> qkv b nh n hd", qkv=3, nh=self.num_heads)
+        projections = torch.stack([self.q_proj(x), self.k_proj(x), self.v_proj(x)])  # (3, B, N, D)
+        return rearrange(projections, "qkv b n (nh hd) -> qkv b nh n hd", nh=self.num_heads)
 
-    def keys(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, N, D) normed tokens -> (B, nh, N, hd): this layer's keys as ``forward`` computes them,
-        without the attention itself."""
-        return self._qkv(x)[1]
+    def rotate(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """(B, nh, N, hd) queries or keys as the scores see them: the patch tokens rotated by their
+        positions' angles (``rope``: this grid's sin/cos tables, ViT.rope_tables); unchanged
+        without rotary positions."""
+        if not self.rotary:
+            return x
+        if rope is None:
+            raise ValueError(
+                "this model rotates its patch tokens' queries and keys: pass rope=model.rope_tables(grid_size)"
+            )
+        return apply_rope(x, rope, self.rotate_half, self.num_prefix_tokens)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def keys(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """(B, N, D) normed tokens -> (B, nh, N, hd): this layer's keys as ``forward`` computes them
+        (rotated, with rotary positions), without the attention itself."""
+        return self.rotate(self._qkv(x)[1], rope)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         q, k, v = self._qkv(x).unbind(0)  # (B, nh, N, hd) each
+        unrotated = dict(q_unrotated=q, k_unrotated=k) if self.rotary else {}
+        q, k = self.rotate(q, rope), self.rotate(k, rope)
         recorder = ACTIVE_RECORDER.get()
         if self.fused_attn and (recorder is None or not recorder.wants_attention(self)):
             x = F.scaled_dot_product_attention(
@@ -186,12 +243,12 @@ class Attention(nn.Module):
                 recorder.attention(self, attn)
             x = self.attn_drop(attn) @ v  # (B, nh, N, hd)
             if recorder is not None:
-                recorder.internals(self, q=q, k=k, v=v, scores=scores, attention=attn, heads=x)
+                recorder.internals(self, q=q, k=k, v=v, scores=scores, attention=attn, heads=x, **unrotated)
         knock_out = ACTIVE_KNOCKOUT.get()
         if knock_out is not None:
             x = knock_out.heads(self, x)  # the knocked-out heads' outputs, before the projection
         x = rearrange(x, "b nh n hd -> b n (nh hd)")
-        return self.proj_drop(self.proj(x))
+        return self.proj_drop(self.proj(self.norm(x)))
 
 
 class QuickGELU(nn.Module):
@@ -209,24 +266,55 @@ def activation(name: str) -> nn.Module:
 
 
 class Mlp(nn.Module):
+    """fc1 -> activation -> fc2, timm's Mlp; or a SiLU-gated unit (SwiGLU, Shazeer 2020) with
+    timm's parameters: packed (GluMlp: fc1 holds the gate, then the value) or split (SwiGLU:
+    fc1_g, fc1_x) when the config asks for scale_mlp or an aligned width, as timm's Eva builds
+    them. scale_mlp adds a LayerNorm on the hidden units before fc2 (EVA-02).
+
+    A knock-out replaces, and a recorder asking for this layer's internals gets, the hidden units
+    fc2 reads (:meth:`hidden`)."""
+
     def __init__(self, config: ViTConfig):
         super().__init__()
-        hidden = int(config.embed_dim * config.mlp_ratio)
-        self.fc1 = nn.Linear(config.embed_dim, hidden)
-        self.act = activation(config.act_layer)
+        dim, hidden = config.embed_dim, config.mlp_hidden
+        self.gated = config.swiglu_mlp
+        self.packed = self.gated and not (config.scale_mlp or config.swiglu_align_to)
+        if not self.gated:
+            self.fc1 = nn.Linear(dim, hidden)
+            self.act = activation(config.act_layer)
+        elif not self.packed:
+            self.fc1_g = nn.Linear(dim, hidden)
+            self.fc1_x = nn.Linear(dim, hidden)
+            self.act = nn.SiLU()
+        else:
+            self.fc1 = nn.Linear(dim, 2 * hidden)
+            self.act = nn.SiLU()
         self.drop1 = nn.Dropout(config.drop_rate)
-        self.fc2 = nn.Linear(hidden, config.embed_dim)
+        self.norm = nn.LayerNorm(hidden, eps=config.layer_norm_eps) if config.scale_mlp else nn.Identity()
+        self.fc2 = nn.Linear(hidden, dim)
         self.drop2 = nn.Dropout(config.drop_rate)
 
+    def hidden(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, N, D) -> (B, N, hidden): the units fc2 reads (after the activation or the gate, and
+        the hidden LayerNorm if any)."""
+        if not self.gated:
+            units = self.act(self.fc1(x))
+        elif self.packed:
+            gate, value = self.fc1(x).chunk(2, dim=-1)  # (B, N, hidden) each
+            units = self.act(gate) * value
+        else:
+            units = self.act(self.fc1_g(x)) * self.fc1_x(x)
+        return self.norm(self.drop1(units))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        hidden = self.act(self.fc1(x))  # (B, N, hidden)
+        hidden = self.hidden(x)  # (B, N, hidden)
         knock_out = ACTIVE_KNOCKOUT.get()
         if knock_out is not None:
             hidden = knock_out.hidden(self, hidden)  # a knocked-out branch's units, before fc2
         recorder = ACTIVE_RECORDER.get()
         if recorder is not None:
             recorder.internals(self, mlp_hidden=hidden)
-        return self.drop2(self.fc2(self.drop1(hidden)))
+        return self.drop2(self.fc2(hidden))
 
 
 class LayerScale(nn.Module):
@@ -275,11 +363,12 @@ class Block(nn.Module):
         self.ls2 = layer_scale()
         self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         # Step by step, so that a recorder asking for this layer's internals (vit_explorer.internals)
         # gets every intermediate of this very pass; the arithmetic is the one-line block's.
+        # ``rope``: the grid's rotary tables, for a model with rotary positions (ViT.rope_tables).
         normed = self.norm1(x)
-        attended = self.attn(normed)
+        attended = self.attn(normed, rope)
         middle = x + self.drop_path1(self.ls1(attended))
         normed_middle = self.norm2(middle)
         mlp_out = self.mlp(normed_middle)
@@ -344,7 +433,9 @@ class ViT(nn.Module):
             nn.Parameter(torch.zeros(1, config.reg_tokens, dim)) if config.reg_tokens else None
         )
         embed_len = config.num_patches + (0 if config.no_embed_class else self.num_prefix_tokens)
-        self.pos_embed = nn.Parameter(torch.zeros(1, embed_len, dim))
+        self.pos_embed = nn.Parameter(torch.zeros(1, embed_len, dim)) if config.abs_pos_embed else None
+        # Rotary positions have no parameters: their sin/cos tables are computed per grid (rope.py).
+        self.rope_spec = RopeSpec.of(config)
         self.pos_drop = nn.Dropout(config.drop_rate)
         self.norm_pre = nn.LayerNorm(dim, eps=config.layer_norm_eps) if config.pre_norm else nn.Identity()
         # Stochastic depth grows linearly with depth (plain floats: the model can be built on "meta").
@@ -363,11 +454,12 @@ class ViT(nn.Module):
         self._init_weights()
 
     def _init_weights(self) -> None:
-        if self.pos_embed.is_meta:
+        if self.patch_embed.proj.weight.is_meta:
             # Built on "meta" to adopt a checkpoint's tensors: nothing to fill, and init ops on
             # meta tensors import torch._dynamo (3 s on the first model a process loads).
             return
-        nn.init.trunc_normal_(self.pos_embed, std=0.02)
+        if self.pos_embed is not None:
+            nn.init.trunc_normal_(self.pos_embed, std=0.02)
         for token in (self.cls_token, self.dist_token, self.reg_token):
             if token is not None:
                 nn.init.normal_(token, std=1e-6)
@@ -387,27 +479,37 @@ class ViT(nn.Module):
         patch = patch_size or self.config.patch_size
         return (height // patch, width // patch)
 
+    def rope_tables(self, grid_size: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The rotary (sin, cos) tables of a ``grid_size`` grid (default: the config's) on this model's
+        device, each (gh * gw, hd), shared and cached (vit_explorer.rope); None without rotary positions."""
+        if self.rope_spec is None:
+            return None
+        device = self.patch_embed.proj.weight.device
+        return rope_tables(self.rope_spec, tuple(grid_size or self.config.grid_size), device)
+
+    def rope_angles(self, grid_size: tuple[int, int] | None = None) -> torch.Tensor | None:
+        """(gh * gw, hd/2) each patch's rotation angles in radians (vit_explorer.rope.rope_angles)."""
+        return rope_angles(self.config, grid_size)
+
     def _pos_embed(self, x: torch.Tensor, patch_size: int | None = None) -> torch.Tensor:
-        """Add position embeddings and prepend [class, distillation, register tokens] to (B, gh*gw, D).
+        """Add position embeddings (if the model has them) and prepend [class, distillation,
+        register tokens] to (B, gh*gw, D).
 
         At another patch size the grid part of the position embeddings is resampled to the new
         grid for this call (bicubic, differentiable), as FlexiViT does.
         """
-        embed_prefix = 0 if self.config.no_embed_class else self.num_prefix_tokens
-        pos_embed = resample_pos_embed(
-            self.pos_embed, self.config.grid_size, self.grid_size(patch_size), embed_prefix
-        )
         prefix = [
             token.expand(x.shape[0], -1, -1)
             for token in (self.cls_token, self.dist_token, self.reg_token)
             if token is not None
         ]
-        if self.config.no_embed_class:
-            x = x + pos_embed
-            x = torch.cat(prefix + [x], dim=1) if prefix else x
-        else:
-            x = torch.cat(prefix + [x], dim=1) if prefix else x
-            x = x + pos_embed
+        if self.pos_embed is not None and self.config.no_embed_class:
+            x = x + resample_pos_embed(self.pos_embed, self.config.grid_size, self.grid_size(patch_size), 0)
+        x = torch.cat(prefix + [x], dim=1) if prefix else x
+        if self.pos_embed is not None and not self.config.no_embed_class:
+            x = x + resample_pos_embed(
+                self.pos_embed, self.config.grid_size, self.grid_size(patch_size), self.num_prefix_tokens
+            )
         return self.pos_drop(x)  # (B, N, D)
 
     def forward_features(self, x: torch.Tensor, patch_size: int | None = None) -> torch.Tensor:
@@ -420,15 +522,19 @@ class ViT(nn.Module):
         x = self.norm_pre(self._pos_embed(x, patch_size))  # (B, N, D)
         if recorder is not None:
             recorder.tokens(self, x)
-        return self.forward_blocks(x)
+        return self.forward_blocks(x, grid_size=self.grid_size(patch_size))
 
-    def forward_blocks(self, x: torch.Tensor, start: int = 0) -> torch.Tensor:
+    def forward_blocks(
+        self, x: torch.Tensor, start: int = 0, grid_size: tuple[int, int] | None = None
+    ) -> torch.Tensor:
         """(B, N, D) tokens entering block ``start`` -> tokens after the final norm: the rest of
         the pass from there, so that a knock-out or a sweep starting at layer ``start`` reuses the
-        earlier layers' tokens of an intact pass instead of running them again."""
+        earlier layers' tokens of an intact pass instead of running them again. ``grid_size``: the
+        patch grid the tokens come from (default: the config's), which rotary positions need."""
         recorder = ACTIVE_RECORDER.get()
+        rope = self.rope_tables(grid_size)
         for block in self.blocks[start:]:
-            x = block(x)
+            x = block(x, rope)
             if recorder is not None:
                 recorder.tokens(self, x)
         return self.norm(x)
