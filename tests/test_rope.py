@@ -11,7 +11,8 @@ from timm.layers import apply_rot_embed_cat
 
 import vit_explorer as vx
 from vit_explorer import analysis
-from vit_explorer.capture import layer_internals, record_attention
+from vit_explorer.capture import layer_internals
+from vit_explorer.recorder import record_attention
 from vit_explorer.model import from_timm_eva, resample_patch_embed, resample_pos_embed
 from vit_explorer.rope import RopeSpec, rope_angles, rope_tables
 
