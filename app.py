@@ -1,16 +1,17 @@
 """ViT Explorer: `streamlit run app.py`.
 
 The entry page: page config, the sidebar every page shares (which model, which image) and the
-navigation. The views/ draw, vit_explorer computes, vit_explorer.ui caches. The folder is not
+navigation. The views/ draw, vit_explorer computes, vit_explorer.app caches. The folder is not
 called pages/: Streamlit would take that for a legacy multipage app and could run a page
 without this script, that is without the sidebar and the session state it sets up.
 """
 import streamlit as st
 
-from vit_explorer import ui
+from vit_explorer.app import images, models, runs, session, uploads
+from vit_explorer.app.selection import unreadable_photo_reason
 
 st.set_page_config(page_title="ViT Explorer", page_icon=":material/grid_view:", layout="wide")
-ui.init_state()
+session.init_state()
 state = st.session_state
 
 pages = {"Explore": [
@@ -27,11 +28,11 @@ pages = {"Explore": [
 page = st.navigation(pages)
 # Offered when a photo meets a model that cannot read it: self-supervised, supervised, language.
 PHOTO_MODELS = ("pretrained:dino_vits16", "pretrained:deit_s", "pretrained:clip_vitb16")
-model_error = ui.apply_requested_model()
+model_error = models.apply_requested_model()
 
 
 def _on_model_picked() -> None:
-    ui.request_model(state["model_picker"])
+    models.request_model(state["model_picker"])
 
 
 def _on_image_picked() -> None:
@@ -45,12 +46,12 @@ def _checkpoint_uploader() -> None:
         " Hugging Face ViT (config.json plus its weights)",
         type=["safetensors", "pth", "pt", "bin", "json"],
         accept_multiple_files=True,
-        key=ui.upload_key("checkpoint_upload"),
+        key=uploads.upload_key("checkpoint_upload"),
     )
     if files:
         with st.spinner("Reading the checkpoint ..."):
-            state["checkpoint_error"] = ui.add_checkpoint_upload(files)
-        ui.release_upload("checkpoint_upload", files)
+            state["checkpoint_error"] = uploads.add_checkpoint_upload(files)
+        uploads.release_upload("checkpoint_upload", files)
     if "checkpoint_error" in state:
         error = state.pop("checkpoint_error")
         if error:
@@ -60,14 +61,14 @@ def _checkpoint_uploader() -> None:
 def _image_uploader() -> None:
     """The image uploader: an image's own size limit and types; released like checkpoints."""
     file = st.file_uploader(
-        "Upload an image", type=ui.IMAGE_TYPES, max_upload_size=ui.IMAGE_UPLOAD_MB,
-        key=ui.upload_key("image_upload"),
+        "Upload an image", type=uploads.IMAGE_TYPES, max_upload_size=uploads.IMAGE_UPLOAD_MB,
+        key=uploads.upload_key("image_upload"),
         help=f"A picture PIL can read (PNG, JPEG, WebP, GIF: first frame, TIFF, BMP), up to"
-        f" {ui.IMAGE_UPLOAD_MB} MB.",
+        f" {uploads.IMAGE_UPLOAD_MB} MB.",
     )
     if file is not None:
-        state["image_error"] = ui.add_image_upload(file)
-        ui.release_upload("image_upload", [file])
+        state["image_error"] = uploads.add_image_upload(file)
+        uploads.release_upload("image_upload", [file])
     if "image_error" in state:
         error = state.pop("image_error")
         if error:
@@ -83,7 +84,7 @@ with st.sidebar:
         st.warning(state.pop("model_notice"))
 
     with model_slot:
-        options = ui.model_options()
+        options = models.model_options()
         state["model_picker"] = state["model_key"]
         st.selectbox(
             "Model", list(options), format_func=options.get, key="model_picker",
@@ -91,18 +92,18 @@ with st.sidebar:
             help="The shipped model works offline; each pretrained model downloads once from its"
             " publisher. What each one is: below, under \"The pretrained models\".",
         )
-        card = ui.model_card(state["model_key"])
-        whole = ui.model_options(whole=True).get(state["model_key"])
+        card = models.model_card(state["model_key"])
+        whole = models.model_options(whole=True).get(state["model_key"])
         if card:
             st.caption(card)  # it begins with the model's whole title
         elif whole and whole != options.get(state["model_key"]):
             st.caption(whole)  # the picker had to shorten it
         with st.expander("The pretrained models"):
-            st.markdown(ui.model_cards())
+            st.markdown(models.model_cards())
         if model_error:
             st.error(model_error)
         try:
-            selection = ui.selection()
+            selection = session.selection()
         except (ValueError, OSError) as error:
             selection = None
             st.error(f"The model could not be loaded: {error}")
@@ -112,9 +113,9 @@ with st.sidebar:
                 f" (resized from patch {base.patch_size})"
                 if base.patch_size != selection.patch_size else ""
             )
-            st.caption(f"{ui.describe(selection.config)}{resized}.")
-            st.caption(f"{ui.parameter_count(selection.model):,} parameters.")
-            native = ui.base_model(state["model_key"]).config
+            st.caption(f"{models.describe(selection.config)}{resized}.")
+            st.caption(f"{models.parameter_count(selection.model):,} parameters.")
+            native = models.base_model(state["model_key"]).config
             # One label whatever the size (the caption above gives it): a new label would be a new
             # expander, drawn closed after every edit.
             with st.expander("Input size"):
@@ -125,12 +126,12 @@ with st.sidebar:
                 height_column, width_column = st.columns(2)
                 step = native.patch_size
                 height = height_column.number_input(
-                    "Height (px)", min_value=step, step=step, **ui.keep("input_height", native.img_size[0])
+                    "Height (px)", min_value=step, step=step, **session.keep("input_height", native.img_size[0])
                 )
                 width = width_column.number_input(
-                    "Width (px)", min_value=step, step=step, **ui.keep("input_width", native.img_size[1])
+                    "Width (px)", min_value=step, step=step, **session.keep("input_width", native.img_size[1])
                 )
-                problem = ui.image_size_problem(native, (int(height), int(width)))
+                problem = models.image_size_problem(native, (int(height), int(width)))
                 if problem:
                     st.error(f"{problem} Showing {native.img_size[0]}x{native.img_size[1]} px.")
             with st.expander("Full config"):
@@ -144,37 +145,37 @@ with st.sidebar:
         st.warning(state.pop("image_notice"))
     if selection is not None:
         with image_slot:
-            image_options = ui.sample_image_options(selection.config.img_size)
-            image_options.update(ui.uploaded_image_options())
+            image_options = images.sample_image_options(selection.config.img_size)
+            image_options.update(images.uploaded_image_options())
             state["image_picker"] = state["image_key"]
             st.selectbox(
                 "Image", list(image_options), format_func=image_options.get, key="image_picker",
                 on_change=_on_image_picked,
             )
-            selection = ui.selection()
+            selection = session.selection()
             width, height = selection.image.size
             st.image(
-                ui.sidebar_image(selection.image_key, selection.image), caption=f"{width}x{height} px as given",
+                images.sidebar_image(selection.image_key, selection.image), caption=f"{width}x{height} px as given",
                 width=160,
             )
-            reason = ui.unreadable_photo_reason(selection)
+            reason = unreadable_photo_reason(selection)
             if reason:
                 # Only models that can be had: downloaded, or their publisher answers.
-                offered = [model_key for model_key in PHOTO_MODELS if ui.obtainable(model_key)]
+                offered = [model_key for model_key in PHOTO_MODELS if models.obtainable(model_key)]
                 st.warning(f"{reason} A pretrained model below reads photos." if offered else reason)
                 for model_key in offered:
                     st.button(
-                        f"Explore with {ui.model_title(model_key)}", key=f"try:{model_key}",
-                        on_click=ui.request_model, args=(model_key,), width="stretch",
+                        f"Explore with {models.model_title(model_key)}", key=f"try:{model_key}",
+                        on_click=models.request_model, args=(model_key,), width="stretch",
                     )
                 if not offered:
-                    st.info(ui.CATALOGUE_OFFLINE)
+                    st.info(models.CATALOGUE_OFFLINE)
 
     def my_runs() -> tuple[dict, list[str]]:
         """This person's training and waiting runs: only they poll, so that a class browsing
         beside one run does not rerun every session's sidebar every two seconds."""
-        running = {run_id: run for run_id, run in ui.active_runs().items() if ui.owns_run(run_id)}
-        return running, [run_id for run_id in ui.run_manager().queued() if ui.owns_run(run_id)]
+        running = {run_id: run for run_id, run in runs.active_runs().items() if runs.owns_run(run_id)}
+        return running, [run_id for run_id in runs.run_manager().queued() if runs.owns_run(run_id)]
 
     active, waiting = my_runs()
 
@@ -190,7 +191,7 @@ with st.sidebar:
 
     training_status()
 
-ui.keep_in_address()
+session.keep_in_address()
 if selection is None and page.title != "Train":
     st.info("Choose another model in the sidebar, or train one on the Train page.")
     st.stop()

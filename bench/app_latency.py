@@ -43,7 +43,7 @@ from streamlit.runtime.scriptrunner.script_cache import ScriptCache
 from streamlit.testing.v1 import AppTest, app_test, local_script_runner
 
 import vit_explorer as vx
-from vit_explorer import ui
+from vit_explorer.app import models, session, uploads
 
 APP = str(Path(__file__).resolve().parent.parent / "app.py")
 # AppTest compiles app.py and the page again on every run (a new ScriptCache each time: 20-25 ms
@@ -64,16 +64,16 @@ KNOCKOUT = "views/knockout.py"
 
 
 def forward_seconds(model: vx.ViT, rounds: int = 7) -> float:
-    x = torch.randn(1, 3, *model.config.img_size, device=ui.DEVICE)
+    x = torch.randn(1, 3, *model.config.img_size, device=models.DEVICE)
     with torch.no_grad():
         model(x)  # warm-up
         times = []
         for _ in range(rounds):
-            if ui.DEVICE.type == "cuda":
+            if models.DEVICE.type == "cuda":
                 torch.cuda.synchronize()
             started = time.perf_counter()
             model(x)
-            if ui.DEVICE.type == "cuda":
+            if models.DEVICE.type == "cuda":
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - started)
     return statistics.median(times)
@@ -129,7 +129,7 @@ def run(small: bool, device: torch.device, pages: Sequence[str] = PAGES) -> list
     """One round on ``device``: (step, kind, seconds, seconds of one plain forward pass just
     before) per step, for the steps of ``pages`` (the first two Pipeline steps always: they load
     the model and an image)."""
-    ui.DEVICE = device  # this process is the bench's own: the app reads its device from here
+    models.DEVICE = device  # this process is the bench's own: the app reads its device from here
     size = dict(embed_dim=384, depth=12, num_heads=6) if small else dict(embed_dim=768, depth=12, num_heads=12)
     torch.manual_seed(0)
     model = vx.ViT(vx.ViTConfig(image_size=224, patch_size=16, num_classes=1000, **size))
@@ -143,8 +143,8 @@ def _round(model: torch.nn.Module, folder: Path, size: dict, device: torch.devic
     weights = folder / "vit_b16_random.safetensors"
     vx.save_model(model, weights)
     os.environ["VIT_EXPLORER_DEFAULT_MODEL"] = str(weights)
-    ui.UPLOADS_DIR = folder / "uploads"
-    model = model.to(ui.DEVICE).eval()
+    uploads.UPLOADS_DIR = folder / "uploads"
+    model = model.to(models.DEVICE).eval()
     st.cache_data.clear()
     st.cache_resource.clear()
 
@@ -273,7 +273,7 @@ def compare(app: AppTest, steps: Steps, folder: Path, size: dict) -> None:
                        steps.image("shapes:1"), one_model)
     steps.time("Compare: move the layer slider", "widget", lambda: widget(app.slider, "A's layer").set_value(4))
     steps.time("Compare: query an image point", "widget", lambda: widget(app.radio, "Query").set_value("image point"))
-    app.selectbox(key="compare_model").set_value(ui.SAME_MODEL).run()
+    app.selectbox(key="compare_model").set_value(session.SAME_MODEL).run()
     b_patch = widget(app.select_slider, "B's patch size").value
     steps.time_against(f"Compare: a new image (B: the same at patch {b_patch})", "compare first view",
                        steps.image("shapes:2"), one_model)

@@ -72,7 +72,7 @@ from vit_explorer.train import DEFAULT_WEIGHTS
 # The pages a student walks, in the sidebar's order; it starts at a random one after the upload.
 PAGES = ("Pipeline", "Patches", "Attention", "Inside a layer", "Train", "Several images", "Knock-out", "Compare")
 IMAGE_PICKER = "Image"  # the sidebar's selectbox of images
-# The sidebar's caption of the model (ui.describe): the input and patch size the pages use.
+# The sidebar's caption of the model (vit_explorer.app.models.describe): the input and patch size the pages use.
 SIZES = re.compile(r"(\d+)x(\d+) px input, patch (\d+) ")
 
 
@@ -92,7 +92,7 @@ class Expected:
         if patch == config.patch_size and size == tuple(config.img_size):
             return self.native[number]
         if (number, patch, size) not in self._found:
-            if (patch, size) not in self._models:  # as the app's ui.model_at resizes
+            if (patch, size) not in self._models:  # as the app's models.model_at resizes
                 self._models[patch, size] = vx.resize_model(
                     self.model, patch_size=patch, image_size=size, share_weights=True).eval()
             model = self._models[patch, size]

@@ -14,7 +14,8 @@ import torch
 from streamlit.testing.v1 import AppTest
 
 import vit_explorer as vx
-from vit_explorer import train, ui
+from vit_explorer import train
+from vit_explorer.app import costs, images, models, runs, selection, session, uploads
 from vit_explorer.data import SHAPE_CLASSES, shapes_sample
 
 APP = str(Path(__file__).resolve().parent.parent / "app.py")
@@ -35,12 +36,12 @@ def tiny_default(tmp_path, monkeypatch):
     weights = tmp_path / "tiny_default.safetensors"
     vx.save_model(tiny_model(), weights)
     monkeypatch.setenv("VIT_EXPLORER_DEFAULT_MODEL", str(weights))
-    monkeypatch.setattr(ui, "RUNS_DIR", tmp_path / "runs")
-    monkeypatch.setattr(ui, "UPLOADS_DIR", tmp_path / "uploads")
+    monkeypatch.setattr(runs, "RUNS_DIR", tmp_path / "runs")
+    monkeypatch.setattr(uploads, "UPLOADS_DIR", tmp_path / "uploads")
     st.cache_data.clear()
     st.cache_resource.clear()
     yield weights
-    ui.run_manager().shutdown()
+    runs.run_manager().shutdown()
     st.cache_resource.clear()
 
 
@@ -146,7 +147,7 @@ def test_moving_sliders_never_recomputes_the_forward_pass(monkeypatch):
         calls.append(1)
         return vx.capture(*args, **kwargs)
 
-    monkeypatch.setattr(ui, "capture", counting_capture)
+    monkeypatch.setattr(selection, "capture", counting_capture)
     app = open_app("views/attention.py")
     assert len(calls) == 1
     widget(app.slider, "Layer").set_value(0).run()
@@ -168,7 +169,7 @@ def test_the_app_keeps_the_attention_it_captures_in_half_precision(monkeypatch):
         captured.append(vx.capture(*args, **kwargs))
         return captured[-1]
 
-    monkeypatch.setattr(ui, "capture", keeping_capture)
+    monkeypatch.setattr(selection, "capture", keeping_capture)
     app = open_app("views/attention.py")
     assert not app.exception and len(captured) == 1
     assert captured[0].attentions.dtype == torch.float16  # half the bytes of every cached capture
@@ -178,20 +179,20 @@ def test_the_app_keeps_the_attention_it_captures_in_half_precision(monkeypatch):
 def test_a_resized_model_shares_its_base_weights_and_is_evicted_before_its_base(monkeypatch):
     from vit_explorer.cache import nbytes
 
-    base = ui.base_model(ui.DEFAULT_MODEL)
+    base = models.base_model(models.DEFAULT_MODEL)
     size = base.config.img_size
-    resized = ui.model_at(ui.DEFAULT_MODEL, 8, size)
+    resized = models.model_at(models.DEFAULT_MODEL, 8, size)
     assert resized.blocks[0].attn.qkv.weight.data_ptr() == base.blocks[0].attn.qkv.weight.data_ptr()
-    own = ui.shared_models().total_bytes - nbytes(base)
+    own = models.shared_models().total_bytes - nbytes(base)
     assert 0 < own < nbytes(resized.blocks)  # counted: the resampled tensors only
     # Room for the base and one resized model: whatever needs room next (another model) evicts
     # the resized one, never the base whose storage the resized model holds.
     st.cache_resource.clear()
-    monkeypatch.setattr(ui, "MODELS_BYTES", nbytes(base) + 3 * own // 2)
-    ui.model_at(ui.DEFAULT_MODEL, 8, size)
-    models = ui.shared_models()
-    models.get_or_compute(("another model",), lambda: torch.zeros(own // 4))
-    assert ("base", ui.DEFAULT_MODEL) in models and ("resized", ui.DEFAULT_MODEL, 8, size) not in models
+    monkeypatch.setattr(models, "MODELS_BYTES", nbytes(base) + 3 * own // 2)
+    models.model_at(models.DEFAULT_MODEL, 8, size)
+    shared = models.shared_models()
+    shared.get_or_compute(("another model",), lambda: torch.zeros(own // 4))
+    assert ("base", models.DEFAULT_MODEL) in shared and ("resized", models.DEFAULT_MODEL, 8, size) not in shared
 
 
 def test_patch_size_changes_the_grid_everywhere():
@@ -223,7 +224,7 @@ def test_a_new_model_starts_at_its_own_patch_size(tmp_path):
 def test_predictions_at_each_patch_size_use_the_resized_model():
     model = tiny_model()
     image, _ = vx.data.shapes_sample(0, 32)
-    rows = ui.predictions_by_patch_size(model, image)
+    rows = costs.predictions_by_patch_size(model, image)
     assert [row["patch size"] for row in rows] == [2, 4, 8, 16, 32]
     assert [row["tokens"] for row in rows] == [257, 65, 17, 5, 2]
     for row in rows:
@@ -237,16 +238,16 @@ def test_predictions_at_each_patch_size_use_the_resized_model():
 
 def test_held_out_accuracy_at_each_patch_size_matches_the_resized_model():
     model = tiny_model()
-    dataset = ui.held_out_set(model.config)
-    assert len(dataset) == ui.HELD_OUT_IMAGES and ui.has_held_out(model.config)
-    accuracy = ui.held_out_accuracy_by_patch_size(model, dataset)
+    dataset = costs.held_out_set(model.config)
+    assert len(dataset) == costs.HELD_OUT_IMAGES and costs.has_held_out(model.config)
+    accuracy = costs.held_out_accuracy_by_patch_size(model, dataset)
     assert sorted(accuracy) == [2, 4, 8, 16, 32]
     resized = vx.resize_model(model, patch_size=8)
     x = (dataset.images.float() / 255 - 0.5) / 0.25
     with torch.no_grad():
         expected = (resized(x).argmax(-1) == dataset.labels).float().mean()
     assert accuracy[8] == pytest.approx(float(expected))
-    assert not ui.has_held_out(tiny_model(num_classes=3, class_names=("a", "b", "c")).config)
+    assert not costs.has_held_out(tiny_model(num_classes=3, class_names=("a", "b", "c")).config)
 
 
 def test_the_patches_page_shows_the_trade_off_of_every_patch_size():
@@ -265,7 +266,7 @@ def test_a_bad_image_upload_says_why_and_keeps_the_previous_image():
     app.file_uploader(key="image_upload").set_value(("notes.png", b"just some text", "image/png")).run()
     assert not app.exception
     assert len(errors(app)) == 1 and errors(app)[0].startswith("Could not use notes.png:")
-    assert app.selectbox(key="image_picker").value == ui.DEFAULT_IMAGE
+    assert app.selectbox(key="image_picker").value == images.DEFAULT_IMAGE
     assert title_matching(app, "^Attention of the")  # the page still works
 
 
@@ -311,7 +312,7 @@ def test_pretrained_offline_says_so_and_keeps_the_previous_model(monkeypatch, tm
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))  # nothing downloaded yet
     monkeypatch.setenv(catalogue.TORCHVISION_URL_VARIABLE, "http://127.0.0.1:9")  # discard port: refused
     app = open_app("views/pipeline.py")
-    app.selectbox(key="model_picker").set_value(ui.PRETRAINED_MODEL).run()
+    app.selectbox(key="model_picker").set_value(models.PRETRAINED_MODEL).run()
     assert not app.exception
     (error,) = errors(app)
     assert error.startswith("Could not load that model: could not download ImageNet ViT-B/16 (torchvision)")
@@ -328,7 +329,7 @@ def test_a_one_epoch_training_run_produces_metrics_and_becomes_the_model():
     widget(app.text_input, "Patch sizes (FlexiViT)").set_value("4, 8")
     widget(app.button, "Launch training").click().run()
     assert not app.exception and errors(app) == []
-    (run,) = ui.training_runs().values()
+    (run,) = runs.training_runs().values()
     assert run.config.patch_sizes == (4, 8)
     assert run.join(timeout=120) and run.status == "finished", run.error
     assert run.peak_rss is not None  # it trained in a process of its own
@@ -349,7 +350,7 @@ def test_an_impossible_custom_model_is_refused_with_a_sentence():
     widget(app.button, "Launch training").click().run()
     assert not app.exception
     assert errors(app) == ["Cannot train that: image size 32x32 is not divisible by patch size 5"]
-    assert ui.training_runs() == {}
+    assert runs.training_runs() == {}
 
 
 def test_a_model_too_large_for_the_server_is_refused_before_it_starts():
@@ -362,7 +363,7 @@ def test_a_model_too_large_for_the_server_is_refused_before_it_starts():
     (error,) = errors(app)
     assert error.startswith("This run would need about ") and "a run may use on this server" in error
     assert "lower the batch size (4096), use a larger patch size (patch 1 gives 1025 tokens" in error
-    assert ui.training_runs() == {}
+    assert runs.training_runs() == {}
 
 
 def launch(app: AppTest, epochs: int) -> None:
@@ -379,9 +380,9 @@ def progress_texts(app: AppTest) -> list[str]:
 def test_runs_wait_their_turn_and_only_their_owner_stops_them(monkeypatch):
     monkeypatch.setenv("VIT_EXPLORER_MAX_RUNS", "1")
     alice = open_app("views/train.py")
-    assert ui.OWNER_PARAM not in alice.query_params  # no token in an address that may be shared
+    assert runs.OWNER_PARAM not in alice.query_params  # no token in an address that may be shared
     launch(alice, epochs=200)
-    token = alice.query_params[ui.OWNER_PARAM]
+    token = alice.query_params[runs.OWNER_PARAM]
     assert token  # created with her first run
     launch(alice, epochs=1)
     assert "run 2 queued: 1st in line; it starts by itself when a slot frees" in progress_texts(alice)
@@ -389,7 +390,7 @@ def test_runs_wait_their_turn_and_only_their_owner_stops_them(monkeypatch):
 
     # Someone else watches alice's run but cannot stop it.
     bob = open_app("views/train.py")
-    assert bob.query_params.get(ui.OWNER_PARAM) != token
+    assert bob.query_params.get(runs.OWNER_PARAM) != token
     bob.selectbox(key="watched_run").set_value("run 1").run()
     assert bob.selectbox(key="watched_run").options == [
         f"run {number}: shapes, tiny model (read-only)" for number in (1, 2)
@@ -399,14 +400,14 @@ def test_runs_wait_their_turn_and_only_their_owner_stops_them(monkeypatch):
 
     # Alice reloads the page: her token is in its address, and her Stop button is back.
     again = AppTest.from_file(APP, default_timeout=60)
-    again.query_params[ui.OWNER_PARAM] = token
+    again.query_params[runs.OWNER_PARAM] = token
     again.run().switch_page("views/train.py").run()
     again.selectbox(key="watched_run").set_value("run 1").run()
-    run = ui.training_runs()["run 1"]
+    run = runs.training_runs()["run 1"]
     widget(again.button, "Stop").click().run()
     assert run.join(timeout=60) and run.status == "stopped", run.error
-    assert ui.run_manager().place("run 2") is None  # it started when the slot freed
-    assert ui.training_runs()["run 2"].join(timeout=120)
+    assert runs.run_manager().place("run 2") is None  # it started when the slot freed
+    assert runs.training_runs()["run 2"].join(timeout=120)
 
 
 
@@ -421,7 +422,7 @@ def test_flexivit_patch_sizes_that_cannot_work_are_refused_with_a_sentence(sizes
     widget(app.button, "Launch training").click().run()
     assert not app.exception
     assert errors(app) == [f"Cannot train that: {error}"]
-    assert ui.training_runs() == {}
+    assert runs.training_runs() == {}
 
 
 @pytest.mark.skipif(not train.DEFAULT_WEIGHTS.is_file(), reason="the shipped model is not there yet")
@@ -438,33 +439,33 @@ def test_a_real_size_model_runs_only_what_the_view_shows(monkeypatch):
     """With a model too large for unasked work (the bar set to zero here), a view costs one
     forward pass; the all-patch-sizes comparison and the attribution wait to be asked for, and
     widgets and page switches cost none."""
-    monkeypatch.setattr(ui, "QUICK_COST", 0)
+    monkeypatch.setattr(costs, "QUICK_COST", 0)
     forwards = []
     original = vx.ViT.forward_features
     monkeypatch.setattr(vx.ViT, "forward_features", lambda self, x, patch_size=None: forwards.append(1) or original(self, x, patch_size))
     app = open_app("views/patches.py")
     # The capture, and the passes timed to say how long the comparison takes.
-    assert len(forwards) == 1 + ui.TIMED_PASSES
+    assert len(forwards) == 1 + costs.TIMED_PASSES
     assert any(button.label.startswith("Compare all") for button in app.button)
     assert not any(title.startswith("The same weights at every patch size") for title in figure_titles(app))
     app.switch_page("views/attention.py").run()
     widget(app.slider, "Layer").set_value(0).run()
     widget(app.selectbox, "Head").set_value(1).run()
     app.switch_page("views/pipeline.py").run()
-    assert not app.exception and len(forwards) == 1 + ui.TIMED_PASSES
+    assert not app.exception and len(forwards) == 1 + costs.TIMED_PASSES
     assert not any(title.startswith("Attribution for") for title in figure_titles(app.switch_page("views/attention.py").run()))
     app.toggle(key="attribution_on").set_value(True).run()
-    assert len(forwards) == 2 + ui.TIMED_PASSES and title_matching(app, "^Attribution for")
+    assert len(forwards) == 2 + costs.TIMED_PASSES and title_matching(app, "^Attribution for")
     app.switch_page("views/patches.py").run()
     compare = next(button for button in app.button if button.label.startswith("Compare all"))
     compare.click().run()
     # Per patch size: a warm-up pass of this image, its timed passes and the held-out batch (this
     # model's first comparison: nobody has timed it yet).
-    compared = sum(2 + planned.timed_passes for planned in ui.comparison_plan(tiny_model().config, held_out=True))
-    assert len(forwards) == 2 + ui.TIMED_PASSES + compared
+    compared = sum(2 + planned.timed_passes for planned in costs.comparison_plan(tiny_model().config, held_out=True))
+    assert len(forwards) == 2 + costs.TIMED_PASSES + compared
     app.switch_page("views/pipeline.py").run()
     app.switch_page("views/patches.py").run()  # the comparison stays, without running again
-    assert len(forwards) == 2 + ui.TIMED_PASSES + compared and not app.exception
+    assert len(forwards) == 2 + costs.TIMED_PASSES + compared and not app.exception
     assert title_matching(app, "^The same weights at every patch size")
     assert not any(button.label.startswith("Compare all") for button in app.button)
 
@@ -536,7 +537,7 @@ def test_a_catalogue_model_offline_says_so_in_one_sentence(monkeypatch, tmp_path
 
 
 def test_uploads_share_a_quota_and_the_oldest_go_first(monkeypatch):
-    monkeypatch.setattr(ui, "UPLOADS_QUOTA_BYTES", 6000)
+    monkeypatch.setattr(uploads, "UPLOADS_QUOTA_BYTES", 6000)
     app = open_app("views/pipeline.py")
     pictures = []
     for index in range(3):
@@ -550,7 +551,7 @@ def test_uploads_share_a_quota_and_the_oldest_go_first(monkeypatch):
     for name, picture in (("second.png", pictures[1]), ("third.png", pictures[2])):
         uploader(app, "image_upload").set_value((name, picture, "image/png")).run()
     assert errors(app) == [] and app.session_state["image_key"] != first
-    assert sum(path.stat().st_size for path in ui.UPLOADS_DIR.iterdir()) <= 6000
+    assert sum(path.stat().st_size for path in uploads.UPLOADS_DIR.iterdir()) <= 6000
     assert first not in app.selectbox(key="image_picker").options  # removed to make room
     too_big = ("huge.png", pictures[0] + b"\0" * 6000, "image/png")
     uploader(app, "image_upload").set_value(too_big).run()
@@ -578,21 +579,21 @@ def test_the_input_size_can_change_and_a_too_large_one_is_refused():
 def test_the_owner_token_survives_moving_between_pages_and_a_reload():
     app = open_app("views/train.py")
     launch(app, epochs=200)
-    token = app.query_params[ui.OWNER_PARAM]
+    token = app.query_params[runs.OWNER_PARAM]
     # Streamlit's page navigation drops the address's parameters.
     app.query_params.clear()
     app.switch_page("views/attention.py").run()
-    assert app.query_params[ui.OWNER_PARAM] == token
+    assert app.query_params[runs.OWNER_PARAM] == token
     app.query_params.clear()
     app.switch_page("views/train.py").run()
-    assert app.query_params[ui.OWNER_PARAM] == token
+    assert app.query_params[runs.OWNER_PARAM] == token
     assert widget(app.button, "Stop")
     assert not any("only they can stop it" in caption.value for caption in app.caption)
     # A reload: a new session with the address it had.
     again = AppTest.from_file(APP, default_timeout=60)
-    again.query_params[ui.OWNER_PARAM] = token
+    again.query_params[runs.OWNER_PARAM] = token
     again.run().switch_page("views/train.py").run()
-    run = ui.training_runs()["run 1"]
+    run = runs.training_runs()["run 1"]
     widget(again.button, "Stop").click().run()
     if run.status == "running":  # the page says the stop was heard while the run winds down
         bars = [bar.proto.text for bar in again.get("progress")]
@@ -603,12 +604,12 @@ def test_the_owner_token_survives_moving_between_pages_and_a_reload():
 
 def test_the_chosen_image_survives_a_reload():
     app = open_app("views/attention.py")
-    assert app.selectbox(key="image_picker").value == ui.DEFAULT_IMAGE
-    assert ui.IMAGE_PARAM not in app.query_params  # the default needs no parameter
+    assert app.selectbox(key="image_picker").value == images.DEFAULT_IMAGE
+    assert session.IMAGE_PARAM not in app.query_params  # the default needs no parameter
     app.selectbox(key="image_picker").set_value("shapes:2").run()
-    assert app.query_params[ui.IMAGE_PARAM] == "shapes:2"
+    assert app.query_params[session.IMAGE_PARAM] == "shapes:2"
     again = AppTest.from_file(APP, default_timeout=60)
-    again.query_params[ui.IMAGE_PARAM] = "shapes:2"
+    again.query_params[session.IMAGE_PARAM] = "shapes:2"
     again.run().switch_page("views/attention.py").run()
     assert not again.exception
     assert again.selectbox(key="image_picker").value == "shapes:2"
@@ -617,20 +618,20 @@ def test_the_chosen_image_survives_a_reload():
 @pytest.mark.parametrize("image_key", ["shapes:99", "shapes:-1", "photo:missing.png", "upload:0123abcd", "nonsense"])
 def test_an_unknown_image_in_the_address_falls_back_to_the_default(image_key):
     app = AppTest.from_file(APP, default_timeout=60)
-    app.query_params[ui.IMAGE_PARAM] = image_key
+    app.query_params[session.IMAGE_PARAM] = image_key
     app.run()
     assert not app.exception and errors(app) == []
-    assert app.selectbox(key="image_picker").value == ui.DEFAULT_IMAGE
-    assert ui.IMAGE_PARAM not in app.query_params
+    assert app.selectbox(key="image_picker").value == images.DEFAULT_IMAGE
+    assert session.IMAGE_PARAM not in app.query_params
 
 
 def test_an_uploaded_image_survives_a_reload():
     app = open_app("views/pipeline.py")
     app.file_uploader(key="image_upload").set_value(("cat.png", PHOTO.read_bytes(), "image/png")).run()
     image_key = app.session_state["image_key"]
-    assert app.query_params[ui.IMAGE_PARAM] == image_key
+    assert app.query_params[session.IMAGE_PARAM] == image_key
     again = AppTest.from_file(APP, default_timeout=60)
-    again.query_params[ui.IMAGE_PARAM] = image_key
+    again.query_params[session.IMAGE_PARAM] = image_key
     again.run()
     assert not again.exception
     assert again.selectbox(key="image_picker").value == image_key
@@ -659,7 +660,7 @@ def test_a_preset_fills_in_the_numbers_and_an_edited_number_makes_the_model_cust
     widget(app.number_input, "Training images (0: the whole dataset)").set_value(64)
     widget(app.button, "Launch training").click().run()
     assert not app.exception and errors(app) == []
-    (run,) = ui.training_runs().values()
+    (run,) = runs.training_runs().values()
     model = train.model_config(run.config)
     assert (model.patch_size, model.embed_dim, model.depth, model.num_heads, model.mlp_ratio) == (8, 64, 2, 4, 2.0)
     assert run.join(timeout=120), run.error
@@ -676,7 +677,7 @@ def test_the_train_page_says_what_a_run_gets(monkeypatch):
 @pytest.mark.skipif(not train.DEFAULT_WEIGHTS.is_file(), reason="the shipped model is not there yet")
 def test_the_app_opens_on_a_sample_the_shipped_model_gets_right_and_is_sure_of():
     model = vx.load_model(train.DEFAULT_WEIGHTS).eval()
-    image, label = shapes_sample(int(ui.DEFAULT_IMAGE.removeprefix("shapes:")), model.config.img_size)
+    image, label = shapes_sample(int(images.DEFAULT_IMAGE.removeprefix("shapes:")), model.config.img_size)
     with torch.no_grad():
         probabilities = model(vx.preprocess(image, model.config)).softmax(-1)[0]
     assert SHAPE_CLASSES[int(probabilities.argmax())] == label

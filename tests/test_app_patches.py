@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import vit_explorer as vx
-from vit_explorer import catalogue, ui
+from vit_explorer import catalogue
+from vit_explorer.app import costs, memo, models
 from vit_explorer.data import shapes_sample
 from test_app import errors, open_app, tiny_default, tiny_model, title_matching  # noqa: F401
 
@@ -44,14 +45,14 @@ def counting_forwards(monkeypatch) -> list[tuple[int, int]]:
 
 def test_each_patch_size_is_warmed_up_then_timed_by_the_median_of_the_plan(monkeypatch):
     model = tiny_model()
-    plan = ui.comparison_plan(model.config)
-    assert {planned.timed_passes for planned in plan} <= {1, ui.TIMED_PASSES}
-    assert any(planned.timed_passes == ui.TIMED_PASSES for planned in plan)
+    plan = costs.comparison_plan(model.config)
+    assert {planned.timed_passes for planned in plan} <= {1, costs.TIMED_PASSES}
+    assert any(planned.timed_passes == costs.TIMED_PASSES for planned in plan)
     calls = counting_forwards(monkeypatch)
     seen = []
-    rows = ui.predictions_by_patch_size(model, shapes_sample(0, 32)[0], lambda done, text: seen.append((done, text)))
+    rows = costs.predictions_by_patch_size(model, shapes_sample(0, 32)[0], lambda done, text: seen.append((done, text)))
     per_size = [(1 + planned.timed_passes) for planned in plan]
-    tokens = [ui.token_count(model.config, planned.patch_size) for planned in plan]
+    tokens = [models.token_count(model.config, planned.patch_size) for planned in plan]
     assert calls == [(1, count) for count, passes in zip(tokens, per_size) for _ in range(passes)]
     assert [row["tokens"] for row in rows] == tokens
     # The bar moves forward, names every size before it runs, and ends full.
@@ -64,33 +65,33 @@ def test_each_patch_size_is_warmed_up_then_timed_by_the_median_of_the_plan(monke
 
 def test_an_expensive_patch_size_is_timed_once_after_its_warm_up():
     config = vx.ViTConfig(image_size=224, patch_size=16, num_classes=0, embed_dim=384, depth=12, num_heads=6)
-    plan = {planned.patch_size: planned.timed_passes for planned in ui.comparison_plan(config)}
-    assert plan[16] == ui.TIMED_PASSES and plan[8] == 1  # 785 tokens: 4x the work of patch 16
+    plan = {planned.patch_size: planned.timed_passes for planned in costs.comparison_plan(config)}
+    assert plan[16] == costs.TIMED_PASSES and plan[8] == 1  # 785 tokens: 4x the work of patch 16
 
 
 @pytest.mark.parametrize("timed", [True, False])
 def test_the_estimate_counts_exactly_the_passes_the_comparison_runs(monkeypatch, timed):
     model = tiny_model()
     config = model.config
-    forward_ms = None if timed else dict.fromkeys(ui.patch_size_options(config), 1.0)
+    forward_ms = None if timed else dict.fromkeys(models.patch_size_options(config), 1.0)
     calls = counting_forwards(monkeypatch)
-    ui.predictions_by_patch_size(model, shapes_sample(0, 32)[0], forward_ms=forward_ms)
-    ui.held_out_accuracy_by_patch_size(model, ui.held_out_set(config))
-    by_tokens = {ui.token_count(config, patch): patch for patch in ui.patch_size_options(config)}
-    ran = sum(ui.pass_cost(config, by_tokens[tokens], batch) for batch, tokens in calls)
-    resizes = sum(ui.resize_cost(config, patch) for patch in ui.patch_size_options(config))
-    estimate = ui.patch_size_comparison_cost(config, held_out=True, timed=timed) * ui.pass_cost(config)
+    costs.predictions_by_patch_size(model, shapes_sample(0, 32)[0], forward_ms=forward_ms)
+    costs.held_out_accuracy_by_patch_size(model, costs.held_out_set(config))
+    by_tokens = {models.token_count(config, patch): patch for patch in models.patch_size_options(config)}
+    ran = sum(costs.pass_cost(config, by_tokens[tokens], batch) for batch, tokens in calls)
+    resizes = sum(costs.resize_cost(config, patch) for patch in models.patch_size_options(config))
+    estimate = costs.patch_size_comparison_cost(config, held_out=True, timed=timed) * costs.pass_cost(config)
     assert estimate == pytest.approx(ran + resizes)
 
 
 def test_times_given_run_each_size_once_with_the_same_predictions_as_timing(monkeypatch):
     model = tiny_model()
     image = shapes_sample(1, 32)[0]
-    timed = ui.predictions_by_patch_size(model, image)
-    forward_ms = {patch: float(patch) for patch in ui.patch_size_options(model.config)}
+    timed = costs.predictions_by_patch_size(model, image)
+    forward_ms = {patch: float(patch) for patch in models.patch_size_options(model.config)}
     calls = counting_forwards(monkeypatch)
     seen = []
-    rows = ui.predictions_by_patch_size(model, image, lambda done, text: seen.append(text), forward_ms)
+    rows = costs.predictions_by_patch_size(model, image, lambda done, text: seen.append(text), forward_ms)
     assert calls == [(1, row["tokens"]) for row in rows]
     assert [row["forward ms"] for row in rows] == [float(row["patch size"]) for row in rows]
     assert [(row["prediction"], row["probability"]) for row in rows] == [(row["prediction"], row["probability"]) for row in timed]
@@ -112,7 +113,7 @@ def test_a_second_image_is_not_timed_again_and_gets_its_own_predictions(monkeypa
     assert calls == [(1, config.num_tokens)] + [(1, tokens) for tokens in second["tokens"]]
     assert list(second["forward ms"]) == list(first["forward ms"])
     assert list(second["held-out accuracy"]) == list(first["held-out accuracy"])
-    own = ui.predictions_by_patch_size(tiny_model(), image, forward_ms=dict(zip(first["patch size"], first["forward ms"])))
+    own = costs.predictions_by_patch_size(tiny_model(), image, forward_ms=dict(zip(first["patch size"], first["forward ms"])))
     assert second[["prediction", "probability"]].to_dict("records") == [
         {"prediction": row["prediction"], "probability": row["probability"]} for row in own
     ]
@@ -130,11 +131,11 @@ def test_a_stopped_comparison_leaves_nothing_cached(monkeypatch):
 
     calls = counting_forwards(monkeypatch)
     with pytest.raises(RuntimeError):
-        ui.memo(key, lambda: ui.predictions_by_patch_size(model, image, stop_at_third_size))
-    plan = ui.comparison_plan(model.config)
+        memo.memo(key, lambda: costs.predictions_by_patch_size(model, image, stop_at_third_size))
+    plan = costs.comparison_plan(model.config)
     assert len(calls) == sum(1 + planned.timed_passes for planned in plan[:2])  # no pass after the stop
-    assert key not in ui.shared_results()
-    assert len(ui.memo(key, lambda: ui.predictions_by_patch_size(model, image))) == len(plan)
+    assert key not in memo.shared_results()
+    assert len(memo.memo(key, lambda: costs.predictions_by_patch_size(model, image))) == len(plan)
 
 
 def test_the_page_leaves_out_the_held_out_column_without_a_dataset(tmp_path):
@@ -159,7 +160,7 @@ def test_the_caption_says_what_the_table_shows():
         {"patch size": patch, "tokens": tokens, "forward ms": ms, "held-out accuracy": accuracy}
         for patch, tokens, ms, accuracy in [(4, 65, 3.0, 0.95), (8, 17, 1.0, 0.98), (16, 5, 0.5, 0.23), (32, 2, 0.4, 0.14)]
     ]
-    summary = ui.patch_size_summary(rows, trained=8)
+    summary = costs.patch_size_summary(rows, trained=8)
     assert summary.startswith("A pass at patch 4 (65 tokens) took 7.5x as long as at patch 32 (2 tokens).")
     assert "does best at patch 8 (98%; trained at 8)" in summary
     assert "patch 4 stay within 5 points" in summary
@@ -171,15 +172,15 @@ def test_the_page_caption_is_derived_from_its_rows():
     app = open_app("views/patches.py")
     rows = app.dataframe[0].value.to_dict("records")
     captions = [caption.value for caption in app.caption]
-    assert ui.patch_size_summary(rows, 4) in captions
+    assert costs.patch_size_summary(rows, 4) in captions
     assert not any("holds up at all of them" in caption for caption in captions)
 
 
 def test_a_real_size_model_says_what_the_comparison_costs_before_it_runs(monkeypatch):
-    monkeypatch.setattr(ui, "QUICK_COST", 0)
+    monkeypatch.setattr(costs, "QUICK_COST", 0)
     app = open_app("views/patches.py")
     (compare,) = [button for button in app.button if button.label.startswith("Compare all")]
-    cost = ui.patch_size_comparison_cost(tiny_model().config, held_out=True)
+    cost = costs.patch_size_comparison_cost(tiny_model().config, held_out=True)
     assert compare.help.startswith(f"About {cost:.0f} forward passes")
     assert compare.label.endswith(" s)")  # the wait in seconds, from a pass timed on this server
     compare.click().run()
@@ -193,8 +194,8 @@ def test_a_real_size_model_says_what_the_comparison_costs_before_it_runs(monkeyp
     app.file_uploader(key="image_upload").set_value(("second.png", picture.getvalue(), "image/png")).run()
     (compare,) = [button for button in app.button if button.label.startswith("Compare all")]
     config = tiny_model().config
-    cost = ui.patch_size_comparison_cost(config, timed=False)
-    assert cost < ui.patch_size_comparison_cost(config) and compare.help.startswith(f"About {cost:.0f} forward passes")
+    cost = costs.patch_size_comparison_cost(config, timed=False)
+    assert cost < costs.patch_size_comparison_cost(config) and compare.help.startswith(f"About {cost:.0f} forward passes")
 
 
 # --- the model picker ------------------------------------------------------------------------
@@ -218,7 +219,7 @@ def test_offline_a_photo_offers_no_pretrained_model_and_says_why(offline):
     app.selectbox(key="image_picker").set_value("photo:chelsea.png").run()
     assert not app.exception and photo_buttons(app) == []
     (info,) = [info.value for info in app.sidebar.info]
-    assert info == ui.CATALOGUE_OFFLINE
+    assert info == models.CATALOGUE_OFFLINE
     assert "VIT_EXPLORER_HUB_URL" in info and "VIT_EXPLORER_TORCHVISION_URL" in info
     (warning,) = [warning.value for warning in app.sidebar.warning]
     assert "below" not in warning  # nothing below to point at
@@ -238,7 +239,7 @@ def test_offline_a_downloaded_model_is_still_offered(offline):
     assert options.format_func("pretrained:deit_s") == "88 MB download: DeiT-S"
     # Long titles are cut in the middle; what choosing the model costs stays readable.
     labels = options.options
-    assert all(len(label) <= ui.MAX_LABEL for label in labels), labels
+    assert all(len(label) <= models.MAX_LABEL for label in labels), labels
     assert options.format_func("pretrained:vit_b_16").startswith("346 MB download: ")
 
 
@@ -268,7 +269,7 @@ def test_a_long_checkpoint_name_is_cut_in_the_middle_and_shown_whole_below(tiny_
     monkeypatch.setenv("VIT_EXPLORER_DEFAULT_MODEL", str(long_name))
     app = open_app("views/pipeline.py")
     label = app.selectbox(key="model_picker").format_func("default")
-    assert len(label) <= ui.MAX_LABEL and "…" in label
+    assert len(label) <= models.MAX_LABEL and "…" in label
     assert label.startswith("Default: vit_small") and label.endswith("run7")
     assert any(long_name.stem in caption.value for caption in app.sidebar.caption)
 

@@ -4,7 +4,8 @@ import pytest
 
 import vit_explorer as vx
 from tests.test_app import errors, figure_titles, open_app, tiny_default, tiny_model, title_matching, widget  # noqa: F401
-from vit_explorer import analysis, ui
+from vit_explorer import analysis
+from vit_explorer.app import models, selection
 
 PAGE = "views/compare.py"
 
@@ -56,7 +57,7 @@ def captures(monkeypatch):
         calls.append(args[0].config)
         return vx.capture(*args, **kwargs)
 
-    monkeypatch.setattr(ui, "capture", counting_capture)
+    monkeypatch.setattr(selection, "capture", counting_capture)
     return calls
 
 
@@ -113,7 +114,7 @@ def test_a_checkpoint_of_another_depth_and_no_head_beside_the_default(tmp_path, 
     app.selectbox(key="compare_model").set_value(uploaded).run()
     assert not app.exception and errors(app) == []
     assert len(captures) == before  # B's capture is the one it got as the sidebar's model
-    assert ("base", uploaded) in ui.shared_models()  # B lives in the byte-bounded model cache
+    assert ("base", uploaded) in models.shared_models()  # B lives in the byte-bounded model cache
     assert any("A has 4 layers and B 2" in markdown.value for markdown in app.markdown)
     titles = figure_titles(app)
     assert all(title.strip() for title in titles) and len(titles) == 7  # B has no top-5

@@ -9,7 +9,7 @@ import vit_explorer as vx
 from vit_explorer import figures
 from vit_explorer import image_set as sets
 from vit_explorer import model as model_module
-from vit_explorer import ui
+from vit_explorer.app import memo, models, selection
 from vit_explorer.capture import layer_internals
 from test_app import APP, PHOTO, errors, figure_titles, tiny_default, tiny_model, widget  # noqa: F401 (the fixture)
 
@@ -113,7 +113,7 @@ def forwards(monkeypatch):
     original = model_module.Block.forward
 
     def counting(self, x, rope=None):
-        counted.append(x.shape[0] / len(ui.base_model(ui.DEFAULT_MODEL).blocks))
+        counted.append(x.shape[0] / len(models.base_model(models.DEFAULT_MODEL).blocks))
         return original(self, x, rope)
 
     monkeypatch.setattr(model_module.Block, "forward", counting)
@@ -169,7 +169,7 @@ def test_moving_widgets_costs_no_forward_pass_and_keys_no_block(forwards, monkey
     forwards.clear()
     # The first component is fitted once per image set: a threshold only splits it anew.
     fitted = []
-    monkeypatch.setattr(ui, "first_component", lambda features: fitted.append(1) or sets.first_component(features))
+    monkeypatch.setattr(selection, "first_component", lambda features: fitted.append(1) or sets.first_component(features))
     widget(app.slider, "Foreground threshold (standard deviations)").set_value(0.5).run()
     app.toggle(key="set_flip").set_value(True).run()
     assert any("foreground where the sign-switched 1st component > +0.5 sd" in title for title in figure_titles(app))
@@ -211,14 +211,14 @@ def test_the_sidebars_image_is_read_from_its_capture_and_the_others_run_in_one_b
     original = model_module.Block.forward
     monkeypatch.setattr(model_module.Block, "forward", lambda self, x, rope=None: batches.append(x.shape[0]) or original(self, x, rope))
     app = AppTest.from_file(APP, default_timeout=60).run()  # Pipeline captures the sidebar's shapes 4
-    depth = len(ui.base_model(ui.DEFAULT_MODEL).blocks)
+    depth = len(models.base_model(models.DEFAULT_MODEL).blocks)
     assert batches == [1] * depth
     batches.clear()
     app.switch_page(PAGE).run()
     assert not app.exception and batches == [2] * depth  # shapes 0 and 1 together; shapes 4 not again
     # Nothing captured yet (the page opened first): the sidebar's image gets the capture every
     # page shares, the others their one batch.
-    ui.shared_results().clear()
+    memo.shared_results().clear()
     batches.clear()
     app.run()
     assert not app.exception and batches == [1] * depth + [2] * depth

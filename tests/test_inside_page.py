@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import vit_explorer as vx
-from vit_explorer import ui
+from vit_explorer.app import models, selection
 
 from test_app import errors, figure_titles, open_app, tiny_default, tiny_model, title_matching, widget  # noqa: F401
 
@@ -58,7 +58,7 @@ def test_the_attention_row_is_the_one_the_attention_page_draws():
     assert widget(app.selectbox, "Head").value == 2
     assert widget(app.selectbox, "Query token").value == 9
     row = attention_heatmap(app, "^Attention of patch 9, layer 1, head 2: the softmax")
-    model = ui.base_model(ui.DEFAULT_MODEL)
+    model = models.base_model(models.DEFAULT_MODEL)
     x = vx.preprocess(vx.shapes_sample(0, 32)[0], model.config)
     shown = vx.capture(model, x, attention_dtype=torch.float16).attentions[0, 1, 2, 1 + 9, 1:]
     np.testing.assert_allclose(row.reshape(-1), shown.float().numpy(), atol=2e-3)
@@ -75,8 +75,8 @@ def test_a_view_costs_one_capture_and_one_block_and_widgets_reuse_them(monkeypat
         blocks.append((args[2], tuple(kwargs["queries"])))  # one token's steps, not the whole block
         return vx.layer_internals(*args, **kwargs)
 
-    monkeypatch.setattr(ui, "capture", counting_capture)
-    monkeypatch.setattr(ui, "layer_internals", counting_internals)
+    monkeypatch.setattr(selection, "capture", counting_capture)
+    monkeypatch.setattr(selection, "layer_internals", counting_internals)
     app = open_app(PAGE)
     assert (len(captures), blocks) == (1, [(3, (0,))])  # the class token
     widget(app.selectbox, "Head").set_value(1).run()
@@ -93,7 +93,7 @@ def test_a_view_costs_one_capture_and_one_block_and_widgets_reuse_them(monkeypat
 
 def test_the_scale_control_changes_only_its_own_charts():
     app = open_app(PAGE)
-    model = ui.base_model(ui.DEFAULT_MODEL)
+    model = models.base_model(models.DEFAULT_MODEL)
     x = torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         before = model(x)

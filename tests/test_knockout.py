@@ -232,7 +232,7 @@ def test_knock_outs_are_values_that_can_key_a_cache():
 
 # --- the page ------------------------------------------------------------------------------------
 
-from vit_explorer import ui  # noqa: E402
+from vit_explorer.app import models, selection  # noqa: E402
 
 from test_app import errors, figure_titles, open_app, tiny_default, tiny_model, title_matching, widget  # noqa: E402,F401
 
@@ -265,7 +265,7 @@ def test_the_page_shows_the_knock_out_against_the_intact_model():
     title_matching(app, f"^With {what}: attention of the class token in layer 2")
     title_matching(app, "^Intact: rollout to the class token$")
     # The bars are the model's own, with and without the heads, computed here by hand.
-    model = ui.base_model(ui.DEFAULT_MODEL)
+    model = models.base_model(models.DEFAULT_MODEL)
     x = vx.preprocess(vx.shapes_sample(4, 32)[0], model.config)
     knocked = vx.capture(model, x, knock_out=vx.KnockOut(heads={1: (0, 2)})).logits[0].softmax(-1)
     spec = next(chart for chart in app.get("plotly_chart") if "Top-5" in chart.proto.spec).proto.spec
@@ -286,8 +286,8 @@ def test_a_view_costs_one_knocked_out_pass_and_its_widgets_reuse_it(monkeypatch)
         sweeps.append(args[2])
         return vx.head_sweep(*args, **kwargs)
 
-    monkeypatch.setattr(ui, "capture", counting_capture)
-    monkeypatch.setattr(ui, "head_sweep", counting_sweep)
+    monkeypatch.setattr(selection, "capture", counting_capture)
+    monkeypatch.setattr(selection, "head_sweep", counting_sweep)
     app = open_app(PAGE)
     assert (captures, sweeps) == ([None], ["zero"])
     choose(app, "Layer 2", [3])
@@ -304,7 +304,7 @@ def test_a_view_costs_one_knocked_out_pass_and_its_widgets_reuse_it(monkeypatch)
 
 def test_a_knock_out_view_runs_only_the_layers_from_the_knocked_out_one_on(monkeypatch):
     app = open_app(PAGE)
-    ran = counting_blocks(monkeypatch, ui.base_model(ui.DEFAULT_MODEL))
+    ran = counting_blocks(monkeypatch, models.base_model(models.DEFAULT_MODEL))
     choose(app, "Layer 2", [3])
     assert ran == [2, 3]  # the intact capture is the page's first view's; layers 0 and 1 are its
     widget(app.slider, "Layer").set_value(0).run()

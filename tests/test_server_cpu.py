@@ -1,6 +1,6 @@
 """What keeps the server's CPU per page view down: the import-time freeze of the collector.
 
-Run in a fresh interpreter, since this pytest process imported vit_explorer.ui long ago.
+Run in a fresh interpreter, since this pytest process imported vit_explorer.app long ago.
 """
 import io
 import json
@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 FREEZE_PROBE = """
 import gc, json, sys
 before = gc.get_freeze_count()
-from vit_explorer import ui
+import vit_explorer.app
 frozen = gc.get_freeze_count()
 from streamlit.testing.v1 import AppTest
 app = AppTest.from_file(sys.argv[1], default_timeout=120)
@@ -26,7 +26,7 @@ print(json.dumps(dict(before=before, frozen=frozen, after=gc.get_freeze_count(),
 
 
 def test_the_imports_are_frozen_once_and_runs_are_not(tmp_path):
-    """Importing ui freezes torch's, plotly's and streamlit's objects (so that Streamlit's
+    """Importing vit_explorer.app freezes torch's, plotly's and streamlit's objects (so that Streamlit's
     collection after each run skips them); runs of the app freeze nothing more."""
     env = {"VIT_EXPLORER_RUNS_DIR": str(tmp_path / "runs"), "VIT_EXPLORER_UPLOADS_DIR": str(tmp_path / "uploads")}
     done = subprocess.run(
@@ -47,17 +47,17 @@ def test_the_sidebar_image_is_encoded_once_and_small():
     once per image: a photo as a JPEG within SIDEBAR_IMAGE_PX, a small picture as it is (PNG)."""
     from PIL import Image
 
-    from vit_explorer import ui
+    from vit_explorer.app import images
 
     photo = Image.open(ROOT / "assets" / "samples" / "astronaut.png").convert("RGB")
-    encoded = ui.sidebar_image("photo:astronaut.png", photo)
-    assert encoded is ui.sidebar_image("photo:astronaut.png", photo)  # computed once, then shared
+    encoded = images.sidebar_image("photo:astronaut.png", photo)
+    assert encoded is images.sidebar_image("photo:astronaut.png", photo)  # computed once, then shared
     shown = Image.open(io.BytesIO(encoded))
-    assert shown.format == "JPEG" and max(shown.size) == ui.SIDEBAR_IMAGE_PX
+    assert shown.format == "JPEG" and max(shown.size) == images.SIDEBAR_IMAGE_PX
     assert shown.size[0] / shown.size[1] == photo.size[0] / photo.size[1]
 
     shapes = Image.new("RGB", (32, 32), (10, 200, 30))
-    small = Image.open(io.BytesIO(ui.sidebar_image("shapes:0", shapes)))
+    small = Image.open(io.BytesIO(images.sidebar_image("shapes:0", shapes)))
     assert small.format == "PNG" and small.size == (32, 32)
     assert small.getpixel((5, 5)) == (10, 200, 30)  # lossless
 
@@ -65,12 +65,12 @@ def test_the_sidebar_image_is_encoded_once_and_small():
 def test_sample_image_options_are_made_once_and_handed_out_fresh():
     """The sidebar's labels come from the shared cache, and the app adds its uploads to what it
     gets: that never reaches the cached labels or another session."""
-    from vit_explorer import ui
+    from vit_explorer.app import images
 
-    first = ui.sample_image_options((32, 32))
+    first = images.sample_image_options((32, 32))
     assert "shapes:0" in first and any(key.startswith("photo:") for key in first)
     first["upload:mine"] = "Uploaded: mine.png"
-    again = ui.sample_image_options((32, 32))
+    again = images.sample_image_options((32, 32))
     assert "upload:mine" not in again and again.keys() == first.keys() - {"upload:mine"}
 
 
@@ -120,7 +120,8 @@ def test_a_memoised_figure_is_sent_as_its_own_json_made_once_and_holds_no_plotly
     import plotly.tools
     from streamlit.elements.plotly_chart import _resolve_content_height, _resolve_content_width
 
-    from vit_explorer import figures, ui
+    from vit_explorer import figures
+    from vit_explorer.app import memo
 
     rng = np.random.default_rng(0)
     image = rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)
@@ -135,8 +136,8 @@ def test_a_memoised_figure_is_sent_as_its_own_json_made_once_and_holds_no_plotly
         return pio.to_json(as_dict, validate=False), size
 
     key = ("test sent figure", id(maps))
-    shared = ui.memo(key, lambda: {"grid": grid(), "note": "text"})
-    assert isinstance(shared["grid"], ui.SentFigure) and shared["note"] == "text"
+    shared = memo.memo(key, lambda: {"grid": grid(), "note": "text"})
+    assert isinstance(shared["grid"], memo.SentFigure) and shared["note"] == "text"
     assert sent(shared["grid"]) == sent(grid())
     assert sent(shared["grid"])[1][1] == grid().layout.height  # the grid's own height, not a default
     assert shared["grid"].to_dict() is shared["grid"].to_dict()  # made once
@@ -146,10 +147,10 @@ def test_a_memoised_figure_is_sent_as_its_own_json_made_once_and_holds_no_plotly
         held = [child for item in held for child in gc.get_referents(item)
                 if gc.is_tracked(child) and not isinstance(child, type)]
         assert len(held) <= 4
-    assert ui.memo(key, lambda: None) is shared
+    assert memo.memo(key, lambda: None) is shared
     # Arrays of numbers go as typed arrays, as to_dict writes them; the figure made from is not
     # kept, so serializing may change it, but never a figure made anew.
     vectors = {"x": rng.standard_normal(64).astype(np.float32), "y": np.arange(64)}
     strips = lambda: figures.vector_strips(vectors, "two strips")
-    memoised = ui.memo(("test sent strips", id(maps)), strips)
+    memoised = memo.memo(("test sent strips", id(maps)), strips)
     assert sent(memoised) == sent(strips()) and '"bdata"' in sent(memoised)[0]

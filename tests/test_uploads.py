@@ -14,7 +14,7 @@ from streamlit.runtime.scriptrunner import get_script_run_ctx
 from test_app import PHOTO, errors, open_app, tiny_default, tiny_model, uploader  # noqa: F401 (tiny_default: autouse)
 
 import vit_explorer as vx
-from vit_explorer import ui
+from vit_explorer.app import images, models, uploads
 from vit_explorer.cache import disk_bytes, trim_to_quota
 
 
@@ -78,30 +78,30 @@ def test_the_default_uploads_folder_is_in_the_users_cache_not_the_temp_directory
     monkeypatch.delenv("VIT_EXPLORER_UPLOADS_DIR", raising=False)
     monkeypatch.delenv("VIT_EXPLORER_CACHE", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert ui.default_uploads_dir() == tmp_path / "home" / ".cache" / "vit_explorer" / "uploads"
+    assert uploads.default_uploads_dir() == tmp_path / "home" / ".cache" / "vit_explorer" / "uploads"
     monkeypatch.setenv("VIT_EXPLORER_CACHE", str(tmp_path / "cache"))
-    assert ui.default_uploads_dir() == tmp_path / "cache" / "uploads"
+    assert uploads.default_uploads_dir() == tmp_path / "cache" / "uploads"
     monkeypatch.setenv("VIT_EXPLORER_UPLOADS_DIR", str(tmp_path / "mine"))
-    assert ui.default_uploads_dir() == tmp_path / "mine"
+    assert uploads.default_uploads_dir() == tmp_path / "mine"
 
 
 def test_the_uploads_folder_is_created_private_and_refused_unless_it_is_the_servers_own(monkeypatch, tmp_path):
-    monkeypatch.setattr(ui, "UPLOADS_DIR", tmp_path / "cache" / "uploads")
-    assert ui.uploads_folder() == tmp_path / "cache" / "uploads"
+    monkeypatch.setattr(uploads, "UPLOADS_DIR", tmp_path / "cache" / "uploads")
+    assert uploads.uploads_folder() == tmp_path / "cache" / "uploads"
     assert (tmp_path / "cache" / "uploads").stat().st_mode & 0o777 == 0o700
     (tmp_path / "cache" / "uploads").chmod(0o777)
-    with pytest.raises(ui.UnsafeUploadsFolder, match="is writable by other users; set VIT_EXPLORER_UPLOADS_DIR"):
-        ui.uploads_folder()
+    with pytest.raises(uploads.UnsafeUploadsFolder, match="is writable by other users; set VIT_EXPLORER_UPLOADS_DIR"):
+        uploads.uploads_folder()
     (tmp_path / "cache" / "uploads").chmod(0o700)
     monkeypatch.setattr(os, "getuid", lambda: os.stat(tmp_path).st_uid + 1)
-    with pytest.raises(ui.UnsafeUploadsFolder, match="belongs to another user"):
-        ui.uploads_folder()
+    with pytest.raises(uploads.UnsafeUploadsFolder, match="belongs to another user"):
+        uploads.uploads_folder()
 
 
 def test_an_upload_into_a_linked_folder_is_refused_and_touches_nothing_there(monkeypatch, tmp_path):
     outside = someone_elses_folder(tmp_path / "outside")
     (tmp_path / "linked").symlink_to(tmp_path / "outside")
-    monkeypatch.setattr(ui, "UPLOADS_DIR", tmp_path / "linked")
+    monkeypatch.setattr(uploads, "UPLOADS_DIR", tmp_path / "linked")
     app = open_app("views/pipeline.py")
     uploader(app, "image_upload").set_value(("cat.png", PHOTO.read_bytes(), "image/png")).run()
     assert not app.exception
@@ -109,7 +109,7 @@ def test_an_upload_into_a_linked_folder_is_refused_and_touches_nothing_there(mon
         f"Uploads are off: the uploads folder {tmp_path / 'linked'} is a symbolic link; set"
         " VIT_EXPLORER_UPLOADS_DIR to a private folder of the user running this server."
     ]
-    assert app.session_state["image_key"] == ui.DEFAULT_IMAGE
+    assert app.session_state["image_key"] == images.DEFAULT_IMAGE
     assert contents(tmp_path / "outside") == outside
 
 
@@ -119,8 +119,8 @@ def test_an_upload_into_a_linked_folder_is_refused_and_touches_nothing_there(mon
 def test_the_image_uploader_takes_images_only_within_their_own_limit():
     app = open_app()
     image = uploader(app, "image_upload")
-    assert image.proto.max_upload_size_mb == ui.IMAGE_UPLOAD_MB < 100
-    assert image.allowed_type == [f".{kind}" for kind in ui.IMAGE_TYPES]
+    assert image.proto.max_upload_size_mb == uploads.IMAGE_UPLOAD_MB < 100
+    assert image.allowed_type == [f".{kind}" for kind in uploads.IMAGE_TYPES]
     assert {".png", ".jpg", ".jpeg", ".webp"} <= set(image.allowed_type)
     assert uploader(app, "checkpoint_upload").proto.max_upload_size_mb == 1024  # config.toml
 
@@ -129,7 +129,7 @@ def test_the_image_uploader_takes_images_only_within_their_own_limit():
 def test_a_handled_upload_leaves_no_bytes_in_the_server(monkeypatch, kind):
     """Streamlit's upload manager holds a file until its session shuts down, and a session whose
     browser left expires without shutting down; the uploader's value holds it too."""
-    monkeypatch.setattr(ui, "IMAGE_UPLOAD_MB", 1)
+    monkeypatch.setattr(uploads, "IMAGE_UPLOAD_MB", 1)
     handled = []
 
     def recording(handler):
@@ -140,8 +140,8 @@ def test_a_handled_upload_leaves_no_bytes_in_the_server(monkeypatch, kind):
             return handler(upload)
         return handle
 
-    monkeypatch.setattr(ui, "add_image_upload", recording(ui.add_image_upload))
-    monkeypatch.setattr(ui, "add_checkpoint_upload", recording(ui.add_checkpoint_upload))
+    monkeypatch.setattr(uploads, "add_image_upload", recording(uploads.add_image_upload))
+    monkeypatch.setattr(uploads, "add_checkpoint_upload", recording(uploads.add_checkpoint_upload))
     upload = {
         "accepted image": ("image_upload", ("cat.png", PHOTO.read_bytes(), "image/png")),
         "oversize image": ("image_upload", ("big.png", png(padding=2**21), "image/png")),
@@ -187,29 +187,29 @@ def bad_upload(kind: str, tmp_path: Path) -> list[tuple[str, bytes, str]]:
 
 @pytest.mark.parametrize("kind", BAD_UPLOADS)
 def test_a_bad_upload_keeps_the_model_and_image_says_why_and_leaves_nothing(monkeypatch, tmp_path, kind):
-    monkeypatch.setattr(ui, "IMAGE_UPLOAD_MB", 1)
+    monkeypatch.setattr(uploads, "IMAGE_UPLOAD_MB", 1)
     app = open_app("views/attention.py")
     uploader(app, "checkpoint_upload").set_value(checkpoint_upload(tmp_path)).run()
     app.selectbox(key="image_picker").set_value("photo:chelsea.png").run()
     model_key, image_key = app.session_state["model_key"], app.session_state["image_key"]
     assert errors(app) == [] and model_key.startswith("file:")
-    kept = contents(ui.UPLOADS_DIR)
+    kept = contents(uploads.UPLOADS_DIR)
     # Room for what is kept and little more: a bad upload must not make room for itself.
-    monkeypatch.setattr(ui, "UPLOADS_QUOTA_BYTES", disk_bytes(ui.UPLOADS_DIR) + 1000)
+    monkeypatch.setattr(uploads, "UPLOADS_QUOTA_BYTES", disk_bytes(uploads.UPLOADS_DIR) + 1000)
     files = bad_upload(kind, tmp_path)
     uploader(app, BAD_UPLOADS[kind]).set_value(files if len(files) > 1 else files[0]).run()
     assert not app.exception
     (error,) = errors(app)
     assert "\n" not in error and error.endswith("."), error
     assert (app.session_state["model_key"], app.session_state["image_key"]) == (model_key, image_key)
-    assert contents(ui.UPLOADS_DIR) == kept
-    assert [path.name for path in ui.UPLOADS_DIR.iterdir() if path.name.startswith(".")] == []
+    assert contents(uploads.UPLOADS_DIR) == kept
+    assert [path.name for path in uploads.UPLOADS_DIR.iterdir() if path.name.startswith(".")] == []
 
 
 def test_an_oversize_image_is_refused_before_it_is_decoded(monkeypatch):
-    monkeypatch.setattr(ui, "IMAGE_UPLOAD_MB", 1)
+    monkeypatch.setattr(uploads, "IMAGE_UPLOAD_MB", 1)
     decoded = []
-    monkeypatch.setattr(ui, "load_image", lambda data: decoded.append(data))
+    monkeypatch.setattr(uploads, "load_image", lambda data: decoded.append(data))
     app = open_app()
     uploader(app, "image_upload").set_value(("big.png", png(padding=2**21), "image/png")).run()
     assert errors(app) == ["big.png is 2.0 MB, more than the 1 MB this app takes for an image."]
@@ -225,7 +225,7 @@ def test_a_checkpoint_removed_by_the_quota_says_so_and_leaves_the_picker(monkeyp
     model_key = app.session_state["model_key"]
     assert errors(app) == [] and model_key.startswith("file:")
     # Room for the checkpoint or a picture, not both: the picture pushes the checkpoint out.
-    monkeypatch.setattr(ui, "UPLOADS_QUOTA_BYTES", disk_bytes(ui.UPLOADS_DIR) + 1000)
+    monkeypatch.setattr(uploads, "UPLOADS_QUOTA_BYTES", disk_bytes(uploads.UPLOADS_DIR) + 1000)
     uploader(app, "image_upload").set_value(("shape.png", png(), "image/png")).run()
     assert not Path(model_key.partition(":")[2]).exists()
     assert not app.exception and errors(app) == []
@@ -234,6 +234,6 @@ def test_a_checkpoint_removed_by_the_quota_says_so_and_leaves_the_picker(monkeyp
     ]
     assert app.session_state["model_key"] == "default"
     assert model_key not in app.selectbox(key="model_picker").options
-    ui.shared_models().clear()  # out of the model cache too: nothing asks for it any more
+    models.shared_models().clear()  # out of the model cache too: nothing asks for it any more
     app.run()
     assert not app.exception and errors(app) == [] and len(app.sidebar.warning) == 0

@@ -1,9 +1,11 @@
 """Attention: where every head of every layer looks, from the class token or a clicked patch."""
 import streamlit as st
 
-from vit_explorer import analysis, figures, ui
+from vit_explorer import analysis, figures
+from vit_explorer.app import costs, models, session
+from vit_explorer.app.selection import prediction_caveats
 
-selection = ui.selection()
+selection = session.selection()
 config = selection.config
 result = selection.capture()
 image = selection.display_image()
@@ -32,7 +34,7 @@ def query_label(query: int) -> str:
 
 
 def step_layer(delta: int) -> None:
-    ui.set_kept("layer", min(max(state["layer"] + delta, 0), depth - 1))
+    session.set_kept("layer", min(max(state["layer"] + delta, 0), depth - 1))
 
 
 st.title("Attention")
@@ -43,8 +45,8 @@ st.write(
     " gather from the whole object."
 )
 
-layer_widget = ui.keep("layer", depth - 1, lambda layer: 0 <= layer < depth)
-query_widget = ui.keep("query", queries[0] if queries[0] < 0 else centre, lambda q: q in queries)
+layer_widget = session.keep("layer", depth - 1, lambda layer: 0 <= layer < depth)
+query_widget = session.keep("query", queries[0] if queries[0] < 0 else centre, lambda q: q in queries)
 previous, slider, following = st.columns([1.4, 7, 1.4], vertical_alignment="bottom")
 previous.button("Previous", on_click=step_layer, args=(-1,), disabled=state["layer"] == 0,
                 icon=":material/chevron_left:", width="stretch")
@@ -57,14 +59,14 @@ with controls:
     query = st.selectbox("Query token", queries, format_func=query_label, **query_widget)
     opacity = st.slider(
         "Overlay opacity", 0.0, 1.0, help="How opaque the strongest cell is; zero attention is always clear.",
-        **ui.keep("opacity", 0.85),
+        **session.keep("opacity", 0.85),
     )
     scale = st.radio(
         "Scale", figures.HEAD_SCALES, horizontal=True,
         format_func=lambda option: {"shared": "shared across heads", "per head": "per head"}[option],
         help="Shared: one colour means one weight in every head, so heads compare. Per head: each head"
         " from 0 to its own largest weight, which shows the pattern of a faint head.",
-        **ui.keep("head_scale", "shared", lambda option: option in figures.HEAD_SCALES),
+        **session.keep("head_scale", "shared", lambda option: option in figures.HEAD_SCALES),
     )
     if config.class_token:
         st.caption(
@@ -84,7 +86,7 @@ with picker:
             "patch picker", query,
             compute=lambda: figures.patch_picker(image, result.grid_size, None if query < 0 else query),
         ),
-        key="patch_click", on_select=ui.patch_picked("patch_click", "query"), selection_mode="points",
+        key="patch_click", on_select=session.patch_picked("patch_click", "query"), selection_mode="points",
         config={"displayModeBar": False},
     )
 
@@ -114,7 +116,7 @@ if query != POOL_QUERY:  # the pool's probe is no token of a layer: nothing to o
     for inside_head in range(heads):
         if head_columns[inside_head % len(head_columns)].button(f"head {inside_head}", key=f"inside_head_{inside_head}", width="stretch",
                          help=f"Open Inside a layer on layer {layer}, head {inside_head}, this query."):
-            ui.set_kept("head", inside_head)  # layer and query are kept already: the page shares them
+            session.set_kept("head", inside_head)  # layer and query are kept already: the page shares them
             st.switch_page("views/inside.py")
 
 st.subheader("The patches that hold most of the attention")
@@ -123,7 +125,7 @@ st.write(
     " chosen share of the attention above. For self-supervised models the class token's masks"
     " cut the object out of the background without ever having seen a label."
 )
-mass = st.slider("Share of the attention kept", 0.1, 1.0, step=0.05, **ui.keep("mass", 0.6))
+mass = st.slider("Share of the attention kept", 0.1, 1.0, step=0.05, **session.keep("mass", 0.6))
 st.plotly_chart(selection.memo("masks grid", where, query, mass, compute=lambda: figures.attention_masks_grid(
     image, analysis.attention_mask_by_mass(maps, mass), mass, layer=where, query=query_label(query),
     query_patch=query_arg,
@@ -141,7 +143,7 @@ st.write(
     " Bright columns are tokens that everyone reads; a bright diagonal is a head that mostly keeps"
     " each token to itself. The query's row is outlined."
 )
-head = st.selectbox("Head", list(range(heads)), **ui.keep("head", 0, lambda h: 0 <= h < heads))
+head = st.selectbox("Head", list(range(heads)), **session.keep("head", 0, lambda h: 0 <= h < heads))
 query_token = None if query == POOL_QUERY else 0 if query == CLASS_QUERY else prefix + query
 st.plotly_chart(selection.memo("attention matrix", layer, head, query_token, compute=lambda: figures.attention_matrix(
     result.attentions[0, layer, head], prefix,
@@ -163,9 +165,9 @@ st.write(
 )
 fusion_column, discard_column = st.columns(2)
 fusion = fusion_column.selectbox(
-    "Combine heads by", analysis.HEAD_FUSIONS, **ui.keep("fusion", "mean", lambda f: f in analysis.HEAD_FUSIONS)
+    "Combine heads by", analysis.HEAD_FUSIONS, **session.keep("fusion", "mean", lambda f: f in analysis.HEAD_FUSIONS)
 )
-discard = discard_column.slider("Discard the weakest share of weights", 0.0, 0.95, step=0.05, **ui.keep("discard", 0.0))
+discard = discard_column.slider("Discard the weakest share of weights", 0.0, 0.95, step=0.05, **session.keep("discard", 0.0))
 rollout = selection.memo("rollout", fusion, discard, compute=lambda: analysis.attention_rollout(
     result.attentions, head_fusion=fusion, discard_ratio=discard, num_prefix_tokens=prefix
 ))  # (1, N, N)
@@ -193,22 +195,22 @@ st.write(
     " that class."
 )
 if config.num_classes == 0:
-    st.info(ui.NO_CLASSIFIER.format(what="Class attribution"))
+    st.info(models.NO_CLASSIFIER.format(what="Class attribution"))
 else:
     names = selection.class_names()
     probabilities = result.logits[0].softmax(-1)
-    for caveat in ui.prediction_caveats(selection, probabilities):
+    for caveat in prediction_caveats(selection, probabilities):
         st.warning(caveat)
     ranked = result.logits[0].argsort(descending=True).tolist()
     shares = probabilities.tolist()  # one softmax, not one per option (1000 of them for ImageNet)
     target = st.selectbox(
         "Class", ranked, format_func=lambda index: f"{names[index]} ({shares[index]:.1%})",
-        **ui.keep("attribution_class", ranked[0], lambda index: index in ranked),
+        **session.keep("attribution_class", ranked[0], lambda index: index in ranked),
     )
     # A backward pass through a real-size model costs several forward passes: asked for, not unasked.
-    if ui.is_quick(config, forwards=3) or st.toggle(
+    if costs.is_quick(config, forwards=3) or st.toggle(
         "Compute the attribution", help="One forward and one backward pass per class.",
-        **ui.keep("attribution_on", False),
+        **session.keep("attribution_on", False),
     ):
         st.plotly_chart(selection.memo("attribution overlay", target, opacity, compute=lambda: figures.attention_overlay(
             image, selection.attribution(target), opacity=opacity,
@@ -245,7 +247,7 @@ st.write(
 )
 stage = st.slider(
     "Tokens after this many layers", 0, depth,
-    **ui.keep("norm_stage", depth, lambda stage: 0 <= stage <= depth),
+    **session.keep("norm_stage", depth, lambda stage: 0 <= stage <= depth),
 )
 st.plotly_chart(selection.memo("token norms", stage, compute=lambda: figures.token_norms_figure(
     analysis.token_norms(result.tokens[0, stage]), result.grid_size, prefix,

@@ -1,14 +1,16 @@
 """Compare: two models side by side on one image, layer for layer at the same relative depth."""
 import streamlit as st
 
-from vit_explorer import analysis, figures, ui
+from vit_explorer import analysis, figures
+from vit_explorer.app import models, session
+from vit_explorer.app.selection import Selection, prediction_caveats
 
-selection = ui.selection()  # model A: the sidebar's
+selection = session.selection()  # model A: the sidebar's
 state = st.session_state
-model_labels = ui.model_options()
+model_labels = models.model_options()
 native = selection.base_model.config
-patch_options = ui.patch_size_options(native)
-b_options = {ui.SAME_MODEL: "The sidebar's model at another patch size", **model_labels}
+patch_options = models.patch_size_options(native)
+b_options = {session.SAME_MODEL: "The sidebar's model at another patch size", **model_labels}
 CLASS_QUERY, POINT_QUERY = "class token", "image point"
 
 st.title("Compare")
@@ -20,18 +22,18 @@ model_column, patch_column = st.columns(2)
 b_key = model_column.selectbox(
     "Model B", list(b_options), format_func=b_options.get,
     help="Any model the sidebar offers, or the sidebar's model again at another patch size.",
-    **ui.keep("compare_model", ui.SAME_MODEL, lambda key: key in b_options),
+    **session.keep("compare_model", session.SAME_MODEL, lambda key: key in b_options),
 )
 b_patch = None
-if b_key == ui.SAME_MODEL:
+if b_key == session.SAME_MODEL:
     b_patch = patch_column.select_slider(
         "B's patch size", options=patch_options, format_func=lambda patch: f"{patch} px",
         help="The same weights, their patch and position embeddings resampled to this patch size (FlexiViT).",
-        **ui.keep("compare_patch", ui.other_patch_size(patch_options, selection.patch_size),
+        **session.keep("compare_patch", session.other_patch_size(patch_options, selection.patch_size),
                   lambda patch: patch in patch_options),
     )
 
-pending = ui.undownloaded_entry(b_key)
+pending = models.undownloaded_entry(b_key)
 if pending is not None:
     name, entry = pending
     st.info(
@@ -42,11 +44,11 @@ if pending is not None:
         st.stop()
 try:
     if pending is not None:
-        ui.download_with_progress(pending[0])
+        models.download_with_progress(pending[0])
     if b_patch is None:
-        other = ui.compared_selection(b_key)
+        other = session.compared_selection(b_key)
     else:
-        other = ui.compared_selection(selection.model_key, b_patch, selection.config.img_size)
+        other = session.compared_selection(selection.model_key, b_patch, selection.config.img_size)
 except (ValueError, OSError) as error:
     st.error(f"Could not load model B, model A stays as it is: {error}")
     st.stop()
@@ -59,24 +61,24 @@ results = {side: chosen.capture() for side, chosen in sides.items()}
 images = {side: chosen.display_image() for side, chosen in sides.items()}
 
 
-def label(chosen: ui.Selection) -> str:
+def label(chosen: Selection) -> str:
     name = model_labels.get(chosen.model_key, chosen.model_key).split(" (")[0]
-    own_patch = ui.base_model(chosen.model_key).config.patch_size
+    own_patch = models.base_model(chosen.model_key).config.patch_size
     return name + (f" at patch {chosen.patch_size}" if chosen.patch_size != own_patch else "")
 
 
 for column, (side, chosen) in zip(st.columns(2), sides.items()):
     column.subheader(f"{side}: {label(chosen)}")
-    column.caption(f"{ui.describe(chosen.config)}.")
+    column.caption(f"{models.describe(chosen.config)}.")
 
 st.subheader("Predictions")
 for column, (side, chosen) in zip(st.columns(2), sides.items()):
     with column:
         if chosen.config.num_classes == 0:
-            st.info(ui.NO_CLASSIFIER.format(what=f"{side}'s prediction"))
+            st.info(models.NO_CLASSIFIER.format(what=f"{side}'s prediction"))
             continue
         probabilities = results[side].logits[0].softmax(dim=-1)
-        for caveat in ui.prediction_caveats(chosen, probabilities):
+        for caveat in prediction_caveats(chosen, probabilities):
             st.warning(caveat)
         st.plotly_chart(chosen.memo("compare top-5", side, compute=lambda: figures.side_topk(
             probabilities, chosen.class_names(), side,
@@ -91,7 +93,7 @@ st.write(
 layer_column, query_column = st.columns(2)
 layer = layer_column.slider(
     "A's layer", 0, depths["A"] - 1, help="B shows its layer at the same relative depth.",
-    **ui.keep("compare_layer", depths["A"] - 1, lambda layer: 0 <= layer < depths["A"]),
+    **session.keep("compare_layer", depths["A"] - 1, lambda layer: 0 <= layer < depths["A"]),
 )
 layers = {"A": layer, "B": analysis.matching_layer(layer, depths["A"], depths["B"])}
 layer_column.caption(f"B's matching layer: {layers['B']} (of 0..{depths['B'] - 1}).")
@@ -99,7 +101,7 @@ query_kind = query_column.radio(
     "Query", (CLASS_QUERY, POINT_QUERY), horizontal=True,
     help="Whose attention to show: the class token's (for a model without one, the mean over its"
     " patches), or that of the patch under one point of the picture in each model's own grid.",
-    **ui.keep("compare_query", CLASS_QUERY, lambda kind: kind in (CLASS_QUERY, POINT_QUERY)),
+    **session.keep("compare_query", CLASS_QUERY, lambda kind: kind in (CLASS_QUERY, POINT_QUERY)),
 )
 
 
@@ -108,8 +110,8 @@ def place_point(side: str, grid_size: tuple[int, int]) -> None:
     points = state[f"compare_picker_{side}"].selection.points
     if points:
         down, across = analysis.patch_point(int(points[0]["point_index"]), grid_size)
-        ui.set_kept("compare_down", round(100 * down, 1))
-        ui.set_kept("compare_across", round(100 * across, 1))
+        session.set_kept("compare_down", round(100 * down, 1))
+        session.set_kept("compare_across", round(100 * across, 1))
 
 
 query_patches = {side: None for side in sides}
@@ -118,12 +120,12 @@ if query_kind == POINT_QUERY:
     across = across_column.slider(
         "Point across (% of the width)", 0.0, 100.0, step=0.1, format="%.1f",
         help="From the left edge; or click a picture below.",
-        **ui.keep("compare_across", 50.0),
+        **session.keep("compare_across", 50.0),
     )
     down = down_column.slider(
         "Point down (% of the height)", 0.0, 100.0, step=0.1, format="%.1f",
         help="From the top edge; or click a picture below.",
-        **ui.keep("compare_down", 50.0),
+        **session.keep("compare_down", 50.0),
     )
     st.caption("The same point falls in a different patch of each grid: each model's patch under it is outlined.")
     for column, side in zip(st.columns(2), sides):

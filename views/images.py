@@ -2,16 +2,18 @@
 one forward pass kept for the next set (DINOv2's foreground PCA, correspondences, high-norm tokens)."""
 import streamlit as st
 
-from vit_explorer import figures, ui
+from vit_explorer import figures
 from vit_explorer import image_set as sets
+from vit_explorer.app import images, session
+from vit_explorer.app.selection import ImageSet
 
-selection = ui.selection()
+selection = session.selection()
 config = selection.config
 state = st.session_state
 depth = config.depth
 
-options = ui.sample_image_options(config.img_size)
-options.update(ui.uploaded_image_options())
+options = images.sample_image_options(config.img_size)
+options.update(images.uploaded_image_options())
 
 
 def default_images() -> list[str]:
@@ -33,10 +35,10 @@ st.write(
 chosen = st.multiselect(
     "Images", list(options), format_func=options.get,
     help="Two to six of the sidebar's pictures (shapes, photos, your uploads) to read together.",
-    **ui.keep("image_set", default_images(), lambda keys: all(key in options for key in keys)),
+    **session.keep("image_set", default_images(), lambda keys: all(key in options for key in keys)),
 )
 try:
-    image_set = ui.image_set(selection, chosen)
+    image_set = ImageSet.of(selection, chosen)
     image_set.image_tokens()
 except ValueError as error:
     st.info(str(error))
@@ -60,11 +62,11 @@ threshold_column, side_column = st.columns([2, 1], vertical_alignment="bottom")
 threshold = threshold_column.slider(
     "Foreground threshold (standard deviations)", -2.0, 2.0, step=0.1,
     help="Patches whose first component lies above this many standard deviations count as foreground.",
-    **ui.keep("set_threshold", 0.0),
+    **session.keep("set_threshold", 0.0),
 )
 flip = side_column.toggle(
     "Foreground below the threshold", help="Take the other side of the first component as the foreground.",
-    **ui.keep("set_flip", False),
+    **session.keep("set_flip", False),
 )
 pca = image_set.memo("foreground pca", threshold, flip, compute=lambda: sets.joint_pca_foreground(
     image_set.last_layer_features(), grid_size, threshold, flip, first=image_set.first_component(),
@@ -84,30 +86,30 @@ st.write(
 )
 layer = st.slider(
     "Layer", 0, depth - 1, help="The layer whose tokens or keys are compared, and whose norms are shown below.",
-    **ui.keep("layer", depth - 1, lambda layer: 0 <= layer < depth),
+    **session.keep("layer", depth - 1, lambda layer: 0 <= layer < depth),
 )
 controls, picker = st.columns([2, 1])
 with controls:
     source = st.selectbox(
         "Source image", list(range(count)), format_func=lambda index: labels[index],
-        help="The image whose patch you click.", **ui.keep("set_source", 0, lambda index: 0 <= index < count),
+        help="The image whose patch you click.", **session.keep("set_source", 0, lambda index: 0 <= index < count),
     )
     facet = st.radio(
         "Compare", ["tokens", "keys"], horizontal=True,
         help="Tokens: the layer's output for each patch. Keys: the layer's attention keys, all heads side by side.",
-        **ui.keep("set_facet", "tokens", lambda option: option in ("tokens", "keys")),
+        **session.keep("set_facet", "tokens", lambda option: option in ("tokens", "keys")),
     )
     patch = st.selectbox(
         "Patch", list(range(grid_h * grid_w)), format_func=lambda p: f"patch {p} (row {p // grid_w}, col {p % grid_w})",
         help="The patch of the source image to find elsewhere; clicking the picture chooses it too.",
-        **ui.keep("set_patch", (grid_h // 2) * grid_w + grid_w // 2, lambda p: 0 <= p < grid_h * grid_w),
+        **session.keep("set_patch", (grid_h // 2) * grid_w + grid_w // 2, lambda p: 0 <= p < grid_h * grid_w),
     )
 with picker:
     st.plotly_chart(
         image_set.memo("patch picker", source, patch, compute=lambda: figures.patch_picker(
             display[source], grid_size, patch
         )),
-        key="set_patch_click", on_select=ui.patch_picked("set_patch_click", "set_patch"), selection_mode="points",
+        key="set_patch_click", on_select=session.patch_picked("set_patch_click", "set_patch"), selection_mode="points",
         config={"displayModeBar": False},
     )
 layer_tokens = sets.patch_features(image_set.tokens(layer + 1), prefix)
@@ -131,7 +133,7 @@ st.write(
 k = st.slider(
     "k (MADs above the median)", 1.0, 20.0, step=0.5,
     help="How far above the median norm, in median absolute deviations, a patch must lie to count as an outlier.",
-    **ui.keep("set_mad_k", 6.0),
+    **session.keep("set_mad_k", 6.0),
 )
 outliers = image_set.memo("norm outliers", layer, k, compute=lambda: sets.norm_outliers(layer_tokens, k))
 rule = f"median {outliers.median:.3g} + {k:g} x MAD {outliers.mad:.3g}"

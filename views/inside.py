@@ -4,10 +4,11 @@ import math
 
 import streamlit as st
 
-from vit_explorer import figures, ui
+from vit_explorer import figures
 from vit_explorer import internals as inside
+from vit_explorer.app import session
 
-selection = ui.selection()
+selection = session.selection()
 config = selection.config
 result = selection.capture()
 image = selection.display_image()
@@ -35,13 +36,13 @@ st.write(
     " every number is this model's own, recorded while it read this image."
 )
 
-layer = st.slider("Layer", 0, depth - 1, **ui.keep("layer", depth - 1, lambda layer: 0 <= layer < depth))
+layer = st.slider("Layer", 0, depth - 1, **session.keep("layer", depth - 1, lambda layer: 0 <= layer < depth))
 controls, picker = st.columns([2, 1])
 with controls:
-    head = st.selectbox("Head", list(range(heads)), **ui.keep("head", 0, lambda h: 0 <= h < heads))
+    head = st.selectbox("Head", list(range(heads)), **session.keep("head", 0, lambda h: 0 <= h < heads))
     query = st.selectbox(
         "Query token", queries, format_func=query_label,
-        **ui.keep("query", queries[0] if queries[0] < 0 else centre, lambda q: q in queries),
+        **session.keep("query", queries[0] if queries[0] < 0 else centre, lambda q: q in queries),
     )
     st.caption(
         f"{result.num_tokens} tokens enter every layer: "
@@ -53,7 +54,7 @@ with picker:
         selection.memo("patch picker", query, compute=lambda: figures.patch_picker(
             image, result.grid_size, None if query < 0 else query
         )),
-        key="inside_patch_click", on_select=ui.patch_picked("inside_patch_click", "query"), selection_mode="points",
+        key="inside_patch_click", on_select=session.patch_picked("inside_patch_click", "query"), selection_mode="points",
         config={"displayModeBar": False},
     )
 
@@ -130,7 +131,7 @@ with st.expander("3. Scores and the softmax", expanded=True):
     factor = st.select_slider(
         "Softmax scale, as a multiple of 1/sqrt(d_head)", inside.SCALE_FACTORS,
         format_func=lambda factor: f"x{factor:g} ({factor * steps.scale:.3g})",
-        **ui.keep("softmax_scale", 1.0, lambda factor: factor in inside.SCALE_FACTORS),
+        **session.keep("softmax_scale", 1.0, lambda factor: factor in inside.SCALE_FACTORS),
     )
     scaled = selection.memo(
         "inside scale figures", layer, head, query, factor,

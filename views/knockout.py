@@ -2,9 +2,10 @@
 the importance sweep of every head alone."""
 import streamlit as st
 
-from vit_explorer import ablation, analysis, figures, ui
+from vit_explorer import ablation, analysis, figures
+from vit_explorer.app import costs, models, session
 
-selection = ui.selection()
+selection = session.selection()
 config = selection.config
 image = selection.display_image()
 state = st.session_state
@@ -22,14 +23,14 @@ def heads_key(layer: int) -> str:
 
 def clear_knock_out() -> None:
     for key in [heads_key(layer) for layer in layers] + ["knockout_attention", "knockout_mlp"]:
-        ui.set_kept(key, [])
+        session.set_kept(key, [])
 
 
 def knock_out_clicked_head() -> None:
     points = state["knockout_sweep_click"].selection.points
     if points:
         layer, head = int(points[0]["y"]), int(points[0]["x"])
-        ui.set_kept(heads_key(layer), sorted({*state.get(heads_key(layer), []), head}))
+        session.set_kept(heads_key(layer), sorted({*state.get(heads_key(layer), []), head}))
 
 
 st.title("Knock-out")
@@ -44,7 +45,7 @@ mode = st.radio(
     "Ablation", ablation.MODES, format_func=MODE_LABELS.get, horizontal=True,
     help="Zero removes what the heads write; mean keeps their average and removes only what is"
     " specific to each token.",
-    **ui.keep("knockout_mode", "zero", lambda value: value in ablation.MODES),
+    **session.keep("knockout_mode", "zero", lambda value: value in ablation.MODES),
 )
 with st.expander("Heads to knock out", expanded=True):
     columns = st.columns(4)
@@ -52,18 +53,18 @@ with st.expander("Heads to knock out", expanded=True):
         columns[layer % 4].multiselect(
             f"Layer {layer}", list(range(heads)), placeholder="no head",
             help=f"The heads of layer {layer} whose outputs are removed before its output projection.",
-            **ui.keep(heads_key(layer), [], lambda chosen: all(0 <= head < heads for head in chosen)),
+            **session.keep(heads_key(layer), [], lambda chosen: all(0 <= head < heads for head in chosen)),
         )
 attention_column, mlp_column, clear_column = st.columns([3, 3, 1], vertical_alignment="bottom")
 removed_attention = attention_column.multiselect(
     "Remove the attention branch of layers", layers, placeholder="none",
     help="Every head of these layers knocked out: the layer's tokens no longer read one another.",
-    **ui.keep("knockout_attention", [], lambda chosen: all(layer in layers for layer in chosen)),
+    **session.keep("knockout_attention", [], lambda chosen: all(layer in layers for layer in chosen)),
 )
 removed_mlp = mlp_column.multiselect(
     "Remove the MLP branch of layers", layers, placeholder="none",
     help="The hidden units of these layers' MLPs removed before their second linear layer.",
-    **ui.keep("knockout_mlp", [], lambda chosen: all(layer in layers for layer in chosen)),
+    **session.keep("knockout_mlp", [], lambda chosen: all(layer in layers for layer in chosen)),
 )
 clear_column.button("Clear", on_click=clear_knock_out, help="Knock nothing out.", width="stretch")
 
@@ -86,7 +87,7 @@ else:
         ))
         st.metric("Cosine between the pooled features, intact and knocked out", f"{cosine:.6f}")
         st.caption(
-            f"{ui.NO_CLASSIFIER.format(what='A class prediction')} The pooled feature is what this model"
+            f"{models.NO_CLASSIFIER.format(what='A class prediction')} The pooled feature is what this model"
             " outputs: 1 means the knock-out left it pointing the same way."
         )
     else:
@@ -104,7 +105,7 @@ else:
     query = "class token" if config.class_token else "mean over the patch queries"
     shown_layer = st.slider(
         "Layer", 0, depth - 1, help="The layer whose attention is drawn, intact and knocked out.",
-        **ui.keep("knockout_layer", min(first + 1, depth - 1), lambda layer: 0 <= layer < depth),
+        **session.keep("knockout_layer", min(first + 1, depth - 1), lambda layer: 0 <= layer < depth),
     )
     intact_grid, knocked_grid = selection.memo(
         "knock-out head grids", knock_out, shown_layer, compute=lambda: figures.intact_and_knocked_heads(
@@ -150,7 +151,7 @@ st.write(
     f" {cost:.0f} forward passes of this model rather than {depth * heads + 1}. Click a cell to knock"
     " that head out above."
 )
-sweep = selection.head_sweep(mode, run=ui.is_quick(config, forwards=cost))  # None until somebody ran it
+sweep = selection.head_sweep(mode, run=costs.is_quick(config, forwards=cost))  # None until somebody ran it
 if sweep is None and st.button(
     "Run the sweep", icon=":material/play_arrow:",
     help=f"Knock out every head alone on this image: about {cost:.0f} forward passes, shared with everyone.",

@@ -1,10 +1,12 @@
 """Patches: how the image becomes a sequence, and what the embedding layers learned."""
 import streamlit as st
 
-from vit_explorer import analysis, figures, ui
+from vit_explorer import analysis, figures
+from vit_explorer.app import costs, models, session
+from vit_explorer.app.memo import memo
 
-base = ui.selection().base_model.config
-options = ui.patch_size_options(base)
+base = session.selection().base_model.config
+options = models.patch_size_options(base)
 
 st.title("Patches")
 st.write(
@@ -16,9 +18,9 @@ st.write(
 st.select_slider(
     "Patch size", options=options, format_func=lambda patch: f"{patch} px",
     help=f"This model was trained with {base.patch_size} px patches; other sizes resample its weights.",
-    **ui.keep("patch_size", base.patch_size, lambda patch: patch in options),
+    **session.keep("patch_size", base.patch_size, lambda patch: patch in options),
 )
-selection = ui.selection()
+selection = session.selection()
 config = selection.config
 result = selection.capture()
 image = selection.display_image()
@@ -42,10 +44,10 @@ st.write(
 # Every patch size is a pass of this image, the first time for this model a warm-up and a few
 # timed passes (plus the held-out batch): for a real-size model that is dozens of forward passes'
 # worth, so it runs when asked.
-cost = selection.comparison_cost()
-rows = selection.predictions_by_patch_size(run=ui.is_quick(base, forwards=cost))
+cost = costs.comparison_cost(selection)
+rows = costs.compare_patch_sizes(selection, run=costs.is_quick(base, forwards=cost))
 if rows is None:
-    wait = ui.duration(cost * selection.forward_seconds())
+    wait = costs.duration(cost * costs.forward_seconds(selection))
     if st.session_state.get("stop_comparison"):
         st.caption("Stopped: nothing of that comparison was kept.")
     controls = st.empty()  # the buttons go once the comparison is there
@@ -55,17 +57,17 @@ if rows is None:
     ):
         with controls.container():
             st.button("Stop", key="stop_comparison", help="Stops the comparison; you can start it again.")
-        rows = selection.predictions_by_patch_size()
+        rows = costs.compare_patch_sizes(selection)
         controls.empty()
     else:
         st.caption(
             f"Running this image at all {len(options)} patch sizes costs about {cost:.0f} forward"
-            f" passes of this model (the first time, a warm-up pass then up to {ui.TIMED_PASSES}"
+            f" passes of this model (the first time, a warm-up pass then up to {costs.TIMED_PASSES}"
             f" timed passes each), about {wait} on this server now, so it runs when you press the button."
         )
 if rows is not None:
     if config.num_classes == 0:
-        st.info(ui.NO_CLASSIFIER.format(what="The prediction at each patch size"))
+        st.info(models.NO_CLASSIFIER.format(what="The prediction at each patch size"))
     st.plotly_chart(selection.memo("patch size tradeoff", compute=lambda: figures.patch_size_tradeoff(rows, config.patch_size)))
     st.dataframe(
         rows, hide_index=True,
@@ -73,11 +75,11 @@ if rows is not None:
             "forward ms": st.column_config.NumberColumn("forward (ms, median)", format="%.2f"),
             "probability": st.column_config.NumberColumn(format="%.3f"),
             "held-out accuracy": st.column_config.NumberColumn(
-                f"accuracy on {ui.HELD_OUT_IMAGES} held-out images", format="percent"
+                f"accuracy on {costs.HELD_OUT_IMAGES} held-out images", format="percent"
             ),
         },
     )
-    st.caption(ui.patch_size_summary(rows, base.patch_size))
+    st.caption(costs.patch_size_summary(rows, base.patch_size))
 
 st.subheader("The patch sequence")
 st.write(
@@ -97,7 +99,7 @@ st.write(
 depth = config.depth
 stage = st.slider(
     "Tokens after this many layers (0: the patch embeddings)", 0, depth,
-    **ui.keep("pca_stage", depth, lambda stage: 0 <= stage <= depth),
+    **session.keep("pca_stage", depth, lambda stage: 0 <= stage <= depth),
 )
 tokens = (
     result.patch_embeddings[0]
@@ -116,7 +118,7 @@ with left:
         " patch's. Trained models learn the grid on their own: nearby patches, and patches in"
         " the same row or column, get similar embeddings."
     )
-    st.plotly_chart(ui.memo(
+    st.plotly_chart(memo(
         (selection.model_key, selection.patch_size, "position similarity"),
         lambda: figures.position_similarity_grid(analysis.position_embedding_similarity(selection.model)),
     ))
@@ -126,7 +128,7 @@ with right:
         "The main directions of the linear projection's weights, drawn as image patches: the"
         " basic patterns (colour blobs, edges, gradients) every patch is measured against."
     )
-    st.plotly_chart(ui.memo(
+    st.plotly_chart(memo(
         (selection.model_key, selection.patch_size, "embedding filters"),
         lambda: figures.embedding_filters_figure(analysis.embedding_filters(selection.model)),
     ))

@@ -1,9 +1,11 @@
 """Pipeline: the chosen image through the whole ViT, one step at a time, with the tensor shapes."""
 import streamlit as st
 
-from vit_explorer import analysis, figures, ui
+from vit_explorer import analysis, figures
+from vit_explorer.app import models, session
+from vit_explorer.app.selection import prediction_caveats
 
-selection = ui.selection()
+selection = session.selection()
 config = selection.config
 result = selection.capture()
 image = selection.display_image()
@@ -146,7 +148,7 @@ if analysis.near_uniform(evenness):
         " of the uniform log N), as an untrained model's do: its layers mix the tokens without picking any out."
     )
 if headless:
-    st.info(ui.NO_CLASSIFIER.format(what="The logit lens"))
+    st.info(models.NO_CLASSIFIER.format(what="The logit lens"))
 else:
     st.plotly_chart(selection.memo("logit lens", compute=lambda: figures.logit_lens_figure(
         analysis.logit_lens(selection.model, result)[0].softmax(dim=-1), names  # (L+1, classes)
@@ -173,7 +175,7 @@ if headless:
     )
     st.code(f"({tokens}, {dim}) -> ({dim},)")
     st.subheader("9. Top-5 prediction")
-    st.info(ui.NO_CLASSIFIER.format(what="A prediction"))
+    st.info(models.NO_CLASSIFIER.format(what="A prediction"))
 else:
     st.subheader("8. Pool, norm and classification head")
     st.write(
@@ -186,6 +188,6 @@ else:
     probabilities = result.logits[0].softmax(dim=-1)
     best = int(probabilities.argmax())
     st.write(f"The model says **{names[best]}** with probability {float(probabilities[best]):.1%}.")
-    for caveat in ui.prediction_caveats(selection, probabilities):
+    for caveat in prediction_caveats(selection, probabilities):
         st.warning(caveat)
     st.plotly_chart(selection.memo("top-5 figure", compute=lambda: figures.topk_bar(probabilities, names, k=5)))

@@ -3,8 +3,10 @@ from pathlib import Path
 
 import streamlit as st
 
-from vit_explorer import analysis, figures, ui
+from vit_explorer import analysis, figures
 from vit_explorer.admission import RunRefused
+from vit_explorer.app import models, runs, session
+from vit_explorer.app.memo import memo
 from vit_explorer.config import PRESETS, TrainConfig, ViTConfig, parse_patch_sizes
 from vit_explorer.data import SHAPE_CLASSES, native_image_size
 from vit_explorer.runs import ordinal
@@ -46,12 +48,12 @@ ARCHITECTURE = {
 def fill_in_preset() -> None:
     if state["train_preset"] != CUSTOM:
         for name, value in PRESETS[state["train_preset"]].items():
-            ui.set_kept(f"train_{name}", value)
+            session.set_kept(f"train_{name}", value)
 
 
 left, right = st.columns(2)
 dataset = left.selectbox("Dataset", list(DATASETS), format_func=DATASETS.get)
-kept = {name: ui.keep(f"train_{name}", DEFAULT_MODEL[name]) for name in ARCHITECTURE}
+kept = {name: session.keep(f"train_{name}", DEFAULT_MODEL[name]) for name in ARCHITECTURE}
 architecture = {name: state[f"train_{name}"] for name in ARCHITECTURE}
 state["train_preset"] = next((name for name, numbers in PRESETS.items() if numbers == architecture), CUSTOM)
 left.selectbox(
@@ -63,7 +65,7 @@ left.selectbox(
 )
 for column, (name, (label, lowest, highest, step)) in zip(left.columns(len(ARCHITECTURE)), ARCHITECTURE.items()):
     column.number_input(label, lowest, highest, step=step, **kept[name])
-threads = ui.run_manager().limits.threads
+threads = runs.run_manager().limits.threads
 epochs = right.number_input("Epochs", 1, 200, DEFAULTS.epochs)
 batch_size = right.number_input("Batch size", 1, 4096, DEFAULTS.batch_size)
 lr = right.number_input("Peak learning rate", 1e-5, 1.0, DEFAULTS.lr, format="%.5f")
@@ -98,36 +100,36 @@ if launched:
         st.error(f"Cannot train that: {error}")
     else:
         try:
-            state["watched_run"] = ui.start_run(config)
+            state["watched_run"] = runs.start_run(config)
         except RunRefused as refusal:
             st.error(str(refusal))
 
-runs = ui.training_runs()
-if not runs:
+listed = runs.training_runs()
+if not listed:
     st.info("No runs yet: choose the settings above and launch one.")
     st.stop()
 
-run_ids = list(runs)
-if state.get("watched_run") not in runs:
+run_ids = list(listed)
+if state.get("watched_run") not in listed:
     state["watched_run"] = run_ids[-1]
 labels = {
     run_id: f"{run_id}: {run.config.dataset},"
     f" {run.config.model if isinstance(run.config.model, str) else 'custom'} model"
-    + (" (read-only)" if ui.someone_elses_run(run_id) else "")
-    for run_id, run in runs.items()
+    + (" (read-only)" if runs.someone_elses_run(run_id) else "")
+    for run_id, run in listed.items()
 }
 run_id = st.selectbox("Run", run_ids, key="watched_run", format_func=labels.get)
-shown_status = runs[run_id].status
+shown_status = listed[run_id].status
 live = shown_status in ("pending", "running")
 
 
 @st.fragment(run_every=1.0 if live else None)
 def live_view() -> None:
-    run = ui.training_runs().get(run_id)
+    run = runs.training_runs().get(run_id)
     if run is None or run.status != shown_status or "requested_model" in state:
         st.rerun()  # withdrawn, started or ended, or now the model: the page and sidebar must show it
     status, progress, eta = run.status, run.progress, run.eta_seconds
-    place = ui.run_manager().place(run_id)
+    place = runs.run_manager().place(run_id)
     stopping = place is None and run.stop_requested  # said at once: the run itself may take a minute to end
     if place is not None:
         st.progress(0.0, text=f"{run_id} queued: {ordinal(place)} in line; it starts by itself when a slot frees")
@@ -137,11 +139,11 @@ def live_view() -> None:
     else:
         eta_text = f", about {eta:.0f} s left" if eta is not None and status == "running" else ""
         st.progress(progress, text=f"{run_id} {status}: {progress:.0%}{eta_text}")
-    if ui.someone_elses_run(run_id):
+    if runs.someone_elses_run(run_id):
         st.caption("Someone else launched this run: you can watch it, only they can stop it.")
-    elif status in ("pending", "running") and not stopping and ui.owns_run(run_id):
+    elif status in ("pending", "running") and not stopping and runs.owns_run(run_id):
         st.button(
-            "Stop" if place is None else "Withdraw", on_click=ui.stop_run, args=(run_id,),
+            "Stop" if place is None else "Withdraw", on_click=runs.stop_run, args=(run_id,),
             icon=":material/stop:",
         )
     if run.error:
@@ -157,7 +159,7 @@ def live_view() -> None:
     columns[2].metric("Training accuracy", f"{steps[-1]['accuracy']:.1%}" if steps else "-")
     columns[3].metric("Test accuracy", f"{epochs_done[-1]['test_accuracy']:.1%}" if epochs_done else "-")
     # A live run redraws every second for every watcher: its figures are shared while nothing new came.
-    st.plotly_chart(ui.memo(
+    st.plotly_chart(memo(
         ("training curves", run_id, len(steps), len(epochs_done), steps[-1]["step"] if steps else None),
         lambda: figures.training_curves(history),
     ))
@@ -169,7 +171,7 @@ def live_view() -> None:
             f"The probe image at step {snapshot.step}: the model says **{snapshot.prediction}**"
             f" ({max(snapshot.probabilities):.0%}). Its last layer's attention:"
         )
-        st.plotly_chart(ui.memo(
+        st.plotly_chart(memo(
             ("training snapshot", run_id, snapshot.step),
             lambda: figures.attention_heads_grid(snapshot.image, analysis.query_map(
                 snapshot.attentions[0, last], snapshot.grid_size, snapshot.num_prefix_tokens
@@ -180,7 +182,7 @@ def live_view() -> None:
         explore, download = st.columns(2)
         explore.button(
             "Explore this model", type="primary", icon=":material/visibility:",
-            on_click=ui.request_model, args=(f"file:{run.checkpoint}",),
+            on_click=models.request_model, args=(f"file:{run.checkpoint}",),
         )
         checkpoint = Path(run.checkpoint)
         download.download_button(

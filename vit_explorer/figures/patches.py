@@ -129,8 +129,8 @@ def patch_picker(image, grid_size: tuple[int, int], selected: int | None = None,
 
 def patch_size_tradeoff(rows: Sequence[Mapping], current: int) -> go.Figure:
     """Smaller patches: more tokens, more cost, more detail. Panels over the patch sizes, rows as
-    ``ui.Selection.predictions_by_patch_size`` gives them: the token count, the measured forward
-    time of one image and, where the rows have predictions (a model with classes), how well the
+    ``vit_explorer.app.costs.compare_patch_sizes`` gives them: the token count, the measured
+    forward time of one image and, where the rows have predictions (a model with classes), how well the
     model does (the top-1 probability on this image labelled with the class, and the accuracy on
     a held-out batch where the rows have one). ``current`` is highlighted."""
     labels = [f"p={row['patch size']} ({row['grid']})" for row in rows]

@@ -1,0 +1,333 @@
+"""What a view may cost and the patch-size comparison: forward passes in multiply-adds, the work a
+view does unasked (``is_quick``), and the plan the Patches page's every-size comparison runs,
+counts, times and summarises, once per model for everybody where it does not depend on the image."""
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import streamlit as st
+import torch
+from PIL import Image
+
+from ..data import SHAPE_CLASSES, SHAPES_TEST_SEED, ImageDataset, shapes_dataset
+from ..images import preprocess
+from ..model import ViT
+from ..weights import resize_model
+from . import models
+from .images import SHAPE_SAMPLES
+from .memo import memo, shared_results
+from .selection import Selection
+
+# Work a view does unasked: about 3 forward passes of a ViT-S/16 at 224 (multiply-adds).
+QUICK_COST = 13e9
+# Held-out images per patch size on the Patches page: the shipped model's comparison at all its
+# patch sizes then stays within QUICK_COST (and is computed once per model for everybody).
+HELD_OUT_IMAGES = 128
+
+
+def forward_cost(config, patch_size: int | None = None) -> float:
+    """Multiply-adds of one image's forward pass (patch embedding and blocks), to compare patch
+    sizes and models."""
+    tokens = models.token_count(config, patch_size or config.patch_size)
+    height, width = config.img_size
+    dim = config.embed_dim
+    per_token = (4 + 2 * config.mlp_ratio) * dim * dim  # qkv + proj + MLP
+    embedding = height * width * config.in_chans * dim  # every pixel into every channel, at any patch size
+    return embedding + config.depth * (tokens * per_token + 2 * tokens * tokens * dim)
+
+
+def is_quick(config, forwards: float = 1.0) -> bool:
+    """Whether ``forwards`` forward passes of this model are cheap enough to run unasked."""
+    return forwards * forward_cost(config) <= QUICK_COST
+
+
+# --- every patch size side by side ---------------------------------------------------------------
+
+# Each patch size is timed once per model and input size (a pass's time does not depend on the
+# image): a warm-up pass, then the median of TIMED_PASSES passes, or of one where a pass costs more
+# than EXPENSIVE_PASS passes at the model's own patch size (three would make that size most of
+# the wait, and one warm sample of it is long enough). Later images get one untimed pass per size.
+TIMED_PASSES = 3
+EXPENSIVE_PASS = 2.0
+# What a pass costs beyond its multiply-adds, per block, in multiply-adds: the operators'
+# fixed overhead, most of a small model's pass (about 0.1 ms per block on a CPU).
+BLOCK_OVERHEAD = 3e6
+
+
+@dataclass(frozen=True)
+class PlannedSize:
+    """One patch size's share of the comparison: what ``predictions_by_patch_size`` and
+    ``held_out_accuracy_by_patch_size`` run at it, and what ``comparison_cost`` counts."""
+
+    patch_size: int
+    timed_passes: int  # after one warm-up pass of the image; 0: one untimed pass (already timed)
+    held_out_images: int  # 0: no held-out batch
+
+
+def comparison_plan(config, held_out: bool = False, timed: bool = True) -> list[PlannedSize]:
+    """``timed``: whether the forward times are measured now (nobody has for this model and size)."""
+    native = pass_cost(config)
+    return [
+        PlannedSize(
+            patch,
+            0 if not timed else 1 if pass_cost(config, patch) > EXPENSIVE_PASS * native else TIMED_PASSES,
+            HELD_OUT_IMAGES if held_out else 0,
+        )
+        for patch in models.patch_size_options(config)
+    ]
+
+
+def pass_cost(config, patch_size: int | None = None, images: int = 1) -> float:
+    """:func:`forward_cost` of a batch of ``images`` plus the operators' fixed overhead."""
+    return images * forward_cost(config, patch_size) + config.depth * BLOCK_OVERHEAD
+
+
+def resize_cost(config, patch_size: int) -> float:
+    """Multiply-adds worth of resizing the model to ``patch_size``: the PI-resize operator (a
+    pseudo-inverse, about 30 multiply-adds' time per new x old x old element) and its product
+    with the kernel in float64 (about 6x a float32 multiply-add), as measured on a CPU."""
+    if patch_size == config.patch_size:
+        return 0.0
+    new, old = patch_size**2, config.patch_size**2
+    return 30 * new * old * old + 6 * new * old * config.in_chans * config.embed_dim
+
+
+def size_cost(config, planned: PlannedSize) -> float:
+    """Multiply-adds of one patch size's share of the comparison."""
+    patch = planned.patch_size
+    cost = resize_cost(config, patch) + (1 + planned.timed_passes) * pass_cost(config, patch)
+    if planned.held_out_images:
+        cost += pass_cost(config, patch, planned.held_out_images)
+    return cost
+
+
+def patch_size_comparison_cost(config, held_out: bool = False, timed: bool = True) -> float:
+    """What trying every patch size costs, in forward passes of the model at its own size, from
+    the plan the comparison runs (:func:`comparison_plan`)."""
+    plan = comparison_plan(config, held_out, timed)
+    return sum(size_cost(config, planned) for planned in plan) / pass_cost(config)
+
+
+def _median_forward(model: ViT, x: torch.Tensor, passes: int, warm_up: bool = True) -> tuple[torch.Tensor, float]:
+    """(class scores or features of the first image, milliseconds): a warm-up pass (allocations,
+    first-call work), then the median of ``passes`` timed passes."""
+    times = []
+    with torch.no_grad():
+        output = model(x) if warm_up else None
+        for _ in range(passes):
+            started = time.perf_counter()
+            output = model(x)
+            if x.is_cuda:
+                torch.cuda.synchronize()  # the pass has run, not only been queued
+            times.append(time.perf_counter() - started)
+    return output[0].float().cpu(), 1000 * statistics.median(times)
+
+
+# progress(fraction done, what runs now); it may raise to stop the comparison.
+Progress = Callable[[float, str], None]
+
+
+def _each_size(config, held_out: bool, progress: Progress | None, what: str, timed: bool = True):
+    """The comparison plan's sizes, reporting before each the share of the work done so far."""
+    plan = comparison_plan(config, held_out, timed)
+    costs = [size_cost(config, planned) for planned in plan]
+    for index, planned in enumerate(plan):
+        if progress is not None:
+            tokens = models.token_count(config, planned.patch_size)
+            progress(
+                sum(costs[:index]) / sum(costs),
+                f"{what} patch {planned.patch_size} ({tokens} tokens), {index + 1} of {len(plan)} ...",
+            )
+        yield planned
+    if progress is not None:
+        progress(1.0, "Done.")
+
+
+def predictions_by_patch_size(
+    model: ViT, image: Image.Image, progress: Progress | None = None, forward_ms: dict[int, float] | None = None
+) -> list[dict]:
+    """Per allowed patch size: grid, tokens, the forward time (a warm-up pass, then the median of
+    the plan's timed passes) and, for a model with classes, the image's top-1 prediction.
+    ``forward_ms`` (patch size -> milliseconds) are times measured before for this model and input
+    size: then each size runs the image once, untimed. Each size runs on the model resized to it
+    once (FlexiViT PI-resize), so the time is the transformer's at that size, not the kernel's
+    resampling; the shared model is unchanged."""
+    config = model.config
+    names = config.class_names
+    x = preprocess(image, config).to(models.DEVICE)
+    timed = forward_ms is None
+    rows = []
+    for planned in _each_size(config, False, progress, "Timing" if timed else "Running", timed):
+        patch = planned.patch_size
+        resized = model if patch == config.patch_size else resize_model(model, patch_size=patch, share_weights=True).eval()
+        if timed:
+            output, milliseconds = _median_forward(resized, x, planned.timed_passes)
+        else:
+            with torch.no_grad():
+                output, milliseconds = resized(x)[0].float().cpu(), forward_ms[patch]
+        del resized  # a large patch's kernel is hundreds of MB: gone before the next size
+        grid_h, grid_w = model.grid_size(patch)
+        row = {
+            "patch size": patch,
+            "grid": f"{grid_h}x{grid_w}",
+            "tokens": config.num_prefix_tokens + grid_h * grid_w,
+            "forward ms": milliseconds,
+        }
+        if config.num_classes:
+            probabilities = output.softmax(dim=-1)
+            best = int(probabilities.argmax())
+            row["prediction"] = names[best] if names else f"class {best}"
+            row["probability"] = float(probabilities[best])
+        rows.append(row)
+    return rows
+
+
+def has_held_out(config) -> bool:
+    """Whether the Patches page can test the model on a held-out batch of its dataset: only the
+    built-in shapes, which render offline in a blink (another dataset may need a download)."""
+    return config.class_names == SHAPE_CLASSES
+
+
+def held_out_set(config) -> ImageDataset:
+    """A batch of the shapes test stream at the model's input size."""
+    # Past the sample pictures of the sidebar, which come from the start of the same test stream.
+    return shapes_dataset(HELD_OUT_IMAGES, config.img_size, SHAPES_TEST_SEED, "test", start=SHAPE_SAMPLES)
+
+
+def held_out_accuracy_by_patch_size(
+    model: ViT, dataset: ImageDataset, progress: Progress | None = None
+) -> dict[int, float]:
+    """Patch size -> accuracy of the model on ``dataset`` at that size (one batch per size)."""
+    config = model.config
+    mean = torch.tensor(config.mean, device=models.DEVICE).view(1, -1, 1, 1)
+    std = torch.tensor(config.std, device=models.DEVICE).view(1, -1, 1, 1)
+    images = (dataset.images.to(models.DEVICE).float() / 255 - mean) / std
+    labels = dataset.labels.to(models.DEVICE)
+    accuracy = {}
+    for planned in _each_size(config, True, progress, f"Testing on {len(dataset)} held-out images:"):
+        with torch.no_grad():
+            predicted = model(images, patch_size=planned.patch_size).argmax(dim=-1)
+        accuracy[planned.patch_size] = float((predicted == labels).float().mean())
+    return accuracy
+
+
+def duration(seconds: float) -> str:
+    """A wait in words: "12 s", "3 min"."""
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
+
+
+# Held-out accuracy this close to the best counts as holding up (128 images: a point is about one image).
+HELD_OUT_MARGIN = 0.05
+
+
+def patch_size_summary(rows: Sequence[dict], trained: int) -> str:
+    """What the comparison table shows, in a sentence or two derived from its rows."""
+    most = max(rows, key=lambda row: row["tokens"])
+    fewest = min(rows, key=lambda row: row["tokens"])
+    ratio = most["forward ms"] / fewest["forward ms"]
+    sentences = [
+        f"A pass at patch {most['patch size']} ({most['tokens']} tokens) took {ratio:.1f}x as long as"
+        f" at patch {fewest['patch size']} ({fewest['tokens']} tokens)."
+        if ratio >= 1.5 else
+        f"A pass at patch {most['patch size']} ({most['tokens']} tokens) took about as long as at"
+        f" patch {fewest['patch size']} ({fewest['tokens']} tokens): for this model the time went to"
+        " fixed costs (or to other work on this server), not to the tokens."
+    ]
+    held_out = {row["patch size"]: row["held-out accuracy"] for row in rows if row.get("held-out accuracy") is not None}
+    if held_out:
+        best = max(held_out, key=held_out.get)
+        close = [patch for patch, accuracy in held_out.items() if patch != best and accuracy >= held_out[best] - HELD_OUT_MARGIN]
+        far = [patch for patch in held_out if patch != best and patch not in close]
+        sentence = f"On the held-out images it does best at patch {best} ({held_out[best]:.0%}; trained at {trained})"
+        if close:
+            sentence += f", {_sizes(close)} stay within {HELD_OUT_MARGIN * 100:.0f} points of that"
+        if far:
+            sentence += f", and at {_sizes(far)} it falls to {_percentages(held_out[patch] for patch in sorted(far))}"
+        sentences.append(sentence + ".")
+    elif "prediction" in rows[0]:
+        own = next((row["prediction"] for row in rows if row["patch size"] == trained), None)
+        same = [row["patch size"] for row in rows if row["prediction"] == own and row["patch size"] != trained]
+        if own is not None:
+            sentences.append(
+                f"On this image it predicts {own} at its trained patch size {trained}"
+                + (f", and so it does at {_sizes(same)}." if same else ", and something else at every other size.")
+            )
+    return " ".join(sentences)
+
+
+def _sizes(patches: Sequence[int]) -> str:
+    patches = sorted(patches)
+    if len(patches) == 1:
+        return f"patch {patches[0]}"
+    return f"patches {', '.join(map(str, patches[:-1]))} and {patches[-1]}"
+
+
+def _percentages(values) -> str:
+    values = [f"{value:.0%}" for value in values]
+    return values[0] if len(values) == 1 else f"{', '.join(values[:-1])} and {values[-1]}"
+
+
+# --- the comparison for the selected model and image ----------------------------------------
+
+
+def comparison_cost(selection: Selection) -> float:
+    """What ``compare_patch_sizes`` would compute now, in forward passes (the forward times and
+    the held-out accuracy are per model, so they count only until somebody has computed them)."""
+    config = selection.base_model.config
+    held_out = has_held_out(config) and _held_out_key(selection) not in shared_results()
+    return patch_size_comparison_cost(config, held_out=held_out, timed=_forward_ms_key(selection) not in shared_results())
+
+
+def forward_seconds(selection: Selection) -> float:
+    """Seconds of one forward pass of this image at the model's own patch size: the median of
+    TIMED_PASSES (one sample on a busy server can be several times off), timed once per model
+    and input size for everybody (the page's capture has just warmed the model up)."""
+    model = selection.base_model
+    key = (selection.model_key, selection.config.img_size, "forward seconds")
+    return memo(key, lambda: _median_forward(
+        model, selection.model_input().to(models.DEVICE), TIMED_PASSES, warm_up=False
+    )[1] / 1000)
+
+
+def _held_out_key(selection: Selection) -> tuple:
+    return (selection.model_key, "held-out accuracy by patch size")
+
+
+def _forward_ms_key(selection: Selection) -> tuple:
+    return (selection.model_key, selection.config.img_size, "forward ms by patch size")
+
+
+def compare_patch_sizes(selection: Selection, run: bool = True) -> list[dict] | None:
+    """Per allowed patch size: tokens, forward time and (with classes) the top-1 prediction of
+    the selected image, and the accuracy on a held-out batch ("held-out accuracy") where the
+    model's dataset has one. Runs under a progress bar; a stopped run leaves nothing cached.
+
+    With ``run=False`` only what somebody already computed for this model and image, or None.
+    """
+    key = (selection.model_key, selection.config.img_size, selection.image_key, "predictions by patch size")
+    if not run and key not in shared_results():
+        return None
+    model = selection.base_model
+    config = model.config
+    held_out = has_held_out(config)
+    forward_ms = shared_results().get(_forward_ms_key(selection))  # None: nobody has timed them yet
+    # One bar over both parts, each advancing by its share of the plan's cost.
+    image_share = patch_size_comparison_cost(config, timed=forward_ms is None) / max(comparison_cost(selection), 1e-9)
+    slot = st.empty()
+
+    def report(start: float, share: float) -> Progress:
+        return lambda done, text: slot.progress(min(start + share * done, 1.0), text=text)
+
+    rows = memo(key, lambda: predictions_by_patch_size(model, selection.image, report(0.0, image_share), forward_ms))
+    if forward_ms is None:  # these rows timed every size: the times of later images
+        memo(_forward_ms_key(selection), lambda: {row["patch size"]: row["forward ms"] for row in rows})
+    if held_out:
+        accuracy = memo(_held_out_key(selection), lambda: held_out_accuracy_by_patch_size(
+            model, held_out_set(config), report(image_share, 1 - image_share)
+        ))
+        rows = [{**row, "held-out accuracy": accuracy[row["patch size"]]} for row in rows]
+    slot.empty()
+    return rows

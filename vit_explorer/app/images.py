@@ -1,0 +1,100 @@
+"""The pictures a session can explore: the built-in shapes and photos, uploaded images (by the
+digest they are kept under), the sidebar's picker labels and its picture, each made once for
+everybody."""
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import streamlit as st
+from PIL import Image
+
+from .. import resources
+from ..data import SHAPE_CLASSES, shapes_sample
+from ..images import load_image
+from . import uploads
+from .memo import memo
+
+PHOTOS_DIR = resources.app_root() / "assets" / "samples"
+SHAPE_SAMPLES = len(SHAPE_CLASSES)
+# The picture the app opens on: a sample the shipped model classifies right and surely.
+DEFAULT_IMAGE = "shapes:4"  # ring, 99.97% (shapes:0, a circle, is only 61% sure)
+
+
+def photo_names() -> list[str]:
+    return sorted(path.name for path in PHOTOS_DIR.iterdir() if path.suffix in (".png", ".jpg"))
+
+
+@st.cache_data(max_entries=64, show_spinner=False)
+def shapes_image(index: int, image_size: tuple[int, int]) -> tuple[Image.Image, str]:
+    return shapes_sample(index, image_size)
+
+
+@st.cache_resource(max_entries=16, show_spinner=False)
+def photo(name: str) -> Image.Image:
+    return load_image(PHOTOS_DIR / name)
+
+
+# The sidebar draws the chosen picture 160 px wide: it is sent at most twice that (sharp on
+# high-density screens).
+SIDEBAR_IMAGE_PX = 320
+
+
+def sidebar_image(image_key: str, image: Image.Image) -> bytes:
+    """``image`` as the sidebar shows it: encoded once per image for everybody. Given the PIL
+    image, st.image encodes it again as PNG on every run of every session (0.3-1 s for a
+    512 x 512 photo on a busy 2-core server); small pictures (the shapes) stay PNG, photos go as
+    JPEG, both shrunk to SIDEBAR_IMAGE_PX."""
+    def encode() -> bytes:
+        small = image.copy()
+        small.thumbnail((SIDEBAR_IMAGE_PX, SIDEBAR_IMAGE_PX))
+        buffer = io.BytesIO()
+        if small.width * small.height <= 128 * 128:
+            small.save(buffer, format="PNG")
+        else:
+            small.save(buffer, format="JPEG", quality=90)
+        return buffer.getvalue()
+
+    return memo((image_key, image.size, "sidebar image"), encode)
+
+
+def uploaded_image(digest: str) -> Image.Image:
+    """A decoded upload, shared by every session that uploaded the same bytes."""
+    path = uploads.uploaded_image_path(digest)
+    if not path.is_file():
+        raise FileNotFoundError(
+            "that uploaded image was removed to make room for newer uploads; upload it again"
+        )
+    return memo(("uploaded image", digest), lambda: load_image(path))
+
+
+def sample_image_options(image_size: tuple[int, int]) -> dict[str, str]:
+    """Image key -> label for the built-in pictures (shapes are drawn at the model's size): a
+    fresh dict of labels made once per size (each run of the sidebar asks; through
+    st.cache_data each label cost unpickling its picture)."""
+    def options() -> dict[str, str]:
+        shapes = {
+            f"shapes:{index}": f"Shapes #{index}: {shapes_image(index, image_size)[1]}"
+            for index in range(SHAPE_SAMPLES)
+        }
+        return {**shapes, **{f"photo:{name}": f"Photo: {Path(name).stem}" for name in photo_names()}}
+
+    return dict(memo((tuple(image_size), "sample image options"), options))
+
+
+def uploaded_image_options() -> dict[str, str]:
+    """This session's uploads that are still kept (the uploads folder has a quota), key -> label."""
+    uploaded = st.session_state["uploaded_images"]
+    for image_key in [key for key in uploaded if not uploads.uploaded_image_path(key.partition(":")[2]).is_file()]:
+        del uploaded[image_key]
+    return dict(uploaded)
+
+
+def resolve_image(image_key: str, image_size: tuple[int, int]) -> tuple[str, Image.Image]:
+    """(cache key, RGB image) for an image key; shapes depend on the model's input size."""
+    kind, _, reference = image_key.partition(":")
+    if kind == "shapes":
+        return f"{image_key}@{image_size[0]}x{image_size[1]}", shapes_image(int(reference), image_size)[0]
+    if kind == "photo":
+        return image_key, photo(reference)
+    return image_key, uploaded_image(reference)

@@ -1,0 +1,310 @@
+"""The models every session shares: loaded and resized once into a byte-bounded cache, the
+sizes they allow, the picker's options and titles, and whether a catalogue model can be had
+(downloaded, or its host answers) and its download under a progress bar.
+
+Model keys: ``"default"`` (the shipped shapes model), ``"pretrained:<name>"`` (a catalogue
+entry, vit_explorer.catalogue) and ``"file:<path>"`` (an uploaded checkpoint or a run trained in
+the app).
+"""
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import urllib.parse
+from pathlib import Path
+
+import streamlit as st
+import torch
+
+from .. import catalogue, train
+from ..cache import ByteBoundedCache, nbytes
+from ..model import ViT
+from ..weights import load_model, load_pretrained, resize_model
+from . import runs
+from .memo import with_spinner
+
+DEFAULT_MODEL = "default"
+PRETRAINED_MODEL = "pretrained:vit_b_16"
+
+# The largest attention tensor (depth x heads x N x N, counted in float32) a patch size may
+# produce: ViT-B/16 at patch 8 (785 tokens) is about 355 MB and still fits (the app keeps it in
+# float16, 177 MB; the bound also keeps a capture within a few seconds on a CPU).
+MAX_ATTENTION_BYTES = 400 * 2**20
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# Models loaded or resized for any session (a ViT-B/16 is 330 MB).
+MODELS_BYTES = int(float(os.environ.get("VIT_EXPLORER_MODELS_MB") or 3072) * 2**20)
+# What a page says in place of a view that needs class scores, for a model without a classifier.
+NO_CLASSIFIER = (
+    "{what} needs class scores, and this model has no classification head (num_classes=0):"
+    " it outputs a feature vector, not classes."
+)
+
+
+def default_weights() -> Path:
+    """The shipped shapes model, or the checkpoint that VIT_EXPLORER_DEFAULT_MODEL names."""
+    return Path(os.environ.get("VIT_EXPLORER_DEFAULT_MODEL") or train.DEFAULT_WEIGHTS)
+
+
+@st.cache_resource
+def shared_models() -> ByteBoundedCache:
+    """Every session's models (each loaded once), bounded in bytes of parameters and buffers."""
+    return ByteBoundedCache(MODELS_BYTES)
+
+
+def base_model(model_key: str) -> ViT:
+    """The model behind a key at its own patch size, in eval mode on the app's device."""
+    def load() -> ViT:
+        kind, _, reference = model_key.partition(":")
+        if kind == DEFAULT_MODEL:
+            weights = default_weights()
+            if not weights.is_file():
+                raise FileNotFoundError(
+                    f"the default model {weights} is missing; train it with"
+                    " `python -m vit_explorer train` or upload a checkpoint"
+                )
+            model = load_model(weights)
+        elif kind == "pretrained":
+            model = load_pretrained(reference)
+        else:
+            model = load_model(reference)
+        return model.to(DEVICE).eval()
+
+    return shared_models().get_or_compute(("base", model_key), lambda: with_spinner("Loading the model ...", load))
+
+
+def model_at(model_key: str, patch_size: int, image_size: tuple[int, int]) -> ViT:
+    """The model resized to ``patch_size`` (FlexiViT PI-resize) and ``image_size`` (position
+    embeddings resampled); the base model itself at its own sizes."""
+    model = base_model(model_key)
+    image_size = tuple(image_size)
+    if patch_size == model.config.patch_size and image_size == model.config.img_size:
+        return model
+    resized = shared_models().get_or_compute(
+        ("resized", model_key, patch_size, image_size),
+        lambda: with_spinner(
+            "Resizing the model ...",
+            lambda: resize_model(model, patch_size=patch_size, image_size=image_size, share_weights=True).eval(),
+        ),
+        size=lambda resized: _own_bytes(resized, model),
+    )
+    # The resized model holds the base model's storage, counted with the base: touched last, the
+    # base is never the least recently used of the two, so it is not evicted while they live.
+    base_model(model_key)
+    return resized
+
+
+def _own_bytes(resized: ViT, base: ViT) -> int:
+    """Bytes of the resampled tensors of a resized model: the rest is the base model's storage."""
+    base_storage = {tensor.data_ptr() for tensor in base.state_dict().values()}
+    return sum(nbytes(tensor) for tensor in resized.state_dict().values() if tensor.data_ptr() not in base_storage)
+
+
+def token_count(config, patch_size: int, image_size: tuple[int, int] | None = None) -> int:
+    """Tokens the model has at ``patch_size`` on an input of ``image_size`` (its own by default)."""
+    height, width = image_size or config.img_size
+    return config.num_prefix_tokens + (height // patch_size) * (width // patch_size)
+
+
+def attention_bytes(config, tokens: int | None = None) -> int:
+    """Bytes of one image's float32 attention, every layer and head."""
+    tokens = config.num_tokens if tokens is None else tokens
+    return config.depth * config.num_heads * tokens**2 * 4
+
+
+def image_size_problem(config, image_size: tuple[int, int]) -> str | None:
+    """Why the model (at its own patch size) cannot be explored at ``image_size``; None if it can."""
+    height, width = image_size
+    patch = config.patch_size
+    if height < patch or width < patch or height % patch or width % patch:
+        return f"The input size must be a multiple of the patch size ({patch} px) on both sides."
+    tokens = token_count(config, patch, image_size)
+    if attention_bytes(config, tokens) > MAX_ATTENTION_BYTES:
+        return (
+            f"At {height}x{width} px this model has {tokens} tokens and its attention would take"
+            f" {attention_bytes(config, tokens) / 2**20:.0f} MB, more than the"
+            f" {MAX_ATTENTION_BYTES / 2**20:.0f} MB this app allows; choose a smaller size."
+        )
+    return None
+
+
+def patch_size_options(config) -> list[int]:
+    """Patch sizes that tile the model's input exactly and keep the attention tensor in memory."""
+    height, width = config.img_size
+    options = []
+    for patch in range(2, min(height, width) + 1):
+        if height % patch or width % patch:
+            continue
+        if attention_bytes(config, token_count(config, patch)) <= MAX_ATTENTION_BYTES:
+            options.append(patch)
+    return sorted(set(options) | {config.patch_size})
+
+
+def parameter_count(model: ViT) -> int:
+    return sum(parameter.numel() for parameter in model.parameters())
+
+
+def describe(config) -> str:
+    """One line that says what a ViT is: input, grid, width, depth, heads and tokens."""
+    height, width = config.img_size
+    grid_h, grid_w = config.grid_size
+    prefix = []
+    if config.class_token:
+        prefix.append("class token")
+    if config.reg_tokens:
+        prefix.append(f"{config.reg_tokens} registers")
+    return (
+        f"{height}x{width} px input, patch {config.patch_size} -> {grid_h}x{grid_w} grid,"
+        f" dim {config.embed_dim}, {config.depth} layers x {config.num_heads} heads,"
+        f" {' + '.join(prefix) or 'no class token'} ({config.num_tokens} tokens),"
+        f" {config.num_classes} classes"
+    )
+
+
+# Model labels longer than this are cut in the sidebar's picker (and in its open list): a name is
+# shortened in the middle (its start and end tell checkpoints apart), the whole label shown below.
+MAX_LABEL = 34
+
+
+def model_options(whole: bool = False) -> dict[str, str]:
+    """Model key -> label: the shipped model, the catalogue (downloaded or not), finished runs
+    and uploads; names cut to fit the picker unless ``whole``."""
+    weights = default_weights().resolve()
+    shipped = weights == train.DEFAULT_WEIGHTS.resolve()
+    # A server started with VIT_EXPLORER_DEFAULT_MODEL says which checkpoint it opens with.
+    options = {DEFAULT_MODEL: "Shipped shapes ViT (offline)" if shipped else f"Default: {weights.stem}"}
+    for name, entry in catalogue.CATALOGUE.items():
+        # The state first: a long title may be cut, what selecting it costs never is.
+        where = "Downloaded" if catalogue.is_downloaded(name) else f"{entry.size_bytes / 1e6:.0f} MB download"
+        options[f"pretrained:{name}"] = f"{where}: {entry.title}"
+    for run_id, run in runs.training_runs().items():
+        if run.checkpoint is not None:
+            options[f"file:{run.checkpoint}"] = f"Trained here: {run_id}"
+    options.update(st.session_state["uploaded_models"])
+    return options if whole else {key: _fit(label) for key, label in options.items()}
+
+
+def model_title(model_key: str) -> str:
+    """A catalogue model's title ("DINO ViT-S/16")."""
+    return catalogue.entry(model_key.removeprefix("pretrained:")).title
+
+
+def _fit(label: str) -> str:
+    """A "Kind: name" label within MAX_LABEL characters, the name cut in the middle if need be."""
+    if len(label) <= MAX_LABEL:
+        return label
+    kind, _, name = label.rpartition(": ")
+    if name.endswith(")") and " (" in name:  # "ImageNet ViT-B/16 (torchvision)": the aside goes first
+        return _fit(f"{kind}: {name.rpartition(' (')[0]}" if kind else name.rpartition(" (")[0])
+    room = MAX_LABEL - len(kind) - 2 if kind else MAX_LABEL
+    head = (room - 1) // 2
+    shortened = f"{name[:head]}…{name[len(name) - (room - 1 - head):]}"
+    return f"{kind}: {shortened}" if kind else shortened
+
+
+def request_model(model_key: str) -> None:
+    """Ask for a model; the app loads it at the start of the next run (see apply_requested_model)."""
+    st.session_state["requested_model"] = model_key
+
+
+def apply_requested_model() -> str | None:
+    """Load the requested model and select it; on failure keep the current one and say why."""
+    requested = st.session_state.pop("requested_model", None)
+    if requested is None or requested == st.session_state["model_key"]:
+        return None
+    error = select_model(requested)
+    st.session_state["model_picker"] = st.session_state["model_key"]
+    return error
+
+
+def select_model(model_key: str) -> str | None:
+    """Load ``model_key`` and make it the current model; None on success, else the reason."""
+    kind, _, name = model_key.partition(":")
+    try:
+        if kind == "pretrained" and name in catalogue.CATALOGUE:
+            download_with_progress(name)
+        base_model(model_key)
+    except (ValueError, OSError) as error:
+        return f"Could not load that model: {error}"
+    state = st.session_state
+    state["model_key"] = model_key
+    # Layer, head, query and patch size belong to the previous model: forget the kept values
+    # and the widgets' own state, so that the widgets start from the new model's defaults.
+    for key in [str(key) for key in state if str(key).startswith("kept:")]:
+        del state[key]
+        state.pop(key.removeprefix("kept:"), None)
+    return None
+
+
+def model_cards() -> str:
+    """The catalogue's model cards as a Markdown list: what each was trained on, how it attends."""
+    return "\n".join(f"- **{entry.title}**: {entry.card.removeprefix(entry.title + ': ')}" for entry in catalogue.CATALOGUE.values())
+
+
+def model_card(model_key: str) -> str | None:
+    kind, _, name = model_key.partition(":")
+    return catalogue.CATALOGUE[name].card if kind == "pretrained" and name in catalogue.CATALOGUE else None
+
+
+def download_with_progress(name: str) -> None:
+    """Download a catalogue entry (if not cached yet) under a progress bar."""
+    if catalogue.is_downloaded(name):
+        return
+    entry = catalogue.entry(name)
+    label = f"Downloading {entry.title} ({entry.size_bytes / 1e6:.0f} MB) from {catalogue.url(name)}"
+    bar = st.progress(0.0, text=label)
+
+    def report(done: int, total: int | None) -> None:
+        bar.progress(min(done / (total or entry.size_bytes), 1.0), text=label)
+
+    try:
+        catalogue.download(name, report)
+    finally:
+        bar.empty()
+
+
+# Whether the catalogue's hosts answer: checked at most once a minute per host, each check
+# within a second and a half (name lookup included), so that no page waits on a dead network.
+REACHABLE_SECONDS = 60
+REACHABLE_TIMEOUT = 1.5
+# Said in place of the catalogue's models where none can be had.
+CATALOGUE_OFFLINE = (
+    "The pretrained models are not available offline: none is downloaded and this server cannot"
+    f" reach their publishers (a local mirror can be set with {catalogue.HUB_URL_VARIABLE} or"
+    f" {catalogue.TORCHVISION_URL_VARIABLE})."
+)
+
+
+def obtainable(model_key: str) -> bool:
+    """Whether a catalogue model can be had now: downloaded, or its download host answers."""
+    name = model_key.removeprefix("pretrained:")
+    if catalogue.is_downloaded(name):
+        return True
+    address = urllib.parse.urlsplit(catalogue.url(name))
+    return host_reachable(address.hostname, address.port or (443 if address.scheme == "https" else 80))
+
+
+@st.cache_data(ttl=REACHABLE_SECONDS, max_entries=16, show_spinner=False)
+def host_reachable(host: str, port: int) -> bool:
+    """Whether a TCP connection to ``host:port`` opens within REACHABLE_TIMEOUT seconds."""
+    opened = threading.Event()
+
+    def connect() -> None:
+        try:
+            with socket.create_connection((host, port), timeout=REACHABLE_TIMEOUT):
+                opened.set()
+        except OSError:
+            pass
+
+    # In a thread of its own: a name lookup without a network can hang far longer than the timeout.
+    threading.Thread(target=connect, daemon=True).start()
+    return opened.wait(REACHABLE_TIMEOUT)
+
+
+def undownloaded_entry(model_key: str) -> tuple[str, catalogue.CatalogueEntry] | None:
+    """(name, entry) of the catalogue model a key names if it is not downloaded yet, else None:
+    loading it would download it, which waits to be asked for."""
+    kind, _, name = model_key.partition(":")
+    if kind == "pretrained" and name in catalogue.CATALOGUE and not catalogue.is_downloaded(name):
+        return name, catalogue.CATALOGUE[name]
+    return None

@@ -1,0 +1,64 @@
+"""This server's training runs as a person sees them: the shared RunManager, the owner token that
+the page address carries, and starting and stopping one's own runs."""
+from __future__ import annotations
+
+import secrets
+
+import streamlit as st
+
+from .. import resources
+from ..config import TrainConfig
+from ..runs import RunManager
+from ..training_run import TrainingRun
+
+OWNER_PARAM = "owner"  # the address parameter that keeps a person's owner token
+# Where runs trained in the app write their checkpoints.
+RUNS_DIR = resources.default_runs_dir()
+
+
+@st.cache_resource
+def run_manager() -> RunManager:
+    """The server's runs: each trains in its own process; ended ones are found in RUNS_DIR again."""
+    return RunManager(RUNS_DIR)
+
+
+def training_runs() -> dict[str, TrainingRun]:
+    """Every run of this server by id, launched, waiting or found in the runs folder."""
+    return run_manager().runs()
+
+
+def owner_token() -> str:
+    """This person's token, created when they first launch a run: kept in the session and in the
+    page's address (session.keep_in_address), so that neither moving between pages nor a reload
+    takes their runs from them."""
+    state = st.session_state
+    if "owner_token" not in state:
+        state["owner_token"] = secrets.token_urlsafe(12)
+        st.query_params[OWNER_PARAM] = state["owner_token"]
+    return state["owner_token"]
+
+
+def start_run(config: TrainConfig) -> str:
+    """Launch ``config`` for this person (it starts now or waits its turn); its id.
+
+    Raises admission.RunRefused with the sentence to show when the server cannot take it.
+    """
+    return run_manager().launch(config, owner_token())
+
+
+def stop_run(run_id: str) -> None:
+    run_manager().stop(run_id, owner_token())
+
+
+def owns_run(run_id: str) -> bool:
+    token = st.session_state.get("owner_token")
+    return token is not None and run_manager().owns(run_id, token)
+
+
+def someone_elses_run(run_id: str) -> bool:
+    """Launched by another person (runs found in the runs folder after a restart are no one's)."""
+    return run_manager().owner_of(run_id) not in (None, st.session_state.get("owner_token"))
+
+
+def active_runs() -> dict[str, TrainingRun]:
+    return run_manager().running()

@@ -1,0 +1,280 @@
+"""What a page looks at and everything computed from it: ``Selection`` (a model at a patch size
+and input size, and an image), ``ImageSet`` (several images for one model), and what a prediction
+on them is worth (``prediction_caveats``)."""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import TypeVar
+
+import numpy as np
+import streamlit as st
+import torch
+from PIL import Image
+
+from ..ablation import HeadSweep, KnockOut, head_sweep
+from ..analysis import attribution, display_image, near_chance
+from ..capture import Capture, capture, layer_internals
+from ..data import SHAPE_CLASSES
+from ..image_set import MAX_IMAGES, MIN_IMAGES, first_component, last_layer_features, layer_keys
+from ..images import preprocess
+from ..internals import LayerInternals
+from ..model import ViT
+from . import models
+from .images import resolve_image
+from .memo import memo, shared_results
+
+T = TypeVar("T")
+
+@dataclass(frozen=True)
+class Selection:
+    """What every page looks at: the chosen model at the chosen patch size and the chosen image."""
+
+    model_key: str
+    patch_size: int
+    image_key: str  # includes the render size for shapes
+    model: ViT
+    image: Image.Image  # the picture as given, before resizing
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def base_model(self) -> ViT:
+        """The model at its own patch size (and at the chosen input size)."""
+        return models.model_at(self.model_key, models.base_model(self.model_key).config.patch_size, self.config.img_size)
+
+    @property
+    def key(self) -> tuple[str, int, tuple[int, int], str]:
+        return (self.model_key, self.patch_size, self.config.img_size, self.image_key)
+
+    def memo(self, *key, compute: Callable[[], T], spinner: str | None = None) -> T:
+        """``compute()`` once per (this model, patch size and image, ``key``) for everybody."""
+        return memo((*self.key, *key), compute, spinner)
+
+    def capture(self) -> Capture:
+        """The forward pass dissected, attention in float16: the views only draw it, and half the
+        bytes are half the memory every cached capture holds and half of what a pass writes."""
+        return self.memo(
+            "capture", compute=lambda: capture(self.model, self.model_input(), attention_dtype=torch.float16),
+            spinner="Running the model ...",
+        )
+
+    def cached_capture(self) -> Capture | None:
+        """:meth:`capture` if a page has made it already (for anybody), else None: nothing runs."""
+        return shared_results().get((*self.key, "capture"))
+
+    def attribution(self, target: int) -> np.ndarray:
+        """(gh, gw) relevance of each patch for class ``target``; one backward pass per class."""
+        return self.memo(
+            "attribution", target,
+            compute=lambda: attribution(self.model, self.model_input(), target)[0].cpu().numpy(),
+            spinner="Tracing the class back to the patches ...",
+        )
+
+
+    def model_input(self) -> torch.Tensor:
+        return preprocess(self.image, self.config)  # (1, C, H, W)
+
+    def display_image(self) -> np.ndarray:
+        """(H, W, 3) uint8: the picture exactly as the model sees it (resized, 8-bit)."""
+        return self.memo("display image", compute=lambda: display_image(self.model_input(), self.config))
+
+    def class_names(self) -> list[str]:
+        names = self.config.class_names
+        return list(names) if names else [f"class {i}" for i in range(self.config.num_classes)]
+
+    def internals(self, layer: int, token: int) -> LayerInternals:
+        """Every step of encoder layer ``layer`` for query ``token`` of this image
+        (vit_explorer.internals), from the captured tokens entering the layer: this layer's q, k, v
+        projection and the rest of the block for that one token, so that another layer or query
+        costs a fifth of a block (at patch 8 the whole block was most of a view) and another head
+        nothing."""
+        return self.memo(
+            "internals", layer, token,
+            compute=lambda: layer_internals(self.model, self.capture().tokens[:, layer], layer, queries=[token]),
+            spinner=f"Opening layer {layer} ...",
+        )
+
+    def knock_out_capture(self, knock_out: KnockOut) -> Capture:
+        """:meth:`capture` of the pass with ``knock_out``'s heads and branches removed (that call
+        only: the shared model is untouched); nothing knocked out is the intact capture. The
+        layers before the first one knocked out are the intact capture's, not run again."""
+        intact = self.capture()
+        if knock_out.is_empty:
+            return intact
+        return self.memo(
+            "knock-out capture", knock_out, spinner="Running the model without them ...",
+            compute=lambda: capture(
+                self.model, self.model_input(), attention_dtype=torch.float16, knock_out=knock_out,
+                intact=intact,
+            ),
+        )
+
+    def head_sweep(self, mode: str, run: bool = True) -> HeadSweep | None:
+        """Every head knocked out alone on this image (vit_explorer.ablation.head_sweep), with a
+        progress bar while it runs, once for everybody. With ``run=False`` only what somebody
+        already computed, or None."""
+        key = (*self.key, "head sweep", mode)
+        if not run and key not in shared_results():
+            return None
+
+        def compute() -> HeadSweep:
+            bar = st.progress(0.0, text="Knocking out each head alone ...")
+            result = head_sweep(self.model, self.model_input(), mode, progress=lambda share: bar.progress(
+                share, text=f"Knocking out each head alone: {share:.0%}"
+            ))
+            bar.empty()
+            return result
+
+        return memo(key, compute)
+
+
+@dataclass(frozen=True)
+class ImageSet:
+    """Several images read together by the selected model (the Several images page): each image's
+    tokens memoised for everybody by model, sizes and image key, so that a set with one more image
+    runs that one alone; what the page reads of them is memoised by the set's image keys."""
+
+    selection: Selection  # the model at its patch size and input size, and the sidebar's image
+    image_keys: tuple[str, ...]  # cache keys (shapes include their render size)
+    images: tuple[Image.Image, ...]  # as given, before resizing
+
+    @property
+    def key(self) -> tuple:
+        selection = self.selection
+        return (selection.model_key, selection.patch_size, selection.config.img_size, "image set", self.image_keys)
+
+    @classmethod
+    def of(cls, selection: Selection, image_keys: Sequence[str]) -> ImageSet:
+        """The images behind ``image_keys`` for the selected model; ValueError with the sentence
+        to show for too few or too many, or for an image that can no longer be read."""
+        if not MIN_IMAGES <= len(image_keys) <= MAX_IMAGES:
+            raise ValueError(
+                f"Pick between {MIN_IMAGES} and {MAX_IMAGES} images"
+                f" ({len(image_keys)} chosen)."
+            )
+        resolved = []
+        for image_key in image_keys:
+            try:
+                resolved.append(resolve_image(image_key, selection.config.img_size))
+            except (ValueError, OSError) as error:
+                raise ValueError(f"One of the images cannot be read: {error}.") from error
+        return cls(selection, tuple(key for key, _ in resolved), tuple(image for _, image in resolved))
+
+    def memo(self, *key, compute: Callable[[], T], spinner: str | None = None) -> T:
+        return memo((*self.key, *key), compute, spinner)
+
+    def model_input(self) -> torch.Tensor:
+        """(B, C, H, W): every image resized to the model's input size, whatever its own size;
+        once per set (the pass and the pictures shown both read it)."""
+        return self.memo("model input", compute=lambda: torch.cat([
+            preprocess(image, self.selection.config) for image in self.images
+        ]))
+
+    def image_tokens(self) -> list[torch.Tensor]:
+        """(depth + 1, N, D) per image: the tokens entering the first block, then leaving each
+        (the page reads tokens only). The sidebar's image is read from its capture, which every
+        page shares (made now if no page has yet), and so is any image that a page has captured
+        already; the others go through the model together in one batch, and each one's tokens are
+        kept by themselves, so that a set with one more image runs that one alone."""
+        selection = self.selection
+        found = [
+            None if captured is None else captured.tokens[0]
+            for captured in (
+                selection.capture() if image_key == selection.image_key
+                else replace(selection, image_key=image_key, image=image).cached_capture()
+                for image_key, image in zip(self.image_keys, self.images)
+            )
+        ]
+        missing = [index for index, tokens in enumerate(found) if tokens is None]
+        ran: dict[int, torch.Tensor] = {}
+
+        def run(indices: list[int]) -> torch.Tensor:
+            """One pass of the images ``indices``; the first one's tokens (the others' are kept
+            before this returns, so that a session waiting for the first one finds them too)."""
+            x = self.model_input()[indices]
+            batch = capture(selection.model, x, layers=[-1], attention_dtype=torch.float16).tokens
+            ran.update({index: tokens.clone() for index, tokens in zip(indices, batch)})  # own storage each
+            for index in indices[1:]:
+                memo(self._tokens_key(index), lambda index=index: ran[index])
+            return ran[indices[0]]
+
+        spinner = f"Running the model on {len(missing)} image{'s' if len(missing) > 1 else ''} ..."
+        for index in missing:  # the first one missing runs every one still missing
+            found[index] = memo(self._tokens_key(index), lambda index=index: ran[index] if index in ran else run([
+                index, *(later for later in missing if later > index and self._tokens_key(later) not in shared_results())
+            ]), spinner=spinner)
+        return found
+
+    def _tokens_key(self, index: int) -> tuple:
+        selection = self.selection
+        return (selection.model_key, selection.patch_size, selection.config.img_size, "set image tokens", self.image_keys[index])
+
+    def tokens(self, index: int) -> torch.Tensor:
+        """(B, N, D) every image's tokens at ``index`` of :meth:`image_tokens` (0: entering the
+        first block, -1: leaving the last)."""
+        return self.memo("tokens", index, compute=lambda: torch.stack([tokens[index] for tokens in self.image_tokens()]))
+
+    def keys(self, layer: int) -> torch.Tensor:
+        """(B, P, nh * hd) the patches' keys in ``layer``: that layer's norm and qkv projection
+        run again on the batch's captured tokens (a quarter of one block)."""
+        return self.memo(
+            "keys", layer, compute=lambda: layer_keys(self.selection.model, self.tokens(layer), layer),
+            spinner=f"Computing the keys of layer {layer} ...",
+        )
+
+    def first_component(self) -> tuple[torch.Tensor, float]:
+        """The joint first principal component of the last layer's patch features (image_set.
+        first_component): once per image set, whatever the threshold."""
+        return self.memo("first component", compute=lambda: first_component(self.last_layer_features()))
+
+    def last_layer_features(self) -> torch.Tensor:
+        """(B, P, D) the last layer's patch tokens after the final norm (DINOv2's figure's features)."""
+        return self.memo("last layer features", compute=lambda: last_layer_features(self.selection.model, self.tokens(-1)))
+
+    def display_images(self) -> list[np.ndarray]:
+        """(H, W, 3) uint8 per image: each picture as the model sees it."""
+        return self.memo("display images", compute=lambda: [
+            display_image(x, self.selection.config) for x in self.model_input()
+        ])
+
+
+def unreadable_photo_reason(selection: Selection) -> str | None:
+    """One sentence on why the model cannot make sense of the chosen photo, or None if it can."""
+    if selection.image_key.startswith("shapes:"):
+        return None
+    config = selection.config
+    height, width = config.img_size
+    if config.class_names == SHAPE_CLASSES:
+        if selection.image.size == (width, height):
+            return None  # a shapes picture saved at the model's size and uploaded again, most likely
+        return (
+            f"This model was trained on synthetic shapes at {height}x{width} pixels, so a photo"
+            " means nothing to it."
+        )
+    given = min(selection.image.size)
+    if min(height, width) < 64 and given >= 4 * min(height, width):
+        return (
+            f"This model reads {height}x{width} pixels, far fewer than the {selection.image.size[0]}"
+            f"x{selection.image.size[1]} photo, so it sees a blur."
+        )
+    return None
+
+
+def prediction_caveats(selection: Selection, probabilities: torch.Tensor) -> list[str]:
+    """Why the prediction (C,) shown for ``selection`` says little, one sentence each (none: it
+    can be read as it is): a picture the model cannot read, a top class no likelier than a guess."""
+    caveats = []
+    reason = unreadable_photo_reason(selection)
+    if reason is not None:
+        caveats.append(f"Read nothing into this prediction: {reason[0].lower()}{reason[1:]}")
+    if near_chance(probabilities):
+        classes = probabilities.shape[-1]
+        caveats.append(
+            f"The top probability, {float(probabilities.max()):.1%}, is close to chance ({1 / classes:.1%}"
+            f" for {classes} classes): the model does not recognise anything here, as when its weights"
+            " are random or untrained."
+        )
+    return caveats

@@ -1,0 +1,154 @@
+"""A session's choices and where they are kept: its session state, the page address (owner
+token and image, across reloads), widget values kept across pages, and the ``Selection`` they
+make (the sidebar's, and the Compare page's model B)."""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import streamlit as st
+
+from . import images, models, runs, uploads
+from .selection import Selection
+
+IMAGE_PARAM = "image"  # the address parameter that keeps the chosen image across a reload
+
+def init_state() -> None:
+    state = st.session_state
+    state.setdefault("model_key", models.DEFAULT_MODEL)
+    state.setdefault("uploaded_models", {})  # model key -> label
+    state.setdefault("uploaded_images", {})  # image key -> label (the bytes are in UPLOADS_DIR)
+    if "image_key" not in state:  # a new session, or a reload: the address says which image
+        state["image_key"] = _image_in_address()
+    if "owner_token" not in state and st.query_params.get(runs.OWNER_PARAM):
+        state["owner_token"] = st.query_params[runs.OWNER_PARAM]
+    uploads.forget_removed_uploads()
+
+
+def keep_in_address() -> None:
+    """Write the owner token and the chosen image into the page's address on every run: a reload
+    then keeps them, and Streamlit's page navigation, which drops the address's parameters, does
+    not take a person's runs from them. A person who never trained has no token to keep, and the
+    default image needs no parameter."""
+    state = st.session_state
+    image_key = state["image_key"] if state["image_key"] != images.DEFAULT_IMAGE else None
+    for param, value in ((runs.OWNER_PARAM, state.get("owner_token")), (IMAGE_PARAM, image_key)):
+        if value is None:
+            st.query_params.pop(param, None)
+        elif st.query_params.get(param) != value:
+            st.query_params[param] = value
+
+
+def _image_in_address() -> str:
+    """The image key in the address if it names a picture this server still has, else the default."""
+    image_key = st.query_params.get(IMAGE_PARAM, "")
+    kind, _, reference = image_key.partition(":")
+    if kind == "shapes" and reference.isdigit() and int(reference) < images.SHAPE_SAMPLES:
+        return image_key
+    if kind == "photo" and reference in images.photo_names():
+        return image_key
+    if kind == "upload" and reference.isalnum() and uploads.uploaded_image_path(reference).is_file():
+        st.session_state["uploaded_images"][image_key] = "Uploaded image"
+        return image_key
+    return images.DEFAULT_IMAGE
+
+
+def selection() -> Selection:
+    state = st.session_state
+    kind, _, digest = state["image_key"].partition(":")
+    if kind == "upload" and not uploads.uploaded_image_path(digest).is_file():
+        # Cleaned up for newer uploads (the folder has a quota): back to a built-in picture.
+        state["image_key"] = images.DEFAULT_IMAGE
+        state["image_notice"] = "Your uploaded image was removed to make room for newer uploads; upload it again."
+    size = image_size()
+    patch = patch_size(size)
+    model = models.model_at(state["model_key"], patch, size)
+    image_key, image = images.resolve_image(state["image_key"], model.config.img_size)
+    return Selection(state["model_key"], patch, image_key, model, image)
+
+
+def image_size() -> tuple[int, int]:
+    """The input size chosen in the sidebar, if valid for the current model, else its own."""
+    config = models.base_model(st.session_state["model_key"]).config
+    # A side never edited has no kept value: it stays the model's own.
+    chosen = tuple(
+        st.session_state.get(kept_key(key), native)
+        for key, native in zip(("input_height", "input_width"), config.img_size)
+    )
+    return config.img_size if models.image_size_problem(config, chosen) else chosen
+
+
+def patch_size(image_size: tuple[int, int]) -> int:
+    """The patch size chosen on the Patches page, if valid for the model at ``image_size``, else its own."""
+    config = models.base_model(st.session_state["model_key"]).config.replace(image_size=image_size)
+    kept = st.session_state.get(kept_key("patch_size"))
+    return kept if kept in models.patch_size_options(config) else config.patch_size
+
+
+def kept_key(widget_key: str) -> str:
+    return f"kept:{widget_key}"
+
+
+def keep(widget_key: str, default: Any, valid: Callable[[Any], bool] = lambda value: True) -> dict:
+    """Widget arguments that keep a page widget's value when the person visits another page.
+
+    Streamlit forgets a widget's state once a run does not draw it; the value is copied to a
+    key of our own on every change and restored from there (if still valid) when drawn again.
+    Restored on every run: widgets of two pages may share a key (layer, head and query on the
+    Attention and Inside pages) but not an id, and a widget drawn for the first time starts from
+    a value set here, never from one the other page's widget left behind.
+    """
+    state = st.session_state
+    candidates = [state[key] for key in (kept_key(widget_key), widget_key) if key in state]
+    state[widget_key] = next((value for value in candidates if valid(value)), default)
+    return dict(key=widget_key, on_change=_copy_to_kept, args=(widget_key,))
+
+
+def _copy_to_kept(widget_key: str) -> None:
+    st.session_state[kept_key(widget_key)] = st.session_state[widget_key]
+
+
+def patch_picked(chart_key: str, kept_widget: str) -> Callable[[], None]:
+    """The ``on_select`` callback of a patch picker (figures.patch_picker) drawn with
+    ``key=chart_key``: the clicked patch becomes the kept value of the page widget ``kept_widget``."""
+    def pick() -> None:
+        points = st.session_state[chart_key].selection.points
+        if points:
+            set_kept(kept_widget, int(points[0]["point_index"]))
+
+    return pick
+
+
+def set_kept(widget_key: str, value: Any) -> None:
+    """Change a kept widget's value from a callback (before the widget is drawn)."""
+    st.session_state[widget_key] = value
+    st.session_state[kept_key(widget_key)] = value
+
+
+# --- a second model beside the sidebar's (the Compare page) ------------------------------------
+
+SAME_MODEL = "same model"  # the Compare page's model B: the sidebar's model at another patch size
+
+
+def other_patch_size(options: Sequence[int], current: int) -> int:
+    """The patch size model B starts from: the nearest below ``current`` (a finer grid at a
+    modest cost), else the nearest above, else ``current`` itself."""
+    smaller = [patch for patch in options if patch < current]
+    larger = [patch for patch in options if patch > current]
+    return max(smaller) if smaller else min(larger) if larger else current
+
+
+def compared_selection(
+    model_key: str, patch_size: int | None = None, image_size: tuple[int, int] | None = None
+) -> Selection:
+    """Model B of the Compare page on the session's image: ``model_key`` at ``patch_size`` and
+    ``image_size`` (None: the model's own), preprocessed for its own size, mean and std.
+
+    Loaded and resized through the shared model cache, so B counts against the models' byte
+    budget like any other model; raises ValueError or OSError when it cannot be loaded.
+    """
+    config = models.base_model(model_key).config
+    patch_size = patch_size or config.patch_size
+    model = models.model_at(model_key, patch_size, image_size or config.img_size)
+    image_key, image = images.resolve_image(st.session_state["image_key"], model.config.img_size)
+    return Selection(model_key, patch_size, image_key, model, image)
