@@ -10,7 +10,6 @@ import orjson
 import plotly.graph_objects as go
 import plotly.io as pio
 import streamlit as st
-from _plotly_utils.utils import convert_to_base64
 
 from ..cache import ByteBoundedCache, nbytes
 
@@ -72,15 +71,9 @@ class _SentDict(dict):
 
 
 def _figure_json(figure: go.Figure) -> bytes:
-    """The JSON st.plotly_chart would send: to_dict's, written from the figure's own dicts.
-    Plotly's public ways to them (to_dict, to_plotly_json, a trace's or the layout's) all
-    deep-copy them first, and JSON built from the builders' dicts would lack plotly's key
-    order and its template; the copy (most of it the template) added 30-40% to serializing
-    the Inside-a-layer page's figures. This figure is dropped once serialized, so its arrays may
-    become typed-array specs in place."""
-    figure_dict = {"data": figure._data, "layout": figure._layout}
-    convert_to_base64(figure_dict)
-    return pio.to_json(figure_dict, validate=False).encode()
+    """The JSON st.plotly_chart would send, through plotly's public serializer (the same bytes:
+    its to_dict, typed arrays and template included)."""
+    return pio.to_json(figure, validate=False).encode()
 
 
 def _sent_figures(value: T) -> T:
