@@ -131,12 +131,15 @@ def checkpoint_paths(config: TrainConfig) -> dict[str, Path]:
 
 
 def model_config(config: TrainConfig, dataset: ImageDataset | None = None) -> ViTConfig:
-    """The ViTConfig a run trains: preset or given config, image size, the dataset's classes."""
+    """The ViTConfig a run trains: preset or given config, image size, positions, the dataset's classes."""
     image_size = config.image_size
     if isinstance(config.model, ViTConfig):
         base = config.model if image_size is None else config.model.replace(image_size=image_size)
     else:
         base = ViTConfig(image_size=image_size or native_image_size(config.dataset), **PRESETS[config.model])
+    if config.positions == "rotary":
+        # DINOv3's rotary positions: coordinates in [-1, 1] whatever the grid, no pos_embed to resample.
+        base = base.replace(abs_pos_embed=False, rope_type="dinov3")
     height, width = base.img_size
     for patch in config.patch_sizes or ():
         if height % patch or width % patch:
