@@ -7,12 +7,13 @@ import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file
 
 import vit_explorer as vx
 from vit_explorer import train as training
 from vit_explorer import training_run
 from vit_explorer.config import TrainConfig
-from vit_explorer.data import SHAPE_CLASSES
+from vit_explorer.data import SHAPE_CLASSES, shapes_dataset
 from vit_explorer.weights import CheckpointError
 from helpers import SMALL_RUN_MODEL, small_run_config
 
@@ -124,6 +125,40 @@ def test_a_rotary_run_trains_and_its_checkpoint_loads(tmp_path):
         pytest.skip(f"weights/infer.py does not know rotary configs yet (the rope-load branch fixes it): {error}")
     assert model.pos_embed is None and model.config.rope_type == "dinov3"
     assert model.config.class_names == SHAPE_CLASSES
+
+
+def _trained(config: TrainConfig) -> tuple[vx.ViT, float]:
+    """A finished run's model (read straight from its file: load_model may not know rotary
+    checkpoints yet) and its final test accuracy."""
+    done = list(training.train(config))[-1]
+    model = vx.ViT(training.model_config(config, shapes_dataset(1)))
+    model.load_state_dict(load_file(done.checkpoint))
+    return model.eval(), done.test_accuracy
+
+
+@pytest.mark.parametrize("positions", ["learned", "rotary"])
+def test_accuracy_by_image_size(tmp_path, positions):
+    config = small_config(tmp_path, positions=positions, epochs=3, snapshot_every=0)
+    model, accuracy = _trained(config)
+    state = {name: value.clone() for name, value in model.state_dict().items()}
+    by_size = training.accuracy_by_image_size(model, "shapes", [16, (24, 24)], test_size=config.test_size)
+    assert list(by_size) == [(16, 16), (24, 24)]
+    assert by_size[16, 16] == accuracy  # its own size: the run's own test images and number
+    assert 0 <= by_size[24, 24] <= 1 and by_size[24, 24] * 32 == round(by_size[24, 24] * 32)
+    assert model.config.image_size == 16 and all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+
+    larger = training.at_image_size(model, 24)
+    assert larger.config.grid_size == (6, 6) and larger.config.rope_type == model.config.rope_type
+    assert larger.patch_embed.proj.weight.data_ptr() == model.patch_embed.proj.weight.data_ptr()  # shared
+    assert (larger.pos_embed is None) == (positions == "rotary")
+    if positions == "learned":  # resampled to the 6x6 grid; rotary positions need nothing
+        assert larger.pos_embed.shape == (1, 37, 32)
+
+
+def test_scaled_image_sizes_are_whole_patches():
+    config = vx.ViTConfig(image_size=(32, 48), patch_size=8)
+    assert training.scaled_image_sizes(config) == [(32, 48), (48, 72), (64, 96)]
+    assert training.scaled_image_sizes(config, (0.1, 1.2)) == [(8, 8), (40, 56)]
 
 
 def test_resume_continues_exactly(tmp_path):
