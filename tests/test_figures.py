@@ -367,7 +367,7 @@ def test_accuracy_by_image_size_draws_a_line_per_model_in_pixel_order():
     fig = figures.accuracy_by_image_size_figure(series, trained_size=(32, 32))
     assert title_of(fig) == "Test accuracy at each input size (trained at 32x32)"
     learned, rotary = fig.data
-    assert list(learned.x) == ["32x32 (trained)", "64x64", "48x48"] and list(learned.text) == ["90%", "30%", "40%"]
+    assert list(learned.x) == ["32x32 (trained)", "64x64", "48x48"] and list(learned.y) == [0.9, 0.3, 0.4]
     assert list(rotary.y) == [0.95, 0.8] and rotary.name == "run 2 (rotary)"
     assert list(fig.layout.xaxis.categoryarray) == ["32x32 (trained)", "48x48", "64x64"]
 

@@ -73,9 +73,8 @@ def accuracy_by_image_size_figure(series: Mapping[str, Mapping[tuple[int, int], 
 
     traces = [
         dict(
-            type="scatter", mode="lines+markers+text", name=name, x=[label(size) for size in accuracies],
-            y=list(accuracies.values()), text=[f"{value:.0%}" for value in accuracies.values()],
-            textposition="top center", hovertemplate=f"{name}<br>%{{x}} px: %{{y:.1%}}<extra></extra>",
+            type="scatter", mode="lines+markers", name=name, x=[label(size) for size in accuracies],
+            y=list(accuracies.values()), hovertemplate=f"{name}<br>%{{x}} px: %{{y:.1%}}<extra></extra>",
         )
         for name, accuracies in series.items()
     ]
