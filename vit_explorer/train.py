@@ -603,8 +603,8 @@ def scaled_image_sizes(config: ViTConfig, factors: Sequence[float] = IMAGE_SIZE_
 
 
 def accuracy_by_image_size(
-    model: ViT, dataset: str, image_sizes, *, data_root: str | Path | None = None, test_size: int | None = None,
-    batch_size: int = EVAL_BATCH,
+    model: ViT, dataset: str, image_sizes: Sequence[int | tuple[int, int]], *, data_root: str | Path | None = None,
+    test_size: int | None = None, batch_size: int = EVAL_BATCH,
 ) -> dict[tuple[int, int], float]:
     """(height, width) -> test accuracy of ``model`` on inputs of that size (at_image_size), the
     test images made at that size (accuracy_on_test_split): how well its positions carry to a grid it never saw."""
