@@ -359,6 +359,19 @@ def test_training_curves_of_an_empty_history_are_an_empty_valid_figure(history):
     assert all(len(trace.x or ()) == 0 for trace in fig.data)
 
 
+def test_accuracy_by_image_size_draws_a_line_per_model_in_pixel_order():
+    series = {
+        "run 1 (learned)": {(32, 32): 0.9, (64, 64): 0.3, (48, 48): 0.4},
+        "run 2 (rotary)": {(32, 32): 0.95, (48, 48): 0.8},
+    }
+    fig = figures.accuracy_by_image_size_figure(series, trained_size=(32, 32))
+    assert title_of(fig) == "Test accuracy at each input size (trained at 32x32)"
+    learned, rotary = fig.data
+    assert list(learned.x) == ["32x32 (trained)", "64x64", "48x48"] and list(learned.y) == [0.9, 0.3, 0.4]
+    assert list(rotary.y) == [0.95, 0.8] and rotary.name == "run 2 (rotary)"
+    assert list(fig.layout.xaxis.categoryarray) == ["32x32 (trained)", "48x48", "64x64"]
+
+
 def test_write_figures_as_html_shares_one_plotly_js(tmp_path):
     figs = {"a": figures.topk_bar(np.array([0.2, 0.8])), "b": figures.training_curves(None)}
     paths = figures.write_figures(figs, tmp_path / "out", image_format="html")

@@ -7,10 +7,11 @@ from vit_explorer import analysis, figures
 from vit_explorer.admission import RunRefused
 from vit_explorer.app import models, runs, session
 from vit_explorer.app.memo import memo
-from vit_explorer.config import PRESETS, TrainConfig, ViTConfig, parse_patch_sizes
+from vit_explorer.config import POSITIONS, PRESETS, TrainConfig, ViTConfig, parse_patch_sizes
 from vit_explorer.data import SHAPE_CLASSES, native_image_size
 from vit_explorer.runs import ordinal
-from vit_explorer.train import model_config
+from vit_explorer.train import accuracy_by_image_size, model_config, scaled_image_sizes
+from vit_explorer.weights import load_model
 
 DATASETS = {
     "shapes": f"Shapes (built in, {len(SHAPE_CLASSES)} classes, no download)",
@@ -19,6 +20,7 @@ DATASETS = {
     "fashionmnist": "Fashion-MNIST (downloads 30 MB)",
 }
 CUSTOM = "custom"
+SIZE_TEST_IMAGES = 500  # test images per input size when a run is tested at each size
 DEFAULTS, DEFAULT_MODEL = TrainConfig(), PRESETS[TrainConfig().model]
 state = st.session_state
 
@@ -82,6 +84,12 @@ flexi_sizes = left.text_input(
     help="Train each step at a patch size drawn from these, one set of weights resized on the"
     " fly (FlexiViT), so that the model works at all of them; empty: only its own patch size.",
 )
+positions = left.radio(
+    "Positions", POSITIONS, horizontal=True, format_func=lambda name: f"{name} ({'DINOv3' if name == 'rotary' else 'ViT'})",
+    help="How the model knows where each patch is: learned position embeddings must be resampled for"
+    " another image size, rotary positions (angles from each patch's place in [-1, 1]) fit any grid as"
+    " they are. Train one of each, then test both at sizes they never saw below.",
+)
 launched = st.button("Launch training", type="primary")
 
 if launched:
@@ -93,7 +101,7 @@ if launched:
         config = TrainConfig(
             dataset=dataset, model=model, epochs=epochs, batch_size=batch_size, lr=lr,
             train_size=train_size or None, snapshot_every=10, log_every=5,
-            patch_sizes=parse_patch_sizes(flexi_sizes),
+            patch_sizes=parse_patch_sizes(flexi_sizes), positions=positions,
         )
         model_config(config)  # a patch size that does not tile the images fails here, not later
     except ValueError as error:
@@ -115,12 +123,53 @@ if state.get("watched_run") not in listed:
 labels = {
     run_id: f"{run_id}: {run.config.dataset},"
     f" {run.config.model if isinstance(run.config.model, str) else 'custom'} model"
+    + (", rotary positions" if run.config.positions == "rotary" else "")
     + (" (read-only)" if runs.someone_elses_run(run_id) else "")
     for run_id, run in listed.items()
 }
 run_id = st.selectbox("Run", run_ids, key="watched_run", format_func=labels.get)
 shown_status = listed[run_id].status
 live = shown_status in ("pending", "running")
+
+
+def accuracy_at_each_size(run_id: str) -> None:
+    """An ended run tested at its own input size and larger ones, on request; drawn with every
+    run this person tested on the same data and size, so that learned and rotary positions compare."""
+    run = listed[run_id]
+    config = model_config(run.config)
+    sizes = scaled_image_sizes(config)
+    tested = state.setdefault("tested_at_sizes", [])  # run ids, in the order they were tested
+    if run_id not in tested:
+        st.button("Test at each image size", icon=":material/aspect_ratio:", on_click=tested.append, args=(run_id,))
+        drawn = "draws new test images" if run.config.dataset == "shapes" else "resizes its test images"
+        st.caption(
+            f"Tests {SIZE_TEST_IMAGES} test images at each of {', '.join(f'{h}x{w}' for h, w in sizes)} px"
+            f" ({len(sizes) * SIZE_TEST_IMAGES} forward passes: seconds for a small model) on this server;"
+            f" {run.config.dataset} {drawn} at each size."
+        )
+    series = {}
+    for other in [name for name in tested if name in listed]:
+        other_run, other_config = listed[other], model_config(listed[other].config)
+        if (other_run.config.dataset, other_config.img_size) != (run.config.dataset, config.img_size):
+            continue
+        other_sizes = scaled_image_sizes(other_config)  # whole patches of its own patch size
+        try:
+            series[f"{other} ({other_run.config.positions})"] = memo(
+                ("accuracy by image size", other_run.checkpoint, tuple(other_sizes), SIZE_TEST_IMAGES),
+                lambda: accuracy_by_image_size(
+                    load_model(other_run.checkpoint), other_run.config.dataset, other_sizes,
+                    test_size=SIZE_TEST_IMAGES, data_root=other_run.config.data_root, batch_size=100,
+                ),
+                spinner=f"Testing {other} at {len(other_sizes)} sizes",
+            )
+        except (ValueError, OSError) as error:
+            tested.remove(other)
+            st.error(f"Cannot test {other} at other sizes: {error}")
+    if series:
+        st.plotly_chart(memo(
+            ("accuracy by image size figure", tuple(series)),
+            lambda: figures.accuracy_by_image_size_figure(series, config.img_size),
+        ))
 
 
 @st.fragment(run_every=1.0 if live else None)
@@ -189,6 +238,8 @@ def live_view() -> None:
             "Download the checkpoint", checkpoint.read_bytes(), file_name=checkpoint.name,
             icon=":material/download:",
         )
+    if status in ("finished", "stopped") and run.checkpoint is not None:
+        accuracy_at_each_size(run_id)
 
 
 live_view()

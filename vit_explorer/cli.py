@@ -17,7 +17,7 @@ def _patch_sizes(text: str) -> tuple[int, ...] | None:
 
 
 def _add_train(subparsers) -> None:
-    from .config import PRESETS, TrainConfig
+    from .config import POSITIONS, PRESETS, TrainConfig
 
     defaults = TrainConfig()
     parser = subparsers.add_parser(
@@ -40,6 +40,9 @@ def _add_train(subparsers) -> None:
     parser.add_argument("--patch-sizes", type=_patch_sizes, metavar="P,P,...",
                         help="FlexiViT: train each step at a patch size drawn from these (e.g. 4,8,16),"
                         " resizing the --patch-size weights on the fly, so that one model works at all")
+    parser.add_argument("--positions", default=defaults.positions, choices=POSITIONS,
+                        help="learned: position embeddings, resampled for another image size; rotary:"
+                        " DINOv3's rotary positions, which follow any grid (default learned)")
     parser.add_argument("--epochs", type=int, default=defaults.epochs)
     parser.add_argument("--batch-size", type=int, default=defaults.batch_size, help="per process")
     parser.add_argument("--lr", type=float, default=defaults.lr, help="peak learning rate")
@@ -87,7 +90,7 @@ def _train_config(args: argparse.Namespace):
         device=args.device, precision=args.precision, compile=args.compile,
         augment=not args.no_augment, data_root=args.data_root, out_dir=args.out, name=args.name,
         train_size=args.train_size, test_size=args.test_size, resume=args.resume,
-        patch_sizes=args.patch_sizes,
+        patch_sizes=args.patch_sizes, positions=args.positions,
     )
 
 
@@ -164,7 +167,9 @@ def _add_evaluate(subparsers) -> None:
                         help="evaluate at this patch size, the weights resized to it (FlexiViT PI-resize);"
                         " default the model's own")
     parser.add_argument("--image-size", type=int,
-                        help="evaluate at this image size, the position embeddings resampled; default the model's own")
+                        help="evaluate at this image size (learned position embeddings resampled, rotary"
+                        " positions as they are; shapes renders its test images at that size, other datasets'"
+                        " are resized); default the model's own")
     parser.set_defaults(run=_run_evaluate)
 
 

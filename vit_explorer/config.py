@@ -305,6 +305,12 @@ def parse_patch_sizes(text: str) -> tuple[int, ...] | None:
     return tuple(int(part) for part in parts)
 
 
+# How a run's model knows where each patch is (TrainConfig.positions): "learned", a position
+# embedding added to the tokens, resampled to another grid; "rotary", DINOv3's rotary positions on
+# coordinates in [-1, 1], which follow any grid as they are.
+POSITIONS = ("learned", "rotary")
+
+
 @dataclass(frozen=True)
 class TrainConfig(_JsonConfig):
     """One training run: data, model, optimisation, hardware and where the checkpoint goes."""
@@ -334,6 +340,7 @@ class TrainConfig(_JsonConfig):
     # FlexiViT (Beyer et al. 2023): each step runs at a patch size drawn from these, the weights
     # resized on the fly from the model's own patch size; None: always the model's own size.
     patch_sizes: tuple[int, ...] | None = None
+    positions: str = "learned"  # one of POSITIONS; "learned" keeps a given ViTConfig's own
 
     def __post_init__(self) -> None:
         if self.patch_sizes is not None:
@@ -363,6 +370,8 @@ class TrainConfig(_JsonConfig):
             raise ValueError(f"device must be auto, cpu, cuda or mps, not {self.device!r}")
         if self.precision not in ("auto", "bf16", "fp32"):
             raise ValueError(f"precision must be auto, bf16 or fp32, not {self.precision!r}")
+        if self.positions not in POSITIONS:
+            raise ValueError(f"positions must be {' or '.join(POSITIONS)}, not {_brief(self.positions)}")
 
     @property
     def run_name(self) -> str:

@@ -15,7 +15,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Generator, Iterator
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -131,12 +131,15 @@ def checkpoint_paths(config: TrainConfig) -> dict[str, Path]:
 
 
 def model_config(config: TrainConfig, dataset: ImageDataset | None = None) -> ViTConfig:
-    """The ViTConfig a run trains: preset or given config, image size, the dataset's classes."""
+    """The ViTConfig a run trains: preset or given config, image size, positions, the dataset's classes."""
     image_size = config.image_size
     if isinstance(config.model, ViTConfig):
         base = config.model if image_size is None else config.model.replace(image_size=image_size)
     else:
         base = ViTConfig(image_size=image_size or native_image_size(config.dataset), **PRESETS[config.model])
+    if config.positions == "rotary":
+        # DINOv3's rotary positions: coordinates in [-1, 1] whatever the grid, no pos_embed to resample.
+        base = base.replace(abs_pos_embed=False, rope_type="dinov3")
     height, width = base.img_size
     for patch in config.patch_sizes or ():
         if height % patch or width % patch:
@@ -553,20 +556,29 @@ def _resume(config, paths, model, optimizer, total_steps) -> tuple[int, dict]:
     return int(state["step"]), saved["history"]
 
 
-def evaluate_checkpoint(
-    weights: str | Path, dataset: str = "shapes", *, device: str = "auto", data_root: str | Path | None = None,
-    test_size: int | None = None, batch_size: int = EVAL_BATCH, patch_size: int | None = None,
-    image_size: int | None = None,
-) -> tuple[float, int, ViTConfig]:
-    """(test accuracy, number of test images, the config evaluated) of a checkpoint on a
-    dataset's test split, at another patch and/or image size if asked (FlexiViT resize)."""
-    target = resolve_device(device)
-    model = load_model(weights).to(target)
-    if patch_size is not None or image_size is not None:
-        model = resize_model(model, patch_size=patch_size, image_size=image_size)
+def at_image_size(model: ViT, image_size: int | tuple[int, int]) -> ViT:
+    """``model`` for inputs of ``image_size``, sharing its weights (to run, not to train; the
+    original is untouched): learned position embeddings are resampled to the new grid
+    (resize_model); rotary positions follow any grid, so only the config's size changes."""
+    if model.pos_embed is not None:
+        return resize_model(model, image_size=image_size, share_weights=True)
+    # Not resize_model: it resamples pos_embed, which a rotary model does not have.
+    with torch.device("meta"):
+        resized = ViT(model.config.replace(image_size=image_size))
+    resized.load_state_dict(model.state_dict(), assign=True)
+    return resized.train(model.training)
+
+
+def accuracy_on_test_split(
+    model: ViT, dataset: str = "shapes", *, data_root: str | Path | None = None, test_size: int | None = None,
+    batch_size: int = EVAL_BATCH,
+) -> tuple[float, int]:
+    """(accuracy, number of test images) of ``model`` on a dataset's test split at the model's
+    input size: shapes renders its test images at that size, other datasets' are resized to it."""
     config = model.config
+    device = model.patch_embed.proj.weight.device
     root = Path(data_root).expanduser() if data_root else DEFAULT_DATA_ROOT
-    test_set = load_dataset(dataset, "test", image_size=config.img_size, root=root, size=test_size, device=target)
+    test_set = load_dataset(dataset, "test", image_size=config.img_size, root=root, size=test_size, device=device)
     if config.num_classes != len(test_set.class_names) or (
         config.class_names is not None and tuple(config.class_names) != test_set.class_names
     ):
@@ -574,6 +586,48 @@ def evaluate_checkpoint(
         raise TrainingError(f"the model knows {known}, but {dataset} has {', '.join(test_set.class_names)}")
     # Normalize as the model was trained, whatever the dataset's own statistics are.
     test_set.mean, test_set.std = config.mean, config.std
-    loader = DeviceLoader(test_set, batch_size, train=False)
-    _, accuracy = evaluate(model, loader)
-    return accuracy, len(test_set), config
+    _, accuracy = evaluate(model, DeviceLoader(test_set, batch_size, train=False))
+    return accuracy, len(test_set)
+
+
+# The input sizes a model is tested at after training, as multiples of its own (Train page).
+IMAGE_SIZE_FACTORS = (1.0, 1.5, 2.0)
+
+
+def scaled_image_sizes(config: ViTConfig, factors: Sequence[float] = IMAGE_SIZE_FACTORS) -> list[tuple[int, int]]:
+    """(height, width) of ``config``'s input scaled by each factor, rounded to whole patches."""
+    patch = config.patch_size
+    return [
+        tuple(max(patch, round(side * factor / patch) * patch) for side in config.img_size) for factor in factors
+    ]
+
+
+def accuracy_by_image_size(
+    model: ViT, dataset: str, image_sizes: Sequence[int | tuple[int, int]], *, data_root: str | Path | None = None,
+    test_size: int | None = None, batch_size: int = EVAL_BATCH,
+) -> dict[tuple[int, int], float]:
+    """(height, width) -> test accuracy of ``model`` on inputs of that size (at_image_size), the
+    test images made at that size (accuracy_on_test_split): how well its positions carry to a grid it never saw."""
+    sizes = [(size, size) if isinstance(size, int) else tuple(size) for size in image_sizes]
+    return {
+        size: accuracy_on_test_split(
+            at_image_size(model, size), dataset, data_root=data_root, test_size=test_size, batch_size=batch_size
+        )[0]
+        for size in sizes
+    }
+
+
+def evaluate_checkpoint(
+    weights: str | Path, dataset: str = "shapes", *, device: str = "auto", data_root: str | Path | None = None,
+    test_size: int | None = None, batch_size: int = EVAL_BATCH, patch_size: int | None = None,
+    image_size: int | None = None,
+) -> tuple[float, int, ViTConfig]:
+    """(test accuracy, number of test images, the config evaluated) of a checkpoint on a
+    dataset's test split, at another patch size (FlexiViT resize) and/or image size if asked."""
+    model = load_model(weights).to(resolve_device(device))
+    if patch_size is not None:
+        model = resize_model(model, patch_size=patch_size, image_size=image_size)
+    elif image_size is not None:
+        model = at_image_size(model, image_size)
+    accuracy, count = accuracy_on_test_split(model, dataset, data_root=data_root, test_size=test_size, batch_size=batch_size)
+    return accuracy, count, model.config

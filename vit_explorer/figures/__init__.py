@@ -24,7 +24,7 @@ from .internals import (
 from .knockout import head_sweep_grid, intact_and_knocked_heads, intact_and_knocked_rollouts, knockout_topk
 from .patches import image_with_grid, input_image, patch_picker, patch_sequence, patch_size_tradeoff
 from .predictions import logit_lens_figure, topk_bar
-from .training import training_curves
+from .training import accuracy_by_image_size_figure, training_curves
 
 __all__ = [
     "ATTENTION_SCALE", "SIMILARITY_SCALE", "VALUE_SCALE", "colour_mapped", "image_data_uri", "token_labels",
@@ -40,5 +40,5 @@ __all__ = [
     "head_sweep_grid", "intact_and_knocked_heads", "intact_and_knocked_rollouts", "knockout_topk",
     "image_with_grid", "input_image", "patch_picker", "patch_sequence", "patch_size_tradeoff",
     "logit_lens_figure", "topk_bar",
-    "training_curves",
+    "accuracy_by_image_size_figure", "training_curves",
 ]

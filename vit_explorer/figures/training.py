@@ -1,4 +1,4 @@
-"""Training: loss, accuracy and learning-rate curves of a run."""
+"""Training: loss, accuracy and learning-rate curves of a run; its accuracy at each input size."""
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -60,3 +60,30 @@ def training_curves(history: Mapping | None) -> go.Figure:
         title = "Training curves (nothing logged yet)"
     grid.update(title=_title(title), margin=MARGIN, legend=dict(orientation="h", y=-0.2))
     return figure(traces, grid)
+
+
+def accuracy_by_image_size_figure(series: Mapping[str, Mapping[tuple[int, int], float]], trained_size: tuple[int, int]) -> go.Figure:
+    """Test accuracy against input size, a line per model (``train.accuracy_by_image_size`` of
+    each, by label), the sizes in pixel order: how well each model's positions carry to grids
+    larger than ``trained_size``, the one it learned at."""
+    sizes = sorted({size for accuracies in series.values() for size in accuracies}, key=lambda size: size[0] * size[1])
+
+    def label(size: tuple[int, int]) -> str:
+        return f"{size[0]}x{size[1]}" + (" (trained)" if tuple(size) == tuple(trained_size) else "")
+
+    traces = [
+        dict(
+            type="scatter", mode="lines+markers", name=name, x=[label(size) for size in accuracies],
+            y=list(accuracies.values()), hovertemplate=f"{name}<br>%{{x}} px: %{{y:.1%}}<extra></extra>",
+        )
+        for name, accuracies in series.items()
+    ]
+    height, width = trained_size
+    layout = dict(
+        title=_title(f"Test accuracy at each input size (trained at {height}x{width})"),
+        xaxis=dict(type="category", title=dict(text="input size (px)"),
+                   categoryorder="array", categoryarray=[label(size) for size in sizes]),
+        yaxis=dict(range=[0, 1.1], title=dict(text="test accuracy"), tickformat=".0%"),
+        margin={**MARGIN, "l": 60}, legend=dict(orientation="h", y=-0.25), height=360,
+    )
+    return figure(traces, layout)
