@@ -1,0 +1,146 @@
+"""DINOv3's dense-feature PCA (vit_explorer.dense_pca): the notebook's recipe on planted tokens
+and the input size."""
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import vit_explorer as vx
+from vit_explorer import dense_pca as dense
+from vit_explorer.analysis import AnalysisError
+from vit_explorer.image_set import last_layer_features
+from test_app import tiny_model
+
+
+# --- the input size ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("image_size, patch, expected", [
+    ((1024, 768), 16, (768, 1024)),  # 4:3, already whole patches
+    ((768, 1024), 16, (768, 576)),  # portrait: 768 px high, narrower
+    ((451, 300), 16, (768, 1152)),  # chelsea: 72.2 patches wide, rounded down as int() does
+    ((500, 500), 14, (756, 756)),  # 768 px is 54.9 patches of 14: whole patches only
+    ((10, 4000), 16, (768, 16)),  # a sliver still gets one column
+])
+def test_the_input_is_768_px_high_in_whole_patches_at_the_pictures_aspect_ratio(image_size, patch, expected):
+    height, width = dense.aspect_size(image_size, patch)
+    assert (height, width) == expected
+    assert height % patch == 0 and width % patch == 0
+    if width > patch:  # rounded down by less than a patch: the aspect ratio is kept
+        assert 0 <= image_size[0] / image_size[1] * height - width < patch
+
+
+def test_the_patch_limit_takes_a_vit_s16_at_768_px_but_not_patch_4():
+    assert dense.within_limit(dense.aspect_size((1920, 1080), 16), 16)  # 48 x 85
+    assert not dense.within_limit(dense.aspect_size((32, 32), 4), 4)  # 192 x 192
+
+
+# --- the recipe ----------------------------------------------------------------------------------
+
+
+def planted(grid=(12, 16), dim=48, seed=0):
+    """Features with a 6 x 8 object in the middle made of four parts (each patch one of four
+    directions, plus noise: their means span three dimensions) on a background of its own; the
+    object mask and each object patch's part."""
+    generator = torch.Generator().manual_seed(seed)
+    grid_h, grid_w = grid
+    features = torch.randn(grid_h * grid_w, dim, generator=generator) * 0.1
+    mask = torch.zeros(grid, dtype=torch.bool)
+    mask[3:9, 4:12] = True
+    parts = torch.arange(int(mask.sum())) % 4
+    directions = torch.randn(4, dim, generator=generator) * 3
+    features[mask.reshape(-1)] += directions[parts] + 6 * torch.randn(dim, generator=generator)
+    return features, mask, parts
+
+
+def test_the_colours_separate_the_four_planted_parts_and_the_background_is_black():
+    features, mask, parts = planted()
+    result = dense.dense_pca([features], [mask.shape], [mask])
+    colours = result.colours[0]
+    assert colours.shape == (*mask.shape, 3) and torch.equal(result.foreground[0], mask)
+    assert torch.all(colours[~mask] == 0)
+    inside = colours[mask]  # (F, 3)
+    assert torch.all((inside > 0) & (inside < 1))  # a sigmoid's range
+    means = torch.stack([inside[parts == part].mean(dim=0) for part in range(4)])
+    spread = max(float(inside[parts == part].std(dim=0).max()) for part in range(4))
+    gaps = torch.cdist(means, means)[~torch.eye(4, dtype=torch.bool)]
+    assert float(gaps.min()) > 10 * spread
+
+
+def test_the_components_are_whitened_over_the_foreground_and_coloured_sigmoid_2x():
+    features, mask, _ = planted()
+    colours = dense.dense_pca([features], [mask.shape], [mask]).colours[0][mask].double()
+    components = torch.logit(colours) / dense.SCALE  # undo sigmoid(2 x)
+    assert dense.SCALE == 2.0
+    assert torch.allclose(components.mean(dim=0), torch.zeros(3, dtype=torch.float64), atol=1e-4)
+    assert torch.allclose(components.std(dim=0), torch.ones(3, dtype=torch.float64), atol=1e-3)  # ddof 1, as sklearn
+
+
+def test_it_is_scikit_learns_whitened_pca_with_svd_flips_signs():
+    """PCA(n_components=3, whiten=True).fit(foreground).transform(all), written out with a full
+    SVD: (x - mean) @ V.T / (S / sqrt(F - 1)), each row of V signed so its largest entry is positive."""
+    features, mask, _ = planted(seed=3)
+    fitted = features[mask.reshape(-1)].double()
+    mean = fitted.mean(dim=0)
+    _, singular, vh = torch.linalg.svd(fitted - mean, full_matrices=False)
+    axes = vh[:3] * torch.sign(vh[:3].gather(1, vh[:3].abs().argmax(dim=1, keepdim=True)))
+    expected = torch.sigmoid(2 * ((features.double() - mean) @ axes.T) / (singular[:3] / (fitted.shape[0] - 1) ** 0.5))
+    expected = expected * mask.reshape(-1, 1)
+    colours = dense.dense_pca([features], [mask.shape], [mask]).colours[0].reshape(-1, 3)
+    assert torch.allclose(colours.double(), expected, atol=1e-4)
+    again = dense.dense_pca([features.clone()], [mask.shape], [mask.clone()]).colours[0].reshape(-1, 3)
+    assert torch.equal(colours, again)  # deterministic: the randomized SVD starts from a fixed seed
+
+
+def test_the_foreground_is_the_first_components_side_away_from_the_border_median_filtered():
+    features, mask, _ = planted()
+    found = dense.foreground_masks([features], [mask.shape])[0]
+    # The 6 x 8 object less its four corners: a 3 x 3 median takes a corner's 4 object patches of 9 as background.
+    eroded = mask.clone()
+    for row, col in [(3, 4), (3, 11), (8, 4), (8, 11)]:
+        eroded[row, col] = False
+    assert torch.equal(found, eroded)
+    assert torch.equal(dense.foreground_masks([-features], [mask.shape])[0], found)  # whatever the component's sign
+    switched = dense.foreground_masks([features], [mask.shape], flip=True)[0]
+    # The background (less the picture's corners, filtered away as a corner is), and the object's corners.
+    assert not (switched & eroded).any() and torch.equal(switched[~eroded], ~_corners(mask.shape)[~eroded])
+
+
+def _corners(grid) -> torch.Tensor:
+    corners = torch.zeros(grid, dtype=torch.bool)
+    corners[[0, 0, -1, -1], [0, -1, 0, -1]] = True
+    return corners
+
+
+def test_a_set_is_fitted_jointly_over_images_of_different_grids():
+    features, mask, _ = planted()
+    other, other_mask, _ = planted(grid=(8, 16), seed=1)
+    other_mask[:] = False
+    other_mask[2:6, 4:12] = True
+    grids = [mask.shape, other_mask.shape]
+    together = dense.dense_pca([features, features], [mask.shape, mask.shape], [mask, mask]).colours
+    assert torch.equal(together[0], together[1])  # one PCA: the same patch, the same colour in every image
+    joint = dense.dense_pca([features, other], grids, [mask, other_mask])
+    assert [tuple(colours.shape) for colours in joint.colours] == [(12, 16, 3), (8, 16, 3)]
+    assert [tuple(masks.shape) for masks in dense.foreground_masks([features, other], grids)] == [(12, 16), (8, 16)]
+    with pytest.raises(AnalysisError):
+        dense.dense_pca([features, other], [mask.shape], [mask])
+    with pytest.raises(AnalysisError):
+        dense.dense_pca([features], [(8, 8)], [mask])
+
+
+def test_no_foreground_is_all_black():
+    features, mask, _ = planted()
+    assert torch.all(dense.dense_pca([features], [mask.shape], [torch.zeros_like(mask)]).colours[0] == 0)
+
+
+def test_the_features_are_the_last_layers_patch_tokens_after_the_final_norm_at_the_new_size():
+    model = tiny_model(reg_tokens=2, patch_size=8).eval()
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 255, (30, 60, 3), dtype=np.uint8))
+    size = dense.aspect_size(image.size, 8, side=32)
+    assert size == (32, 64)
+    resized = vx.resize_model(model, image_size=size)
+    features, picture = dense.image_features(resized, image)
+    assert features.shape == (4 * 8, 32) and picture.shape == (32, 64, 3)
+    captured = vx.capture(resized, vx.preprocess(image, resized.config))
+    assert torch.allclose(features, last_layer_features(resized, captured.tokens[:, -1])[0], atol=1e-5)
