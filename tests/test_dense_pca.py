@@ -1,5 +1,7 @@
-"""DINOv3's dense-feature PCA (vit_explorer.dense_pca): the notebook's recipe on planted tokens
-and the input size."""
+"""DINOv3's dense-feature PCA (vit_explorer.dense_pca): the notebook's recipe on planted tokens,
+the input size and the figure."""
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -7,6 +9,7 @@ from PIL import Image
 
 import vit_explorer as vx
 from vit_explorer import dense_pca as dense
+from vit_explorer import figures
 from vit_explorer.analysis import AnalysisError
 from vit_explorer.image_set import last_layer_features
 from test_app import tiny_model
@@ -144,3 +147,23 @@ def test_the_features_are_the_last_layers_patch_tokens_after_the_final_norm_at_t
     assert features.shape == (4 * 8, 32) and picture.shape == (32, 64, 3)
     captured = vx.capture(resized, vx.preprocess(image, resized.config))
     assert torch.allclose(features, last_layer_features(resized, captured.tokens[:, -1])[0], atol=1e-5)
+
+
+# --- the figure --------------------------------------------------------------------------------
+
+
+def test_the_figure_shows_each_picture_beside_or_above_its_colours():
+    photo = np.zeros((768, 1152, 3), dtype=np.uint8)
+    colours = torch.rand(48, 72, 3)
+    one = json.loads(figures.dense_pca_grid([photo], [colours], ["chelsea"], "at 768x1152 px").to_json())
+    assert one["layout"]["title"]["text"] == "DINOv3-style PCA of the last layer's patch tokens at 768x1152 px"
+    assert [trace["xaxis"] for trace in one["data"]] == ["x", "x2"]
+    # The photo is sent at most PHOTO_SIDE wide; the colours cover it, one cell per patch.
+    assert one["data"][1]["dx"] == pytest.approx(figures.image_set.PHOTO_SIDE / 72)
+    several = json.loads(figures.dense_pca_grid(
+        [photo, np.zeros((32, 32, 3), dtype=np.uint8)], [colours, torch.rand(2, 2, 3)], ["a", "b"], "of 2 images"
+    ).to_json())
+    assert len(several["data"]) == 4
+    assert several["layout"]["height"] > one["layout"]["height"]  # two rows
+    with pytest.raises(ValueError):
+        figures.dense_pca_grid([photo, photo], [colours], ["a", "b"], "")
