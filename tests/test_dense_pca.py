@@ -1,18 +1,20 @@
 """DINOv3's dense-feature PCA (vit_explorer.dense_pca): the notebook's recipe on planted tokens,
-the input size and the figure."""
+the input size, the figure, and the Patches and Several images pages with AppTest."""
 import json
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
+from streamlit.testing.v1 import AppTest
 
 import vit_explorer as vx
 from vit_explorer import dense_pca as dense
-from vit_explorer import figures
+from vit_explorer import figures, ui
 from vit_explorer.analysis import AnalysisError
 from vit_explorer.image_set import last_layer_features
-from test_app import tiny_model
+from test_app import APP, errors, figure_titles, tiny_default, tiny_model  # noqa: F401 (the fixture)
+from test_app_patches import counting_forwards
 
 
 # --- the input size ----------------------------------------------------------------------------
@@ -167,3 +169,91 @@ def test_the_figure_shows_each_picture_beside_or_above_its_colours():
     assert several["layout"]["height"] > one["layout"]["height"]  # two rows
     with pytest.raises(ValueError):
         figures.dense_pca_grid([photo, photo], [colours], ["a", "b"], "")
+
+
+# --- the pages ---------------------------------------------------------------------------------
+
+DENSE = "DINOv3-style PCA of the last layer's patch tokens"
+
+
+def dense_title(app: AppTest) -> str | None:
+    return next((title for title in figure_titles(app) if title.startswith(DENSE)), None)
+
+
+def upload(app: AppTest, model: vx.ViT, tmp_path) -> AppTest:
+    path = tmp_path / "patch16.safetensors"
+    vx.save_model(model, path)
+    app.file_uploader(key="checkpoint_upload").set_value((path.name, path.read_bytes(), "application/octet-stream")).run()
+    assert errors(app) == [] and not app.exception
+    return app
+
+
+def test_the_patches_page_shows_it_at_the_input_from_its_capture_and_says_why_not_at_768(monkeypatch):
+    app = AppTest.from_file(APP, default_timeout=60).run()
+    app.switch_page("views/patches.py").run()
+    assert not app.exception and errors(app) == []
+    assert dense_title(app) == (
+        "DINOv3-style PCA of the last layer's patch tokens at 32x32 px: 3 whitened components of the foreground, sigmoid(2x)"
+    )
+    calls = counting_forwards(monkeypatch)
+    assert any("would read 36864 patches, more than the 4096" in caption.value for caption in app.caption)
+    assert [radio.options for radio in app.radio if radio.key == "dense_resolution"] == [["the model's input (32x32 px)"]]
+    app.toggle(key="dense_flip").set_value(True).run()
+    assert not app.exception and dense_title(app) and calls == []
+
+
+def test_the_patches_page_reads_the_picture_768_px_high_in_one_pass(monkeypatch, tmp_path):
+    app = upload(AppTest.from_file(APP, default_timeout=60).run(), tiny_model(patch_size=16), tmp_path)
+    app.selectbox(key="image_picker").set_value("photo:chelsea.png").run()
+    app.switch_page("views/patches.py").run()
+    calls = counting_forwards(monkeypatch)
+    app.radio(key="dense_resolution").set_value("768").run()
+    assert not app.exception and errors(app) == []
+    assert calls == [(1, 1 + 48 * 72)]  # one pass of chelsea (451 x 300) at 768 x 1152, quick for this model
+    assert dense_title(app).startswith(f"{DENSE} at 768x1152 px")
+    assert any(caption.value.startswith("48 x 72 patches, ") for caption in app.caption)
+    app.toggle(key="dense_flip").set_value(True).run()
+    app.switch_page("views/pipeline.py").run()
+    app.switch_page("views/patches.py").run()
+    assert not app.exception and calls == [(1, 1 + 48 * 72)] and dense_title(app)
+
+
+def test_a_real_size_model_reads_768_px_only_when_asked_and_says_the_cost(monkeypatch, tmp_path):
+    monkeypatch.setattr(ui, "QUICK_COST", 0)
+    app = upload(AppTest.from_file(APP, default_timeout=60).run(), tiny_model(patch_size=16), tmp_path)
+    app.switch_page("views/patches.py").run()
+    calls = counting_forwards(monkeypatch)
+    app.radio(key="dense_resolution").set_value("768").run()
+    assert not app.exception and calls == [] and dense_title(app) is None
+    config = tiny_model(patch_size=16).config
+    passes = ui.forward_cost(config.replace(image_size=(768, 768))) / ui.forward_cost(config)
+    ask = app.toggle(key="dense_high_on")
+    assert ask.label == f"Read the picture at 768x768 px (about {passes:.0f} forward passes)" and ask.help
+    ask.set_value(True).run()
+    assert not app.exception and calls == [(1, 1 + 48 * 48)]
+    assert dense_title(app).startswith(f"{DENSE} at 768x768 px")
+
+
+def choose_set(app: AppTest, keys: list[str]) -> AppTest:
+    app.switch_page("views/images.py").run()
+    app.multiselect(key="image_set").set_value(keys).run()
+    assert not app.exception and errors(app) == []
+    return app
+
+
+def test_several_images_share_one_pca_at_the_input_then_768_px_high(monkeypatch, tmp_path):
+    app = upload(AppTest.from_file(APP, default_timeout=60).run(), tiny_model(patch_size=16), tmp_path)
+    app = choose_set(app, ["shapes:0", "photo:chelsea.png"])
+    assert dense_title(app).startswith(f"{DENSE} of 2 images at the model's input")
+    calls = counting_forwards(monkeypatch)
+    app.radio(key="dense_resolution").set_value("768").run()
+    assert not app.exception and errors(app) == []
+    assert sorted(calls) == [(1, 1 + 48 * 48), (1, 1 + 48 * 72)]  # each picture at its own aspect ratio
+    assert dense_title(app).startswith(f"{DENSE} of 2 images 768 px high")
+    assert any("patches are foreground" in caption.value and "of the 5760 patches" in caption.value for caption in app.caption)
+    # The Patches page reads the same picture at the same size from the same pass.
+    app.selectbox(key="image_picker").set_value("photo:chelsea.png").run()
+    app.switch_page("views/patches.py").run()
+    high = [tokens for _, tokens in calls if tokens > 1000]  # the rest: its capture and the patch-size comparison
+    assert not app.exception and sorted(high) == [1 + 48 * 48, 1 + 48 * 72]
+    assert dense_title(app).startswith(f"{DENSE} at 768x1152 px")
