@@ -140,7 +140,7 @@ def test_the_page_renders_two_shapes_and_a_photo_with_every_figure_titled(forwar
     choose(app, THREE)
     assert errors(app) == []
     titles = figure_titles(app)
-    assert len(titles) == 4 and all(title.strip() for title in titles)  # picker, PCA, correspondence, norms
+    assert len(titles) == 5 and all(title.strip() for title in titles)  # DINOv2's PCA, DINOv3's, picker, correspondence, norms
     assert any(title.startswith("Joint PCA of 3 images' last-layer patch tokens") for title in titles)
     assert any(title.startswith("Cosine of layer 3's output tokens with patch") for title in titles)
     assert any("= median" in title for title in titles)
@@ -262,4 +262,4 @@ def test_the_page_reads_every_family_and_an_uploaded_image(tmp_path, changes):
     app.radio(key="set_facet").set_value("keys").run()
     assert not app.exception and errors(app) == []
     titles = figure_titles(app)
-    assert len(titles) == 4 and any(title.startswith("Cosine of layer 3's keys with patch 36 (row 4, col 4) of 1. cat.png") for title in titles)
+    assert len(titles) == 5 and any(title.startswith("Cosine of layer 3's keys with patch 36 (row 4, col 4) of 1. cat.png") for title in titles)

@@ -1,10 +1,13 @@
 """Several images: what the model treats as the same across two to six pictures, each read in
-one forward pass kept for the next set (DINOv2's foreground PCA, correspondences, high-norm tokens)."""
+one forward pass kept for the next set (DINOv2's foreground PCA, DINOv3's, correspondences, high-norm
+tokens)."""
 import streamlit as st
 
+from vit_explorer import dense_pca as dense
 from vit_explorer import figures
 from vit_explorer import image_set as sets
-from vit_explorer.app import images, session
+from vit_explorer.app import costs, images, models, session
+from vit_explorer.app.memo import memo
 from vit_explorer.app.selection import ImageSet
 
 selection = session.selection()
@@ -76,6 +79,79 @@ if not pca.foreground.any():
 st.plotly_chart(image_set.memo("foreground figure", threshold, flip, compute=lambda: figures.foreground_pca_grid(
     display, pca.first_component, pca.colours, threshold, labels, pca.explained, flip,
 )))
+
+st.subheader("DINOv3-style PCA")
+st.write(
+    "The same question as the DINOv3 authors ask it (their notebook pca.ipynb): the last layer's patch"
+    " tokens after the final norm, a PCA with three whitened components (each of unit variance over"
+    " the foreground) fitted on the foreground patches of all the images together, every patch"
+    " coloured sigmoid(2x) of its components, the background black. Their foreground comes from a"
+    " classifier trained on their data; here it is the side of the joint first principal component"
+    " away from the pictures' borders, median-filtered 3 x 3 as theirs. They read each picture 768 px"
+    " high at its own aspect ratio, which shows far more patches than a model's usual input."
+)
+patch_size = config.patch_size
+sizes = [dense.aspect_size(image.size, patch_size) for image in image_set.images]
+resolutions = {"input": f"the model's input ({config.img_size[0]}x{config.img_size[1]} px)"}
+if all(dense.within_limit(size, patch_size) for size in sizes):
+    resolutions["768"] = "768 px high, each picture at its aspect ratio"
+else:
+    st.caption(
+        f"At 768 px high this model (patch {patch_size}) would read more than {dense.MAX_PATCHES} patches"
+        " of a picture, more than this page reads, so the pictures are shown at the model's input only."
+    )
+resolution_column, flip_column = st.columns([2, 1], vertical_alignment="bottom")
+resolution = resolution_column.radio(
+    "Resolution", list(resolutions), format_func=resolutions.get, horizontal=True,
+    help="768 px high is the authors' setting: one more forward pass of the model per picture, at its size.",
+    **session.keep("dense_resolution", "input", lambda option: option in resolutions),
+)
+dense_flip = flip_column.toggle(
+    "Switch foreground and background", help="Take the other side of the joint first principal component as the foreground.",
+    **session.keep("set_dense_flip", False),
+)
+read = None  # (features, pictures, grids) at the chosen resolution, once computed
+if resolution == "input":
+    read = (list(image_set.last_layer_features()), display, [grid_size] * count)
+else:
+    passes = sum(costs.forward_cost(config.replace(image_size=size)) for size in sizes) / costs.forward_cost(config)
+    # A real-size model at 768 px costs dozens of passes per picture: asked for, not unasked.
+    if costs.is_quick(config, forwards=passes) or st.toggle(
+        f"Read the {count} pictures at 768 px high (about {passes:.0f} forward passes)",
+        help="One forward pass of the model per picture at its size, learned position embeddings resampled to its grid.",
+        **session.keep("set_dense_high_on", False),
+    ):
+        each = [
+            memo(
+                (selection.model_key, selection.patch_size, size, image_key, "dense features"),
+                lambda size=size, image=image: dense.image_features(
+                    models.model_at(selection.model_key, selection.patch_size, size), image
+                ),
+                spinner=f"Reading picture {index + 1} at {size[0]}x{size[1]} px ...",
+            )
+            for index, (size, image_key, image) in enumerate(zip(sizes, image_set.image_keys, image_set.images))
+        ]
+        read = ([features for features, _ in each], [picture for _, picture in each],
+                [(height // patch_size, width // patch_size) for height, width in sizes])
+    else:
+        st.caption(
+            f"At 768 px high the {count} pictures cost about {passes:.0f} passes of this model at its input"
+            " size, so they are read when you ask: switch it on above."
+        )
+if read is not None:
+    features, pictures, grids = read
+    parts = image_set.memo("dense pca", resolution, dense_flip, compute=lambda: dense.dense_pca(
+        features, grids, dense.foreground_masks(features, grids, dense_flip)
+    ))
+    where = "at the model's input" if resolution == "input" else "768 px high"
+    st.plotly_chart(image_set.memo("dense pca figure", resolution, dense_flip, compute=lambda: figures.dense_pca_grid(
+        pictures, parts.colours, labels, f"of {count} images {where}: 3 whitened components of their foreground, sigmoid(2x)",
+    )))
+    st.caption(
+        f"{sum(int(mask.sum()) for mask in parts.foreground)} of the {sum(h * w for h, w in grids)} patches are"
+        " foreground (the joint first principal component's side away from the borders, median-filtered"
+        " 3 x 3): one PCA is fitted on those and every patch projected; the background is black."
+    )
 
 st.subheader("Correspondence: the same part in the other pictures")
 st.write(

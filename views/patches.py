@@ -2,6 +2,8 @@
 import streamlit as st
 
 from vit_explorer import analysis, figures
+from vit_explorer import dense_pca as dense
+from vit_explorer import image_set as sets
 from vit_explorer.app import costs, models, session
 from vit_explorer.app.memo import memo
 
@@ -109,6 +111,78 @@ tokens = (
 st.plotly_chart(selection.memo("token pca", stage, compute=lambda: figures.token_pca_image(
     analysis.token_pca(tokens, result.grid_size), image
 )))
+
+st.subheader("DINOv3-style PCA")
+st.write(
+    "The picture of dense features as the DINOv3 authors make it (their notebook pca.ipynb): the last"
+    " layer's patch tokens after the final norm, a PCA with three whitened components (each of unit"
+    " variance over the foreground) fitted on the foreground patches only, every patch coloured"
+    " sigmoid(2x) of its components, the background black. Their foreground comes from a classifier"
+    " trained on their data; here it is the side of the tokens' first principal component away from"
+    " the picture's border, median-filtered 3 x 3 as theirs. They read the picture 768 px high at its"
+    " own aspect ratio, which shows far more patches than a model's usual input."
+)
+input_h, input_w = config.img_size
+high = dense.aspect_size(selection.image.size, config.patch_size)
+resolutions = {"input": f"the model's input ({input_h}x{input_w} px)"}
+if dense.within_limit(high, config.patch_size):
+    resolutions["768"] = f"{high[0]}x{high[1]} px (768 px high, the picture's aspect ratio)"
+else:
+    st.caption(
+        f"At 768 px high this model (patch {config.patch_size}) would read"
+        f" {(high[0] // config.patch_size) * (high[1] // config.patch_size)} patches, more than the"
+        f" {dense.MAX_PATCHES} this page reads, so it is shown at the model's input only."
+    )
+resolution_column, flip_column = st.columns([2, 1], vertical_alignment="bottom")
+resolution = resolution_column.radio(
+    "Resolution", list(resolutions), format_func=resolutions.get, horizontal=True,
+    help="768 px high is the authors' setting: one more forward pass of the model, at that size.",
+    **session.keep("dense_resolution", "input", lambda option: option in resolutions),
+)
+flip = flip_column.toggle(
+    "Switch foreground and background", help="Take the other side of the first principal component as the foreground.",
+    **session.keep("dense_flip", False),
+)
+read = None  # (features, picture, grid) at the chosen resolution, once computed
+if resolution == "input":
+    features = selection.memo("last layer features", compute=lambda: sets.last_layer_features(
+        selection.model, result.tokens[:, -1]
+    )[0])
+    read = (features, image, result.grid_size)
+else:
+    high_config = config.replace(image_size=high)
+    passes = costs.forward_cost(high_config) / costs.forward_cost(config)
+    # A real-size model at 768 px costs dozens of passes: asked for, not unasked.
+    if costs.is_quick(high_config) or st.toggle(
+        f"Read the picture at {high[0]}x{high[1]} px (about {passes:.0f} forward passes)",
+        help="One forward pass of the model at that size, learned position embeddings resampled to its grid.",
+        **session.keep("dense_high_on", False),
+    ):
+        features, picture = memo(
+            (selection.model_key, selection.patch_size, high, selection.image_key, "dense features"),
+            lambda: dense.image_features(models.model_at(selection.model_key, selection.patch_size, high), selection.image),
+            spinner=f"Reading the picture at {high[0]}x{high[1]} px ...",
+        )
+        read = (features, picture, high_config.grid_size)
+    else:
+        st.caption(
+            f"At {high[0]}x{high[1]} px a pass of this model costs about {passes:.0f} passes at its input"
+            " size, so it runs when you ask: switch it on above."
+        )
+if read is not None:
+    features, picture, grid = read
+    size = f"{picture.shape[0]}x{picture.shape[1]} px"
+    pca = selection.memo("dense pca", resolution, flip, compute=lambda: dense.dense_pca(
+        [features], [grid], dense.foreground_masks([features], [grid], flip)
+    ))
+    st.plotly_chart(selection.memo("dense pca figure", resolution, flip, compute=lambda: figures.dense_pca_grid(
+        [picture], pca.colours, [f"input, {size}"], f"at {size}: 3 whitened components of the foreground, sigmoid(2x)",
+    )))
+    st.caption(
+        f"{grid[0]} x {grid[1]} patches, {int(pca.foreground[0].sum())} of them foreground (the first principal"
+        " component's side away from the border, median-filtered 3 x 3): the PCA is fitted on those and"
+        " every patch projected; the background is black."
+    )
 
 left, right = st.columns(2)
 with left:

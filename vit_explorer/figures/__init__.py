@@ -16,7 +16,7 @@ from .embeddings import (
     embedding_filters_figure, position_similarity_grid, token_matrix, token_norms_figure, token_pca_image,
 )
 from .files import FigureExportError, find_browser, write_figures
-from .image_set import correspondence_grid, foreground_pca_grid, norm_outliers_grid
+from .image_set import correspondence_grid, dense_pca_grid, foreground_pca_grid, norm_outliers_grid
 from .internals import (
     head_sources_figure, inside_layer_figures, key_value_matrices, mlp_activations_figure, softmax_scale_figure,
     softmax_scale_figures, token_values_on_grid, vector_strips,
@@ -34,7 +34,7 @@ __all__ = [
     "embedding_filters_figure", "position_similarity_grid", "token_matrix", "token_norms_figure",
     "token_pca_image",
     "FigureExportError", "find_browser", "write_figures",
-    "correspondence_grid", "foreground_pca_grid", "norm_outliers_grid",
+    "correspondence_grid", "dense_pca_grid", "foreground_pca_grid", "norm_outliers_grid",
     "head_sources_figure", "inside_layer_figures", "key_value_matrices", "mlp_activations_figure",
     "softmax_scale_figure", "softmax_scale_figures", "token_values_on_grid", "vector_strips",
     "head_sweep_grid", "intact_and_knocked_heads", "intact_and_knocked_rollouts", "knockout_topk",

@@ -1,11 +1,13 @@
 """Several images side by side: DINOv2's foreground PCA, patch correspondence across images,
-high-norm tokens. Every image is the model's input (H, W, 3); maps are (B, gh, gw), one per image."""
+high-norm tokens. Every image is the model's input (H, W, 3); maps are (B, gh, gw), one per image.
+DINOv3's dense-feature PCA (of one image or several) takes each image at its own size and grid."""
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 import numpy as np
 import plotly.graph_objects as go
+from PIL import Image
 
 from ._base import (
     _scale,
@@ -78,6 +80,59 @@ def foreground_pca_grid(
             f" {'sign-switched ' if flipped else ''}1st component > {threshold:+.1f} sd (red), its parts as RGB"
         ),
         margin=MARGIN, height=_panel_height(images[0].shape, 3, min(CELL_PIXELS, 1100 // count)),
+    )
+    return figure(traces, layout)
+
+
+# A photo's longest side in DINOv3's figure: what a panel shows of a 768 px input (whose JPEG,
+# sent with every rerun, would be several times larger).
+PHOTO_SIDE = 512
+
+
+def _shrunk(image: np.ndarray, side: int = PHOTO_SIDE) -> np.ndarray:
+    """An (H, W, 3) uint8 image whose longest side is at most ``side``, its aspect ratio kept."""
+    height, width = image.shape[:2]
+    scale = side / max(height, width)
+    if scale >= 1:
+        return image
+    size = (max(round(width * scale), 1), max(round(height * scale), 1))
+    return np.asarray(Image.fromarray(image).resize(size, Image.Resampling.BOX))
+
+
+def dense_pca_grid(images: Sequence, colours: Sequence, labels: Sequence[str], detail: str) -> go.Figure:
+    """DINOv3's picture (vit_explorer.dense_pca): each image (H, W, 3) beside its patches'
+    colours (gh, gw, 3) in [0, 1], background black, drawn one cell per patch over the picture;
+    several images in columns, pictures above their colours. Each image keeps its own size and
+    grid. ``detail``: what the title adds (the input size, the foreground rule)."""
+    images = [_shrunk(_rgb_uint8(image)) for image in images]
+    colours = [_float_array(values) for values in colours]
+    count = len(images)
+    if not count or len(colours) != count or len(labels) != count or any(
+        values.ndim != 3 or values.shape[-1] != 3 for values in colours
+    ):
+        raise ValueError(f"one (gh, gw, 3) colour map and one label per image ({count}) are needed")
+    if count == 1:
+        layout, cells = _subplots(1, 2, (labels[0], "foreground PCA, whitened, sigmoid(2x)"), horizontal_spacing=0.03)
+        places = [(cells[1, 1], cells[1, 2])]
+        rows, width = 1, 1.5 * CELL_PIXELS
+    else:
+        layout, cells = _subplots(
+            2, count, column_titles=list(labels), row_titles=["input", "foreground PCA"],
+            horizontal_spacing=0.01, vertical_spacing=0.04,
+        )
+        places = [(cells[1, col], cells[2, col]) for col in range(1, count + 1)]
+        rows, width = 2, min(CELL_PIXELS, 1100 // count)
+    traces = []
+    for image, values, (photo, pca) in zip(images, colours, places):
+        traces += [
+            _on_axes(_image_trace(image, hover=False), photo),
+            _on_axes(_grid_image(_rgb_uint8(values), image.shape), pca),
+        ]
+        _merge(layout, {**_image_axis_layout(photo), **_image_axis_layout(pca)})
+    tallest = max(images, key=lambda image: image.shape[0] / image.shape[1])
+    layout.update(
+        title=_title(f"DINOv3-style PCA of the last layer's patch tokens {detail}"),
+        margin=MARGIN, height=_panel_height(tallest.shape, rows, width),
     )
     return figure(traces, layout)
 
