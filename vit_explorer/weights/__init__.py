@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from ..config import ViTConfig
-from ..model import ViT
+from ..model import ViT, from_timm_eva
 from . import from_eva, from_huggingface, from_timm, from_torchvision
 from .build import build
 from .checks import CheckpointError, read_tensors
@@ -143,4 +143,6 @@ def load_pretrained(name: str = "vit_b_16", progress=None) -> ViT:
     state, _ = read_tensors(path)
     for key in entry.drop_keys:
         state.pop(key, None)
+    if entry.eva_names:
+        state = from_timm_eva(state)
     return build(state, entry.vit_config(), name)
