@@ -214,3 +214,23 @@ def test_the_family_is_told_from_keys_and_name(tmp_path):
     state = {key: value for key, value in eva.state_dict().items() if key != "pos_embed"}
     with pytest.raises(vx.CheckpointError, match=re.escape("neither learned position embeddings nor a DINOv3's registers")):
         vx.load_model(write(state, tmp_path / "eva.safetensors"))
+
+
+def test_a_timm_hub_folder_names_its_architecture_heads_and_normalisation(tmp_path):
+    import json
+
+    from timm.models._hub import save_for_hf
+
+    eva = reference("vit_small_plus_patch16_dinov3", (224, 224))
+    save_for_hf(eva, tmp_path / "my_model")
+    model = vx.load_model(tmp_path / "my_model", image_size=(224, 320))  # heads from model_args
+    assert model.config.num_heads == 2 and model.config.mean == pytest.approx((0.485, 0.456, 0.406))
+    x = images((224, 320))
+    with torch.no_grad():
+        tokens = eva.forward_features(x)
+    assert max(errors(model, tokens, timm_attentions(eva, x), x)) < TOLERANCE
+    config = json.loads((tmp_path / "my_model" / "config.json").read_text())
+    config["model_args"]["depth"] = 100_000
+    (tmp_path / "my_model" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(vx.CheckpointError, match="with depth 100000: its tensors have depth 2"):
+        vx.load_model(tmp_path / "my_model")

@@ -48,7 +48,8 @@ def load_model(path: str | os.PathLike, **overrides) -> ViT:
 
     ``path``: our ``.safetensors`` file; a timm or torchvision state dict (``.safetensors``,
     ``.pth``, ``.bin``, possibly wrapped in ``{"state_dict": ...}`` or ``{"model": ...}``); a
-    Hugging Face ViT folder (config.json + weights) or a weights file inside one; timm's DINOv3 and
+    Hugging Face ViT folder (config.json + weights) or a weights file inside one; a timm Hub folder
+    (its config.json names the architecture); timm's DINOv3 and
     EVA-02 (Eva) files and Meta's DINOv3 files are recognised from their keys. Whatever the
     weights do not reveal (num_heads defaults to embed_dim // 64) and any other ViTConfig field
     can be given as a keyword; a different ``image_size``/``patch_size`` resamples the model.
@@ -61,7 +62,10 @@ def load_model(path: str | os.PathLike, **overrides) -> ViT:
             )
         hf_config = from_huggingface.read_config(path, path.name)
         state = from_huggingface.read_weights(path)
-        converted, known = from_huggingface.convert(state, hf_config, path.name)
+        if from_timm.is_folder_config(hf_config):
+            converted, known = from_timm.convert_folder(state, hf_config, path.name)
+        else:
+            converted, known = from_huggingface.convert(state, hf_config, path.name)
         return _model_from_state(converted, known, overrides, path.name)
 
     state, metadata = read_tensors(path)
