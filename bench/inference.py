@@ -1,12 +1,13 @@
 """Inference speed against timm's fused ViT, measured in the same run.
 
-Prints, for ViT-B/16 and ViT-Ti/16 at 224 px, batch 1, on the CPU (or --device):
+Prints, for ViT-B/16, ViT-Ti/16 and DINOv3 ViT-B/16 (rotary positions, registers, LayerScale) at
+224 px, batch 1, on the CPU (or --device):
   forward ratio  = our plain forward / timm's forward          (goal <= 1.05)
   capture ratio  = vx.capture (every layer and head) / timm's   (goal <= 1.15)
 Timings are interleaved round by round so that load from other processes hits all three alike;
 the ratio of medians is reported.
 
-    python -m bench.inference [--rounds 15] [--device cpu]
+    python -m bench.inference [--rounds 15] [--device cpu] [--model DINOv3-B/16 ...]
 """
 from __future__ import annotations
 
@@ -18,10 +19,16 @@ import timm
 import torch
 
 import vit_explorer as vx
+from vit_explorer.catalogue import CATALOGUE
+from vit_explorer.model import from_timm_eva
 
+_PLAIN = dict(image_size=224, patch_size=16, num_classes=1000)
+# name -> (timm model, its arguments, our config's fields); random weights, timm's copied into ours
 MODELS = {
-    "ViT-B/16": ("vit_base_patch16_224", dict(embed_dim=768, depth=12, num_heads=12)),
-    "ViT-Ti/16": ("vit_tiny_patch16_224", dict(embed_dim=192, depth=12, num_heads=3)),
+    "ViT-B/16": ("vit_base_patch16_224", {}, dict(_PLAIN, embed_dim=768, depth=12, num_heads=12)),
+    "ViT-Ti/16": ("vit_tiny_patch16_224", {}, dict(_PLAIN, embed_dim=192, depth=12, num_heads=3)),
+    # timm's Eva; ours as the catalogue builds it, pooled on the class token as timm is asked to
+    "DINOv3-B/16": ("vit_base_patch16_dinov3", dict(global_pool="token"), CATALOGUE["dinov3_vitb16"].config),
 }
 
 
@@ -36,10 +43,10 @@ def seconds(fn, device: torch.device) -> float:
 
 
 def bench(name: str, rounds: int, device: torch.device) -> dict[str, float]:
-    timm_name, dims = MODELS[name]
-    reference = timm.create_model(timm_name, pretrained=False).eval().to(device)
-    ours = vx.ViT(vx.ViTConfig(image_size=224, patch_size=16, num_classes=1000, **dims))
-    ours.load_state_dict(reference.state_dict())
+    timm_name, timm_arguments, fields = MODELS[name]
+    reference = timm.create_model(timm_name, pretrained=False, **timm_arguments).eval().to(device)
+    ours = vx.ViT(vx.ViTConfig(**fields))
+    ours.load_state_dict(from_timm_eva(reference.state_dict()))  # a plain ViT's names are unchanged
     ours.eval().to(device)
     x = torch.randn(1, 3, 224, 224, device=device)
 
@@ -68,14 +75,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--model", action="append", choices=list(MODELS), help="only these (default: all)")
     args = parser.parse_args()
     device = torch.device(args.device)
     print(f"torch {torch.__version__}, timm {timm.__version__}, device {device}, "
           f"{torch.get_num_threads()} threads, batch 1, 224x224, median of {args.rounds} rounds")
-    print(f"{'model':<10} {'timm ms':>8} {'ours ms':>8} {'capture ms':>10} {'forward ratio':>14} {'capture ratio':>14}")
-    for name in MODELS:
+    print(f"{'model':<12} {'timm ms':>8} {'ours ms':>8} {'capture ms':>10} {'forward ratio':>14} {'capture ratio':>14}")
+    for name in args.model or MODELS:
         t = bench(name, args.rounds, device)
-        print(f"{name:<10} {t['timm'] * 1e3:8.1f} {t['forward'] * 1e3:8.1f} {t['capture'] * 1e3:10.1f} "
+        print(f"{name:<12} {t['timm'] * 1e3:8.1f} {t['forward'] * 1e3:8.1f} {t['capture'] * 1e3:10.1f} "
               f"{t['forward'] / t['timm']:13.3f}x {t['capture'] / t['timm']:13.3f}x")
 
 

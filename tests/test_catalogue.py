@@ -32,10 +32,16 @@ def test_each_entry_has_the_shapes_of_timms_model(name):
     shapes = {key: tuple(value.shape) for key, value in reference.state_dict().items()}
     for key in entry.drop_keys:
         shapes.pop(key)
-    assert catalogue.expected_shapes(name) == shapes
+    assert catalogue.expected_shapes(name) == catalogue.our_names(name, shapes)
     assert entry.size_bytes == 4 * sum(value.numel() for value in reference.state_dict().values())
     assert entry.config.get("mean", (0.5,) * 3) == pytest.approx(reference.pretrained_cfg["mean"])
-    assert entry.config["image_size"] == reference.pretrained_cfg["input_size"][-1]
+    if entry.config.get("abs_pos_embed", True):
+        assert entry.config["image_size"] == reference.pretrained_cfg["input_size"][-1]
+    else:  # rotary positions only (DINOv3, 256 in timm): any size is native; 224 as the others
+        assert entry.config["image_size"] == 224
+    licences = {"apache-2.0": "Apache-2.0", "dinov3-license": catalogue.DINOV3_LICENCE}
+    assert entry.licence == licences[reference.pretrained_cfg["license"]]
+    assert entry.card.endswith(f" Licence: {entry.licence}.")
     assert catalogue.url(name) == f"https://huggingface.co/{entry.source}/resolve/main/model.safetensors"
 
 
@@ -79,6 +85,15 @@ LAYOUTS = {
                     act_layer="quick_gelu", layer_norm_eps=1e-5, embed_dim=32, depth=2, num_heads=2),
         drop_keys=("head.weight", "head.bias"),
     )),
+    "tiny_dinov3": ("vit_small_patch16_dinov3", catalogue.CatalogueEntry(
+        "Tiny DINOv3", "timm/tiny_dinov3", 0, "nothing", "random",
+        config=dict(catalogue._DINOV3, image_size=28, patch_size=14, embed_dim=32, depth=2, num_heads=2),
+        licence=catalogue.DINOV3_LICENCE, eva_names=True,
+    )),
+    "tiny_siglip2": ("vit_base_patch16_siglip_224", catalogue.CatalogueEntry(
+        "Tiny SigLIP 2", "timm/tiny_siglip2", 0, "nothing", "random",
+        config=dict(catalogue._SIGLIP_B, image_size=28, patch_size=14, embed_dim=32, depth=2, num_heads=2),
+    )),
 }
 
 
@@ -110,7 +125,13 @@ def publish(root, name: str, **changes) -> torch.nn.Module:
     """Put a random-weight timm model of the entry's layout where the Hub would have it."""
     architecture, entry = LAYOUTS[name]
     kwargs = {**TINY, "num_classes": 512 if entry.drop_keys else 0, **changes}
+    if entry.eva_names:  # DINOv3: pooled on the class token as upstream, as the entry is
+        kwargs["global_pool"] = "token"
+    if entry.config.get("act_layer") == "gelu_tanh":  # SigLIP's as big_vision trains it (timm: exact GELU)
+        kwargs["act_layer"] = "gelu_tanh"
     reference = randomize(timm.create_model(architecture, pretrained=False, **kwargs))
+    if entry.eva_names:  # the periods rounded to bfloat16 as the original weights keep them
+        reference.rope.periods = reference.rope.periods.to(torch.bfloat16).to(torch.float32)
     folder = root / entry.source / "resolve" / "main"
     folder.mkdir(parents=True)
     save_file({key: value.contiguous() for key, value in reference.state_dict().items()},

@@ -128,6 +128,47 @@ HF_CONFIG = {
 }
 
 
+def _dinov3_tensors(registers: int = 4) -> dict[str, torch.Tensor]:
+    """A two-layer timm DINOv3 (Eva) state dict: registers, LayerScale, no position embedding."""
+    state = {key: value for key, value in _tiny_state().items() if key != "pos_embed"}
+    state["reg_token"] = torch.zeros(1, registers, D)
+    for layer in range(LAYERS):
+        state[f"blocks.{layer}.gamma_1"], state[f"blocks.{layer}.gamma_2"] = torch.ones(D), torch.ones(D)
+    return state
+
+
+def _hf_dinov3_tensors() -> dict[str, torch.Tensor]:
+    """A two-layer Hugging Face DINOv3ViTModel's tensors, named as transformers saves them."""
+    renames = {"cls_token": "embeddings.cls_token", "reg_token": "embeddings.register_tokens",
+               "patch_embed.proj.weight": "embeddings.patch_embeddings.weight",
+               "patch_embed.proj.bias": "embeddings.patch_embeddings.bias", "norm.weight": "norm.weight",
+               "norm.bias": "norm.bias"}
+    state = {renames[key]: value for key, value in _dinov3_tensors().items() if key in renames}
+    for layer in range(LAYERS):
+        prefix = f"layer.{layer}."
+        for part, shape in (("attention.q_proj", (D, D)), ("attention.k_proj", (D, D)), ("attention.v_proj", (D, D)),
+                            ("attention.o_proj", (D, D)), ("mlp.up_proj", (4 * D, D)), ("mlp.down_proj", (D, 4 * D))):
+            state[f"{prefix}{part}.weight"] = torch.zeros(shape)
+        for norm in ("norm1", "norm2"):
+            state[f"{prefix}{norm}.weight"], state[f"{prefix}{norm}.bias"] = torch.ones(D), torch.zeros(D)
+        state[f"{prefix}layer_scale1.lambda1"], state[f"{prefix}layer_scale2.lambda1"] = torch.ones(D), torch.ones(D)
+    return state
+
+
+HF_DINOV3_CONFIG = {
+    "model_type": "dinov3_vit", "hidden_size": D, "num_attention_heads": HEADS, "num_hidden_layers": LAYERS,
+    "intermediate_size": 4 * D, "num_register_tokens": 4, "patch_size": PATCH, "image_size": IMAGE,
+    "query_bias": False, "value_bias": False,
+}
+
+
+def _hf_dinov3_folder(folder: Path, **claims) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({**HF_DINOV3_CONFIG, **claims}))
+    save_file(_hf_dinov3_tensors(), folder / "model.safetensors")
+    return folder
+
+
 def _hf_folder(folder: Path, config=HF_CONFIG, config_text: str | None = None, weights=True) -> Path:
     folder.mkdir(parents=True)
     (folder / "config.json").write_text(json.dumps(config) if config_text is None else config_text)
@@ -315,6 +356,21 @@ def _corpus(root: Path) -> dict[str, tuple[Path, str]]:
         expected = re.escape(f"patch_embed.proj.weight has shape {shape}")
         save_file(state, single(name, expected, "zero.safetensors"))
 
+    # DINOv3 (rotary positions, no pos_embed): claims of its config.json, registers, missing parts.
+    _hf_dinov3_folder(case("dinov3 config.json 10**5 layers", "with depth 100000: its tensors have depth 2"),
+                      num_hidden_layers=100_000)
+    _hf_dinov3_folder(case("dinov3 config.json 10**9 registers", "with reg_tokens 1000000000: its tensors have reg_tokens 4"),
+                      num_register_tokens=10**9)
+    _hf_dinov3_folder(case("dinov3 config.json MLP width 10**9", "intermediate_size 1000000000 is not its tensors'"),
+                      intermediate_size=10**9)
+    save_file(_dinov3_tensors(registers=100_000), single("dinov3 100,000 registers", "has 100000 register tokens", "reg.safetensors"))
+    state = _dinov3_tensors()
+    del state["blocks.1.mlp.fc2.weight"]
+    save_file(state, single("dinov3 missing tensors", r"missing parameters: blocks\.1\.mlp\.fc2\.weight", "part.safetensors"))
+    state = {key.replace("reg_token", "storage_tokens"): value for key, value in _dinov3_tensors().items()}
+    state["rope_embed.periods"] = torch.full((2,), 1e30)
+    save_file(state, single("dinov3 periods of no temperature", "rotary periods are not those of a DINOv3", "meta.safetensors"))
+
     # Archives that unpack to far more than they hold.
     _zip_bomb(single("zip bomb declaring 2 GiB", "would unpack to 2,048 MB", "bomb.pth"), 2 * 2**30)
     _zip_bomb(single("zip bomb declaring 600 MiB", "would unpack to 600 MB", "bomb.pth"), 600 * 2**20)
@@ -408,6 +464,8 @@ CASE_NAMES = [
     "id2label a list", "id2label a string", "config nested 100,000 deep",
     "metadata depth -1", "metadata num_classes -1", "metadata image_size -32", "metadata in_chans 0",
     "metadata std [0.5, 0.0, 0.5]",
+    "dinov3 config.json 10**5 layers", "dinov3 config.json 10**9 registers", "dinov3 config.json MLP width 10**9",
+    "dinov3 100,000 registers", "dinov3 missing tensors", "dinov3 periods of no temperature",
 ]
 
 
@@ -453,6 +511,10 @@ def test_the_corpus_would_load_without_its_one_hostile_change(tmp_path):
     x = torch.randn(1, 3, IMAGE, IMAGE)
     with torch.no_grad():
         torch.testing.assert_close(handmade(x), _tiny_model()(x))
+    dinov3 = vx.load_model(_hf_dinov3_folder(tmp_path / "dinov3"))
+    assert dinov3.config.depth == LAYERS and dinov3.config.rope_type == "dinov3" and dinov3.pos_embed is None
+    save_file(_dinov3_tensors(), tmp_path / "dinov3.safetensors")
+    assert vx.load_model(tmp_path / "dinov3.safetensors", num_heads=HEADS).config.reg_tokens == 4
     small = _zip_bomb(tmp_path / "small.pth", 2**20)
     with pytest.raises(vx.CheckpointError, match="not a ViT checkpoint"):  # 1 MiB of zeros is no bomb
         vx.load_model(small)

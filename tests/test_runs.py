@@ -139,6 +139,8 @@ def test_the_estimate_grows_with_what_costs_memory():
     assert total(batch_size=256) > total(batch_size=64)
     assert total(model=SMALL_MODEL.replace(patch_size=2)) > total()
     assert total(model=SMALL_MODEL.replace(embed_dim=256)) > total()
+    # A SwiGLU MLP (three matrices, four hidden-wide activations) costs more than a plain one of its width.
+    assert total(model=SMALL_MODEL.replace(swiglu_mlp=True, swiglu_align_to=8)) > total()
     assert total(train_size=100_000) > total()
 
 

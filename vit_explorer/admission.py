@@ -76,11 +76,14 @@ def _dataset_sizes(config: TrainConfig) -> tuple[int, int, int]:
     return train_n, test_n, max(classes, 2)
 
 
-def _forward_floats(batch: int, tokens: int, dim: int, hidden: int, heads: int, depth: int, training: bool) -> int:
+def _forward_floats(
+    batch: int, tokens: int, dim: int, hidden: int, matrices: int, heads: int, depth: int, training: bool
+) -> int:
     """Floats alive at the peak of one batch's forward (training: kept for backward) and backward."""
     # Per block: norms, qkv, attention output, projection, residuals (about 12 (B, N, D)) and the
-    # MLP's (B, N, 4D) twice.
-    block = 12 * batch * tokens * dim + 2 * batch * tokens * hidden
+    # MLP's (B, N, hidden): fc1's output and its activation, or with a SwiGLU gate (3 matrices)
+    # the gate, the value, the gate's activation and their product.
+    block = 12 * batch * tokens * dim + 2 * (matrices - 1) * batch * tokens * hidden
     if not training:  # no grad: one block at a time, through the fused attention (no (N, N) matrix)
         return block
     # The (B, nh, N, N) scores and softmax of an unfused attention; every block is kept for
@@ -94,11 +97,13 @@ def estimate_memory(config: TrainConfig) -> MemoryEstimate:
     vit = model_config(config).replace(num_classes=classes, class_names=None)
     height, width = vit.img_size
     pixels = vit.in_chans * height * width
-    hidden = int(vit.embed_dim * vit.mlp_ratio)
     tokens = smallest_patch_config(config).num_tokens
     # Parameters, gradients, two AdamW moments and two parameter-sized foreach temporaries.
     model = 6 * 4 * _parameter_count(vit)
-    shape = dict(tokens=tokens, dim=vit.embed_dim, hidden=hidden, heads=vit.num_heads, depth=vit.depth)
+    shape = dict(
+        tokens=tokens, dim=vit.embed_dim, hidden=vit.mlp_hidden, matrices=vit.mlp_matrices, heads=vit.num_heads,
+        depth=vit.depth,
+    )
     training = 4 * (_forward_floats(config.batch_size, training=True, **shape) + 3 * config.batch_size * pixels)
     evaluation = 4 * (_forward_floats(EVAL_BATCH, training=False, **shape) + 2 * EVAL_BATCH * pixels)
     # The probe's attention snapshot: captured, converted and sent (every layer, every head).

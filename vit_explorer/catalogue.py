@@ -3,10 +3,10 @@
 ``load_pretrained(name)`` (vit_explorer.weights) reads an entry of :data:`CATALOGUE`. The timm
 entries are the safetensors files timm publishes on the Hugging Face Hub; torchvision's ViT-B/16
 is torchvision's file, kept in torch.hub's cache where torchvision finds it. A download is written
-to a temporary file beside its final place, checked (a safetensors header whose tensors have
-exactly the shapes the entry's architecture expects; torchvision's file against the hash in its
-name) and only then renamed into place, so a half or wrong file is never loaded. A mirror cannot
-hold a download up or fill the disk: it ends after ``VIT_EXPLORER_DOWNLOAD_TIMEOUT`` seconds
+to a temporary file beside its final place, checked (a safetensors header whose tensors have,
+under our names, exactly the shapes the entry's architecture expects; torchvision's file against
+the hash in its name) and only then renamed into place, so a half or wrong file is never loaded.
+Each entry names its weights' licence on its card. A mirror cannot hold a download up or fill the disk: it ends after ``VIT_EXPLORER_DOWNLOAD_TIMEOUT`` seconds
 and at the entry's size (plus a margin), and whatever goes wrong is a DownloadError sentence.
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from .config import IMAGENET_MEAN, IMAGENET_STD, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, ViTConfig
-from .model import ViT
+from .model import ViT, from_timm_eva
 
 # The Hub the timm files come from; tests point it at a server of their own on loopback.
 HUB_URL_VARIABLE = "VIT_EXPLORER_HUB_URL"
@@ -51,6 +51,17 @@ READ_TIMEOUT_SECONDS = 30.0  # the longest wait for a connection or for any next
 _IMAGENET = dict(mean=IMAGENET_MEAN, std=IMAGENET_STD)
 _VIT_S = dict(embed_dim=384, depth=12, num_heads=6)
 _VIT_B = dict(embed_dim=768, depth=12, num_heads=12)
+# timm's DINOv3 (Eva): rotary positions only, 4 registers, LayerScale, no qkv bias, eps 1e-5; the
+# rotary periods rounded to bfloat16 as the original weights keep them (weights/from_eva.py).
+_DINOV3 = dict(
+    patch_size=16, num_classes=0, reg_tokens=4, init_values=1e-5, qkv_bias=False, layer_norm_eps=1e-5,
+    rope_type="dinov3", abs_pos_embed=False, rope_periods_dtype="bfloat16", **_IMAGENET,
+)
+# SigLIP and SigLIP 2: big_vision trains with JAX's gelu, the tanh approximation (as transformers runs it).
+_SIGLIP_B = dict(
+    image_size=224, patch_size=16, num_classes=0, class_token=False, global_pool="map", act_layer="gelu_tanh", **_VIT_B,
+)
+DINOV3_LICENCE = "DINOv3 License (Meta), not Apache: github.com/facebookresearch/dinov3/blob/main/LICENSE.md"
 
 
 @dataclass(frozen=True)
@@ -67,10 +78,12 @@ class CatalogueEntry:
     config: dict = field(default_factory=dict)  # ViTConfig fields; the rest are the defaults
     imagenet_classes: bool = False  # its head scores the 1000 ImageNet-1k classes
     drop_keys: tuple[str, ...] = ()  # tensors of the file that are no part of our model
+    licence: str = "Apache-2.0"  # the weights' licence, as their publisher gives it
+    eva_names: bool = False  # the file names its tensors as timm's Eva does (model.from_timm_eva)
 
     @property
     def card(self) -> str:
-        return f"{self.title}: trained on {self.trained_on}. {self.attention}"
+        return f"{self.title}: trained on {self.trained_on}. {self.attention} Licence: {self.licence}."
 
     def config_without_names(self) -> ViTConfig:
         return ViTConfig(**self.config)
@@ -86,7 +99,7 @@ CATALOGUE: dict[str, CatalogueEntry] = {
         "ImageNet-1k, supervised (torchvision's recipe)",
         "Supervised ViTs attend diffusely: the class token spreads over the object and background"
         " alike, and rollout is needed to see the object.",
-        imagenet_classes=True,
+        imagenet_classes=True, licence="BSD-3-Clause (torchvision)",
     ),
     "dino_vits16": CatalogueEntry(
         "DINO ViT-S/16", "timm/vit_small_patch16_224.dino", 86_662_656,
@@ -162,11 +175,28 @@ CATALOGUE: dict[str, CatalogueEntry] = {
         "WebLI image-text pairs (Google SigLIP, sigmoid contrastive loss)",
         "No class token: an attention-pool head's probe query gathers the image, and its"
         " attention is shown where a class token's would be.",
-        # big_vision trains with JAX's gelu, the tanh approximation (as transformers runs it).
-        config=dict(
-            image_size=224, patch_size=16, num_classes=0, class_token=False, global_pool="map",
-            act_layer="gelu_tanh", **_VIT_B,
-        ),
+        config=_SIGLIP_B,
+    ),
+    "siglip2_vitb16": CatalogueEntry(
+        "SigLIP 2 ViT-B/16", "timm/vit_base_patch16_siglip_224.v2_webli", 371_536_896,
+        "WebLI image-text pairs (Google SigLIP 2: sigmoid loss, captioning, self-distillation and"
+        " masked prediction)",
+        "SigLIP's architecture (an attention-pool probe, no class token), trained also for dense"
+        " features: its patch tokens and maps are cleaner than SigLIP's.",
+        config=_SIGLIP_B,
+    ),
+    "dinov3_vits16": CatalogueEntry(
+        "DINOv3 ViT-S/16", "timm/vit_small_patch16_dinov3.lvd1689m", 86_347_776,
+        "LVD-1689M, 1.7 billion curated web images without labels (DINOv3, distilled from its 7B)",
+        "Dense features kept sharp to the last layer: token PCA and patch similarity part objects; 4"
+        " registers take the high-norm tokens, and rotary positions make any image size native.",
+        config=dict(image_size=224, **_VIT_S, **_DINOV3), licence=DINOV3_LICENCE, eva_names=True,
+    ),
+    "dinov3_vitb16": CatalogueEntry(
+        "DINOv3 ViT-B/16", "timm/vit_base_patch16_dinov3.lvd1689m", 342_564_864,
+        "LVD-1689M, 1.7 billion curated web images without labels (DINOv3, distilled from its 7B)",
+        "Like DINOv3 ViT-S/16 with twice the heads: clean, object-centred maps at any image size.",
+        config=dict(image_size=224, **_VIT_B, **_DINOV3), licence=DINOV3_LICENCE, eva_names=True,
     ),
 }
 
@@ -263,6 +293,19 @@ def _header_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def our_names(name: str, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """A file's tensor shapes under our names: timm Eva's renamed as model.from_timm_eva renames
+    the tensors themselves (on the meta device, nothing allocated)."""
+    if not entry(name).eva_names:
+        return shapes
+    try:
+        with torch.device("meta"):
+            renamed = from_timm_eva({key: torch.empty(shape) for key, shape in shapes.items()})
+    except (KeyError, RuntimeError, ValueError):  # q and v biases that are missing or do not fit
+        raise DownloadError(f"the downloaded {name} file is not the expected model (its q and v biases do not fit)") from None
+    return {key: tuple(value.shape) for key, value in renamed.items()}
+
+
 def expected_shapes(name: str) -> dict[str, tuple[int, ...]]:
     """The parameter shapes the entry's architecture has (built on the meta device, no memory)."""
     with torch.device("meta"):
@@ -278,6 +321,7 @@ def check_file(name: str, path: Path) -> None:
         raise DownloadError(f"the downloaded {name} file is {error}") from None
     for key in entry(name).drop_keys:
         found.pop(key, None)
+    found = our_names(name, found)
     expected = expected_shapes(name)
     if found != expected:
         missing = sorted(set(expected) - set(found))[:3]

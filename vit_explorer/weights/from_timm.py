@@ -1,16 +1,42 @@
-"""timm's ViT state dicts (VisionTransformer): their parameter names are ours.
+"""timm's ViT state dicts (VisionTransformer): their parameter names are ours; and timm's Hub
+folders (``save_for_hf`` / ``push_to_hub``: config.json naming the architecture, beside the weights).
 
-A timm family whose modules differ from VisionTransformer's (e.g. Eva's rotary positions) is
-recognised here from its keys and renamed to ours, and config inference (infer.py) is taught
-its shapes.
+A timm family whose modules differ from VisionTransformer's has a reader of its own, recognised
+before this fallback (weights._convert): Eva's (DINOv3, EVA-02) is from_eva.py.
 """
 
 from __future__ import annotations
 
 import torch
 
+from . import from_eva
+
+# What a timm folder's config.json says that the tensors cannot, or claims that they check.
+_FOLDER_ARGS = ("num_heads", "depth", "embed_dim")
+
 
 def convert(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict]:
     """(our state dict, config fields the shapes cannot tell): nothing to rename or add; timm's
     mean/std 0.5 (augreg) is our default."""
     return dict(state), {}
+
+
+def is_folder_config(config: dict) -> bool:
+    """Whether a folder's config.json is timm's (an architecture, no transformers model_type)."""
+    return isinstance(config.get("architecture"), str) and "model_type" not in config
+
+
+def convert_folder(
+    state: dict[str, torch.Tensor], timm_config: dict, folder_name: str
+) -> tuple[dict[str, torch.Tensor], dict]:
+    """A timm folder's weights, its architecture's name telling the family (from_eva) and its
+    model_args and pretrained_cfg the heads and mean/std; every value is checked as a ViTConfig
+    field, and depth and width against the tensors (infer.py)."""
+    name = f"{folder_name} ({timm_config['architecture'][:60]})"
+    converted, known = from_eva.convert(state, name) if from_eva.recognises(state) else convert(state)
+    arguments, pretrained = timm_config.get("model_args"), timm_config.get("pretrained_cfg")
+    if isinstance(arguments, dict):
+        known.update({field: arguments[field] for field in _FOLDER_ARGS if field in arguments})
+    if isinstance(pretrained, dict):
+        known.update({field: pretrained[field] for field in ("mean", "std") if field in pretrained})
+    return converted, known
