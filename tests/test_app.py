@@ -696,8 +696,6 @@ def test_ended_runs_are_tested_at_each_image_size_on_request():
     app.selectbox(key="watched_run").set_value("run 2").run()
     widget(app.button, "Test at each image size").click().run()
     assert not app.exception
-    if errors(app) and "no absolute position embedding" in errors(app)[0]:
-        pytest.skip("weights/infer.py does not load rotary checkpoints yet (the rope-load branch fixes it)")
     assert errors(app) == []
     (chart,) = app.get("plotly_chart")[-1:]
     lines = json.loads(chart.proto.spec)["data"]

@@ -14,7 +14,6 @@ from vit_explorer import train as training
 from vit_explorer import training_run
 from vit_explorer.config import TrainConfig
 from vit_explorer.data import SHAPE_CLASSES, shapes_dataset
-from vit_explorer.weights import CheckpointError
 from helpers import SMALL_RUN_MODEL, small_run_config
 
 SMALL_MODEL = SMALL_RUN_MODEL
@@ -119,10 +118,7 @@ def test_a_rotary_run_trains_and_its_checkpoint_loads(tmp_path):
         assert "pos_embed" not in saved.keys()  # rotary positions have no parameters
     sidecar = training.load_history(done.checkpoint)
     assert TrainConfig.from_dict(sidecar["train_config"]).positions == "rotary"
-    try:
-        model = vx.load_model(done.checkpoint)
-    except CheckpointError as error:
-        pytest.skip(f"weights/infer.py does not know rotary configs yet (the rope-load branch fixes it): {error}")
+    model = vx.load_model(done.checkpoint)
     assert model.pos_embed is None and model.config.rope_type == "dinov3"
     assert model.config.class_names == SHAPE_CLASSES
 

@@ -560,13 +560,7 @@ def at_image_size(model: ViT, image_size: int | tuple[int, int]) -> ViT:
     """``model`` for inputs of ``image_size``, sharing its weights (to run, not to train; the
     original is untouched): learned position embeddings are resampled to the new grid
     (resize_model); rotary positions follow any grid, so only the config's size changes."""
-    if model.pos_embed is not None:
-        return resize_model(model, image_size=image_size, share_weights=True)
-    # Not resize_model: it resamples pos_embed, which a rotary model does not have.
-    with torch.device("meta"):
-        resized = ViT(model.config.replace(image_size=image_size))
-    resized.load_state_dict(model.state_dict(), assign=True)
-    return resized.train(model.training)
+    return resize_model(model, image_size=image_size, share_weights=True).train(model.training)
 
 
 def accuracy_on_test_split(
