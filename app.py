@@ -100,6 +100,13 @@ with st.sidebar:
             st.caption(whole)  # the picker had to shorten it
         with st.expander("The pretrained models"):
             st.markdown(models.model_cards())
+        pending = state.get("licence_to_accept")
+        notice = models.licence_to_accept(pending) if pending else None
+        if notice:
+            st.warning(notice)
+            accept, cancel = st.columns(2)
+            accept.button("Accept and download", on_click=models.accept_licence, args=(pending,), width="stretch")
+            cancel.button("Cancel", on_click=state.pop, args=("licence_to_accept", None), width="stretch")
         if model_error:
             st.error(model_error)
         try:

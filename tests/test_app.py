@@ -537,6 +537,26 @@ def test_a_catalogue_model_offline_says_so_in_one_sentence(monkeypatch, tmp_path
     assert app.session_state["model_key"] == "default"
 
 
+def test_a_model_under_terms_to_accept_names_them_before_it_downloads(monkeypatch, tmp_path):
+    from vit_explorer import catalogue
+
+    monkeypatch.setenv(catalogue.CACHE_VARIABLE, str(tmp_path / "cache"))
+    monkeypatch.setenv(catalogue.HUB_URL_VARIABLE, "http://127.0.0.1:9")  # discard port: refused
+    app = open_app("views/pipeline.py")
+    app.selectbox(key="model_picker").set_value("pretrained:dinov3_vits16").run()
+    assert not app.exception and errors(app) == [] and app.session_state["model_key"] == "default"
+    (notice,) = [warning.value for warning in app.warning if "DINOv3 License" in warning.value]
+    assert notice.startswith("DINOv3 ViT-S/16's weights are published under the DINOv3 License (Meta), not Apache")
+    widget(app.button, "Cancel").click().run()
+    assert not [warning for warning in app.warning if "DINOv3 License" in warning.value]
+
+    app.selectbox(key="model_picker").set_value("pretrained:dinov3_vits16").run()
+    widget(app.button, "Accept and download").click().run()
+    (error,) = errors(app)  # it tried: offline here
+    assert error.startswith("Could not load that model: could not download DINOv3 ViT-S/16")
+    assert app.session_state["model_key"] == "default"
+
+
 def test_uploads_share_a_quota_and_the_oldest_go_first(monkeypatch):
     monkeypatch.setattr(uploads, "UPLOADS_QUOTA_BYTES", 6000)
     app = open_app("views/pipeline.py")

@@ -38,9 +38,10 @@ if pending is not None:
     name, entry = pending
     st.info(
         f"{entry.title} is not on this server yet: it downloads once ({entry.size_bytes / 1e6:.0f} MB)"
-        " and then serves everybody."
+        f" and then serves everybody. Its weights' licence: {entry.licence}."
     )
-    if not st.button(f"Download {entry.title}", help="Fetch the model from its publisher, under a progress bar."):
+    accepting = " and accept its licence" if entry.terms_to_accept else ""
+    if not st.button(f"Download {entry.title}{accepting}", help="Fetch the model from its publisher, under a progress bar."):
         st.stop()
 try:
     if pending is not None:

@@ -79,6 +79,8 @@ class CatalogueEntry:
     imagenet_classes: bool = False  # its head scores the 1000 ImageNet-1k classes
     drop_keys: tuple[str, ...] = ()  # tensors of the file that are no part of our model
     licence: str = "Apache-2.0"  # the weights' licence, as their publisher gives it
+    # Not an open-source licence: the app asks the person to accept it before downloading.
+    terms_to_accept: bool = False
     eva_names: bool = False  # the file names its tensors as timm's Eva does (model.from_timm_eva)
 
     @property
@@ -190,13 +192,13 @@ CATALOGUE: dict[str, CatalogueEntry] = {
         "LVD-1689M, 1.7 billion curated web images without labels (DINOv3, distilled from its 7B)",
         "Dense features kept sharp to the last layer: token PCA and patch similarity part objects; 4"
         " registers take the high-norm tokens, and rotary positions make any image size native.",
-        config=dict(image_size=224, **_VIT_S, **_DINOV3), licence=DINOV3_LICENCE, eva_names=True,
+        config=dict(image_size=224, **_VIT_S, **_DINOV3), licence=DINOV3_LICENCE, terms_to_accept=True, eva_names=True,
     ),
     "dinov3_vitb16": CatalogueEntry(
         "DINOv3 ViT-B/16", "timm/vit_base_patch16_dinov3.lvd1689m", 342_564_864,
         "LVD-1689M, 1.7 billion curated web images without labels (DINOv3, distilled from its 7B)",
         "Like DINOv3 ViT-S/16 with twice the heads: clean, object-centred maps at any image size.",
-        config=dict(image_size=224, **_VIT_B, **_DINOV3), licence=DINOV3_LICENCE, eva_names=True,
+        config=dict(image_size=224, **_VIT_B, **_DINOV3), licence=DINOV3_LICENCE, terms_to_accept=True, eva_names=True,
     ),
 }
 

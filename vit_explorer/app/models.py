@@ -208,13 +208,40 @@ def request_model(model_key: str) -> None:
 
 
 def apply_requested_model() -> str | None:
-    """Load the requested model and select it; on failure keep the current one and say why."""
+    """Load the requested model and select it; on failure keep the current one and say why. A
+    catalogue model whose licence must be accepted first waits as ``licence_to_accept``."""
     requested = st.session_state.pop("requested_model", None)
     if requested is None or requested == st.session_state["model_key"]:
+        return None
+    if licence_to_accept(requested) is not None:
+        st.session_state["licence_to_accept"] = requested
+        st.session_state["model_picker"] = st.session_state["model_key"]
         return None
     error = select_model(requested)
     st.session_state["model_picker"] = st.session_state["model_key"]
     return error
+
+
+def licence_to_accept(model_key: str) -> str | None:
+    """The sentence to accept before ``model_key`` downloads, or None: only a catalogue model not
+    downloaded yet whose licence is not open source, and not yet accepted in this session."""
+    kind, _, name = model_key.partition(":")
+    if kind != "pretrained" or name not in catalogue.CATALOGUE or catalogue.is_downloaded(name):
+        return None
+    entry = catalogue.entry(name)
+    if not entry.terms_to_accept or name in st.session_state.setdefault("accepted_licences", set()):
+        return None
+    return (
+        f"{entry.title}'s weights are published under the {entry.licence}. Downloading them"
+        f" ({entry.size_bytes / 1e6:.0f} MB) means accepting its terms."
+    )
+
+
+def accept_licence(model_key: str) -> None:
+    """The person accepted the licence of a catalogue model: download and select it."""
+    st.session_state.setdefault("accepted_licences", set()).add(model_key.removeprefix("pretrained:"))
+    st.session_state.pop("licence_to_accept", None)
+    request_model(model_key)
 
 
 def select_model(model_key: str) -> str | None:
@@ -251,7 +278,10 @@ def download_with_progress(name: str) -> None:
     if catalogue.is_downloaded(name):
         return
     entry = catalogue.entry(name)
-    label = f"Downloading {entry.title} ({entry.size_bytes / 1e6:.0f} MB) from {catalogue.url(name)}"
+    label = (
+        f"Downloading {entry.title} ({entry.size_bytes / 1e6:.0f} MB) from {catalogue.url(name)};"
+        f" licence: {entry.licence}"
+    )
     bar = st.progress(0.0, text=label)
 
     def report(done: int, total: int | None) -> None:
