@@ -10,6 +10,7 @@ is read.
     project.py           our own format: weights + config (+ class names, metadata) in one file
     from_timm.py, from_torchvision.py, from_huggingface.py
                          each source's state dict renamed to ours, with what the shapes cannot tell
+    from_eva.py          timm's Eva family (DINOv3, EVA-02) and Meta's DINOv3 files: rotary positions
     infer.py             the ViTConfig from the tensors (where a family is recognised by its keys)
     build.py             the tensors checked against that config, then the model built
     resize.py            resize_model: another patch size and/or image size
@@ -28,7 +29,7 @@ import torch
 
 from ..config import ViTConfig
 from ..model import ViT
-from . import from_huggingface, from_timm, from_torchvision
+from . import from_eva, from_huggingface, from_timm, from_torchvision
 from .build import build
 from .checks import CheckpointError, read_tensors
 from .from_torchvision import TORCHVISION_VITS
@@ -47,7 +48,8 @@ def load_model(path: str | os.PathLike, **overrides) -> ViT:
 
     ``path``: our ``.safetensors`` file; a timm or torchvision state dict (``.safetensors``,
     ``.pth``, ``.bin``, possibly wrapped in ``{"state_dict": ...}`` or ``{"model": ...}``); a
-    Hugging Face ViT folder (config.json + weights) or a weights file inside one. Whatever the
+    Hugging Face ViT folder (config.json + weights) or a weights file inside one; timm's DINOv3 and
+    EVA-02 (Eva) files and Meta's DINOv3 files are recognised from their keys. Whatever the
     weights do not reveal (num_heads defaults to embed_dim // 64) and any other ViTConfig field
     can be given as a keyword; a different ``image_size``/``patch_size`` resamples the model.
     """
@@ -83,6 +85,8 @@ def _convert(
         return from_huggingface.convert(state, hf_config, path.name)
     if from_torchvision.recognises(state):
         return from_torchvision.convert(state)
+    if from_eva.recognises(state):
+        return from_eva.convert(state, path.name)
     return from_timm.convert(state)
 
 

@@ -28,6 +28,7 @@ from ..config import _brief
 # Bounds on what one uploaded checkpoint can make the server hold or do. The largest published
 # ViTs fit well inside them (ViT-22B: 48 blocks, ~800 tensors; ViT-H/14: 2.5 GB).
 MAX_BLOCKS = 256
+MAX_REGISTERS = 64  # register tokens (DINOv2 and DINOv3 have 4): each one joins every attention
 MAX_TENSORS = 10_000
 MAX_CHECKPOINT_BYTES = 4 * 2**30
 MAX_HEADER_BYTES = 2**20  # a safetensors header, a pickle or a JSON file: names and shapes only

@@ -1,6 +1,7 @@
 """Hugging Face transformers ViTs: a model folder (config.json, preprocessor_config.json, weights
 in one file or shards) or a weights file beside its config.json. ViT, DeiT, DINOv2 (with
-registers) and the image towers of CLIP and SigLIP are converted to our names.
+registers), DINOv3 (rotary positions, gated MLP) and the image towers of CLIP and SigLIP are
+converted to our names.
 
 A folder is untrusted like any upload: each config.json setting read is checked (_HF_SETTINGS)
 and every file the folder names must lie inside it (checks.folder_file). Another model type is
@@ -19,13 +20,14 @@ import torch
 
 from ..config import _brief, _is_number
 from .checks import MAX_TENSORS, CheckpointError, folder_file, read_json, read_tensors
+from .from_eva import DINOV3
 
 HF_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 HF_SHARD_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 
 # Hugging Face model types we convert; the full CLIP / SigLIP models contribute their image tower.
 HF_MODEL_TYPES = (
-    "vit", "deit", "dinov2", "dinov2_with_registers",
+    "vit", "deit", "dinov2", "dinov2_with_registers", "dinov3_vit",
     "clip", "clip_vision_model", "siglip", "siglip_vision_model",
 )
 HF_ACTIVATIONS = {"gelu": "gelu", "quick_gelu": "quick_gelu", "gelu_pytorch_tanh": "gelu_tanh"}
@@ -62,6 +64,20 @@ _HF_TOWER_RENAMES = [
     (r"^head\.layernorm\.", "attn_pool.norm."),
     (r"^head\.mlp\.", "attn_pool.mlp."),
 ]
+# DINOv3ViTModel: transformers 5 modules nest the layers under model., files keep layer.N.
+_HF_DINOV3_RENAMES = [
+    (r"^embeddings\.cls_token$", "cls_token"),
+    (r"^embeddings\.register_tokens$", "reg_token"),
+    (r"^embeddings\.patch_embeddings\.", "patch_embed.proj."),
+    (r"^(?:model\.)?layer\.(\d+)\.", r"blocks.\1."),
+    (r"\.attention\.o_proj\.", ".attn.proj."),
+    (r"\.layer_scale(1|2)\.lambda1$", r".ls\1.gamma"),
+    (r"\.mlp\.gate_proj\.", ".mlp.fc1_g."),
+    (r"\.mlp\.down_proj\.", ".mlp.fc2."),
+]
+_HF_DINOV3_QKV = re.compile(r"^(?:model\.)?layer\.(\d+)\.attention\.(q|k|v)_proj\.(weight|bias)$")
+# Our linear layers that always have a bias (DINOv3's proj_bias and mlp_bias may be off: zeros).
+_BIASED = re.compile(r"^blocks\.\d+\.(attn\.proj|mlp\.fc1|mlp\.fc1_g|mlp\.fc1_x|mlp\.fc2)\.weight$")
 _HF_SEPARATE_QKV = re.compile(
     r"^(?:encoder\.layer|layers|encoder\.layers)\.(\d+)\.(?:attention\.(?:attention\.)?|self_attn\.)"
     r"(query|key|value|q_proj|k_proj|v_proj)\.(weight|bias)$"
@@ -99,6 +115,10 @@ def _convert(
             f"Hugging Face model type {model_type!r} is not supported; we read"
             f" {', '.join(HF_MODEL_TYPES)}"
         )
+    if model_type == "dinov3_vit":
+        converted, known = _dinov3(state, hf_config)
+        known.update(_settings(hf_config, converted))
+        return converted, known
     tower = model_type.startswith(("clip", "siglip"))
     if model_type in ("clip", "siglip"):  # the whole model: its settings for the image tower
         hf_config = {**hf_config, **_hf_setting(hf_config, "vision_config", {})}
@@ -126,6 +146,54 @@ def _convert(
         _fold_class_position(converted)
         known["no_embed_class"] = True
     known.update(_settings(hf_config, converted))
+    return converted, known
+
+
+def _dinov3(state: dict[str, torch.Tensor], hf_config: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    """DINOv3ViTModel's weights under our names: q, k, v fused (a missing bias is zeros, as the
+    keys' is), up_proj the MLP's fc1 (gated: its value fc1_x beside the gate fc1_g). Its settings
+    are claims checked against the tensors: depth, width, registers, MLP width and gate."""
+    gated = any(".mlp.gate_proj." in key for key in state)
+    if gated != bool(_hf_setting(hf_config, "use_gated_mlp", False)):
+        raise CheckpointError(f"config.json's use_gated_mlp does not say what the tensors hold (gated: {gated})")
+    activation = _hf_setting(hf_config, "hidden_act", "gelu")
+    if (activation != "silu") if gated else (activation not in HF_ACTIVATIONS):
+        raise CheckpointError(f"DINOv3 with a {'gated' if gated else 'plain'} MLP of {activation!r} is not supported")
+    renames = [*_HF_DINOV3_RENAMES, (r"\.mlp\.up_proj\.", ".mlp.fc1_x." if gated else ".mlp.fc1.")]
+    converted: dict[str, torch.Tensor] = {}
+    projections: dict[str, dict[tuple[str, str], torch.Tensor]] = {}
+    for key, value in state.items():
+        if key == "embeddings.mask_token" or (key == "embeddings.register_tokens" and value.numel() == 0):
+            continue
+        found = _HF_DINOV3_QKV.match(key)
+        if found:
+            projections.setdefault(found.group(1), {})[found.group(2, 3)] = value
+            continue
+        for pattern, replacement in renames:
+            key = re.sub(pattern, replacement, key)
+        converted[key] = value
+    for block, parts in projections.items():
+        if not all((role, "weight") in parts for role in "qkv"):
+            raise CheckpointError(f"the Hugging Face checkpoint lacks part of layer {block}'s q, k and v")
+        converted[f"blocks.{block}.attn.qkv.weight"] = torch.cat([parts[role, "weight"] for role in "qkv"])
+        if any(kind == "bias" for _, kind in parts):
+            biases = [parts.get((role, "bias"), parts[role, "weight"].new_zeros(parts[role, "weight"].shape[0])) for role in "qkv"]
+            converted[f"blocks.{block}.attn.qkv.bias"] = torch.cat(biases)
+    for key in [key for key in converted if _BIASED.match(key)]:
+        converted.setdefault(key.removesuffix("weight") + "bias", converted[key].new_zeros(converted[key].shape[0]))
+    fc2 = converted.get("blocks.0.mlp.fc2.weight")
+    width = _hf_setting(hf_config, "intermediate_size")
+    if fc2 is not None and width is not None and fc2.dim() == 2 and width != fc2.shape[1]:
+        raise CheckpointError(f"config.json's intermediate_size {width} is not its tensors' MLP width {fc2.shape[1]}")
+    claims = {
+        "depth": _hf_setting(hf_config, "num_hidden_layers"), "embed_dim": _hf_setting(hf_config, "hidden_size"),
+        "reg_tokens": _hf_setting(hf_config, "num_register_tokens"),
+    }
+    known = {
+        **DINOV3, **{field: value for field, value in claims.items() if value is not None},
+        "layer_norm_eps": float(_hf_setting(hf_config, "layer_norm_eps", 1e-5)),
+        "rope_temperature": float(_hf_setting(hf_config, "rope_theta", 100.0)),
+    }
     return converted, known
 
 
@@ -235,6 +303,12 @@ _HF_SETTINGS = {
     "hidden_act": (lambda value: isinstance(value, str), "a name"),
     "layer_norm_eps": (lambda value: _is_number(value) and value > 0, "a positive number"),
     "num_attention_heads": (_whole, "a positive whole number"),
+    "num_hidden_layers": (_whole, "a positive whole number"),
+    "hidden_size": (_whole, "a positive whole number"),
+    "intermediate_size": (_whole, "a positive whole number"),
+    "num_register_tokens": (lambda value: value == 0 or _whole(value), "a whole number"),
+    "rope_theta": (lambda value: _is_number(value) and value > 0, "a positive number"),
+    "use_gated_mlp": (lambda value: isinstance(value, bool), "true or false"),
     "image_size": (
         lambda value: _whole(value)
         or (isinstance(value, list) and len(value) == 2 and all(map(_whole, value))),

@@ -1,8 +1,7 @@
 """timm's ViT state dicts (VisionTransformer): their parameter names are ours.
 
-A timm family whose modules differ from VisionTransformer's (e.g. Eva's rotary positions) is
-recognised here from its keys and renamed to ours, and config inference (infer.py) is taught
-its shapes.
+A timm family whose modules differ from VisionTransformer's has a reader of its own, recognised
+before this fallback (weights._convert): Eva's (DINOv3, EVA-02) is from_eva.py.
 """
 
 from __future__ import annotations

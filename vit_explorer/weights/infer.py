@@ -3,8 +3,9 @@ say, the facts a format's reader knows (``known``) and the caller's overrides, c
 the tensors before any model is built.
 
 _architecture is where a family is recognised from its keys (a class token or not, registers, a
-MAP head, LayerScale, CLIP's pre-norm, ...); _with_positions finds the image size from the
-position embeddings. A family with other modules or positions extends these two.
+MAP head, LayerScale, CLIP's pre-norm, Eva's separate q/k/v and SwiGLU MLPs, ...); _with_positions
+finds the image size from the position embeddings (a model with rotary positions only, DINOv3, has
+none: its reader says so with ``rope_type``). A family with other modules or positions extends these.
 """
 
 from __future__ import annotations
@@ -15,13 +16,17 @@ import re
 import torch
 
 from ..config import ViTConfig, _brief
-from .checks import MAX_BLOCKS, CheckpointError
+from .checks import MAX_BLOCKS, MAX_REGISTERS, CheckpointError
 
-# Every ViT we build has these; a state dict without them is not one.
-REQUIRED_KEYS = ("patch_embed.proj.weight", "blocks.0.attn.qkv.weight", "blocks.0.mlp.fc1.weight")
+# Every ViT we build has these; a state dict without them is not one. Each tuple: one of its keys
+# (a fused qkv or EVA-02's separate projections; a plain or packed fc1, or SwiGLU's gate fc1_g).
+REQUIRED_KEYS = (
+    ("patch_embed.proj.weight",), ("blocks.0.attn.qkv.weight", "blocks.0.attn.q_proj.weight"),
+    ("blocks.0.mlp.fc1.weight", "blocks.0.mlp.fc1_g.weight"), ("blocks.0.mlp.fc2.weight",),
+)
 # The rank of each tensor whose shape is read: checked before anything is computed from them.
 _RANKS = {
-    "patch_embed.proj.weight": 4, "blocks.0.mlp.fc1.weight": 2, "pos_embed": 3,
+    "patch_embed.proj.weight": 4, "blocks.0.mlp.fc1.weight": 2, "blocks.0.mlp.fc2.weight": 2, "pos_embed": 3,
     "reg_token": 3, "attn_pool.latent": 3, "head.weight": 2,
 }
 
@@ -44,7 +49,7 @@ def infer_config(
 
 
 def _check_shapes(state: dict[str, torch.Tensor], name: str) -> None:
-    if not all(key in state for key in REQUIRED_KEYS):
+    if not all(any(key in state for key in keys) for keys in REQUIRED_KEYS):
         sample = ", ".join(_brief(key)[1:-1] for key in sorted(state)[:6])
         raise CheckpointError(
             f"{name} is not a ViT checkpoint we can read (found keys like {sample})"
@@ -54,6 +59,11 @@ def _check_shapes(state: dict[str, torch.Tensor], name: str) -> None:
             raise CheckpointError(
                 f"{name}'s {key} has shape {tuple(state[key].shape)}, which no ViT's has"
             )
+    # Each register is a token in every attention: a file may not make every pass quadratic in it.
+    if "reg_token" in state and state["reg_token"].shape[1] > MAX_REGISTERS:
+        raise CheckpointError(
+            f"{name} has {state['reg_token'].shape[1]} register tokens; we load ViTs with up to {MAX_REGISTERS}"
+        )
 
 
 def _architecture(state: dict[str, torch.Tensor], name: str) -> dict:
@@ -82,8 +92,8 @@ def _architecture(state: dict[str, torch.Tensor], name: str) -> dict:
         "in_chans": in_chans,
         "depth": depth,
         "num_heads": max(1, embed_dim // 64),  # the timm / torchvision / HF convention
-        "mlp_ratio": state["blocks.0.mlp.fc1.weight"].shape[0] / embed_dim,
-        "qkv_bias": "blocks.0.attn.qkv.bias" in state,
+        **_attention(state),
+        **_mlp(state, embed_dim),
         "class_token": class_token,
         "dist_token": "dist_token" in state,
         "reg_tokens": state["reg_token"].shape[1] if "reg_token" in state else 0,
@@ -97,9 +107,39 @@ def _architecture(state: dict[str, torch.Tensor], name: str) -> dict:
         # LayerScale's init value only matters for training from scratch; the weights set gamma.
         "init_values": 1.0 if "blocks.0.ls1.gamma" in state else None,
         "num_classes": state["head.weight"].shape[0] if "head.weight" in state else 0,
+        "abs_pos_embed": "pos_embed" in state,
         "mean": (0.5,) * in_chans,
         "std": (0.5,) * in_chans,
     }
+
+
+def _attention(state: dict[str, torch.Tensor]) -> dict:
+    """A fused qkv or EVA-02's separate q/k/v projections (the keys' without a bias), and EVA-02
+    CLIP's LayerNorm on the heads' outputs."""
+    fused = "blocks.0.attn.qkv.weight" in state
+    return {
+        "qkv_fused": fused,
+        "qkv_bias": ("blocks.0.attn.qkv.bias" if fused else "blocks.0.attn.q_proj.bias") in state,
+        "scale_attn_inner": "blocks.0.attn.norm.weight" in state,
+    }
+
+
+def _mlp(state: dict[str, torch.Tensor], embed_dim: int) -> dict:
+    """The MLP: plain, or SiLU-gated (SwiGLU) split into fc1_g and fc1_x or packed in an fc1 twice
+    as tall as fc2 is wide; its width is what fc2 reads, its LayerNorm (scale_mlp) if it has one."""
+    hidden = state["blocks.0.mlp.fc2.weight"].shape[1]
+    scale_mlp = "blocks.0.mlp.norm.weight" in state
+    ratio = hidden / embed_dim
+    if int(embed_dim * ratio) != hidden:  # the quotient rounded down: the next float gives the width
+        ratio = math.nextafter(ratio, math.inf)
+    fields = {"mlp_ratio": ratio, "scale_mlp": scale_mlp, "swiglu_mlp": False, "swiglu_align_to": 0}
+    if "blocks.0.mlp.fc1_g.weight" in state:
+        # timm builds the split layout for scale_mlp or an aligned width; any alignment that
+        # divides the width keeps it.
+        fields.update(swiglu_mlp=True, swiglu_align_to=0 if scale_mlp else math.gcd(hidden, 8))
+    elif "blocks.0.mlp.fc1.weight" in state and state["blocks.0.mlp.fc1.weight"].shape[0] == 2 * hidden:
+        fields["swiglu_mlp"] = True  # timm's GluMlp: the gate, then the value
+    return fields
 
 
 def _with_positions(
@@ -107,9 +147,13 @@ def _with_positions(
 ) -> ViTConfig:
     """The config whose patch grid (and image size, unless given) the position embeddings cover."""
     if "pos_embed" not in state:
-        raise CheckpointError(
-            f"{name} has no absolute position embedding (pos_embed), which our ViT needs"
-        )
+        # Rotary positions follow any grid: the image size is the reader's or the caller's.
+        if fields.get("rope_type") is None:
+            raise CheckpointError(
+                f"{name} has no absolute position embedding (pos_embed), nor rotary positions we"
+                " know of, which our ViT needs"
+            )
+        return _config(fields, state, name)
     # Position embeddings cover the patch grid, plus the prefix tokens unless no_embed_class;
     # timm's default layout (prefix tokens included) is tried first.
     num_positions = state["pos_embed"].shape[1]
@@ -124,15 +168,23 @@ def _with_positions(
             if grid is not None:
                 fields["no_embed_class"] = no_embed_class
                 fields["image_size"] = image_size if image_size is not None else grid[0] * patch_size
-                return _check_sizes(ViTConfig(**fields), state, name)
+                return _config(fields, state, name)
     except CheckpointError:
         raise
-    except ValueError as error:  # a setting the file or the caller gave is not a valid ViTConfig
+    except ValueError as error:  # an image size the caller gave is not a valid one
         raise CheckpointError(f"{name} has an invalid config: {error}") from None
     raise CheckpointError(
         f"cannot tell the image size of {name} from its {num_positions} position embeddings; "
         "pass image_size=(height, width) to load_model"
     )
+
+
+def _config(fields: dict, state: dict[str, torch.Tensor], name: str) -> ViTConfig:
+    try:
+        config = ViTConfig(**fields)
+    except (ValueError, TypeError) as error:  # a setting the file or the caller gave is not valid
+        raise CheckpointError(f"{name} has an invalid config: {error}") from None
+    return _check_sizes(config, state, name)
 
 
 def _grid_for(num_positions: int, image_size, patch_size: int) -> tuple[int, int] | None:
@@ -163,7 +215,7 @@ def _check_sizes(config: ViTConfig, state: dict[str, torch.Tensor], name: str) -
     """The sizes a file's metadata (or the caller) may claim must be those of its tensors: a
     model of a claimed depth or width is never built, not even on "meta"."""
     kernel = state["patch_embed.proj.weight"]  # (D, C, p, p)
-    hidden = state["blocks.0.mlp.fc1.weight"].shape[0]
+    hidden = state["blocks.0.mlp.fc2.weight"].shape[1]  # the MLP's width, plain or gated
     from_tensors = {
         "depth": _block_count(state, name),
         "embed_dim": kernel.shape[0],
@@ -173,7 +225,7 @@ def _check_sizes(config: ViTConfig, state: dict[str, torch.Tensor], name: str) -
         "mlp_ratio": hidden / kernel.shape[0],
     }
     claimed = {field: getattr(config, field) for field in from_tensors}
-    if int(config.embed_dim * config.mlp_ratio) == hidden:  # Mlp's own rounding of the ratio
+    if config.mlp_hidden == hidden:  # Mlp's own rounding of the ratio (and SwiGLU's alignment)
         claimed["mlp_ratio"] = from_tensors["mlp_ratio"]
     for field, value in from_tensors.items():
         if claimed[field] != value:

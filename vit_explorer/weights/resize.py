@@ -1,5 +1,6 @@
 """Resizing a model to another patch size (FlexiViT's PI-resize of the patch kernel) and/or image
-size (position embeddings resampled); the numerics live in vit_explorer.model, which the
+size (position embeddings resampled; rotary positions need nothing: their angles follow the
+grid of each pass); the numerics live in vit_explorer.model, which the
 forward at ``patch_size=`` shares."""
 
 from __future__ import annotations
@@ -40,10 +41,9 @@ def resize_model(model: ViT, patch_size: int | None = None, image_size=None, *, 
         # In float64 (then back), the most exact copy; a forward at patch_size= uses the kernel's dtype.
         weight = state["patch_embed.proj.weight"]
         state["patch_embed.proj.weight"] = resample_patch_embed(weight.double(), new.patch_size).to(weight.dtype)
-    prefix = 0 if old.no_embed_class else old.num_prefix_tokens
-    state["pos_embed"] = resample_pos_embed(
-        state["pos_embed"], old.grid_size, new.grid_size, prefix
-    )
+    if "pos_embed" in state:  # a model with rotary positions only (DINOv3) has none
+        prefix = 0 if old.no_embed_class else old.num_prefix_tokens
+        state["pos_embed"] = resample_pos_embed(state["pos_embed"], old.grid_size, new.grid_size, prefix)
 
     resized, result = adopt(new, state)  # the cloned tensors keep the model's device and dtype
     assert not result.missing_keys and not result.unexpected_keys, result

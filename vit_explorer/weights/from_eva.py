@@ -1,0 +1,133 @@
+"""timm's Eva family (DINOv3, EVA-02, EVA-01) and Meta's original DINOv3 files.
+
+No checkpoint says which rotary positions its model uses, so the family is told from the keys
+(and the file's name where the keys cannot), with timm's own model definitions (``eva.py``):
+
+- DINOv3 (``vit_*_patch16_dinov3[_qkvb]``): no learned position embedding, 4 registers, LayerScale.
+  Rotary "dinov3", LayerNorm eps 1e-5, ImageNet mean/std. Pooled on the class token, as upstream
+  does (timm defaults to the patch tokens' mean: ``global_pool="mean", fc_norm=False`` gives
+  timm's). The rotary periods rounded to bfloat16, as the original checkpoints keep them and as
+  timm's model card rounds them to match (``rope_periods_dtype="float32"`` gives timm's own).
+- EVA-02 (``eva02_*``): learned positions and rotary "cat" (ref_feat_shape 16 x 16 for every size,
+  the CLIP B/16 included), a SwiGLU MLP. LayerNorm eps 1e-6, OpenAI CLIP mean/std.
+- EVA-01 and other Eva models without rotary positions: a ViT with q and v biases.
+
+timm's names are ours once model.from_timm_eva has renamed LayerScale and the q/v biases. Meta's
+original DINOv3 files (``storage_tokens``, ``rope_embed.periods``) are renamed as timm's
+checkpoint_filter_fn does; their stored periods give the heads and the temperature.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import torch
+
+from ..config import IMAGENET_MEAN, IMAGENET_STD, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
+from ..model import from_timm_eva
+from ..rope import RopeSpec, _frequencies
+from .checks import CheckpointError
+
+# Keys only an Eva (timm) or Meta's DINOv3 has: LayerScale's gamma_1, q/v biases, EVA-02's
+# separate projections and split SwiGLU; Meta's registers, rotary periods, masked k bias and SwiGLU.
+_EVA_KEYS = re.compile(
+    r"^(blocks\.\d+\.(gamma_1|attn\.q_bias|attn\.q_proj\.weight|mlp\.fc1_g\.weight|attn\.qkv\.bias_mask|mlp\.w1\.weight)"
+    r"|storage_tokens|rope_embed\.periods)$"
+)
+# Meta's DINOv3 training leftovers that never reach the tokens.
+_META_UNUSED = re.compile(r"^(mask_token|local_cls_norm\..*|projectors\..*|rope_embed\.periods|.*\.bias_mask)$")
+_META_RENAMES = [
+    (r"^storage_tokens$", "reg_token"),
+    (r"\.mlp\.w1\.", ".mlp.fc1_g."),  # SwiGLUFFN: w1 the gate, w2 the value, w3 the output
+    (r"\.mlp\.w2\.", ".mlp.fc1_x."),
+    (r"\.mlp\.w3\.", ".mlp.fc2."),
+]
+DINOV3 = dict(
+    rope_type="dinov3", abs_pos_embed=False, layer_norm_eps=1e-5, rope_periods_dtype="bfloat16",
+    image_size=224, mean=IMAGENET_MEAN, std=IMAGENET_STD,
+)
+EVA02 = dict(rope_type="cat", ref_feat_shape=(16, 16), layer_norm_eps=1e-6, mean=OPENAI_CLIP_MEAN, std=OPENAI_CLIP_STD)
+EVA = dict(layer_norm_eps=1e-6, mean=OPENAI_CLIP_MEAN, std=OPENAI_CLIP_STD)
+
+
+def recognises(state: dict[str, torch.Tensor]) -> bool:
+    return any(_EVA_KEYS.match(key) for key in state)
+
+
+def convert(state: dict[str, torch.Tensor], name: str) -> tuple[dict[str, torch.Tensor], dict]:
+    """(our state dict, config fields the shapes cannot tell) of an Eva-family file."""
+    known: dict = {}
+    if "storage_tokens" in state or "rope_embed.periods" in state:
+        state, known = _from_meta_dinov3(state, name)
+    else:
+        try:
+            state = from_timm_eva(state)
+        except KeyError:  # a q_bias without its v_bias
+            raise CheckpointError(f"{name} has q biases without their v biases, as no Eva has") from None
+        except RuntimeError:  # biases that do not fit together
+            raise CheckpointError(f"{name}'s q and v biases do not fit together as an Eva's") from None
+    return state, {**_family(state, name), **known}
+
+
+def _family(state: dict[str, torch.Tensor], name: str) -> dict:
+    """The facts of the file's family (module docstring) that its tensors do not hold."""
+    lowered = name.lower()
+    if "pos_embed" not in state:
+        if "reg_token" in state or "dinov3" in lowered:
+            return dict(DINOV3)
+        raise CheckpointError(
+            f"{name} has neither learned position embeddings nor a DINOv3's registers, so its rotary"
+            " positions cannot be told; only DINOv3's and EVA-02's are supported"
+        )
+    fc1 = state.get("blocks.0.mlp.fc1.weight")
+    swiglu = "blocks.0.mlp.fc1_g.weight" in state or (
+        fc1 is not None and "blocks.0.mlp.fc2.weight" in state and fc1.shape[0] == 2 * state["blocks.0.mlp.fc2.weight"].shape[-1]
+    )
+    if swiglu or "eva02" in lowered:
+        return dict(EVA02)
+    if "rope" in lowered:  # timm's RoPE-ViT (rope_type "axial" or "mixed")
+        raise CheckpointError(f"{name} looks like a RoPE-ViT, whose rotary positions are not supported")
+    return dict(EVA)
+
+
+def _from_meta_dinov3(state: dict[str, torch.Tensor], name: str) -> tuple[dict[str, torch.Tensor], dict]:
+    """Meta's names renamed to ours; the stored periods give the heads and the temperature."""
+    known = _from_periods(state.get("rope_embed.periods"), state, name)
+    converted = {}
+    for key, value in state.items():
+        if _META_UNUSED.match(key):
+            continue
+        for pattern, replacement in _META_RENAMES:
+            key = re.sub(pattern, replacement, key)
+        if key.endswith(".attn.qkv.bias"):
+            # The keys' third is masked to zero (bias_mask): whatever the file holds there is unused.
+            value = value.clone()
+            value[value.shape[0] // 3 : 2 * value.shape[0] // 3] = 0
+        converted[key] = value
+    return converted, known
+
+
+def _from_periods(periods: torch.Tensor | None, state: dict[str, torch.Tensor], name: str) -> dict:
+    """num_heads, rope_temperature and rope_periods_dtype from DINOv3's stored rotary periods,
+    temperature ** (4 i / hd) for i < hd / 4, checked to be exactly those of a whole temperature."""
+    if periods is None:
+        return {}
+    kernel = state.get("patch_embed.proj.weight")
+    invalid = CheckpointError(f"{name}'s rotary periods are not those of a DINOv3 (temperature ** (4 i / head_dim))")
+    if kernel is None or kernel.dim() != 4 or periods.dim() != 1 or not periods.is_floating_point():
+        raise invalid
+    bands, embed_dim = periods.shape[0], kernel.shape[0]
+    if bands < 2 or embed_dim % (4 * bands):
+        raise invalid
+    stored = periods.float()
+    # The last period is temperature ** ((n - 1) / n): the stored dtype's rounding barely moves it.
+    estimate = float(stored[-1]) ** (bands / (bands - 1))
+    if not math.isfinite(estimate) or not 1 < estimate < 1e9:
+        raise invalid
+    dtype = "bfloat16" if periods.dtype == torch.bfloat16 else "float32"
+    temperature = float(round(estimate))
+    spec = RopeSpec("dinov3", 4 * bands, temperature, "ij", None, dtype)
+    if not torch.allclose(_frequencies(spec), stored, rtol=2**-8, atol=0):  # a bfloat16 step
+        raise invalid
+    return {"num_heads": embed_dim // (4 * bands), "rope_temperature": temperature, "rope_periods_dtype": dtype}
