@@ -9,7 +9,7 @@ import torch
 
 import vit_explorer as vx
 from vit_explorer import figures
-from vit_explorer.rope import RopeSpec, angle_pairs, angles, offset_scores
+from vit_explorer.rope import RopeSpec, angle_pairs, angles, farthest_corner, offset_scores
 
 SMALL = dict(embed_dim=64, depth=2, num_heads=2, num_classes=0)
 DINOV3 = dict(patch_size=16, init_values=1e-5, rope_type="dinov3", abs_pos_embed=False, reg_tokens=4)
@@ -91,8 +91,17 @@ def test_the_figures_draw_every_pair_and_both_query_positions():
 
     q, k = torch.randn(config.head_dim), torch.randn(config.head_dim)
     maps = torch.stack([offset_scores(spec, q, k, grid, position) for position in (5, 0)])
-    offset_figure = figures.offset_scores_figure(maps, [5, 0], grid, ["centre", "corner"], "Offsets")
+    offset_figure = figures.offset_scores_figure(maps, [5, 0], grid, "Offsets", own_position=5)
     assert [trace.z.shape for trace in offset_figure.data] == [grid, grid]
+    assert [annotation.text for annotation in offset_figure.layout.annotations] == [
+        "query at row 0, col 5 (its own patch)", "query at row 0, col 0"]
     assert len(offset_figure.layout.shapes) == 4  # each query outlined (black edge, cyan line)
     with pytest.raises(ValueError):
-        figures.offset_scores_figure(maps, [5], grid, ["centre"], "Offsets")
+        figures.offset_scores_figure(maps, [5], grid, "Offsets")
+
+
+@pytest.mark.parametrize("grid, position, corner", [
+    ((4, 6), 0, 23), ((4, 6), 23, 0), ((4, 6), 2, 23), ((4, 6), 3, 18), ((5, 5), 12, 0), ((1, 1), 0, 0),
+])
+def test_a_query_moves_to_the_corner_farthest_from_it(grid, position, corner):
+    assert farthest_corner(position, grid) == corner

@@ -177,6 +177,14 @@ def angle_pairs(spec: RopeSpec, grid_size: tuple[int, int], count: int = 4) -> l
     return sorted(pairs, key=lambda pair: (pair.axis != "row", -pair.period))
 
 
+def farthest_corner(position: int, grid_size: tuple[int, int]) -> int:
+    """The corner patch (row-major index) farthest from patch ``position``: where a query moves to
+    show that the scores move with it."""
+    grid_h, grid_w = grid_size
+    row, col = divmod(position, grid_w)
+    return (0 if 2 * row >= grid_h - 1 else grid_h - 1) * grid_w + (0 if 2 * col >= grid_w - 1 else grid_w - 1)
+
+
 def offset_scores(
     spec: RopeSpec, q_content: torch.Tensor, k_content: torch.Tensor, grid_size: tuple[int, int],
     query_position: int, scale: float | None = None,

@@ -73,16 +73,22 @@ def rotation_angles_figure(angles, grid_size: tuple[int, int], pairs: Sequence, 
 
 
 def offset_scores_figure(
-    maps, query_positions: Sequence[int], grid_size: tuple[int, int], titles: Sequence[str], title: str,
+    maps, query_positions: Sequence[int], grid_size: tuple[int, int], title: str, own_position: int | None = None,
 ) -> go.Figure:
     """One query's scores against the same key content at every patch (``maps``: (panels, gh * gw),
-    vit_explorer.rope.offset_scores), the query at ``query_positions`` (outlined), side by side on
-    one colour scale centred on 0; hovering a patch gives its offset from the query."""
+    vit_explorer.rope.offset_scores), the query at ``query_positions`` (outlined; ``own_position``
+    is named the query's own patch), side by side on one colour scale centred on 0; hovering a
+    patch gives its offset from the query."""
     maps = _float_array(maps)
     grid_h, grid_w = grid_size
-    if maps.ndim != 2 or maps.shape != (len(query_positions), grid_h * grid_w) or len(titles) != len(maps):
-        raise ValueError(f"maps {maps.shape} must be one (gh * gw,) map per query position and title")
-    layout, cells = _subplots(1, len(maps), titles=list(titles), horizontal_spacing=0.08)
+    if maps.ndim != 2 or maps.shape != (len(query_positions), grid_h * grid_w):
+        raise ValueError(f"maps {maps.shape} must be one (gh * gw,) map per query position")
+    titles = [
+        f"query at row {position // grid_w}, col {position % grid_w}"
+        + (" (its own patch)" if position == own_position else "")
+        for position in query_positions
+    ]
+    layout, cells = _subplots(1, len(maps), titles=titles, horizontal_spacing=0.08)
     rows, cols = np.indices((grid_h, grid_w))
     traces, shapes = [], []
     for panel, (values, position) in enumerate(zip(maps, query_positions), start=1):
