@@ -103,8 +103,8 @@ with st.expander(f"2. Head {head}'s query, keys and values", expanded=True):
     )
     if rotary:
         st.latex(
-            r"\tilde q = R_{p}\,q,\qquad \tilde k_j = R_{p_j}\,k_j,\qquad"
-            r"R_p = \text{each pair of numbers turned by its angle } \theta_i(p)"
+            r"\tilde q = R_{p}\,q,\qquad \tilde k_j = R_{p_j}\,k_j,\qquad "
+            r"R_p: \text{each pair of numbers turned by its angle } \theta_i(p)"
         )
         st.write(
             f"This model's positions enter here. Each patch's q and k are cut into {head_dim // 2} pairs of"

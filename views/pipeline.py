@@ -162,10 +162,7 @@ if rotary:
         + (f", rescaled to the {config.ref_feat_shape[0]}x{config.ref_feat_shape[1]} grid it was trained on."
            if config.ref_feat_shape else ".")
     )
-    st.code(
-        f"q, k of the {patches} patches: ({config.num_heads}, {patches}, {head_dim}) each -> rotated by their"
-        f" ({patches}, {head_dim // 2}) angles, the same in every layer and head"
-    )
+    st.code(f"each layer: q, k ({config.num_heads}, {tokens}, {head_dim}) -> patches' rotated by ({patches}, {head_dim // 2}) angles")
     st.plotly_chart(selection.memo("rotation angles", compute=lambda: figures.rotation_angles_figure(
         rope.angles(selection.model.rope_spec, result.grid_size), result.grid_size,
         rope.angle_pairs(selection.model.rope_spec, result.grid_size),
