@@ -20,6 +20,7 @@ measured in the same run, then whether the goals are met:
 
     python -m bench.app_latency            # ViT-B/16 at 224, 3 rounds on the CPU, then on CUDA if present
     python -m bench.app_latency --small    # a ViT-S/16-sized model, for a quick look
+    python -m bench.app_latency --dinov3   # a DINOv3-shaped ViT-B/16: rotary positions, 4 registers
     python -m bench.app_latency --device cuda
     python -m bench.app_latency --pages knockout compare   # only those pages' steps (after loading)
 
@@ -57,6 +58,9 @@ GOALS = {
     "compare first view": 2.0,  # in one model's first views, not in forward passes
     "knock-out view": 1.5, "head sweep": 150.0,
 }
+# --dinov3: what a DINOv3 ViT-B/16 changes (timm's vit_base_patch16_dinov3): no position embedding,
+# rotary positions on the patch tokens' queries and keys, 4 registers, LayerScale.
+DINOV3 = dict(reg_tokens=4, abs_pos_embed=False, rope_type="dinov3", init_values=1e-5, qkv_bias=False)
 COMPARE = "views/compare.py"
 INSIDE = "views/inside.py"
 IMAGES = "views/images.py"
@@ -125,12 +129,15 @@ class Steps:
 PAGES = ("core", "images", "knockout", "compare")  # --pages: core is Pipeline, Patches, Attention, Inside
 
 
-def run(small: bool, device: torch.device, pages: Sequence[str] = PAGES) -> list[tuple[str, str, float, float]]:
+def run(
+    small: bool, device: torch.device, pages: Sequence[str] = PAGES, dinov3: bool = False,
+) -> list[tuple[str, str, float, float]]:
     """One round on ``device``: (step, kind, seconds, seconds of one plain forward pass just
     before) per step, for the steps of ``pages`` (the first two Pipeline steps always: they load
-    the model and an image)."""
+    the model and an image). ``dinov3``: the model is DINOv3-shaped (DINOV3)."""
     models.DEVICE = device  # this process is the bench's own: the app reads its device from here
     size = dict(embed_dim=384, depth=12, num_heads=6) if small else dict(embed_dim=768, depth=12, num_heads=12)
+    size.update(DINOV3 if dinov3 else {})
     torch.manual_seed(0)
     model = vx.ViT(vx.ViTConfig(image_size=224, patch_size=16, num_classes=1000, **size))
     # Removed after the round: two ViT-B/16 checkpoints are 700 MB a round, which piled up in /tmp.
@@ -304,6 +311,10 @@ def report(name: str, device: torch.device, rounds: list[list[tuple[str, str, fl
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true", help="a ViT-S/16-sized model instead of ViT-B/16")
+    parser.add_argument(
+        "--dinov3", action="store_true",
+        help="DINOv3-shaped: rotary positions and no position embedding, 4 registers, LayerScale",
+    )
     parser.add_argument("--rounds", type=int, default=3, help="fresh runs of every step (default 3)")
     parser.add_argument(
         "--pages", nargs="+", choices=PAGES, default=PAGES,
@@ -318,12 +329,12 @@ def main() -> None:
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: this machine has no CUDA GPU")
     devices = ["cpu", "cuda"] if args.device == "all" else [args.device]
-    name = "ViT-S/16" if args.small else "ViT-B/16"
+    name = ("DINOv3-shaped " if args.dinov3 else "") + ("ViT-S/16" if args.small else "ViT-B/16")
     for device in map(torch.device, devices):
         if device.type == "cuda" and not torch.cuda.is_available():
             print("No CUDA GPU here: the GPU figures need a machine with one.")
             continue
-        report(name, device, [run(args.small, device, args.pages) for _ in range(max(args.rounds, 1))])
+        report(name, device, [run(args.small, device, args.pages, args.dinov3) for _ in range(max(args.rounds, 1))])
 
 
 if __name__ == "__main__":

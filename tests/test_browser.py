@@ -165,3 +165,52 @@ def test_moving_between_pages_keeps_the_control_of_a_run(server, shots):
         expect(stop).to_have_count(0)
         expect(page.get_by_text(re.compile(r"run 1 stopped"))).to_be_visible(timeout=240_000)
         browser.close()
+
+
+@pytest.fixture
+def rope_server(tmp_path):
+    """The app with a DINOv3-shaped random default model: no position embedding, 4 registers,
+    rotary positions, LayerScale, a 14 x 14 grid (small width and depth, so that it is quick)."""
+    torch.manual_seed(0)
+    weights = tmp_path / "dinov3_shaped.safetensors"
+    vx.save_model(vx.ViT(vx.ViTConfig(
+        image_size=224, patch_size=16, embed_dim=192, depth=2, num_heads=3, reg_tokens=4, abs_pos_embed=False,
+        rope_type="dinov3", init_values=1e-5, num_classes=0, mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225),
+    )), weights)
+    env = {
+        "VIT_EXPLORER_DEFAULT_MODEL": str(weights), "VIT_EXPLORER_RUNS_DIR": str(tmp_path / "runs"),
+        "VIT_EXPLORER_UPLOADS_DIR": str(tmp_path / "uploads"),
+    }
+    with serve_app(env, log=tmp_path / "streamlit.log") as url:
+        yield url
+
+
+def test_the_pages_that_teach_rotary_positions_in_chromium(rope_server, shots):
+    expect = sync_api.expect
+    expect.set_options(timeout=60_000)
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(**CHROMIUM_LAUNCH)
+        page = browser.new_page(viewport={"width": 1400, "height": 2600})
+        page.set_default_timeout(60_000)
+        page.goto(rope_server)
+        page.get_by_role("heading", name="Pipeline", level=1).wait_for()
+        settle(page)
+        expect(page.get_by_text("6. Positions: nothing is added")).to_be_visible()
+        expect(page.get_by_text(re.compile(r"^Each patch's rotation angle, for 8 of its 32 pairs"))).to_be_visible()
+        page.get_by_text("Where positions enter").evaluate("element => element.scrollIntoView()")
+        page.screenshot(path=shots / "rope_1_pipeline.png", full_page=True)
+
+        go_to(page, "Inside a layer")
+        picker = page.locator(".st-key-inside_patch_click .nsewdrag").first
+        box = picker.bounding_box()
+        page.mouse.click(box["x"] + box["width"] * 0.75, box["y"] + box["height"] * 0.25)  # a patch up and right
+        expect(page.get_by_text(re.compile(r"^Query q and key k of patch \d+, layer 1, head 0, before and after"))).to_be_visible()
+        expect(page.get_by_text(re.compile(r"^The same q and k of patch \d+ \(layer 1, head 0\)"))).to_be_visible()
+        settle(page)
+        page.get_by_text("This model's positions enter here").evaluate("element => element.scrollIntoView()")
+        page.screenshot(path=shots / "rope_2_inside_q_k.png", full_page=True)
+        page.get_by_text("Why rotate: the score sees only the offset").evaluate("element => element.scrollIntoView()")
+        page.screenshot(path=shots / "rope_3_inside_offsets.png", full_page=True)
+        expect(page.locator('[data-testid="stException"]')).to_have_count(0)
+        expect(page.locator('[data-testid="stAlertContentError"]')).to_have_count(0)
+        browser.close()

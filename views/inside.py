@@ -3,8 +3,9 @@ step by step, with this model's own numbers on this image."""
 import math
 
 import streamlit as st
+import torch
 
-from vit_explorer import figures
+from vit_explorer import figures, rope
 from vit_explorer import internals as inside
 from vit_explorer.app import session
 
@@ -20,6 +21,7 @@ labels = figures.token_labels(result.num_tokens, prefix, config.class_token, con
 CLASS_QUERY = -1  # the class token, as on the Attention page (which shares layer, head and query)
 queries = ([CLASS_QUERY] if config.class_token else []) + list(range(num_patches))
 centre = (grid_h // 2) * grid_w + grid_w // 2
+rotary, gated = config.rope_type is not None, config.swiglu_mlp
 
 
 def query_label(query: int) -> str:
@@ -64,7 +66,7 @@ row = steps.row(token)
 name = labels[token]
 dim, head_dim, hidden = config.embed_dim, steps.head_dim, steps.mlp_hidden.shape[-1]
 query_patch = None if query == CLASS_QUERY else query
-activation = inside.ACTIVATION_NAMES[config.act_layer]
+activation = inside.activation_name(config)
 figs = selection.memo("inside figures", layer, head, query, compute=lambda: figures.inside_layer_figures(
     image, steps, result.grid_size, labels, head, token, query_patch, activation
 ))
@@ -73,7 +75,8 @@ with st.expander(f"1. {name} enters layer {layer}, and LayerNorm", expanded=True
     st.latex(r"\mathrm{LN}(x) = \gamma \odot \frac{x - \mu}{\sqrt{\sigma^2 + \epsilon}} + \beta")
     st.write(
         f"x is the token's vector of {dim} numbers as it leaves "
-        + (f"layer {layer - 1}" if layer else "the embedding (patch projection plus position)")
+        + (f"layer {layer - 1}" if layer else "the embedding (patch projection plus position)" if config.abs_pos_embed
+           else "the embedding (the patch projection: this model adds no position to it)")
         + ". LayerNorm subtracts its mean μ and divides by its standard deviation σ, so that every"
         " token reaches attention on the same scale whatever its size; the learned γ and β then"
         " stretch and shift each of the numbers. Hover over the strips for every number."
@@ -98,6 +101,18 @@ with st.expander(f"2. Head {head}'s query, keys and values", expanded=True):
         f" what it hands over when found. With {heads} heads of {head_dim} numbers, q, k and v together"
         f" take the {dim} numbers of LN(x) to {3 * dim}."
     )
+    if rotary:
+        st.latex(
+            r"\tilde q = R_{p}\,q,\qquad \tilde k_j = R_{p_j}\,k_j,\qquad "
+            r"R_p: \text{each pair of numbers turned by its angle } \theta_i(p)"
+        )
+        st.write(
+            f"This model's positions enter here. Each patch's q and k are cut into {head_dim // 2} pairs of"
+            " numbers, and each pair is turned by an angle that grows with the patch's row or column (the"
+            " Pipeline page draws the angles); the prefix tokens have no position and are not turned. Below:"
+            f" {name}'s q and k before and after the rotation. The scores in step 3 use the rotated ones,"
+            " and so do the keys shown under it."
+        )
     st.plotly_chart(figs["query"])
     st.plotly_chart(figs["keys_values"])
 
@@ -125,6 +140,30 @@ with st.expander("3. Scores and the softmax", expanded=True):
         " when it is spread evenly over all of them."
     ))
     right.metric("largest weight", f"{largest:.3f}")
+
+    if rotary:
+        placed = centre if query_patch is None else query_patch  # a prefix token's: the centre
+        positions = [placed, rope.farthest_corner(placed, result.grid_size)]
+        st.markdown(
+            "**Why rotate: the score sees only the offset.** Take this token's q and its own k as they were"
+            " before the rotation and keep those numbers fixed; put the query on one patch and a copy of the"
+            " key on every patch in turn, rotate each where it stands and score it, q·k/sqrt(d_head). The"
+            " contents never change, so everything that varies across the map is the positions' part. Move"
+            " the query (right panel) and the whole pattern moves with it: the score depends only on where"
+            " the key is relative to the query, so what a head learns about 'the patch just above me' holds"
+            " anywhere in the image."
+            + (f" ({name} itself is never rotated: its q and k are placed on the grid here only to show"
+               " the rule.)" if query_patch is None else "")
+        )
+        st.plotly_chart(selection.memo("inside rope offsets", layer, head, query, compute=lambda: figures.offset_scores_figure(
+            torch.stack([rope.offset_scores(
+                selection.model.rope_spec, steps.q_unrotated[0, head, row], steps.k_unrotated[0, head, token],
+                result.grid_size, position, steps.scale,
+            ) for position in positions]),
+            positions, result.grid_size,
+            f"The same q and k of {name} (layer {layer}, head {head}), the key at every patch: score by position",
+            own_position=query_patch,
+        )))
 
     st.markdown("**What the scaling does.** Try another scale for this query's softmax: only the two"
                 " charts below change; the model and everybody else's view keep 1/sqrt(d_head).")
@@ -170,16 +209,27 @@ with st.expander("4. The head's output, all heads together, and the residual add
     st.plotly_chart(figs["attention_residual"])
 
 with st.expander(f"5. The MLP, and {name} leaving layer {layer}", expanded=True):
+    hidden_formula = (
+        r"\mathrm{SiLU}\big(W_g\,\mathrm{LN}(x') + b_g\big) \odot \big(W_x\,\mathrm{LN}(x') + b_x\big)" if gated
+        else r"\mathrm{" + activation.split(" ")[0] + r"}\big(W_1\,\mathrm{LN}(x') + b_1\big)"
+    )
+    if config.scale_mlp:
+        hidden_formula = r"\mathrm{LN}_h\Big(" + hidden_formula + r"\Big)"
     st.latex(
-        r"h = \mathrm{" + activation.split(" ")[0] + r"}\big(W_1\,\mathrm{LN}(x') + b_1\big) \in \mathbb{R}^{"
+        r"h = " + hidden_formula + r" \in \mathbb{R}^{"
         + str(hidden) + r"},\qquad y = x' + " + (r"\gamma_2 \odot " if steps.layer_scale2 is not None else "")
         + r"(W_2\,h + b_2)"
     )
     st.write(
         "Attention mixed the tokens; the MLP now works on each token alone. A second LayerNorm,"
-        f" then {hidden} hidden units: each one is a learned pattern, and {activation} lets it through"
-        " when the token matches it and nearly silences it when not. The second layer turns the units"
-        f" that fire back into {dim} numbers, added to the token as before."
+        + (f" then {hidden} hidden units, each a gate times a value (SwiGLU): one learned projection,"
+           " through SiLU, decides how much of another passes, so a unit opens when the token matches its"
+           " gate and stays nearly shut when not."
+           if gated else
+           f" then {hidden} hidden units: each one is a learned pattern, and {activation} lets it through"
+           " when the token matches it and nearly silences it when not.")
+        + (" A LayerNorm over the hidden units then rescales them." if config.scale_mlp else "")
+        + f" The second layer turns the units back into {dim} numbers, added to the token as before."
         + (" LayerScale γ₂ scales them first." if steps.layer_scale2 is not None else "")
     )
     activity = selection.memo(
@@ -189,9 +239,13 @@ with st.expander(f"5. The MLP, and {name} leaving layer {layer}", expanded=True)
     columns = st.columns(3)
     columns[0].metric("hidden units", f"{units}")
     firing, silent = activity["firing"], activity["near zero"]
-    columns[1].metric(f"firing (≥ {inside.NEAR_ZERO:g})", f"{firing} ({firing / units:.0%})")
+    columns[1].metric(f"{'positive' if gated else 'firing'} (≥ {inside.NEAR_ZERO:g})", f"{firing} ({firing / units:.0%})")
     columns[2].metric(f"near zero (|h| < {inside.NEAR_ZERO:g})", f"{silent} ({silent / units:.0%})")
     st.caption(
+        f"The other {units - firing - silent} units are negative: the value a gate lets through can have"
+        " either sign, so an open unit pushes one way or the other"
+        + (", and the LayerNorm over the units centres them on 0." if config.scale_mlp else ".")
+        if gated else
         f"The other {units - firing - silent} units are below zero: {activation} does not cut negative inputs"
         " to exactly 0 but lets a little through (at most about -0.17), so they pull back slightly."
     )

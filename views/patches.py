@@ -9,13 +9,23 @@ from vit_explorer.app.memo import memo
 
 base = session.selection().base_model.config
 options = models.patch_size_options(base)
+rotary, added = base.rope_type is not None, base.abs_pos_embed
+# How this model's positions follow another grid, and what remembers the grid layout.
+resized_positions = " and ".join(
+    (["the position embeddings interpolated"] if added else [])
+    + (["the rotary coordinates simply follow the new grid" + ("" if added else " (no position embedding to resample)")]
+       if rotary else [])
+) or "it has no positions to adapt"
+remembered = " and ".join(
+    (["the position embeddings"] if added else []) + (["the rotations of queries and keys in attention"] if rotary else [])
+)
 
 st.title("Patches")
 st.write(
     "A ViT never sees pixels one by one: it sees patches. The patch size sets how many tokens the"
     " transformer handles (and attention costs grow with their square) and how fine the details"
     " it can tell apart are. The same weights can run at another patch size: the patch"
-    " embedding is resampled (FlexiViT's PI-resize) and the position embeddings interpolated."
+    f" embedding is resampled (FlexiViT's PI-resize) and {resized_positions}."
 )
 st.select_slider(
     "Patch size", options=options, format_func=lambda patch: f"{patch} px",
@@ -86,7 +96,7 @@ if rows is not None:
 st.subheader("The patch sequence")
 st.write(
     "The transformer reads the patches in this order, row by row. Each becomes one token; the grid"
-    " layout is only remembered through the position embeddings."
+    + (f" layout is only remembered through {remembered}." if remembered else " layout is forgotten: this model has no positions.")
 )
 st.plotly_chart(selection.memo("patch sequence", compute=lambda: figures.patch_sequence(
     analysis.denormalize(result.patches[0], config)
@@ -186,16 +196,30 @@ if read is not None:
 
 left, right = st.columns(2)
 with left:
-    st.subheader("Position embeddings")
-    st.write(
-        "Tile (row, col) shows how similar that patch's position embedding is to every other"
-        " patch's. Trained models learn the grid on their own: nearby patches, and patches in"
-        " the same row or column, get similar embeddings."
-    )
-    st.plotly_chart(memo(
-        (selection.model_key, selection.patch_size, "position similarity"),
-        lambda: figures.position_similarity_grid(analysis.position_embedding_similarity(selection.model)),
-    ))
+    st.subheader("Position embeddings" if added else "Positions")
+    if added:
+        st.write(
+            "Tile (row, col) shows how similar that patch's position embedding is to every other"
+            " patch's. Trained models learn the grid on their own: nearby patches, and patches in"
+            " the same row or column, get similar embeddings."
+            + (" This model rotates its queries and keys by position as well (the Pipeline page draws their angles, step 6)."
+               if rotary else "")
+        )
+        st.plotly_chart(memo(
+            (selection.model_key, selection.patch_size, "position similarity"),
+            lambda: figures.position_similarity_grid(analysis.position_embedding_similarity(selection.model)),
+        ))
+    elif rotary:
+        st.write(
+            "This model learned no position embeddings: nothing is added to the tokens. Its positions"
+            " are rotations: in every attention layer each patch's query and key are turned by angles"
+            " computed from the patch's row and column, so a score sees where two patches are relative"
+            " to each other. Nothing is learned and nothing is resampled: at any patch size the angles"
+            f" are simply those of the new grid ({grid_h} x {grid_w} here)."
+        )
+        st.page_link("views/pipeline.py", label="The rotation angles, drawn: Pipeline, step 6", icon=":material/route:")
+    else:
+        st.write("This model has no position information at all: it sees the patches as a bag, in no order.")
 with right:
     st.subheader("Patch embedding filters")
     st.write(

@@ -1,9 +1,10 @@
 """Pipeline: the chosen image through the whole ViT, one step at a time, with the tensor shapes."""
 import streamlit as st
 
-from vit_explorer import analysis, figures
+from vit_explorer import analysis, figures, rope
 from vit_explorer.app import models, session
 from vit_explorer.app.selection import prediction_caveats
+from vit_explorer.internals import activation_name
 
 selection = session.selection()
 config = selection.config
@@ -18,6 +19,9 @@ patches, tokens = grid_h * grid_w, result.num_tokens
 prefix = config.num_prefix_tokens
 given_width, given_height = selection.image.size
 headless = config.num_classes == 0
+rotary = config.rope_type is not None
+added = config.abs_pos_embed
+head_dim, gated = config.head_dim, config.swiglu_mlp
 
 st.title("Pipeline")
 st.write(
@@ -38,7 +42,8 @@ steps = [
     ("Flatten each patch", f"({patches}, {channels * patch * patch})"),
     ("Linear projection", f"({patches}, {dim})"),
     ("Prepend " + (" and ".join(prefix_names) or "nothing (no class token)"), f"({tokens}, {dim})"),
-    ("Add position embeddings", f"({tokens}, {dim})"),
+    ("Add position embeddings" if added else "Positions: nothing added (rotations in attention)"
+     if rotary else "Positions: none", f"({tokens}, {dim})"),
     (f"{config.depth} encoder layers", f"({tokens}, {dim}); attention ({config.num_heads}, {tokens}, {tokens}) each"),
     ("Pool and norm: the image's feature vector", f"({dim},)")
     if headless else ("Pool, norm and classification head", f"({dim},) -> ({config.num_classes},)"),
@@ -110,30 +115,74 @@ else:
     )
 st.code(f"({patches}, {dim}) -> ({tokens}, {dim})")
 
-st.subheader("6. Add position embeddings")
-st.write(
-    "Attention itself ignores order, so a learned vector per position is added to each token;"
-    " without it the model would see a bag of patches. The Patches page shows what these"
-    " vectors learned."
-)
-positions = patches if config.no_embed_class else tokens
-st.code(f"({tokens}, {dim}) + ({positions}, {dim}) position embeddings -> ({tokens}, {dim})")
+layer_0 = "Tokens entering layer 0"
+if added:
+    st.subheader("6. Add position embeddings")
+    st.write(
+        "Attention itself ignores order, so a learned vector per position is added to each token;"
+        " without it the model would see a bag of patches. The Patches page shows what these"
+        " vectors learned."
+        + (" This model also rotates its queries and keys by their positions in every layer (below)." if rotary else "")
+    )
+    positions = patches if config.no_embed_class else tokens
+    st.code(f"({tokens}, {dim}) + ({positions}, {dim}) position embeddings -> ({tokens}, {dim})")
+else:
+    st.subheader("6. Positions: nothing is added" if rotary else "6. Positions: none")
+    st.write(
+        "Attention itself ignores order, but this model adds nothing to the tokens here: the tokens"
+        " entering layer 0 are the patch embeddings"
+        + (" and the prefix tokens, " if prefix else ", ")
+        + "as they are."
+        + (" Its positions enter inside every layer instead (below)." if rotary
+           else " It has no position information at all: it sees a bag of patches.")
+    )
+    st.code(f"({tokens}, {dim}) -> ({tokens}, {dim}): nothing added")
+    layer_0 += ": patch embeddings" + (" and prefix tokens" if prefix else "") + ", no positions added"
 st.plotly_chart(selection.memo("layer 0 tokens", compute=lambda: figures.token_matrix(
-    result.tokens[0, 0], prefix, "Tokens entering layer 0", class_token=config.class_token,
-    dist_token=config.dist_token,
+    result.tokens[0, 0], prefix, layer_0, class_token=config.class_token, dist_token=config.dist_token,
 )))
+if rotary:
+    st.markdown("**Where positions enter: rotations of the queries and keys (RoPE)**")
+    st.write(
+        f"In every attention layer, just before the scores are computed, each head cuts the {head_dim}"
+        f" numbers of a patch's query and of its key into {head_dim // 2} pairs and turns each pair, like"
+        " the hand of a clock, by an angle that grows with the patch's position: half of the pairs turn"
+        " as you go down the image, the other half as you go across, each at its own speed. Two rotated"
+        " vectors' dot product depends only on the difference of their angles, so the score of two"
+        " patches sees where one is relative to the other, not where they are in the image (Inside a"
+        " layer shows it with this model's numbers). The prefix tokens have no position: they are not"
+        " rotated. Nothing here is learned: the angles come from the grid alone, so they follow any"
+        " image size or patch size."
+    )
+    st.write(
+        "DINOv3 measures each patch's position from the image centre, scaled to run from -1 to 1"
+        " whatever the grid, so a pair makes the same number of turns across the image at any resolution."
+        if config.rope_type == "dinov3" else
+        "EVA-02 counts patches from the top-left corner (0, 1, 2, ...)"
+        + (f", rescaled to the {config.ref_feat_shape[0]}x{config.ref_feat_shape[1]} grid it was trained on."
+           if config.ref_feat_shape else ".")
+    )
+    st.code(f"each layer: q, k ({config.num_heads}, {tokens}, {head_dim}) -> patches' rotated by ({patches}, {head_dim // 2}) angles")
+    st.plotly_chart(selection.memo("rotation angles", compute=lambda: figures.rotation_angles_figure(
+        rope.angles(selection.model.rope_spec, result.grid_size), result.grid_size,
+        rope.angle_pairs(selection.model.rope_spec, result.grid_size),
+        f"Each patch's rotation angle, for 8 of its {head_dim // 2} pairs: slowest to fastest, down and across",
+    )))
 
 st.subheader(f"7. {config.depth} encoder layers")
 st.write(
     f"Each layer lets every token look at every other one with {config.num_heads} attention heads"
-    " (LayerNorm, attention, residual add), then transforms each token on its own with an MLP"
-    " (LayerNorm, MLP, residual add). The shape never changes. Reading the prediction out after"
+    " (LayerNorm, attention" + (" with rotated queries and keys" if rotary else "") + ", residual add),"
+    " then transforms each token on its own with an MLP"
+    + (" whose hidden units are gated (SwiGLU: one projection, through SiLU, multiplies another)" if gated else "")
+    + " (LayerNorm, MLP, residual add). The shape never changes. Reading the prediction out after"
     " every layer (the logit lens) shows when the answer forms; the Attention page shows where each"
     " head looks."
 )
 st.code(
     f"{config.depth} x [ ({tokens}, {dim}) -> attention ({config.num_heads}, {tokens}, {tokens})"
-    f" -> MLP {dim}->{int(dim * config.mlp_ratio)}->{dim} ] -> ({tokens}, {dim})"
+    f" -> {activation_name(config)} MLP {dim}->{f'2x{config.mlp_hidden}' if gated else config.mlp_hidden}->{dim} ]"
+    f" -> ({tokens}, {dim})"
 )
 st.page_link(
     "views/inside.py", icon=":material/calculate:",

@@ -138,3 +138,67 @@ def apply_rope(
     prefix, patches = x[:, :, :num_prefix_tokens], x[:, :, num_prefix_tokens:]
     turned = patches * cos + _turn_quarter(patches, rotate_half) * sin
     return torch.cat([prefix, turned.to(x.dtype)], dim=2)
+
+
+# --- what the pages teach with: the angles' periods, and scores that depend only on the offset -----
+
+
+class AnglePair(NamedTuple):
+    """One of a patch's hd/2 rotation angles (``index``): the two channels of q and k it turns, the
+    grid axis it turns with ("row": moving down the image, "column": moving across) and how many
+    patches along that axis make one full turn (its period, on this grid)."""
+
+    index: int
+    channels: tuple[int, int]
+    axis: str
+    period: float
+
+
+def angle_pairs(spec: RopeSpec, grid_size: tuple[int, int], count: int = 4) -> list[AnglePair]:
+    """``count`` pairs per axis, evenly spread from the slowest-turning band to the fastest, the
+    row's pairs first. The periods are read off the angles themselves (the step from one patch to
+    the next along the pair's axis), so they hold for either flavour at any grid."""
+    grid_size = tuple(grid_size)
+    turned = angles(spec, grid_size)  # (P, hd/2)
+    bands = spec.head_dim // 4
+    chosen = sorted({round(step * (bands - 1) / max(count - 1, 1)) for step in range(count)}, reverse=True)
+    # The first hd/4 angles follow the first coordinate: the row for "ij", the column for "xy".
+    first, second = ("row", "column") if spec.grid_indexing == "ij" else ("column", "row")
+    pairs = []
+    for half, axis in enumerate((first, second)):
+        # The next patch along this axis: one row down (index + gw) or one column across (index + 1).
+        neighbour = grid_size[1] if axis == "row" else 1
+        side = grid_size[0] if axis == "row" else grid_size[1]
+        for band in chosen:
+            index = half * bands + band
+            step = float(turned[neighbour, index] - turned[0, index]) if side > 1 else 0.0
+            channels = (index, index + spec.head_dim // 2) if spec.rotate_half else (2 * index, 2 * index + 1)
+            pairs.append(AnglePair(index, channels, axis, 2 * math.pi / abs(step) if step else math.inf))
+    return sorted(pairs, key=lambda pair: (pair.axis != "row", -pair.period))
+
+
+def farthest_corner(position: int, grid_size: tuple[int, int]) -> int:
+    """The corner patch (row-major index) farthest from patch ``position``: where a query moves to
+    show that the scores move with it."""
+    grid_h, grid_w = grid_size
+    row, col = divmod(position, grid_w)
+    return (0 if 2 * row >= grid_h - 1 else grid_h - 1) * grid_w + (0 if 2 * col >= grid_w - 1 else grid_w - 1)
+
+
+def offset_scores(
+    spec: RopeSpec, q_content: torch.Tensor, k_content: torch.Tensor, grid_size: tuple[int, int],
+    query_position: int, scale: float | None = None,
+) -> torch.Tensor:
+    """(gh * gw,) the score (q . k) * scale of one query content rotated at patch ``query_position``
+    against one key content rotated at every patch in turn, with the tables the model uses
+    (``scale`` default 1/sqrt(hd), the model's). The contents (hd,) are fixed, so what changes
+    from patch to patch is the positional part alone: it depends only on the key's offset from the
+    query, and moving the query moves the whole map with it. With a token's q and a key's k before
+    the rotation (LayerInternals.q_unrotated, k_unrotated) the value at that key's patch is the
+    model's own score. No forward pass: two rotations and a matrix-vector product."""
+    tables = rope_tables(spec, tuple(grid_size))  # (sin, cos), each (P, hd)
+    scale = spec.head_dim**-0.5 if scale is None else scale
+    # Both contents placed at every patch: (2, 1, P, hd) as apply_rope takes (B, nh, N, hd).
+    placed = torch.stack([q_content, k_content]).float()[:, None, None, :].expand(-1, -1, tables[0].shape[0], -1)
+    queries, keys = apply_rope(placed, tables, spec.rotate_half, 0)[:, 0]  # (P, hd) each
+    return keys @ (queries[query_position] * scale)  # (P,)

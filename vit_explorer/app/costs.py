@@ -34,7 +34,8 @@ def forward_cost(config, patch_size: int | None = None) -> float:
     tokens = models.token_count(config, patch_size or config.patch_size)
     height, width = config.img_size
     dim = config.embed_dim
-    per_token = (4 + 2 * config.mlp_ratio) * dim * dim  # qkv + proj + MLP
+    # q, k, v and the output projection, then the MLP's matrices (three with a SwiGLU gate)
+    per_token = 4 * dim * dim + config.mlp_matrices * dim * config.mlp_hidden
     embedding = height * width * config.in_chans * dim  # every pixel into every channel, at any patch size
     return embedding + config.depth * (tokens * per_token + 2 * tokens * tokens * dim)
 

@@ -245,7 +245,8 @@ def inside_layer_figures(
     """The "Inside a layer" page's figures for one head and query token, by step, from a
     vit_explorer.internals.LayerInternals (image 0): what the page shows and ``inspect --head
     --query`` writes; ``steps`` holds ``token``'s rows. ``labels`` name the N tokens (figures.token_labels); ``query_patch`` is
-    outlined on the image; ``activation`` names the MLP's nonlinearity."""
+    outlined on the image; ``activation`` names the MLP's nonlinearity. With rotary positions the
+    query's strips are its q and k before and after the rotation."""
     from .. import internals as inside  # the per-token analyses the page shows
 
     name, layer, prefix = labels[token], steps.layer, len(labels) - grid_size[0] * grid_size[1]
@@ -261,6 +262,10 @@ def inside_layer_figures(
         ),
         "query": vector_strips(
             {"q": steps.q[0, head, row]}, f"Query q of {name}, {where} ({steps.head_dim} numbers)"
+        ) if steps.q_unrotated is None else vector_strips(
+            {"q before the rotation": steps.q_unrotated[0, head, row], "q rotated": steps.q[0, head, row],
+             "k before the rotation": steps.k_unrotated[0, head, token], "k rotated": steps.k[0, head, token]},
+            f"Query q and key k of {name}, {where}, before and after the rotation ({steps.head_dim} numbers each)",
         ),
         "keys_values": key_value_matrices(
             steps.k[0, head], steps.v[0, head], token, labels,
