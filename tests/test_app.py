@@ -575,7 +575,7 @@ def test_the_input_size_can_change_and_a_too_large_one_is_refused():
     assert title_matching(app, "^Input image as a").startswith("Input image as a 12 x 16 grid")
     app.number_input(key="input_width").set_value(4000).run()
     (error,) = errors(app)
-    assert "one view of it would hold" in error and "more than the 512 MB this app allows; choose a smaller size" in error
+    assert "one view of it would hold" in error and "more than the 640 MB this app allows; choose a smaller size" in error
     assert title_matching(app, "^Input image as a").startswith("Input image as a 8 x 8 grid")
     app.number_input(key="input_width").set_value(30).run()
     assert errors(app)[0].startswith("The input size must be a multiple of the patch size (4 px)")
