@@ -15,7 +15,7 @@ from streamlit.testing.v1 import AppTest
 
 import vit_explorer as vx
 from vit_explorer import train
-from vit_explorer.app import costs, images, models, runs, selection, session, uploads
+from vit_explorer.app import costs, images, memo, models, runs, selection, session, uploads
 from vit_explorer.data import SHAPE_CLASSES, shapes_sample
 from helpers import small_run_config
 
@@ -163,7 +163,7 @@ def test_moving_sliders_never_recomputes_the_forward_pass(monkeypatch):
     assert len(calls) == 2  # a new patch size is a new model: one more forward pass
 
 
-def test_the_app_keeps_the_attention_it_captures_in_half_precision(monkeypatch):
+def test_the_app_captures_tokens_only_and_keeps_the_layer_it_draws_in_half_precision(monkeypatch):
     captured = []
 
     def keeping_capture(*args, **kwargs):
@@ -173,8 +173,13 @@ def test_the_app_keeps_the_attention_it_captures_in_half_precision(monkeypatch):
     monkeypatch.setattr(selection, "capture", keeping_capture)
     app = open_app("views/attention.py")
     assert not app.exception and len(captured) == 1
-    assert captured[0].attentions.dtype == torch.float16  # half the bytes of every cached capture
-    assert captured[0].tokens.dtype == torch.float32
+    assert captured[0].attentions.shape[1] == 0 and captured[0].tokens.dtype == torch.float32
+    kept = {key[4:]: value for key, (value, _) in memo.shared_results()._entries.items() if key[4:5] == ("attention",)}
+    assert list(kept) == [("attention", 3, None)]  # the layer drawn, not every layer
+    (attention,) = kept.values()
+    assert attention.dtype == torch.float16 and attention.shape == (4, 65, 65)  # (heads, N, N)
+    widget(app.slider, "Layer").set_value(1).run()
+    assert ("attention", 1, None) in {key[4:] for key in memo.shared_results()._entries}
 
 
 def test_a_resized_model_shares_its_base_weights_and_is_evicted_before_its_base(monkeypatch):
@@ -591,7 +596,7 @@ def test_the_input_size_can_change_and_a_too_large_one_is_refused():
     assert title_matching(app, "^Input image as a").startswith("Input image as a 12 x 16 grid")
     app.number_input(key="input_width").set_value(4000).run()
     (error,) = errors(app)
-    assert "more than the 400 MB this app allows; choose a smaller size" in error
+    assert "one view of it would hold" in error and "more than the 640 MB this app allows; choose a smaller size" in error
     assert title_matching(app, "^Input image as a").startswith("Input image as a 8 x 8 grid")
     app.number_input(key="input_width").set_value(30).run()
     assert errors(app)[0].startswith("The input size must be a multiple of the patch size (4 px)")

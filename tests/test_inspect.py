@@ -1,5 +1,6 @@
-"""python -m vit_explorer inspect: figures and capture.npz for a real photo, from our checkpoints
-and torchvision's, as PNG (when a browser exists) or HTML; bad input is one line and exit 2."""
+"""python -m vit_explorer inspect: figures (and capture.npz when asked) for a real photo, from our
+checkpoints and torchvision's, as PNG (when a browser exists) or HTML; bad input is one line and
+exit 2."""
 from pathlib import Path
 
 import numpy as np
@@ -35,12 +36,17 @@ def expected_input(model):
     return vx.preprocess(vx.load_image(PHOTO), model.config)
 
 
-def check_capture(npz_path, model, logits=None):
+def check_capture(npz_path, model, logits=None, layers=(-1,)):
+    """capture.npz as --tensors writes it: the attention of ``layers`` only, float16."""
     config = model.config
     grid_h, grid_w = config.grid_size
     tokens = config.num_tokens
+    layers = tuple(layer % config.depth for layer in layers)
     with np.load(npz_path) as data:
-        assert data["attentions"].shape == (1, config.depth, config.num_heads, tokens, tokens)
+        assert data["attentions"].shape == (1, len(layers), config.num_heads, tokens, tokens)
+        assert data["attentions"].dtype == np.float16 and tuple(data["attention_layers"]) == layers
+        full = vx.capture(model, expected_input(model)).attentions[:, list(layers)]
+        assert np.abs(data["attentions"].astype(np.float32) - full.numpy()).max() < 1e-3
         assert data["tokens"].shape == (1, config.depth + 1, tokens, config.embed_dim)
         assert data["patches"].shape == (1, grid_h, grid_w, 3, config.patch_size, config.patch_size)
         assert data["patch_embeddings"].shape == (1, grid_h * grid_w, config.embed_dim)
@@ -59,7 +65,7 @@ def test_inspect_falls_back_to_html_without_a_browser(tiny_checkpoint, tmp_path,
     monkeypatch.setattr(figures, "find_browser", lambda: None)
     out = tmp_path / "out"
     code = cli.main(["inspect", str(PHOTO), "--weights", str(path), "--out", str(out),
-                     "--layer", "1"])
+                     "--layer", "1", "--tensors"])
     captured = capsys.readouterr()
     assert code == 0
     notes = captured.err.strip().splitlines()
@@ -70,7 +76,7 @@ def test_inspect_falls_back_to_html_without_a_browser(tiny_checkpoint, tmp_path,
     assert not list(out.glob("*.png"))
     assert (out / "plotly.min.js").is_file()
     assert "predicted" in captured.out and "capture.npz" in captured.out
-    check_capture(out / "capture.npz", model)
+    check_capture(out / "capture.npz", model, layers=(1,))
 
 
 def test_inspect_reads_a_torchvision_checkpoint(tmp_path, capsys):
@@ -84,14 +90,14 @@ def test_inspect_reads_a_torchvision_checkpoint(tmp_path, capsys):
     torch.save(reference.state_dict(), path)
     out = tmp_path / "out"
     code = cli.main(["inspect", str(PHOTO), "--weights", str(path), "--out", str(out),
-                     "--format", "html"])
+                     "--format", "html", "--tensors", "all"])
     assert code == 0, capsys.readouterr().err
     model = vx.load_model(path)
     for name in FIGURES + ["attention_heads_layer1"]:
         assert (out / f"{name}.html").is_file(), name
     with torch.no_grad():
         logits = reference(expected_input(model))
-    check_capture(out / "capture.npz", model, logits)
+    check_capture(out / "capture.npz", model, logits, layers=(0, 1))
 
 
 @pytest.mark.skipif(figures.find_browser() is None, reason="no Chrome/Chromium for PNG export")
@@ -102,7 +108,7 @@ def test_inspect_writes_png_with_a_browser(tiny_checkpoint, tmp_path, capsys):
     assert capsys.readouterr().err == ""
     for name in FIGURES + ["attention_heads_layer2"]:
         assert (out / f"{name}.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n"), name
-    check_capture(out / "capture.npz", model)
+    assert not (out / "capture.npz").exists()  # the tensors only when asked
 
 
 @pytest.mark.parametrize(
@@ -136,7 +142,7 @@ def test_inspect_on_cuda(tiny_checkpoint, tmp_path):
     path, model = tiny_checkpoint
     out = tmp_path / "out"
     assert cli.main(["inspect", str(PHOTO), "--weights", str(path), "--out", str(out),
-                     "--format", "html", "--device", "cuda"]) == 0
+                     "--format", "html", "--device", "cuda", "--tensors"]) == 0
     check_capture(out / "capture.npz", model)
 
 
@@ -152,7 +158,7 @@ def test_inspect_a_headless_model(tmp_path, monkeypatch, capsys, changes):
     vx.save_model(vx.ViT(config), path)
     monkeypatch.setattr(figures, "find_browser", lambda: None)
     out = tmp_path / "out"
-    assert cli.main(["inspect", str(PHOTO), "--weights", str(path), "--out", str(out)]) == 0
+    assert cli.main(["inspect", str(PHOTO), "--weights", str(path), "--out", str(out), "--tensors"]) == 0
     printed = capsys.readouterr().out
     assert printed.startswith("no classifier (num_classes=0), so no prediction")
     written = {file.stem for file in out.iterdir()}
@@ -173,7 +179,7 @@ def test_inspect_writes_the_inside_a_layer_figures(tiny_checkpoint, tmp_path, mo
     monkeypatch.setattr(figures, "find_browser", lambda: None)
     out = tmp_path / "out"
     code = cli.main(["inspect", str(PHOTO), "--weights", str(path), "--out", str(out), "--layer", "1",
-                     "--head", "1", "--query", "7"])
+                     "--head", "1", "--query", "7", "--tensors"])
     assert code == 0, capsys.readouterr().err
     for name in INSIDE:
         assert (out / f"inside_layer1_{name}.html").is_file(), name
@@ -182,11 +188,25 @@ def test_inspect_writes_the_inside_a_layer_figures(tiny_checkpoint, tmp_path, mo
     assert "Attention of patch 7, layer 1, head 1: the softmax of the scores" in html
     steps = vx.layer_internals(model, vx.capture(model, expected_input(model)).tokens[:, 1], 1)
     with np.load(out / "capture.npz") as data:
-        np.testing.assert_allclose(data["attentions"][0, 1, 1, 2 + 7], steps.attention[0, 1, 2 + 7], atol=1e-6)
+        np.testing.assert_allclose(data["attentions"][0, 0, 1, 2 + 7], steps.attention[0, 1, 2 + 7], atol=1e-3)
     # Without --head or --query, no page figures.
     plain = tmp_path / "plain"
     assert cli.main(["inspect", str(PHOTO), "--weights", str(path), "--out", str(plain)]) == 0
     assert not list(plain.glob("inside_*"))
+
+
+def test_inspect_writes_no_tensors_unless_asked_and_then_the_layers_asked(tiny_checkpoint, tmp_path, monkeypatch, capsys):
+    path, model = tiny_checkpoint
+    monkeypatch.setattr(figures, "find_browser", lambda: None)
+    plain = tmp_path / "plain"
+    assert cli.main(["inspect", str(PHOTO), "--weights", str(path), "--out", str(plain)]) == 0
+    assert not (plain / "capture.npz").exists() and "capture.npz" not in capsys.readouterr().out
+    assert (plain / "attention_rollout.html").is_file()
+    asked = tmp_path / "asked"
+    assert cli.main(["inspect", str(PHOTO), "--weights", str(path), "--out", str(asked), "--tensors", "0,-1"]) == 0
+    check_capture(asked / "capture.npz", model, layers=(0, 2))
+    assert cli.main(["inspect", str(PHOTO), "--weights", str(path), "--out", str(asked), "--tensors", "3"]) == 2
+    assert capsys.readouterr().err.strip().endswith("--tensors 3 is not all or a list of layers 0..2 like 0,5")
 
 
 @pytest.mark.parametrize(

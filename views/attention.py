@@ -96,11 +96,11 @@ if query == POOL_QUERY:
     where = "the pooling head"  # the probe reads the last layer's tokens
     shown_rows = result.pool_attentions[0]  # (H, 1, P)
 else:
-    maps = selection.memo("head maps", layer, query, compute=lambda: analysis.head_maps(
-        result, layer, query_arg, class_token=config.class_token
+    shown_rows = selection.attention(layer)  # (H, N, N)
+    maps = selection.memo("head maps", layer, query, compute=lambda: analysis.query_map(
+        shown_rows, result.grid_size, prefix, query_arg, class_token=config.class_token
     ))  # (H, gh, gw)
     where = layer
-    shown_rows = result.attentions[0, layer]  # (H, N, N)
 evenness = selection.memo("attention evenness", where, compute=lambda: analysis.attention_evenness(shown_rows))
 if analysis.near_uniform(evenness):
     st.info(
@@ -146,7 +146,7 @@ st.write(
 head = st.selectbox("Head", list(range(heads)), **session.keep("head", 0, lambda h: 0 <= h < heads))
 query_token = None if query == POOL_QUERY else 0 if query == CLASS_QUERY else prefix + query
 st.plotly_chart(selection.memo("attention matrix", layer, head, query_token, compute=lambda: figures.attention_matrix(
-    result.attentions[0, layer, head], prefix,
+    selection.attention(layer)[head], prefix,
     title=f"Layer {layer}, head {head}: {result.num_tokens} x {result.num_tokens} attention",
     class_token=config.class_token, dist_token=config.dist_token, query_token=query_token,
 )))
@@ -168,9 +168,7 @@ fusion = fusion_column.selectbox(
     "Combine heads by", analysis.HEAD_FUSIONS, **session.keep("fusion", "mean", lambda f: f in analysis.HEAD_FUSIONS)
 )
 discard = discard_column.slider("Discard the weakest share of weights", 0.0, 0.95, step=0.05, **session.keep("discard", 0.0))
-rollout = selection.memo("rollout", fusion, discard, compute=lambda: analysis.attention_rollout(
-    result.attentions, head_fusion=fusion, discard_ratio=discard, num_prefix_tokens=prefix
-))  # (1, N, N)
+rollout = selection.rollout(fusion, discard)  # (1, N, N)
 
 
 def rollout_overlay():
@@ -229,13 +227,12 @@ st.write(
     " spreads evenly. Early layers mix local and global heads; late layers are mostly global."
 )
 distance_column, entropy_column = st.columns(2)
+distances, entropies = selection.head_statistics()  # (L, H) each
 distance_column.plotly_chart(selection.memo("distance figure", compute=lambda: figures.layer_head_scatter(
-    analysis.mean_attention_distance(result.attentions, result.grid_size, config.patch_size, prefix),
-    "Mean attention distance per head", "distance (pixels)",
+    distances, "Mean attention distance per head", "distance (pixels)",
 )))
 entropy_column.plotly_chart(selection.memo("entropy figure", compute=lambda: figures.layer_head_heatmap(
-    analysis.attention_entropy(result.attentions)[0],  # (L, H)
-    "Attention entropy per head", "entropy (nats)",
+    entropies, "Attention entropy per head", "entropy (nats)",
 )))
 
 st.subheader("Token norms through the layers")

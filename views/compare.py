@@ -151,15 +151,15 @@ for column, (side, chosen) in zip(st.columns(2), sides.items()):
     result, patch, own_layer = results[side], query_patches[side], layers[side]
     # The Attention page's keys, so that either page reuses what the other computed.
     evenness = chosen.memo("attention evenness", own_layer, compute=lambda: analysis.attention_evenness(
-        result.attentions[0, own_layer]
+        chosen.attention(own_layer)
     ))
     if analysis.near_uniform(evenness):
         column.info(
             f"{side}'s heads spread their attention almost evenly here (mean entropy {evenness:.0%} of the"
             " uniform log N), as an untrained model's do: the differences in its maps are noise."
         )
-    maps = chosen.memo("head maps", own_layer, -1 if patch is None else patch, compute=lambda: analysis.head_maps(
-        result, own_layer, patch, class_token=chosen.config.class_token,
+    maps = chosen.memo("head maps", own_layer, -1 if patch is None else patch, compute=lambda: analysis.query_map(
+        chosen.attention(own_layer), result.grid_size, result.num_prefix_tokens, patch, class_token=chosen.config.class_token,
     ))  # (H, gh, gw)
     column.plotly_chart(chosen.memo("compare heads", side, own_layer, patch, compute=lambda: figures.side_heads_grid(
         images[side], maps, side, f"layer {own_layer} (of {depths[side]})", query_text(side), patch,
@@ -174,9 +174,7 @@ st.write(
 for column, (side, chosen) in zip(st.columns(2), sides.items()):
     result, patch = results[side], query_patches[side]
     prefix = result.num_prefix_tokens
-    rollout = chosen.memo("rollout", "mean", 0.0, compute=lambda: analysis.attention_rollout(
-        result.attentions, head_fusion="mean", discard_ratio=0.0, num_prefix_tokens=prefix,
-    ))  # (1, N, N); the Attention page's key at its default settings
+    rollout = chosen.rollout()  # (1, N, N); the Attention page's at its default settings
     column.plotly_chart(chosen.memo("compare rollout", side, patch, compute=lambda: figures.attention_overlay(
         images[side], analysis.query_map(rollout[0], result.grid_size, prefix, patch, class_token=chosen.config.class_token),
         title=f"{side}: rollout through all {depths[side]} layers<br>query: {query_text(side)}", value_name="rollout",

@@ -79,6 +79,7 @@ elif knock_out.is_empty:
     st.info("Nothing is knocked out: choose heads or branches above, or click a cell of the sweep below.")
 else:
     intact, knocked = selection.capture(), selection.knock_out_capture(knock_out)
+    prefix = intact.num_prefix_tokens
     what = knock_out.describe()
     st.subheader("The prediction without them")
     if config.num_classes == 0:
@@ -109,8 +110,10 @@ else:
     )
     intact_grid, knocked_grid = selection.memo(
         "knock-out head grids", knock_out, shown_layer, compute=lambda: figures.intact_and_knocked_heads(
-            image, analysis.head_maps(intact, shown_layer, class_token=config.class_token),
-            analysis.head_maps(knocked, shown_layer, class_token=config.class_token),
+            image, analysis.query_map(selection.attention(shown_layer), intact.grid_size, prefix, class_token=config.class_token),
+            analysis.query_map(
+                selection.attention(shown_layer, knock_out), intact.grid_size, prefix, class_token=config.class_token,
+            ),
             layer=shown_layer, query=query, what=what,
         ),
     )
@@ -121,19 +124,14 @@ else:
         "Rollout (Abnar & Zuidema 2020) multiplies the layers' attention, residual counted in: how much"
         f" each patch reaches the {query} at the end, intact and knocked out."
     )
-    prefix = intact.num_prefix_tokens
 
     def rollout_map(rollout):
         return analysis.query_map(rollout[0], intact.grid_size, prefix, class_token=config.class_token)
 
-    # The intact rollout under the Attention and Compare pages' key, so that each reuses it.
-    intact_rollout = selection.memo("rollout", "mean", 0.0, compute=lambda: analysis.attention_rollout(
-        intact.attentions, head_fusion="mean", discard_ratio=0.0, num_prefix_tokens=prefix,
-    ))  # (1, N, N)
+    # The intact one is the Attention and Compare pages' too.
     intact_figure, knocked_figure = selection.memo(
         "knock-out rollouts", knock_out, compute=lambda: figures.intact_and_knocked_rollouts(
-            image, rollout_map(intact_rollout),
-            rollout_map(analysis.attention_rollout(knocked.attentions, num_prefix_tokens=prefix)),
+            image, rollout_map(selection.rollout()), rollout_map(selection.rollout(knock_out=knock_out)),
             query=query, what=what,
         ),
     )

@@ -188,9 +188,8 @@ st.page_link(
     "views/inside.py", icon=":material/calculate:",
     label="Open one layer: its LayerNorm, queries, keys, values, softmax and MLP with this image's numbers",
 )
-evenness = selection.memo(
-    "attention evenness", "all layers", compute=lambda: analysis.attention_evenness(result.attentions[0])
-)
+# From each head's mean entropy (shared with the Attention page): the layers are not held at once.
+evenness = analysis.entropy_evenness(selection.head_statistics()[1], tokens)
 if analysis.near_uniform(evenness):
     st.info(
         f"This model's heads spread their attention almost evenly over all tokens (mean entropy {evenness:.0%}"

@@ -9,7 +9,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from . import analysis, figures
 from .ablation import HeadSweep, KnockOut, head_sweep, sweep_cost
-from .capture import Capture, capture, layer_internals
+from .capture import Capture, capture, layer_attention, layer_attentions, layer_internals
 from .config import PRESETS, TrainConfig, ViTConfig
 from .data import SHAPE_CLASSES, DatasetError, load_dataset, shapes_sample
 from .images import InvalidImageError, load_image, preprocess
@@ -21,6 +21,7 @@ from .weights import CheckpointError, load_model, load_pretrained, resize_model,
 
 __all__ = [
     "Capture", "ViT", "ViTConfig", "capture", "LayerInternals", "layer_internals",
+    "layer_attention", "layer_attentions",
     "KnockOut", "HeadSweep", "head_sweep", "sweep_cost",
     "CheckpointError", "load_model", "load_pretrained", "resize_model", "save_model",
     "InvalidImageError", "load_image", "preprocess",

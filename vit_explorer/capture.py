@@ -4,7 +4,7 @@ again from a capture's tokens. A knock-out (vit_explorer.ablation) may ride the 
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -63,7 +63,8 @@ def capture(
     """Run ``model`` on normalized ``images`` (B, C, H, W) in eval mode without gradients.
 
     ``layers`` limits which layers' attention is kept (all by default) to save memory; tokens
-    are always kept for every layer. The logits equal ``model(images)`` in eval mode up to
+    are always kept for every layer, so that :func:`layer_attention` gives any other layer's
+    (``layers=()`` keeps none: what the app and ``inspect`` do at any size). The logits equal ``model(images)`` in eval mode up to
     float rounding (the captured layers run the explicit attention path). ``attention_dtype``
     torch.float16 keeps the attention in half the memory (about 3 significant digits, plenty
     to draw it; a ViT-B/16 at 785 tokens: 177 MB instead of 355 MB). ``internals`` (a layer
@@ -96,7 +97,7 @@ def capture(
             entering = intact.tokens[:, start].to(parameter.device, parameter.dtype)  # (B, N, D)
             logits = model.forward_head(model.forward_blocks(entering, start, grid_size=config.grid_size))
 
-    attentions = recorder.stacked_attentions() if recorded or start == 0 else None
+    attentions = recorder.stacked_attentions() if recorded else None
     tokens = torch.stack(recorder.token_states, dim=1)
     if start > 0:  # the earlier layers are the intact pass's
         earlier = len(indices) - len(recorded)
@@ -105,6 +106,9 @@ def capture(
         elif earlier:
             attentions = torch.cat([intact.attentions[:, :earlier], attentions], dim=1)
         tokens = torch.cat([intact.tokens[:, : start + 1], tokens], dim=1)
+    if attentions is None:  # layers=(): tokens only; layer_attention computes a layer when asked
+        batch, _, count, _ = tokens.shape
+        attentions = torch.empty(batch, 0, config.num_heads, count, count, dtype=attention_dtype)
     patch = config.patch_size
     return Capture(
         logits=to_cpu(logits),
@@ -175,6 +179,51 @@ def layer_internals(
     with torch.no_grad(), eval_mode(model), recording(recorder):
         block(tokens, rope)
     return LayerInternals.from_recorded(index, block, recorder.internal_states)
+
+
+def layer_attention(
+    model: ViT, tokens: torch.Tensor, layer: int, grid_size: tuple[int, int] | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """(B, nh, N, N) encoder layer ``layer``'s attention from the ``tokens`` (B, N, D) entering it
+    (a capture's ``tokens[:, layer]``), on the CPU in ``dtype``: that pass's weights, computed
+    again from its tokens. Only the attention part of the block runs (norm1, q and k, rotated by
+    the positions of ``grid_size``'s grid as in :func:`layer_internals`, the softmax): a fraction
+    of a block, so that a capture need not hold every layer's (B, L, nh, N, N) to show any.
+
+    A head at a time: the float32 scores and weights of one head are the only temporaries, so a
+    float16 result costs little more than itself (6 heads at 2,309 tokens: 64 MB, not 192 MB)."""
+    index = _layer_indices([layer], model.config.depth)[0]
+    block = model.blocks[index]
+    attn = block.attn
+    parameter = next(model.parameters())
+    if tokens.ndim == 2:
+        tokens = tokens.unsqueeze(0)
+    tokens = tokens.to(parameter.device, parameter.dtype)
+    rope = model.rope_tables(grid_size)
+    batch, count, _ = tokens.shape
+    weights = torch.empty(batch, attn.num_heads, count, count, dtype=dtype)
+    with torch.no_grad(), eval_mode(model):
+        q, k, _ = attn._qkv(block.norm1(tokens)).unbind(0)  # (B, nh, N, hd) each
+        q, k = attn.rotate(q, rope), attn.rotate(k, rope)
+        for head in range(attn.num_heads):
+            # As Attention.forward computes them: scale, then the softmax module.
+            scores = (q[:, head] * attn.scale) @ k[:, head].transpose(-2, -1)  # (B, N, N)
+            weights[:, head] = attn.attend(scores)
+    return weights
+
+
+def layer_attentions(
+    model: ViT, captured: Capture, dtype: torch.dtype = torch.float32,
+) -> Iterator[torch.Tensor]:
+    """Every encoder layer's (B, nh, N, N) attention of ``captured`` in order, one at a time: the
+    recorded one where the capture kept it, else :func:`layer_attention` from its tokens. What the
+    analyses over all layers (analysis.streamed_*) read without holding (B, L, nh, N, N)."""
+    for layer in range(captured.tokens.shape[1] - 1):
+        if layer in captured.layers:
+            yield captured.attentions[:, captured.layers.index(layer)].to(dtype)
+        else:
+            yield layer_attention(model, captured.tokens[:, layer], layer, captured.grid_size, dtype)
 
 
 def _block_rows(

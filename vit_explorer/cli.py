@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 def _patch_sizes(text: str) -> tuple[int, ...] | None:
@@ -201,13 +203,14 @@ def _add_inspect(subparsers) -> None:
     parser = subparsers.add_parser(
         "inspect", help="write attention figures for an image",
         description="Run a ViT on one image and write its attention figures (PNG, or HTML when"
-        " no Chrome/Chromium is found) and the captured tensors (capture.npz) to a folder.",
+        " no Chrome/Chromium is found) to a folder, and the captured tensors (capture.npz) when"
+        " asked with --tensors.",
     )
     parser.add_argument("image", help="image file (PNG, JPEG, WebP, ...)")
     parser.add_argument("--weights", default=str(DEFAULT_WEIGHTS),
                         help="checkpoint: ours, timm, torchvision, or a Hugging Face ViT folder"
                         " (default: the shipped shapes model)")
-    parser.add_argument("--out", required=True, help="folder for the figures and capture.npz")
+    parser.add_argument("--out", required=True, help="folder for the figures (and capture.npz)")
     parser.add_argument("--layer", type=int, default=-1,
                         help="layer whose heads are drawn (negative counts from the end; default -1)")
     parser.add_argument("--device", default="auto",
@@ -226,82 +229,137 @@ def _add_inspect(subparsers) -> None:
     parser.add_argument("--query",
                         help="the query token of those figures: cls (the class token) or a patch index,"
                         " row by row (default: cls, or the centre patch without a class token)")
+    parser.add_argument("--tensors", nargs="?", const="", metavar="LAYERS",
+                        help="also write capture.npz: logits, tokens, patches, rollout, ... and the"
+                        " attention (float16) of --layer, of these layers (0,5,11) or of all")
     parser.set_defaults(run=_run_inspect)
 
 
 def _run_inspect(args: argparse.Namespace) -> int:
-    import numpy as np
-    import torch
-
-    from . import analysis, figures
+    """Load, capture the tokens (no layer's attention: each is computed from them as the figures
+    need it), draw, and write the figures and, with --tensors, capture.npz."""
     from .capture import capture
     from .images import load_image, preprocess
-    from .internals import activation_name
     from .weights import load_model
 
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-    try:
-        device = torch.device(device)
-    except RuntimeError:
-        raise ValueError(f"unknown device {args.device!r}; use auto, cpu or cuda") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda was asked for but no CUDA GPU is available")
-    model = load_model(args.weights).to(device)
+    model = load_model(args.weights).to(_inspect_device(args.device))
     config = model.config
     x = preprocess(load_image(args.image), config)  # (1, C, H, W)
     layer = args.layer + config.depth if args.layer < 0 else args.layer
     if not 0 <= layer < config.depth:
         raise ValueError(f"--layer {args.layer} does not exist; the model has layers 0..{config.depth - 1}")
-    inside = args.head is not None or args.query is not None
-    if inside:
-        head, token, query_patch = _inside_choice(args, config)
+    saved_layers = None if args.tensors is None else _tensor_layers(args.tensors, layer, config.depth)
+    inside = _inside_choice(args, config) if args.head is not None or args.query is not None else None
 
     # The layer's internals, when asked for, come from this same pass.
-    captured = capture(model, x, internals=layer if inside else None)
+    captured = capture(model, x, layers=(), internals=None if inside is None else layer)
+    streamed = _InspectedLayers.of(model, captured, args, keep={layer, *(saved_layers or ())})
+    figs, arrays, summary = _inspect_figures(model, x, captured, streamed, layer, inside, args)
+    written = _write_inspected(figs, Path(args.out), args.format)
+    if saved_layers is not None:
+        written.append(_write_tensors(Path(args.out), captured, streamed, saved_layers, arrays))
+    print(f"{summary}; wrote {len(written)} files to {args.out}:")
+    for path in written:
+        print(f"  {path}")
+    return 0
+
+
+def _inspect_device(name: str):
+    import torch
+
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name
+    try:
+        device = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"unknown device {name!r}; use auto, cpu or cuda") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for but no CUDA GPU is available")
+    return device
+
+
+def _tensor_layers(text: str, layer: int, depth: int) -> tuple[int, ...]:
+    """The layers whose attention capture.npz keeps: --layer's (no value), all, or a list."""
+    if text == "":
+        return (layer,)
+    if text.lower() == "all":
+        return tuple(range(depth))
+    try:
+        chosen = {int(part) + depth if int(part) < 0 else int(part) for part in text.split(",")}
+    except ValueError:
+        chosen = {-1}
+    if not all(0 <= index < depth for index in chosen):
+        raise ValueError(f"--tensors {text} is not all or a list of layers 0..{depth - 1} like 0,5")
+    return tuple(sorted(chosen))
+
+
+@dataclass
+class _InspectedLayers:
+    """What inspect reads of every layer's attention, from one pass over the layers (each computed
+    from the captured tokens and dropped once read): rollout, distance and entropy per head, and
+    the attention (float16) of the layers ``kept`` (the one drawn, those written)."""
+
+    rollout: Any  # (1, N, N)
+    distance: Any  # (L, H) pixels
+    entropy: Any  # (L, H) nats
+    kept: dict  # layer -> (1, H, N, N) float16
+
+    @classmethod
+    def of(cls, model, captured, args: argparse.Namespace, keep: set[int]) -> _InspectedLayers:
+        import torch
+
+        from . import analysis
+        from .capture import layer_attentions
+
+        distances, entropies, kept = [], [], {}
+        config = model.config
+
+        def layers():
+            for index, attention in enumerate(layer_attentions(model, captured)):  # (1, H, N, N)
+                distances.append(analysis.head_distances(
+                    attention, captured.grid_size, config.patch_size, captured.num_prefix_tokens
+                ))
+                entropies.append(analysis.head_entropies(attention)[0])
+                if index in keep:
+                    kept[index] = attention.half()
+                yield attention
+
+        rollout = analysis.streamed_rollout(
+            layers(), args.head_fusion, args.discard_ratio, num_prefix_tokens=captured.num_prefix_tokens
+        )
+        return cls(rollout, torch.stack(distances), torch.stack(entropies), kept)
+
+
+def _inspect_figures(model, x, captured, streamed: _InspectedLayers, layer: int, inside, args: argparse.Namespace):
+    """(figures by file name, the arrays capture.npz would add, the line to print)."""
+    from . import analysis, figures
+    from .internals import activation_name
+
+    config = model.config
     prefix = captured.num_prefix_tokens
-    rollout = analysis.attention_rollout(
-        captured.attentions, args.head_fusion, args.discard_ratio, num_prefix_tokens=prefix
-    )  # (1, N, N)
     image = analysis.display_image(x, config)
-    has_pool = captured.pool_attentions is not None
-    if has_pool:
+    if captured.pool_attentions is not None:
         # The attention pool's probe reads for the head, as a class token would.
-        query, where = "attention-pool probe", "the pooling head"
+        query, where, name = "attention-pool probe", "the pooling head", "attention_pool_probe"
         maps = analysis.pool_maps(captured)
-        rollout_map = analysis.pool_rollout_map(
-            captured.pool_attentions, rollout, captured.grid_size, prefix
-        )[0]
+        rollout_map = analysis.pool_rollout_map(captured.pool_attentions, streamed.rollout, captured.grid_size, prefix)[0]
     else:
-        query, where = ("class token" if config.class_token else "mean patch query"), layer
-        maps = analysis.head_maps(captured, layer, class_token=config.class_token)
-        rollout_map = analysis.query_map(rollout, captured.grid_size, prefix,
-                                         class_token=config.class_token)[0]
+        query, where, name = ("class token" if config.class_token else "mean patch query"), layer, f"attention_heads_layer{layer}"
+        maps = analysis.query_map(streamed.kept[layer][0], captured.grid_size, prefix, class_token=config.class_token)
+        rollout_map = analysis.query_map(streamed.rollout, captured.grid_size, prefix, class_token=config.class_token)[0]
     norms = analysis.token_norms(captured.tokens[0])  # (L+1, N)
     figs = {
         "input_grid": figures.image_with_grid(image, captured.grid_size),
-        f"attention_heads_layer{layer}" if not has_pool else "attention_pool_probe":
-            figures.attention_heads_grid(image, maps, layer=where, query=query),
+        name: figures.attention_heads_grid(image, maps, layer=where, query=query),
         "attention_masks": figures.attention_masks_grid(
-            image, analysis.attention_mask_by_mass(maps, args.mass), args.mass, layer=where,
-            query=query,
+            image, analysis.attention_mask_by_mass(maps, args.mass), args.mass, layer=where, query=query,
         ),
         "attention_rollout": figures.attention_overlay(
-            image, rollout_map, title=f"Attention rollout ({args.head_fusion} of heads, {query})",
-            value_name="rollout",
+            image, rollout_map, title=f"Attention rollout ({args.head_fusion} of heads, {query})", value_name="rollout",
         ),
-        "mean_attention_distance": figures.layer_head_scatter(
-            analysis.mean_attention_distance(captured.attentions, captured.grid_size,
-                                             config.patch_size, prefix),
-            "Mean attention distance per head", "pixels",
-        ),
-        "attention_entropy": figures.layer_head_heatmap(
-            analysis.attention_entropy(captured.attentions)[0], "Attention entropy per head",
-            "nats",
-        ),
+        "mean_attention_distance": figures.layer_head_scatter(streamed.distance, "Mean attention distance per head", "pixels"),
+        "attention_entropy": figures.layer_head_heatmap(streamed.entropy, "Attention entropy per head", "nats"),
         "embedding_filters": figures.embedding_filters_figure(analysis.embedding_filters(model)),
-        "token_pca": figures.token_pca_image(
-            analysis.token_pca(captured.tokens[0, -1, prefix:], captured.grid_size), image
-        ),
+        "token_pca": figures.token_pca_image(analysis.token_pca(captured.tokens[0, -1, prefix:], captured.grid_size), image),
         **{
             f"token_norms_layer{block}": figures.token_norms_figure(
                 norms[block + 1], captured.grid_size, prefix, layer=block,
@@ -312,65 +370,71 @@ def _run_inspect(args: argparse.Namespace) -> int:
     }
     if model.pos_embed is not None:  # rotary positions have no embeddings to compare
         figs["position_similarity"] = figures.position_similarity_grid(analysis.position_embedding_similarity(model))
-    if inside:
+    if inside is not None:
+        head, token, query_patch = inside
         labels = figures.token_labels(captured.num_tokens, prefix, config.class_token, config.dist_token)
         steps = captured.internals
         inside_figures = {
             **figures.inside_layer_figures(image, steps, captured.grid_size, labels, head, token, query_patch,
                                            activation_name(config)),
-            **figures.softmax_scale_figures(image, steps, captured.grid_size, labels, head, token, 1.0,
-                                            query_patch),
+            **figures.softmax_scale_figures(image, steps, captured.grid_size, labels, head, token, 1.0, query_patch),
         }
         figs.update({f"inside_layer{layer}_{name}": figure for name, figure in inside_figures.items()})
-    arrays = dict(
-        logits=captured.logits.numpy(), attentions=captured.attentions.numpy(),
-        tokens=captured.tokens.numpy(), patches=captured.patches.numpy(),
-        patch_embeddings=captured.patch_embeddings.numpy(),
-        grid_size=np.array(captured.grid_size), num_prefix_tokens=np.array(prefix),
-        rollout=rollout.numpy(), token_norms=norms[None].numpy(),
-    )
-    if has_pool:
-        arrays["pool_attentions"] = captured.pool_attentions.numpy()
-    if config.num_classes:
-        relevance = analysis.attribution(model, x)[0]  # (gh, gw) for the predicted class
-        probabilities = captured.logits[0].softmax(dim=-1)
-        class_names = list(config.class_names or [f"class {i}" for i in range(config.num_classes)])
-        predicted = class_names[int(probabilities.argmax())]
-        figs.update({
-            "attribution": figures.attention_overlay(
-                image, relevance, title=f"Gradient-weighted attribution for '{predicted}'",
-                value_name="relevance",
-            ),
-            "logit_lens": figures.logit_lens_figure(
-                analysis.logit_lens(model, captured)[0].softmax(dim=-1), class_names
-            ),
-            "top5": figures.topk_bar(probabilities, class_names, k=5),
-        })
-        arrays["attribution"] = relevance[None].numpy()
-        top = analysis.top_k(captured.logits[0], class_names, k=1)[0]
-        summary = f"predicted {top[0]} ({top[1]:.1%})"
-    else:
+    arrays = dict(token_norms=norms[None].numpy())
+    if not config.num_classes:
         summary = ("no classifier (num_classes=0), so no prediction, attribution or logit lens;"
                    f" features of {config.embed_dim} dimensions")
+        return figs, arrays, summary
+    relevance = analysis.attribution(model, x)[0]  # (gh, gw) for the predicted class
+    probabilities = captured.logits[0].softmax(dim=-1)
+    class_names = list(config.class_names or [f"class {i}" for i in range(config.num_classes)])
+    predicted = class_names[int(probabilities.argmax())]
+    figs.update({
+        "attribution": figures.attention_overlay(
+            image, relevance, title=f"Gradient-weighted attribution for '{predicted}'", value_name="relevance",
+        ),
+        "logit_lens": figures.logit_lens_figure(analysis.logit_lens(model, captured)[0].softmax(dim=-1), class_names),
+        "top5": figures.topk_bar(probabilities, class_names, k=5),
+    })
+    arrays["attribution"] = relevance[None].numpy()
+    top = analysis.top_k(captured.logits[0], class_names, k=1)[0]
+    return figs, arrays, f"predicted {top[0]} ({top[1]:.1%})"
 
-    out = Path(args.out)
+
+def _write_inspected(figs: dict, out: Path, image_format: str) -> list[Path]:
+    """The figures written to ``out`` as PNG, or as HTML without a browser or when export fails."""
+    from . import figures
+
     out.mkdir(parents=True, exist_ok=True)
-    image_format = args.format
     if image_format == "png" and figures.find_browser() is None:
         print("no Chrome/Chromium found (install chromium or set BROWSER_PATH);"
               " writing HTML figures instead", file=sys.stderr)
         image_format = "html"
     try:
-        written = figures.write_figures(figs, out, image_format)
+        return list(figures.write_figures(figs, out, image_format))
     except figures.FigureExportError as error:
         print(f"{error}; writing HTML figures instead", file=sys.stderr)
-        written = figures.write_figures(figs, out, "html")
+        return list(figures.write_figures(figs, out, "html"))
+
+
+def _write_tensors(out: Path, captured, streamed: _InspectedLayers, layers: tuple[int, ...], arrays: dict) -> Path:
+    """capture.npz: the capture's tensors, the rollout, and the attention of ``layers`` only, in
+    float16 (1, len(layers), H, N, N), uncompressed: float weights hardly compress, and zlib took
+    most of inspect's time (29 s of 48 for every layer of a DINOv2 at 518 px)."""
+    import numpy as np
+    import torch
+
+    if captured.pool_attentions is not None:
+        arrays["pool_attentions"] = captured.pool_attentions.numpy()
     npz = out / "capture.npz"
-    np.savez_compressed(npz, **arrays)
-    print(f"{summary}; wrote {len(written) + 1} files to {out}:")
-    for path in [*written, npz]:
-        print(f"  {path}")
-    return 0
+    np.savez(
+        npz, logits=captured.logits.numpy(), tokens=captured.tokens.numpy(), patches=captured.patches.numpy(),
+        patch_embeddings=captured.patch_embeddings.numpy(), grid_size=np.array(captured.grid_size),
+        num_prefix_tokens=np.array(captured.num_prefix_tokens), rollout=streamed.rollout.numpy(),
+        attentions=torch.stack([streamed.kept[layer] for layer in layers], dim=1).numpy(),
+        attention_layers=np.array(layers), **arrays,
+    )
+    return npz
 
 
 def _inside_choice(args: argparse.Namespace, config) -> tuple[int, int, int | None]:

@@ -13,7 +13,7 @@ import streamlit as st
 
 from ..cache import ByteBoundedCache, nbytes
 
-# Captures, analyses and figures shared by all sessions (a ViT-B/16 capture at patch 8 is 180 MB).
+# Captures, analyses and figures shared by all sessions (one view holds at most models.MAX_VIEW_BYTES).
 CACHE_BYTES = int(float(os.environ.get("VIT_EXPLORER_CACHE_MB") or 2048) * 2**20)
 T = TypeVar("T")
 

@@ -27,10 +27,13 @@ from .memo import with_spinner
 DEFAULT_MODEL = "default"
 PRETRAINED_MODEL = "pretrained:vit_b_16"
 
-# The largest attention tensor (depth x heads x N x N, counted in float32) a patch size may
-# produce: ViT-B/16 at patch 8 (785 tokens) is about 355 MB and still fits (the app keeps it in
-# float16, 177 MB; the bound also keeps a capture within a few seconds on a CPU).
-MAX_ATTENTION_BYTES = 400 * 2**20
+# The most one view may hold at once for one image (view_bytes): under a third of the shared
+# results cache (memo.CACHE_BYTES, 2 GB by default), so that three people at the bound fit in it
+# together. Every catalogue model at its own size fits (DINOv2 ViT-S/14 with registers at 518 px,
+# 1,374 tokens: 192 MiB), and DINOv3 ViT-S/16 at 768 px (2,309 tokens: 512 MiB); the same model
+# at 832 px (2,709 tokens: 695 MiB) or a ViT-B/16 at 768 px (858 MiB) is refused. The rollout's
+# N x N products, N^3 a layer, also keep a view within a few forward passes of the model.
+MAX_VIEW_BYTES = 640 * 2**20
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # Models loaded or resized for any session (a ViT-B/16 is 330 MB).
 MODELS_BYTES = int(float(os.environ.get("VIT_EXPLORER_MODELS_MB") or 3072) * 2**20)
@@ -106,36 +109,45 @@ def token_count(config, patch_size: int, image_size: tuple[int, int] | None = No
     return config.num_prefix_tokens + (height // patch_size) * (width // patch_size)
 
 
-def attention_bytes(config, tokens: int | None = None) -> int:
-    """Bytes of one image's float32 attention, every layer and head."""
+def view_bytes(config, tokens: int | None = None) -> int:
+    """Bytes one view holds at its peak for one image of ``tokens`` tokens (the model's own by
+    default): the capture's tokens (depth + 1, N, D) float32 (Selection.capture keeps no
+    attention), the layer it draws (heads, N, N) in float16 (Selection.attention), one layer in
+    float32 while an analysis over all layers computes it (capture.layer_attentions), and the
+    rollout's N x N float32 matrices (its product, the next factor, the identity, the fused heads,
+    and the discarding's ranking, indices and mask: eight at most); plus, as the allocator keeps
+    it, one layer's float32 scores of the capture's own pass (the CPU's fused attention makes them).
+    Measured at depth 12: the peak memory a DINOv3 ViT-S/16 view at 768 px adds is 486 MiB."""
     tokens = config.num_tokens if tokens is None else tokens
-    return config.depth * config.num_heads * tokens**2 * 4
+    captured = (config.depth + 1) * tokens * config.embed_dim * 4
+    return captured + config.num_heads * tokens**2 * (2 + 4 + 4) + 8 * tokens**2 * 4
 
 
 def image_size_problem(config, image_size: tuple[int, int]) -> str | None:
-    """Why the model (at its own patch size) cannot be explored at ``image_size``; None if it can."""
+    """Why the model (at its own patch size) cannot be explored at ``image_size``; None if it can.
+    Checked before anything is computed, as admission checks a training run."""
     height, width = image_size
     patch = config.patch_size
     if height < patch or width < patch or height % patch or width % patch:
         return f"The input size must be a multiple of the patch size ({patch} px) on both sides."
     tokens = token_count(config, patch, image_size)
-    if attention_bytes(config, tokens) > MAX_ATTENTION_BYTES:
+    if view_bytes(config, tokens) > MAX_VIEW_BYTES:
         return (
-            f"At {height}x{width} px this model has {tokens} tokens and its attention would take"
-            f" {attention_bytes(config, tokens) / 2**20:.0f} MB, more than the"
-            f" {MAX_ATTENTION_BYTES / 2**20:.0f} MB this app allows; choose a smaller size."
+            f"At {height}x{width} px this model has {tokens} tokens and one view of it would hold"
+            f" {view_bytes(config, tokens) / 2**20:.0f} MB, more than the {MAX_VIEW_BYTES / 2**20:.0f} MB"
+            " this app allows; choose a smaller size."
         )
     return None
 
 
 def patch_size_options(config) -> list[int]:
-    """Patch sizes that tile the model's input exactly and keep the attention tensor in memory."""
+    """Patch sizes that tile the model's input exactly and keep a view within MAX_VIEW_BYTES."""
     height, width = config.img_size
     options = []
     for patch in range(2, min(height, width) + 1):
         if height % patch or width % patch:
             continue
-        if attention_bytes(config, token_count(config, patch)) <= MAX_ATTENTION_BYTES:
+        if view_bytes(config, token_count(config, patch)) <= MAX_VIEW_BYTES:
             options.append(patch)
     return sorted(set(options) | {config.patch_size})
 

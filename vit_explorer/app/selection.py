@@ -13,8 +13,8 @@ import torch
 from PIL import Image
 
 from ..ablation import HeadSweep, KnockOut, head_sweep
-from ..analysis import attribution, display_image, near_chance
-from ..capture import Capture, capture, layer_internals
+from ..analysis import attribution, display_image, head_distances, head_entropies, near_chance, streamed_rollout
+from ..capture import Capture, capture, layer_attention, layer_attentions, layer_internals
 from ..data import SHAPE_CLASSES
 from ..image_set import MAX_IMAGES, MIN_IMAGES, first_component, last_layer_features, layer_keys
 from ..images import preprocess
@@ -54,12 +54,59 @@ class Selection:
         return memo((*self.key, *key), compute, spinner)
 
     def capture(self) -> Capture:
-        """The forward pass dissected, attention in float16: the views only draw it, and half the
-        bytes are half the memory every cached capture holds and half of what a pass writes."""
+        """The forward pass dissected, every layer's tokens and no layer's attention: the views
+        ask for the layers they draw (:meth:`attention`), and the analyses over all layers compute
+        them from these tokens a layer at a time (:meth:`rollout`, :meth:`head_statistics`), so a
+        view holds what models.view_bytes counts at any input size, not (depth, heads, N, N)."""
         return self.memo(
-            "capture", compute=lambda: capture(self.model, self.model_input(), attention_dtype=torch.float16),
+            "capture", compute=lambda: capture(self.model, self.model_input(), layers=()),
             spinner="Running the model ...",
         )
+
+    def _captured(self, knock_out: KnockOut | None) -> Capture:
+        return self.capture() if knock_out is None else self.knock_out_capture(knock_out)
+
+    def attention(self, layer: int, knock_out: KnockOut | None = None) -> torch.Tensor:
+        """(heads, N, N) float16: layer ``layer``'s attention on this image (with ``knock_out``:
+        in the pass without those heads and branches), computed from the captured tokens entering
+        it (capture.layer_attention: the attention part of one block) once for everybody. A
+        knock-out changes only the layers after the first one it touches."""
+        if knock_out is not None and (knock_out.is_empty or layer <= knock_out.first_layer()):
+            knock_out = None
+        captured = self._captured(knock_out)
+        return self.memo(
+            "attention", layer, knock_out, spinner=f"Computing the attention of layer {layer} ...",
+            compute=lambda: layer_attention(self.model, captured.tokens[:, layer], layer, captured.grid_size, torch.float16)[0],
+        )
+
+    def rollout(self, head_fusion: str = "mean", discard_ratio: float = 0.0, knock_out: KnockOut | None = None) -> torch.Tensor:
+        """(1, N, N) attention rollout through every layer (with ``knock_out``: of that pass),
+        each layer computed from the captured tokens and dropped once multiplied in."""
+        if knock_out is not None and knock_out.is_empty:
+            knock_out = None
+        captured = self._captured(knock_out)
+        return self.memo(
+            "rollout", head_fusion, discard_ratio, knock_out, spinner="Rolling the attention out through the layers ...",
+            compute=lambda: streamed_rollout(
+                layer_attentions(self.model, captured), head_fusion, discard_ratio,
+                num_prefix_tokens=captured.num_prefix_tokens,
+            ),
+        )
+
+    def head_statistics(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(depth, heads) mean attention distance in pixels and (depth, heads) mean entropy in nats
+        of each head's attention on this image: one pass over the layers, each reduced as it is
+        computed from the captured tokens."""
+        captured = self.capture()
+
+        def compute() -> tuple[torch.Tensor, torch.Tensor]:
+            distances, entropies = [], []
+            for attention in layer_attentions(self.model, captured):  # (1, heads, N, N) each
+                distances.append(head_distances(attention, captured.grid_size, self.config.patch_size, captured.num_prefix_tokens))
+                entropies.append(head_entropies(attention)[0])
+            return torch.stack(distances), torch.stack(entropies)
+
+        return self.memo("head statistics", compute=compute, spinner="Measuring every head of every layer ...")
 
     def cached_capture(self) -> Capture | None:
         """:meth:`capture` if a page has made it already (for anybody), else None: nothing runs."""
@@ -106,10 +153,7 @@ class Selection:
             return intact
         return self.memo(
             "knock-out capture", knock_out, spinner="Running the model without them ...",
-            compute=lambda: capture(
-                self.model, self.model_input(), attention_dtype=torch.float16, knock_out=knock_out,
-                intact=intact,
-            ),
+            compute=lambda: capture(self.model, self.model_input(), layers=(), knock_out=knock_out, intact=intact),
         )
 
     def head_sweep(self, mode: str, run: bool = True) -> HeadSweep | None:
@@ -195,7 +239,7 @@ class ImageSet:
             """One pass of the images ``indices``; the first one's tokens (the others' are kept
             before this returns, so that a session waiting for the first one finds them too)."""
             x = self.model_input()[indices]
-            batch = capture(selection.model, x, layers=[-1], attention_dtype=torch.float16).tokens
+            batch = capture(selection.model, x, layers=()).tokens
             ran.update({index: tokens.clone() for index, tokens in zip(indices, batch)})  # own storage each
             for index in indices[1:]:
                 memo(self._tokens_key(index), lambda index=index: ran[index])
