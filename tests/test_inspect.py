@@ -222,3 +222,30 @@ def test_inspect_bad_head_or_query_is_one_line(tiny_checkpoint, tmp_path, capsys
     code = cli.main(["inspect", str(PHOTO), "--weights", str(path), "--out", str(tmp_path), *arguments])
     error = capsys.readouterr().err
     assert code == 2 and error.startswith("error: ") and error.count("\n") == 1 and message in error
+
+
+def test_inspect_a_dinov3_shaped_checkpoint(tmp_path, monkeypatch, capsys):
+    """Rotary positions, registers, no pos_embed, SwiGLU: the figures, the page's rotated q and k,
+    and no position-embedding figure (there is none to compare)."""
+    torch.manual_seed(0)
+    config = vx.ViTConfig(
+        image_size=(32, 48), patch_size=8, num_classes=0, embed_dim=32, depth=2, num_heads=2, reg_tokens=4,
+        qkv_bias=False, init_values=1e-5, rope_type="dinov3", abs_pos_embed=False, swiglu_mlp=True,
+        layer_norm_eps=1e-5,
+    )
+    model = vx.ViT(config).eval()
+    path = tmp_path / "dinov3.safetensors"
+    vx.save_model(model, path)
+    monkeypatch.setattr(figures, "find_browser", lambda: None)
+    out = tmp_path / "out"
+    code = cli.main(["inspect", str(PHOTO), "--weights", str(path), "--out", str(out), "--layer", "1",
+                     "--head", "0", "--query", "3", "--tensors"])
+    assert code == 0, capsys.readouterr().err
+    written = {file.stem for file in out.iterdir()}
+    assert {"attention_heads_layer1", "attention_rollout", "mean_attention_distance", "token_pca"} <= written
+    assert "position_similarity" not in written
+    assert "rotated" in (out / "inside_layer1_query.html").read_text()
+    with np.load(out / "capture.npz") as data:
+        assert int(data["num_prefix_tokens"]) == 5 and tuple(data["grid_size"]) == (4, 6)
+        cap = vx.capture(model, expected_input(model))
+        np.testing.assert_allclose(data["attentions"][0, -1], cap.attentions[0, 1], atol=1e-3)
