@@ -126,9 +126,15 @@ with st.sidebar:
             # One label whatever the size (the caption above gives it): a new label would be a new
             # expander, drawn closed after every edit.
             with st.expander("Input size"):
+                if native.rope_type is None:
+                    resampled = "interpolates the position embeddings to the new grid"
+                elif native.abs_pos_embed:
+                    resampled = "interpolates the position embeddings; the rotary positions follow the new grid"
+                else:
+                    resampled = "needs nothing resampled: the rotary positions follow the new grid"
                 st.caption(
                     f"Trained at {native.img_size[0]}x{native.img_size[1]} px. Another size (not"
-                    " necessarily square) interpolates the position embeddings to the new grid."
+                    f" necessarily square) {resampled}."
                 )
                 height_column, width_column = st.columns(2)
                 step = native.patch_size
