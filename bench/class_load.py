@@ -270,8 +270,14 @@ class Student(HttpUser):
         return min(self.images, key=lambda number: distance(self.images[number]))
 
 
+def server_weights() -> Path:
+    """The server's default model, as it finds it (app.models.default_weights): the students'
+    predictions are checked against that model, not the shipped one."""
+    return Path(os.environ.get("VIT_EXPLORER_DEFAULT_MODEL") or DEFAULT_WEIGHTS)
+
+
 def student_class(probes: list[Probe], report: ClassReport, options: Options, think: tuple[float, float],
-                  weights: Path = DEFAULT_WEIGHTS):
+                  weights: Path):
     """A Student class for this run (Locust builds users from a class)."""
     return type("ConfiguredStudent", (Student,), dict(
         abstract=False, wait_time=between(*think), report=report, options=options,
@@ -336,7 +342,7 @@ def run_class(url: str, probes: list[Probe], think: tuple[float, float], spawn_r
         finally:
             warm.close()
     report = ClassReport()
-    environment = Environment(user_classes=[student_class(probes, report, options, think)], host=url)
+    environment = Environment(user_classes=[student_class(probes, report, options, think, server_weights())], host=url)
     runner = environment.create_local_runner()
     cpu_before, own_before, start = cpu_seconds(pids), _own_cpu(), time.monotonic()
     runner.start(len(probes), spawn_rate=spawn_rate)
@@ -463,7 +469,8 @@ def main() -> None:
     args = parser.parse_args()
 
     folder = args.folder or Path(tempfile.mkdtemp(prefix="vit_explorer_class_"))
-    probes = make_probes(args.students, folder / "images")
+    weights = server_weights()
+    probes = make_probes(args.students, folder / "images", weights)
     options = Options(actions=args.actions, timeout=args.timeout, pages=args.pages)
     log = folder / "streamlit.log"
     environment = {"VIT_EXPLORER_RUNS_DIR": str(folder / "runs"), "VIT_EXPLORER_UPLOADS_DIR": str(folder / "uploads")}
@@ -477,13 +484,13 @@ def main() -> None:
                       runs_dir=folder / "runs", uploads_dir=folder / "uploads") as cluster:
             pids = [process.pid for process in cluster.processes]
             print(f"{args.replicas} replicas (pids {', '.join(map(str, pids))}) behind nginx at {cluster.url},"
-                  " the shipped shapes model")
+                  f" the model {weights.name}")
             result, stats = run_class(cluster.url + "/", probes, args.think, args.spawn_rate, args.duration, options,
                                       pids, warm_urls=cluster.replica_urls)
         log = folder / "serve" / "replica-1.log"
     else:
         with app_server(environment, log=log, port=args.port) as server:
-            print(f"streamlit run app.py at {server.url} (pid {server.pid}), the shipped shapes model")
+            print(f"streamlit run app.py at {server.url} (pid {server.pid}), the model {weights.name}")
             result, stats = run_class(server.url, probes, args.think, args.spawn_rate, args.duration, options,
                                       [server.pid])
     print("\n".join(get_stats_summary(stats.stats, current=False)))

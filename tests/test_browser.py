@@ -14,6 +14,7 @@ import torch
 import vit_explorer as vx
 from bench.browser import CHROMIUM, CHROMIUM_LAUNCH, ROOT, STATUS_WIDGET, serve_app
 from vit_explorer.data import SHAPE_CLASSES
+from vit_explorer.jobs import JobBoard, JobLimits, JobSpec
 
 PHOTO = ROOT / "assets" / "samples" / "chelsea.png"
 sync_api = pytest.importorskip("playwright.sync_api")
@@ -213,4 +214,41 @@ def test_the_pages_that_teach_rotary_positions_in_chromium(rope_server, shots):
         page.screenshot(path=shots / "rope_3_inside_offsets.png", full_page=True)
         expect(page.locator('[data-testid="stException"]')).to_have_count(0)
         expect(page.locator('[data-testid="stAlertContentError"]')).to_have_count(0)
+        browser.close()
+
+
+def test_a_heavy_sweep_waits_its_turn_and_then_shows_in_chromium(tmp_path, shots):
+    """A sweep that is not quick is a job: the page says its place in the queue behind another
+    person's, then its progress, then draws the sweep."""
+    torch.manual_seed(0)
+    weights = tmp_path / "small.safetensors"
+    model = vx.ViT(vx.ViTConfig(  # a sweep of about 50e9 multiply-adds: not quick
+        image_size=224, patch_size=16, embed_dim=384, depth=6, num_heads=6,
+        num_classes=len(SHAPE_CLASSES), class_names=SHAPE_CLASSES,
+    ))
+    vx.save_model(model, weights)
+    runs_dir = tmp_path / "runs"
+    env = {
+        "VIT_EXPLORER_DEFAULT_MODEL": str(weights), "VIT_EXPLORER_RUNS_DIR": str(runs_dir),
+        "VIT_EXPLORER_UPLOADS_DIR": str(tmp_path / "uploads"), "VIT_EXPLORER_MAX_JOBS": "1",
+    }
+    # Somebody else's computation holds the one slot, on the folder the server's jobs are on.
+    board = JobBoard(runs_dir / "jobs", JobLimits(max_jobs=1, queue_size=8, memory=8 * 2**30, threads=1))
+    ahead = JobSpec("head sweep", {"path": str(weights)}, 16, (224, 224), "somebody's image", {"mode": "mean"})
+    with serve_app(env, log=tmp_path / "streamlit.log") as url, sync_api.sync_playwright() as playwright:
+        expect = sync_api.expect
+        browser = playwright.chromium.launch(**CHROMIUM_LAUNCH)
+        page = browser.new_page(viewport={"width": 1400, "height": 2400})
+        page.set_default_timeout(120_000)
+        page.goto(f"{url}/knockout")
+        page.get_by_role("heading", name="Knock-out", level=1).wait_for()
+        settle(page)
+        assert board.submit(ahead, torch.randn(1, 3, 224, 224), model.config, "somebody").state == "running"
+        page.get_by_role("button", name="Run the sweep").click()
+        expect(page.get_by_text(re.compile("Waiting for its turn: next in line"))).to_be_visible(timeout=60_000)
+        page.screenshot(path=shots / "sweep_queued.png", full_page=True)
+        expect(page.get_by_text(re.compile(r"Computing beside the server: \d+%"))).to_be_visible(timeout=240_000)
+        expect(page.get_by_text(re.compile(r"Each head knocked out alone \(zero\)"))).to_be_visible(timeout=240_000)
+        expect(page.get_by_role("button", name="Cancel")).to_have_count(0)
+        page.screenshot(path=shots / "sweep_done.png", full_page=True)
         browser.close()

@@ -7,12 +7,15 @@ the bench's to print, not asserted here. The protocol client's reading of a page
 hand-made protobufs: what it takes for an error, a prediction and a widget's value.
 """
 import json
+import os
 import subprocess
 import sys
 
 import pytest
+import torch
 from streamlit.proto.Element_pb2 import Element
 
+import vit_explorer as vx
 from bench.browser import ROOT
 from bench.streamlit_client import MAIN, SIDEBAR, Page, Shown, widget_value
 from vit_explorer.serve import find_nginx
@@ -23,13 +26,13 @@ from vit_explorer.serve import find_nginx
 STUDENTS, ACTIONS, PAGES = 2, 4, "Attention,Pipeline"
 
 
-def small_class(folder, *options: str) -> tuple[dict, str]:
-    """Run the bench on a small class; its figures and what it printed."""
+def small_class(folder, *options: str, env: dict | None = None) -> tuple[dict, str]:
+    """Run the bench on a small class (``env`` added to its environment); its figures and what it printed."""
     out = folder / "result.json"
     finished = subprocess.run(
         [sys.executable, "-m", "bench.class_load", "--think", "0.2,0.5", "--duration", "100", "--spawn-rate", "2",
          "--json", str(out), "--folder", str(folder), *options],
-        cwd=ROOT, capture_output=True, text=True, timeout=170,
+        cwd=ROOT, capture_output=True, text=True, timeout=170, env={**os.environ, **(env or {})},
     )
     assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
     return json.loads(out.read_text()), finished.stdout
@@ -46,6 +49,22 @@ def test_a_small_class_runs_without_errors_or_mixups(tmp_path):
     assert result["predictions"] >= STUDENTS, report
     assert result["server_cpu"] > 0 and result["views"] >= 2 * STUDENTS, report
     assert "WS       upload" in printed  # Locust's own stats saw the runs
+
+
+def test_predictions_are_checked_against_the_servers_default_model(tmp_path):
+    """With VIT_EXPLORER_DEFAULT_MODEL naming another model, the students expect that model's
+    predictions (they expected the shipped model's, and every student read as mixed up)."""
+    torch.manual_seed(0)
+    weights = tmp_path / "other.safetensors"
+    vx.save_model(vx.ViT(vx.ViTConfig(
+        image_size=32, patch_size=4, embed_dim=32, depth=2, num_heads=2, num_classes=10,
+    )), weights)
+    result, printed = small_class(
+        tmp_path, "--students", "2", "--actions", "2", "--pages", "Pipeline",
+        env={"VIT_EXPLORER_DEFAULT_MODEL": str(weights)},
+    )
+    assert result["errors"] == [] and result["mixups"] == [], printed[-3000:]
+    assert result["predictions"] >= 2 and "the model other.safetensors" in printed
 
 
 @pytest.mark.skipif(find_nginx() is None, reason="no nginx (apt-get install nginx)")

@@ -1,7 +1,10 @@
 """Knock-outs remove exactly what they say, per call, and the sweep agrees with them one by one."""
 import base64
 import json
+import os
 import re
+import signal
+import time
 
 import numpy as np
 import pytest
@@ -232,7 +235,7 @@ def test_knock_outs_are_values_that_can_key_a_cache():
 
 # --- the page ------------------------------------------------------------------------------------
 
-from vit_explorer.app import models, selection  # noqa: E402
+from vit_explorer.app import costs, jobs, models, selection  # noqa: E402
 
 from test_app import errors, figure_titles, open_app, tiny_default, tiny_model, title_matching, widget  # noqa: E402,F401
 
@@ -310,6 +313,61 @@ def test_a_knock_out_view_runs_only_the_layers_from_the_knocked_out_one_on(monke
     widget(app.slider, "Layer").set_value(0).run()
     choose(app, "Layer 2", [])
     assert not app.exception and ran == [2, 3]  # drawn from what was there
+
+
+def run_until(app, done, timeout: float = 120) -> None:
+    """Rerun the page (as its live fragment would) until ``done(app)``."""
+    deadline = time.monotonic() + timeout
+    while not done(app):
+        assert time.monotonic() < deadline, [element.value for element in app.markdown]
+        time.sleep(0.5)
+        app.run()
+        assert not app.exception, app.exception
+
+
+def sweep_shown(app) -> bool:
+    return any(title.startswith("Each head knocked out alone") for title in figure_titles(app))
+
+
+def test_a_sweep_that_is_not_quick_is_a_job_that_a_second_person_joins(monkeypatch):
+    monkeypatch.setattr(costs, "QUICK_COST", 1.0)  # the tiny model's sweep as a ViT-B's would be
+    computed = []
+    monkeypatch.setattr(selection, "head_sweep", lambda *args, **kwargs: computed.append(args))
+    ann = open_app(PAGE)
+    assert not sweep_shown(ann) and errors(ann) == []
+    widget(ann.button, "Run the sweep").click().run()
+    assert ann.get("progress") or any("Waiting for its turn" in info.value for info in ann.info)
+    bob = open_app(PAGE)  # the same model, image and mode: he sees it going and asks for it too
+    assert [button.label for button in bob.button if "sweep" in button.label or "too" in button.label] == ["Ask for it too"]
+    widget(bob.button, "Ask for it too").click().run()
+    widget(ann.button, "Cancel").click().run()  # Ann withdraws: Bob still wants it, so it goes on
+    run_until(bob, sweep_shown)
+    ann.run()
+    assert sweep_shown(ann) and computed == []  # shared through the cache, computed beside the server
+    assert len(list(jobs.job_board().folder.glob("*/record.json"))) == 1  # one job for both
+    # The job's sweep is the one the server would have computed.
+    model = models.base_model(models.DEFAULT_MODEL)
+    x = vx.preprocess(vx.shapes_sample(4, 32)[0], model.config)
+    spec = json.loads(next(chart for chart in ann.get("plotly_chart") if "Each head" in chart.proto.spec).proto.spec)
+    np.testing.assert_allclose(
+        decoded(spec["data"][0]["z"]).reshape(4, 4), vx.head_sweep(model, x).values.numpy(), rtol=1e-4, atol=1e-5,
+    )
+
+
+def test_a_sweep_job_whose_worker_is_killed_says_so_in_a_sentence(monkeypatch):
+    monkeypatch.setattr(costs, "QUICK_COST", 1.0)
+    app = open_app(PAGE)
+    widget(app.button, "Run the sweep").click().run()
+    (record,) = jobs.job_board().folder.glob("*/record.json")
+    os.kill(json.loads(record.read_text())["pid"], signal.SIGKILL)
+    run_until(app, lambda app: errors(app))
+    assert errors(app) == [
+        "The computation's process ended before it finished (it was stopped from outside or ran out of"
+        " memory); run it again."
+    ]
+    widget(app.button, "Run the sweep").click().run()  # asked again: it runs this time
+    run_until(app, sweep_shown)
+    assert errors(app) == []
 
 
 def test_knocking_out_every_head_is_refused_in_a_sentence():

@@ -3,7 +3,7 @@ the importance sweep of every head alone."""
 import streamlit as st
 
 from vit_explorer import ablation, analysis, figures
-from vit_explorer.app import costs, models, session
+from vit_explorer.app import costs, jobs, models, session
 
 selection = session.selection()
 config = selection.config
@@ -149,15 +149,11 @@ st.write(
     f" {cost:.0f} forward passes of this model rather than {depth * heads + 1}. Click a cell to knock"
     " that head out above."
 )
-sweep = selection.head_sweep(mode, run=costs.is_quick(config, forwards=cost))  # None until somebody ran it
-if sweep is None and st.button(
-    "Run the sweep", icon=":material/play_arrow:",
-    help=f"Knock out every head alone on this image: about {cost:.0f} forward passes, shared with everyone.",
-):
+if costs.is_quick(config, forwards=cost):
     sweep = selection.head_sweep(mode)
-if sweep is None:
-    st.caption("Not computed for this image and mode yet: run it above.")
-else:
+else:  # a job beside the server, in turn: one person's sweep does not slow the class
+    sweep = jobs.head_sweep(selection, mode)
+if sweep is not None:
     measure = f"{sweep.measure} of {selection.class_names()[sweep.target]!r}" if sweep.target is not None else sweep.measure
     st.plotly_chart(
         selection.memo("sweep grid", mode, knock_out, compute=lambda: figures.head_sweep_grid(

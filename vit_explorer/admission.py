@@ -1,4 +1,5 @@
-"""Admission: whether a training run fits, from its config alone, and the memory it is then granted.
+"""Admission: whether a training run fits, from its config alone, and the memory it is then granted
+(and the bound on a job's worker, ``inference_memory``).
 
 A run's peak memory is estimated before anything is allocated (``estimate_memory``), from the
 model and the loop the run will use (``train.model_config``, ``train.EVAL_BATCH``), and a run that
@@ -117,7 +118,21 @@ def estimate_memory(config: TrainConfig) -> MemoryEstimate:
     )
 
 
-def _environment_number(name: str, default: float, kind: type = int, minimum: float = 1) -> float:
+def inference_memory(config, batch: int, kept_floats: int = 0) -> int:
+    """An upper bound on the peak memory of a process of its own that runs ``config``'s model
+    without gradients on ``batch`` images at once (a job's worker): the baseline, the parameters,
+    one block's activations with its (B, nh, N, N) scores (should the attention not be fused), and
+    ``kept_floats`` floats the computation keeps across the pass."""
+    tokens = config.num_tokens
+    block = _forward_floats(
+        batch, tokens, config.embed_dim, config.mlp_hidden, config.mlp_matrices, config.num_heads, config.depth,
+        training=False,
+    )
+    scores = 2 * batch * config.num_heads * tokens**2
+    return BASELINE_BYTES + 4 * (_parameter_count(config) + block + scores + kept_floats)
+
+
+def environment_number(name: str, default: float, kind: type = int, minimum: float = 1) -> float:
     text = os.environ.get(name)
     if not text:
         return default
@@ -156,12 +171,12 @@ class Limits:
         runs; the other half stays the server's) and VIT_EXPLORER_RUN_THREADS (default: the
         cores but one, shared by the runs)."""
         cores = os.cpu_count() or 1
-        max_runs = int(_environment_number("VIT_EXPLORER_MAX_RUNS", max(1, cores // 2)))
-        queue_size = int(_environment_number("VIT_EXPLORER_RUN_QUEUE", 4, minimum=0))
-        memory_gb = _environment_number(
+        max_runs = int(environment_number("VIT_EXPLORER_MAX_RUNS", max(1, cores // 2)))
+        queue_size = int(environment_number("VIT_EXPLORER_RUN_QUEUE", 4, minimum=0))
+        memory_gb = environment_number(
             "VIT_EXPLORER_RUN_MEMORY_LIMIT", available_memory() / 2 / max_runs / GB, float, minimum=0.1,
         )
-        threads = int(_environment_number("VIT_EXPLORER_RUN_THREADS", max(1, (cores - 1) // max_runs)))
+        threads = int(environment_number("VIT_EXPLORER_RUN_THREADS", max(1, (cores - 1) // max_runs)))
         return cls(max_runs=max_runs, queue_size=queue_size, memory=int(memory_gb * GB), threads=threads)
 
 

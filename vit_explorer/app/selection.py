@@ -156,13 +156,11 @@ class Selection:
             compute=lambda: capture(self.model, self.model_input(), layers=(), knock_out=knock_out, intact=intact),
         )
 
-    def head_sweep(self, mode: str, run: bool = True) -> HeadSweep | None:
+    def head_sweep(self, mode: str) -> HeadSweep:
         """Every head knocked out alone on this image (vit_explorer.ablation.head_sweep), with a
-        progress bar while it runs, once for everybody. With ``run=False`` only what somebody
-        already computed, or None."""
+        progress bar while it runs, once for everybody: for a model whose sweep is quick (else
+        app.jobs.head_sweep, under the same key)."""
         key = (*self.key, "head sweep", mode)
-        if not run and key not in shared_results():
-            return None
 
         def compute() -> HeadSweep:
             bar = st.progress(0.0, text="Knocking out each head alone ...")
