@@ -150,6 +150,11 @@ class Student(HttpUser):
         # closes them after 5 s idle, shorter than a student's think) is sent again, once.
         retry = Retry(total=1, connect=1, read=1, status=0, other=0, allowed_methods=None, raise_on_status=False)
         self.client.mount("http://", LocustHttpAdapter(pool_manager=None, max_retries=retry))
+        self.streamlit = None
+        if not self.roster:
+            # A user Locust starts after every student has come (seen at the end of short classes,
+            # 1 run in 4): it has no student to be, so it leaves at its first task.
+            return
         self.number, self.probe = self.roster.pop(0)
         self.rng = random.Random(self.number)
         self.streamlit = StreamlitSession(self.host, self.client, self.options.timeout)
@@ -160,7 +165,8 @@ class Student(HttpUser):
         self.plan = self.walk()
 
     def on_stop(self) -> None:
-        self.streamlit.close()
+        if self.streamlit is not None:
+            self.streamlit.close()
 
     def walk(self) -> Iterator[tuple[str, object]]:
         """The actions, in order: open, upload, then the pages from a random one on, moving one
@@ -194,6 +200,8 @@ class Student(HttpUser):
 
     @task
     def act(self) -> None:
+        if self.streamlit is None:
+            raise StopUser()
         if self.report.actions[self.number] >= self.options.actions:
             self.give_up()
         kind, action = next(self.plan)
