@@ -10,6 +10,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import vit_explorer as vx
+from vit_explorer import evaluation
 from vit_explorer import train as training
 from vit_explorer import training_run
 from vit_explorer.config import TrainConfig
@@ -137,13 +138,13 @@ def test_accuracy_by_image_size(tmp_path, positions):
     config = small_config(tmp_path, positions=positions, epochs=3, snapshot_every=0)
     model, accuracy = _trained(config)
     state = {name: value.clone() for name, value in model.state_dict().items()}
-    by_size = training.accuracy_by_image_size(model, "shapes", [16, (24, 24)], test_size=config.test_size)
+    by_size = evaluation.accuracy_by_image_size(model, "shapes", [16, (24, 24)], test_size=config.test_size)
     assert list(by_size) == [(16, 16), (24, 24)]
     assert by_size[16, 16] == accuracy  # its own size: the run's own test images and number
     assert 0 <= by_size[24, 24] <= 1 and by_size[24, 24] * 32 == round(by_size[24, 24] * 32)
     assert model.config.image_size == 16 and all(torch.equal(state[k], v) for k, v in model.state_dict().items())
 
-    larger = training.at_image_size(model, 24)
+    larger = evaluation.at_image_size(model, 24)
     assert larger.config.grid_size == (6, 6) and larger.config.rope_type == model.config.rope_type
     assert larger.patch_embed.proj.weight.data_ptr() == model.patch_embed.proj.weight.data_ptr()  # shared
     assert (larger.pos_embed is None) == (positions == "rotary")
@@ -153,8 +154,8 @@ def test_accuracy_by_image_size(tmp_path, positions):
 
 def test_scaled_image_sizes_are_whole_patches():
     config = vx.ViTConfig(image_size=(32, 48), patch_size=8)
-    assert training.scaled_image_sizes(config) == [(32, 48), (48, 72), (64, 96)]
-    assert training.scaled_image_sizes(config, (0.1, 1.2)) == [(8, 8), (40, 56)]
+    assert evaluation.scaled_image_sizes(config) == [(32, 48), (48, 72), (64, 96)]
+    assert evaluation.scaled_image_sizes(config, (0.1, 1.2)) == [(8, 8), (40, 56)]
 
 
 def test_resume_continues_exactly(tmp_path):

@@ -10,7 +10,8 @@ from vit_explorer.app.memo import memo
 from vit_explorer.config import POSITIONS, PRESETS, TrainConfig, ViTConfig, parse_patch_sizes
 from vit_explorer.data import SHAPE_CLASSES, native_image_size
 from vit_explorer.runs import ordinal
-from vit_explorer.train import accuracy_by_image_size, model_config, scaled_image_sizes
+from vit_explorer.evaluation import accuracy_by_image_size, scaled_image_sizes
+from vit_explorer.train import model_config
 from vit_explorer.weights import load_model
 
 DATASETS = {

@@ -176,7 +176,7 @@ def _add_evaluate(subparsers) -> None:
 
 
 def _run_evaluate(args: argparse.Namespace) -> int:
-    from .train import evaluate_checkpoint
+    from .evaluation import evaluate_checkpoint
 
     if args.batch_size < 1 or (args.test_size is not None and args.test_size < 1):
         raise ValueError("--batch-size and --test-size must be at least 1")

@@ -63,7 +63,7 @@ def training_curves(history: Mapping | None) -> go.Figure:
 
 
 def accuracy_by_image_size_figure(series: Mapping[str, Mapping[tuple[int, int], float]], trained_size: tuple[int, int]) -> go.Figure:
-    """Test accuracy against input size, a line per model (``train.accuracy_by_image_size`` of
+    """Test accuracy against input size, a line per model (``evaluation.accuracy_by_image_size`` of
     each, by label), the sizes in pixel order: how well each model's positions carry to grids
     larger than ``trained_size``, the one it learned at."""
     sizes = sorted({size for accuracies in series.values() for size in accuracies}, key=lambda size: size[0] * size[1])
