@@ -9,11 +9,12 @@ second person asking for the same result joins the job instead of starting anoth
 ``JobBoard`` keeps the jobs in a folder (one sub-folder per job: its record, input, progress,
 result or error, cancel request), changed under an flock on the folder as ``runs.RunManager``
 does, so that the limits are the folder's, not each server's: at most ``max_jobs`` run at once,
-at most ``queue_size`` wait, at most one waits per owner. Whichever server looks first starts
-the oldest waiting job when a slot frees. A worker (``_work``) runs at nice 15 with capped torch
-threads and the memory its estimate was granted (``admission.limit_memory``); it reports its
-progress to a file, checks for a cancel file between steps and writes its result whole. A worker
-that ends without a result leaves its job failed with a sentence.
+at most ``queue_size`` wait, at most one waits per owner. A worker (``_work``) runs at nice 15
+with capped torch threads and the memory its estimate was granted (``admission.limit_memory``);
+it reports its progress to a file, checks for a cancel file between steps, writes its result
+whole and, ending, starts the oldest waiting job, so that the queue moves with nobody looking (a
+worker killed cannot: whichever server looks next starts it). A worker that ends without a
+result leaves its job failed with a sentence.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import fcntl
 import hashlib
 import json
 import os
+import resource
 import shutil
 import socket
 import subprocess
@@ -190,9 +192,10 @@ class JobBoard:
     def _write_record(self, key: str, record: dict) -> None:
         _write_whole(self._files(key)["record"], json.dumps(record).encode())
 
-    def _state(self, key: str, record: dict) -> str:
+    def _state(self, key: str, record: dict, ended: str | None = None) -> str:
         """"queued", "running", "done", "failed" or "cancelled"; a worker found dead without a
-        result leaves its job failed, in a sentence every server reads."""
+        result leaves its job failed, in a sentence every server reads. ``ended``: the job whose
+        worker asks, ending (no longer running)."""
         files = self._files(key)
         if files["result"].exists():
             return "done"
@@ -200,9 +203,9 @@ class JobBoard:
             return "failed"
         if record["pid"] is None:
             return "queued"
-        alive = record["host"] != socket.gethostname() or process_identity(record["pid"]) == (
+        alive = key != ended and (record["host"] != socket.gethostname() or process_identity(record["pid"]) == (
             record["pid"], record["started"]
-        )
+        ))
         if alive:
             return "running"
         if files["cancel"].exists():
@@ -215,7 +218,7 @@ class JobBoard:
             return "failed"
         return "done"
 
-    def _jobs(self) -> dict[str, tuple[dict, str]]:
+    def _jobs(self, ended: str | None = None) -> dict[str, tuple[dict, str]]:
         """key -> (record, state), oldest first; cancelled jobs and old ended ones removed."""
         jobs = []
         for record_file in self.folder.glob("*/record.json"):
@@ -223,7 +226,7 @@ class JobBoard:
             record = self._record(key)
             if record is None:
                 continue
-            state = self._state(key, record)
+            state = self._state(key, record, ended)
             ended_long_ago = state in ("done", "failed") and time.time() - record_file.stat().st_mtime > KEEP_SECONDS
             if state == "cancelled" or ended_long_ago:
                 shutil.rmtree(record_file.parent, ignore_errors=True)
@@ -323,6 +326,7 @@ class JobBoard:
             record = {
                 "spec": asdict(spec), "owners": [owner], "submitted": time.time(), "forwards": forwards,
                 "memory": memory, "memory_limit": self.limits.memory, "threads": self.limits.threads,
+                "max_jobs": self.limits.max_jobs,
                 "pid": None, "started": None, "host": None,
             }
             self._write_record(key, record)
@@ -341,6 +345,12 @@ class JobBoard:
                 return None
             record, state = jobs[key]
             return self._status(key, record, state, jobs)
+
+    def start_waiting(self, ended: str | None = None) -> None:
+        """Start the oldest waiting jobs while slots are free; ``ended``: the job whose worker
+        calls this as it ends, its slot free."""
+        with self._locked():
+            self._promote(self._jobs(ended))
 
     def result(self, key: str) -> object:
         """The value of a done job (its kind's ``decode``)."""
@@ -395,7 +405,8 @@ def _work(folder: str) -> None:
     not. Nothing it does reaches a server but its files."""
     folder = Path(folder)
     with contextlib.suppress(OSError):
-        os.nice(15)  # well below the servers: the people browsing come first
+        os.nice(max(0, 15 - os.nice(0)))  # well below the servers (a worker started by a worker is there)
+    inherited = resource.getrlimit(resource.RLIMIT_DATA)
     record = json.loads((folder / "record.json").read_text())
     torch.set_num_threads(record["threads"])
     spec, cancel = record["spec"], folder / "cancel"
@@ -419,3 +430,7 @@ def _work(folder: str) -> None:
         pass  # the board removes a cancelled job once its worker has ended
     except BaseException as failure:  # whoever follows the job reads why
         _write_whole(folder / "error", _sentence(failure).encode())
+    # This slot goes to the oldest waiting job (a board that only starts jobs: it admits none).
+    resource.setrlimit(resource.RLIMIT_DATA, inherited)
+    limits = JobLimits(record["max_jobs"], queue_size=0, memory=record["memory_limit"], threads=record["threads"])
+    JobBoard(folder.parent, limits).start_waiting(ended=folder.name)
