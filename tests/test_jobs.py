@@ -53,7 +53,7 @@ def test_a_sweep_job_gives_the_sweep_computed_in_the_server(tmp_path):
     status = board.submit(spec, x, model.config, "ann")
     assert status.state == "running" and status.forwards == vx.sweep_cost(model.config)
     wait_for(board, spec.key, {"done"})
-    got, expected = board.result(spec.key), vx.head_sweep(model, x, "mean")
+    (got,), expected = board.result(spec.key), vx.head_sweep(model, x, "mean")
     assert (got.target, got.mode) == (expected.target, "mean")
     torch.testing.assert_close(got.values, expected.values, rtol=1e-4, atol=1e-5)
 
@@ -99,7 +99,7 @@ def test_a_waiting_job_starts_when_the_one_before_ends_with_nobody_looking(tmp_p
         assert time.monotonic() < deadline, "the waiting job never ran"
         time.sleep(0.2)
     assert board.status(first.key).state == board.status(second.key).state == "done"
-    torch.testing.assert_close(board.result(second.key).values, vx.head_sweep(model, x).values, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(board.result(second.key)[0].values, vx.head_sweep(model, x).values, rtol=1e-4, atol=1e-5)
 
 
 def test_an_identical_ask_joins_the_job_and_cancel_stops_it_only_when_nobody_wants_it(tmp_path, slow_model):

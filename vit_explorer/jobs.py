@@ -1,7 +1,8 @@
 """The views' heavy computations as jobs: admitted from their cost, queued on a jobs folder every
 server of a machine shares, each run in a worker process of its own, followed through files.
 
-A job is a ``JobSpec``: what to compute (``kind``, one of ``KINDS``), the model (a checkpoint file
+A job is a ``JobSpec``: what to compute (``kind``, one of ``KINDS``: the head sweep, a model's
+capture of one image for the Compare page, the tokens of several images), the model (a checkpoint file
 or a catalogue name, at a patch size and input size), what the input is (``identity``, with the
 input tensor handed over at submission) and its settings. Its ``key`` hashes all of that, so a
 second person asking for the same result joins the job instead of starting another.
@@ -39,6 +40,8 @@ import torch
 
 from .ablation import SWEEP_BATCH, HeadSweep, head_sweep, sweep_cost
 from .admission import GB, available_memory, environment_number, inference_memory, limit_memory
+from .analysis import streamed_rollout
+from .capture import Capture, capture, layer_attentions
 from .model import ViT
 from .runs import ordinal
 from .training_run import process_identity
@@ -63,12 +66,13 @@ class Cancelled(Exception):
 @dataclass(frozen=True)
 class Kind:
     """One kind of job: its cost in forward passes and memory, what its worker computes (arrays
-    out, progress reported as a share), and the value those arrays stand for."""
+    out, progress reported as a share), and the values those arrays stand for (a tuple: the
+    asker keeps each under a key of its own)."""
 
     forwards: Callable[[object], float]  # the model's config -> forward passes
     memory: Callable[[object], int]  # the model's config -> peak bytes of the worker
     compute: Callable[[ViT, torch.Tensor, dict, Callable[[float], None]], dict[str, np.ndarray]]
-    decode: Callable[[dict[str, np.ndarray]], object]
+    decode: Callable[[dict[str, np.ndarray]], tuple]
 
 
 def _sweep(model: ViT, x: torch.Tensor, settings: dict, progress: Callable[[float], None]) -> dict:
@@ -79,11 +83,63 @@ def _sweep(model: ViT, x: torch.Tensor, settings: dict, progress: Callable[[floa
     }
 
 
-def _decoded_sweep(arrays: dict) -> HeadSweep:
+def _decoded_sweep(arrays: dict) -> tuple[HeadSweep]:
     target = int(arrays["target"])
-    return HeadSweep(
+    return (HeadSweep(
         values=torch.from_numpy(arrays["values"]), target=None if target < 0 else target, mode=str(arrays["mode"]),
+    ),)
+
+
+CAPTURED_TENSORS = ("logits", "attentions", "tokens", "patches", "patch_embeddings")
+
+
+def _views(model: ViT, x: torch.Tensor, settings: dict, progress: Callable[[float], None]) -> dict:
+    """What a page draws of one image (the Compare page's model B): the capture (tokens, no
+    attention), the rollout through every layer at its default settings, and the attention of
+    layer ``settings["layer"]`` in float16, as app.selection.Selection computes them."""
+    captured = capture(model, x, layers=())
+    depth = model.config.depth
+    progress(1 / (depth + 1))
+    drawn = {}
+
+    def layers():
+        for layer, attention in enumerate(layer_attentions(model, captured)):
+            if layer == settings["layer"]:
+                drawn["attention"] = attention[0].to(torch.float16).numpy()
+            progress((layer + 2) / (depth + 1))
+            yield attention
+
+    rollout = streamed_rollout(layers(), num_prefix_tokens=captured.num_prefix_tokens)
+    arrays = {f"capture.{name}": getattr(captured, name).numpy() for name in CAPTURED_TENSORS}
+    if captured.pool_attentions is not None:
+        arrays["capture.pool_attentions"] = captured.pool_attentions.numpy()
+    return {
+        **arrays, "capture.grid_size": np.array(captured.grid_size), "capture.layers": np.array(captured.layers, int),
+        "capture.num_prefix_tokens": np.array(captured.num_prefix_tokens),
+        "capture.class_token": np.array(captured.class_token), "rollout": rollout.cpu().numpy(), **drawn,
+    }
+
+
+def _decoded_views(arrays: dict) -> tuple[Capture, torch.Tensor, torch.Tensor]:
+    """(the capture, the rollout (1, N, N), the drawn layer's attention (heads, N, N))."""
+    pool = arrays.get("capture.pool_attentions")
+    captured = Capture(
+        **{name: torch.from_numpy(arrays[f"capture.{name}"]) for name in CAPTURED_TENSORS},
+        grid_size=tuple(int(size) for size in arrays["capture.grid_size"]),
+        num_prefix_tokens=int(arrays["capture.num_prefix_tokens"]),
+        layers=tuple(int(layer) for layer in arrays["capture.layers"]),
+        class_token=bool(arrays["capture.class_token"]), pool_attentions=None if pool is None else torch.from_numpy(pool),
     )
+    return captured, torch.from_numpy(arrays["rollout"]), torch.from_numpy(arrays["attention"])
+
+
+def _views_memory(config) -> int:
+    """The capture's tokens kept, a layer's float32 attention and the drawn one's in float16, the
+    rollout's N x N matrices (app.models.view_bytes' count)."""
+    tokens = config.num_tokens
+    return inference_memory(config, 1, kept_floats=(
+        (config.depth + 1) * tokens * config.embed_dim + 2 * config.num_heads * tokens**2 + 8 * tokens**2
+    ))
 
 
 KINDS = {
@@ -95,6 +151,8 @@ KINDS = {
         ),
         compute=_sweep, decode=_decoded_sweep,
     ),
+    # The pass, then every layer's attention part again for the rollout (less than a pass).
+    "views": Kind(forwards=lambda config: 2.0, memory=_views_memory, compute=_views, decode=_decoded_views),
 }
 
 
@@ -352,8 +410,8 @@ class JobBoard:
         with self._locked():
             self._promote(self._jobs(ended))
 
-    def result(self, key: str) -> object:
-        """The value of a done job (its kind's ``decode``)."""
+    def result(self, key: str) -> tuple:
+        """The values of a done job (its kind's ``decode``)."""
         record = self._record(key)
         with np.load(self._files(key)["result"], allow_pickle=False) as saved:
             arrays = {name: saved[name] for name in saved.files}
