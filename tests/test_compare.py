@@ -1,16 +1,10 @@
 """The Compare page: two models side by side, layers matched by relative depth, one image point
 mapped onto two grids, everything from the shared caches."""
-import base64
-import io
-import json
-
-import numpy as np
 import pytest
-from PIL import Image
 
 import vit_explorer as vx
 from tests.test_app import errors, figure_titles, open_app, tiny_default, tiny_model, title_matching, widget  # noqa: F401
-from tests.test_knockout import decoded, run_until
+from tests.test_knockout import assert_same_charts, charts, run_until
 from vit_explorer import analysis
 from vit_explorer.app import costs, memo, models, selection
 
@@ -156,9 +150,7 @@ def test_a_catalogue_model_waits_to_be_asked_and_a_failed_download_keeps_a(monke
 
 
 def b_figures(app) -> dict[str, list[dict]]:
-    """B's figures: title -> traces."""
-    charts = [json.loads(chart.proto.spec) for chart in app.get("plotly_chart")]
-    return {chart["layout"]["title"]["text"]: chart["data"] for chart in charts if chart["layout"]["title"]["text"].startswith("B:")}
+    return {title: traces for title, traces in charts(app).items() if title.startswith("B:")}
 
 
 def test_a_model_b_that_is_not_quick_is_a_job_that_draws_what_the_server_would(captures, monkeypatch):
@@ -174,19 +166,4 @@ def test_a_model_b_that_is_not_quick_is_a_job_that_draws_what_the_server_would(c
     run_until(app, b_figures)
     assert errors(app) == [] and not app.get("progress")
     assert [config.patch_size for config in captures] == [4]  # A's only: B's ran beside the server
-    shown = b_figures(app)
-    assert shown.keys() == inline.keys()
-    for title, traces in shown.items():
-        for trace, expected in zip(traces, inline[title], strict=True):
-            assert trace.keys() == expected.keys()
-            for name, value in expected.items():
-                if isinstance(value, dict) and "bdata" in value:  # a worker's sums may differ in the last bits
-                    np.testing.assert_allclose(decoded(trace[name]), decoded(value), rtol=1e-3, atol=1e-6)
-                elif name == "source":  # a PNG
-                    np.testing.assert_allclose(pixels(trace[name]), pixels(value), atol=1)
-                else:
-                    assert trace[name] == value, (title, name)
-
-
-def pixels(source: str) -> np.ndarray:
-    return np.asarray(Image.open(io.BytesIO(base64.b64decode(source.partition(",")[2])))).astype(int)
+    assert_same_charts(b_figures(app), inline)

@@ -2,7 +2,7 @@
 server of a machine shares, each run in a worker process of its own, followed through files.
 
 A job is a ``JobSpec``: what to compute (``kind``, one of ``KINDS``: the head sweep, a model's
-capture of one image for the Compare page, the tokens of several images), the model (a checkpoint file
+capture of one image for the Compare page, the tokens of several images in one batch), the model (a checkpoint file
 or a catalogue name, at a patch size and input size), what the input is (``identity``, with the
 input tensor handed over at submission) and its settings. Its ``key`` hashes all of that, so a
 second person asking for the same result joins the job instead of starting another.
@@ -69,8 +69,8 @@ class Kind:
     out, progress reported as a share), and the values those arrays stand for (a tuple: the
     asker keeps each under a key of its own)."""
 
-    forwards: Callable[[object], float]  # the model's config -> forward passes
-    memory: Callable[[object], int]  # the model's config -> peak bytes of the worker
+    forwards: Callable[[object, dict], float]  # the model's config, the settings -> forward passes
+    memory: Callable[[object, dict], int]  # the model's config, the settings -> peak bytes of the worker
     compute: Callable[[ViT, torch.Tensor, dict, Callable[[float], None]], dict[str, np.ndarray]]
     decode: Callable[[dict[str, np.ndarray]], tuple]
 
@@ -133,7 +133,17 @@ def _decoded_views(arrays: dict) -> tuple[Capture, torch.Tensor, torch.Tensor]:
     return captured, torch.from_numpy(arrays["rollout"]), torch.from_numpy(arrays["attention"])
 
 
-def _views_memory(config) -> int:
+def _tokens(model: ViT, x: torch.Tensor, settings: dict, progress: Callable[[float], None]) -> dict:
+    """Every block's tokens of the images ``x`` (B, C, H, W), in one pass (app.selection.ImageSet's)."""
+    return {"tokens": capture(model, x, layers=()).tokens.numpy()}
+
+
+def _decoded_tokens(arrays: dict) -> tuple[torch.Tensor, ...]:
+    """(depth + 1, N, D) per image, each in storage of its own (kept apart)."""
+    return tuple(torch.from_numpy(tokens.copy()) for tokens in arrays["tokens"])
+
+
+def _views_memory(config, settings: dict) -> int:
     """The capture's tokens kept, a layer's float32 attention and the drawn one's in float16, the
     rollout's N x N matrices (app.models.view_bytes' count)."""
     tokens = config.num_tokens
@@ -144,15 +154,23 @@ def _views_memory(config) -> int:
 
 KINDS = {
     "head sweep": Kind(
-        forwards=sweep_cost,
+        forwards=lambda config, settings: sweep_cost(config),
         # SWEEP_BATCH copies of one layer's input at a time, the intact tokens of every layer kept.
-        memory=lambda config: inference_memory(
+        memory=lambda config, settings: inference_memory(
             config, SWEEP_BATCH, kept_floats=(config.depth + 1) * config.num_tokens * config.embed_dim,
         ),
         compute=_sweep, decode=_decoded_sweep,
     ),
     # The pass, then every layer's attention part again for the rollout (less than a pass).
-    "views": Kind(forwards=lambda config: 2.0, memory=_views_memory, compute=_views, decode=_decoded_views),
+    "views": Kind(forwards=lambda config, settings: 2.0, memory=_views_memory, compute=_views, decode=_decoded_views),
+    # One pass of settings["images"] images, each one's tokens kept.
+    "tokens": Kind(
+        forwards=lambda config, settings: settings["images"],
+        memory=lambda config, settings: inference_memory(
+            config, settings["images"], kept_floats=settings["images"] * (config.depth + 1) * config.num_tokens * config.embed_dim,
+        ),
+        compute=_tokens, decode=_decoded_tokens,
+    ),
 }
 
 
@@ -343,7 +361,7 @@ class JobBoard:
     def estimate(self, spec: JobSpec, config) -> tuple[float, int]:
         """(forward passes, peak bytes) of ``spec`` on a model of ``config``."""
         kind = KINDS[spec.kind]
-        return kind.forwards(config), kind.memory(config)
+        return kind.forwards(config, spec.settings), kind.memory(config, spec.settings)
 
     def submit(self, spec: JobSpec, x: torch.Tensor, config, owner: str) -> JobStatus:
         """Ask for ``spec`` on input ``x`` for ``owner``: joins the same job if there is one (a

@@ -1,7 +1,7 @@
 """A view's heavy computation as a job (vit_explorer.jobs): asked for with a button, followed live
 (place in the queue, a progress bar, Cancel), its results shared with everybody through ``memo``
 under the keys the inline computation uses: the Knock-out page's head sweep, what the Compare
-page draws of model B."""
+page draws of model B, the Several images page's batch."""
 from __future__ import annotations
 
 import functools
@@ -16,7 +16,7 @@ from ..capture import Capture
 from ..jobs import JobBoard, JobRefused, JobSpec, JobStatus
 from . import models, runs
 from .memo import memo, shared_results
-from .selection import Selection
+from .selection import ImageSet, Selection
 
 FOLLOW_SECONDS = 1.0  # how often a followed job's place and progress are drawn again
 
@@ -57,10 +57,23 @@ def views(selection: Selection, layer: int, label: str) -> Capture | None:
     return None if values is None else values[0]
 
 
-def _spec(selection: Selection, kind: str, **settings) -> JobSpec:
+def image_tokens(image_set: ImageSet, label: str) -> bool:
+    """:meth:`ImageSet.image_tokens` of the images no page has read (:meth:`ImageSet.unread`) as a
+    job, in one batch, each image's tokens kept under its key: whether they are all there (else
+    what to do or how it goes is drawn in their place)."""
+    unread = image_set.unread()
+    identity = "\n".join(image_set.image_keys[index] for index in unread)
+    spec = _spec(image_set.selection, "tokens", identity, images=len(unread))
+    keys = tuple(image_set.tokens_key(index) for index in unread)
+    return _as_job(image_set.selection, spec, keys, label, image_set.model_input()[unread]) is not None
+
+
+def _spec(selection: Selection, kind: str, identity: str | None = None, **settings) -> JobSpec:
+    """``kind`` on ``selection``'s model at its sizes, for its image unless ``identity`` says what
+    the input is."""
     return JobSpec(
         kind, _model_source(selection.model_key), selection.patch_size, selection.config.img_size,
-        selection.image_key, settings,
+        selection.image_key if identity is None else identity, settings,
     )
 
 
