@@ -4,8 +4,9 @@ import pytest
 
 import vit_explorer as vx
 from tests.test_app import errors, figure_titles, open_app, tiny_default, tiny_model, title_matching, widget  # noqa: F401
+from tests.test_knockout import assert_same_charts, charts, run_until
 from vit_explorer import analysis
-from vit_explorer.app import models, selection
+from vit_explorer.app import costs, memo, models, selection
 
 PAGE = "views/compare.py"
 
@@ -146,3 +147,23 @@ def test_a_catalogue_model_waits_to_be_asked_and_a_failed_download_keeps_a(monke
     assert error.startswith("Could not load model B, model A stays as it is: could not download DINO ViT-S/16")
     assert "\n" not in error
     assert app.session_state["model_key"] == "default"
+
+
+def b_figures(app) -> dict[str, list[dict]]:
+    return {title: traces for title, traces in charts(app).items() if title.startswith("B:")}
+
+
+def test_a_model_b_that_is_not_quick_is_a_job_that_draws_what_the_server_would(captures, monkeypatch):
+    inline = b_figures(open_app(PAGE))  # B at patch 2, computed in the server
+    assert len(inline) == 4
+    memo.shared_results().clear()
+    monkeypatch.setattr(costs, "QUICK_COST", 1.0)  # B's pass as a real-size model's would be
+    captures.clear()
+    app = open_app(PAGE)
+    assert errors(app) == [] and b_figures(app) == {}
+    assert any("runs when you ask" in markdown.value for markdown in app.markdown)
+    widget(app.button, "Run model B").click().run()
+    run_until(app, b_figures)
+    assert errors(app) == [] and not app.get("progress")
+    assert [config.patch_size for config in captures] == [4]  # A's only: B's ran beside the server
+    assert_same_charts(b_figures(app), inline)

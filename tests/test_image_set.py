@@ -9,9 +9,10 @@ import vit_explorer as vx
 from vit_explorer import figures
 from vit_explorer import image_set as sets
 from vit_explorer import model as model_module
-from vit_explorer.app import memo, models, selection
+from vit_explorer.app import costs, memo, models, selection
 from vit_explorer.capture import layer_internals
 from test_app import APP, PHOTO, errors, figure_titles, tiny_default, tiny_model, widget  # noqa: F401 (the fixture)
+from test_knockout import assert_same_charts, charts, run_until
 
 GRID = (3, 4)
 
@@ -225,6 +226,21 @@ def test_the_sidebars_image_is_read_from_its_capture_and_the_others_run_in_one_b
     batches.clear()
     app.switch_page("views/pipeline.py").run()
     assert not app.exception and batches == []
+
+
+def test_images_whose_pass_is_not_quick_are_read_by_a_job_that_draws_what_the_server_would(forwards, monkeypatch):
+    inline = charts(choose(open_page(), THREE))
+    memo.shared_results().clear()
+    monkeypatch.setattr(costs, "QUICK_COST", 1.0)  # each picture's pass as a real-size model's would be
+    app = choose(open_page(), THREE)
+    assert errors(app) == [] and charts(app) == {}
+    assert any("Pictures no page has read with this model yet: 2" in markdown.value for markdown in app.markdown)
+    forwards.clear()
+    widget(app.button, "Read the pictures").click().run()
+    run_until(app, charts)
+    assert errors(app) == [] and not app.get("progress")
+    assert sum(forwards) == 0  # the two in one batch beside the server; the sidebar's was captured
+    assert_same_charts(charts(app), inline)
 
 
 def test_the_images_batch_is_shared_by_every_session(forwards):

@@ -53,7 +53,7 @@ def test_a_sweep_job_gives_the_sweep_computed_in_the_server(tmp_path):
     status = board.submit(spec, x, model.config, "ann")
     assert status.state == "running" and status.forwards == vx.sweep_cost(model.config)
     wait_for(board, spec.key, {"done"})
-    got, expected = board.result(spec.key), vx.head_sweep(model, x, "mean")
+    (got,), expected = board.result(spec.key), vx.head_sweep(model, x, "mean")
     assert (got.target, got.mode) == (expected.target, "mean")
     torch.testing.assert_close(got.values, expected.values, rtol=1e-4, atol=1e-5)
 
@@ -80,6 +80,26 @@ def test_the_cap_the_queue_and_one_waiting_per_owner(tmp_path, slow_model):
     assert board.status(spec_of(path, model, "image c").key).state == "queued"
     with pytest.raises(JobRefused, match="more than the 0.1 GB"):
         JobBoard(tmp_path / "small", limits(memory=2**30 // 10)).submit(first, x, model.config, "ann")
+
+
+def test_a_waiting_job_starts_when_the_one_before_ends_with_nobody_looking(tmp_path):
+    torch.manual_seed(0)
+    model = vx.ViT(tiny_config(num_classes=10)).eval()
+    path = tmp_path / "tiny.safetensors"
+    vx.save_model(model, path)
+    x = torch.randn(1, 3, *model.config.img_size)
+    board = JobBoard(tmp_path / "jobs", limits())
+    first, second = spec_of(path, model, "image a"), spec_of(path, model, "image b")
+    assert board.submit(first, x, model.config, "ann").state == "running"
+    assert board.submit(second, x, model.config, "bob").state == "queued"
+    # Nobody polls: the first worker, ending, starts the second, which finishes.
+    result = board._files(second.key)["result"]
+    deadline = time.monotonic() + 120
+    while not result.exists():
+        assert time.monotonic() < deadline, "the waiting job never ran"
+        time.sleep(0.2)
+    assert board.status(first.key).state == board.status(second.key).state == "done"
+    torch.testing.assert_close(board.result(second.key)[0].values, vx.head_sweep(model, x).values, rtol=1e-4, atol=1e-5)
 
 
 def test_an_identical_ask_joins_the_job_and_cancel_stops_it_only_when_nobody_wants_it(tmp_path, slow_model):

@@ -1,5 +1,6 @@
 """Knock-outs remove exactly what they say, per call, and the sweep agrees with them one by one."""
 import base64
+import io
 import json
 import os
 import re
@@ -9,6 +10,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 import vit_explorer as vx
 
@@ -247,6 +249,33 @@ def decoded(values) -> np.ndarray:
     if isinstance(values, dict):
         return np.frombuffer(base64.b64decode(values["bdata"]), dtype=values["dtype"])
     return np.asarray(values)
+
+
+def charts(app) -> dict[str, list[dict]]:
+    """The page's charts: title -> traces (their JSON)."""
+    specs = [json.loads(chart.proto.spec) for chart in app.get("plotly_chart")]
+    return {spec["layout"]["title"]["text"]: spec["data"] for spec in specs}
+
+
+def assert_same_charts(shown: dict[str, list[dict]], expected: dict[str, list[dict]]) -> None:
+    """Charts (title -> traces, their JSON) that show the same: numbers within what summing in
+    another order (a job's worker) moves, pictures within one level, the rest equal."""
+    assert shown.keys() == expected.keys()
+    for title, traces in shown.items():
+        for trace, reference in zip(traces, expected[title], strict=True):
+            assert trace.keys() == reference.keys()
+            for name, value in reference.items():
+                if isinstance(value, dict) and "bdata" in value:
+                    np.testing.assert_allclose(decoded(trace[name]), decoded(value), rtol=1e-3, atol=1e-6)
+                elif name == "source":  # a PNG
+                    np.testing.assert_allclose(pixels(trace[name]), pixels(value), atol=1)
+                else:
+                    assert trace[name] == value, (title, name)
+
+
+def pixels(source: str) -> np.ndarray:
+    """A data-URL PNG's pixels."""
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(source.partition(",")[2])))).astype(int)
 
 
 def choose(app, label: str, values) -> None:

@@ -2,7 +2,7 @@
 import streamlit as st
 
 from vit_explorer import analysis, figures
-from vit_explorer.app import models, session
+from vit_explorer.app import costs, jobs, models, session
 from vit_explorer.app.selection import Selection, prediction_caveats
 
 selection = session.selection()  # model A: the sidebar's
@@ -57,6 +57,15 @@ if other.key == selection.key:
     st.info("Model B is model A itself: choose another model or another patch size.")
     st.stop()
 
+b_passes = costs.forward_cost(other.config) / costs.forward_cost(selection.config)
+if not costs.is_quick(selection.config, forwards=1 + b_passes):
+    st.write(
+        f"Model B here costs about {b_passes:.1f} forward passes of A: it runs when you ask, beside the"
+        " server, so that the pages stay quick for everybody, and then serves everyone who compares the same."
+    )
+    # The layer drawn first: A's last meets B's last.
+    if jobs.views(other, other.config.depth - 1, "Run model B") is None:
+        st.stop()
 sides = {"A": selection, "B": other}
 results = {side: chosen.capture() for side, chosen in sides.items()}
 images = {side: chosen.display_image() for side, chosen in sides.items()}

@@ -6,7 +6,7 @@ import streamlit as st
 from vit_explorer import dense_pca as dense
 from vit_explorer import figures
 from vit_explorer import image_set as sets
-from vit_explorer.app import costs, images, models, session
+from vit_explorer.app import costs, images, jobs, models, session
 from vit_explorer.app.memo import memo
 from vit_explorer.app.selection import ImageSet
 
@@ -42,10 +42,18 @@ chosen = st.multiselect(
 )
 try:
     image_set = ImageSet.of(selection, chosen)
-    image_set.image_tokens()
 except ValueError as error:
     st.info(str(error))
     st.stop()
+unread = len(image_set.unread())
+if not costs.is_quick(config, forwards=unread):
+    st.write(
+        f"Pictures no page has read with this model yet: {unread}, about {unread} forward passes. They are"
+        " read when you ask, beside the server, so that the pages stay quick for everybody, and then serve everyone."
+    )
+    if not jobs.image_tokens(image_set, "Read the pictures"):
+        st.stop()
+image_set.image_tokens()
 display = image_set.display_images()
 labels = [f"{index + 1}. {options[key].split(': ')[-1]}" for index, key in enumerate(chosen)]
 grid_size = config.grid_size

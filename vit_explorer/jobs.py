@@ -1,7 +1,8 @@
 """The views' heavy computations as jobs: admitted from their cost, queued on a jobs folder every
 server of a machine shares, each run in a worker process of its own, followed through files.
 
-A job is a ``JobSpec``: what to compute (``kind``, one of ``KINDS``), the model (a checkpoint file
+A job is a ``JobSpec``: what to compute (``kind``, one of ``KINDS``: the head sweep, a model's
+capture of one image for the Compare page, the tokens of several images in one batch), the model (a checkpoint file
 or a catalogue name, at a patch size and input size), what the input is (``identity``, with the
 input tensor handed over at submission) and its settings. Its ``key`` hashes all of that, so a
 second person asking for the same result joins the job instead of starting another.
@@ -9,11 +10,12 @@ second person asking for the same result joins the job instead of starting anoth
 ``JobBoard`` keeps the jobs in a folder (one sub-folder per job: its record, input, progress,
 result or error, cancel request), changed under an flock on the folder as ``runs.RunManager``
 does, so that the limits are the folder's, not each server's: at most ``max_jobs`` run at once,
-at most ``queue_size`` wait, at most one waits per owner. Whichever server looks first starts
-the oldest waiting job when a slot frees. A worker (``_work``) runs at nice 15 with capped torch
-threads and the memory its estimate was granted (``admission.limit_memory``); it reports its
-progress to a file, checks for a cancel file between steps and writes its result whole. A worker
-that ends without a result leaves its job failed with a sentence.
+at most ``queue_size`` wait, at most one waits per owner. A worker (``_work``) runs at nice 15
+with capped torch threads and the memory its estimate was granted (``admission.limit_memory``);
+it reports its progress to a file, checks for a cancel file between steps, writes its result
+whole and, ending, starts the oldest waiting job, so that the queue moves with nobody looking (a
+worker killed cannot: whichever server looks next starts it). A worker that ends without a
+result leaves its job failed with a sentence.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import fcntl
 import hashlib
 import json
 import os
+import resource
 import shutil
 import socket
 import subprocess
@@ -37,6 +40,8 @@ import torch
 
 from .ablation import SWEEP_BATCH, HeadSweep, head_sweep, sweep_cost
 from .admission import GB, available_memory, environment_number, inference_memory, limit_memory
+from .analysis import streamed_rollout
+from .capture import Capture, capture, layer_attentions
 from .model import ViT
 from .runs import ordinal
 from .training_run import process_identity
@@ -61,12 +66,13 @@ class Cancelled(Exception):
 @dataclass(frozen=True)
 class Kind:
     """One kind of job: its cost in forward passes and memory, what its worker computes (arrays
-    out, progress reported as a share), and the value those arrays stand for."""
+    out, progress reported as a share), and the values those arrays stand for (a tuple: the
+    asker keeps each under a key of its own)."""
 
-    forwards: Callable[[object], float]  # the model's config -> forward passes
-    memory: Callable[[object], int]  # the model's config -> peak bytes of the worker
+    forwards: Callable[[object, dict], float]  # the model's config, the settings -> forward passes
+    memory: Callable[[object, dict], int]  # the model's config, the settings -> peak bytes of the worker
     compute: Callable[[ViT, torch.Tensor, dict, Callable[[float], None]], dict[str, np.ndarray]]
-    decode: Callable[[dict[str, np.ndarray]], object]
+    decode: Callable[[dict[str, np.ndarray]], tuple]
 
 
 def _sweep(model: ViT, x: torch.Tensor, settings: dict, progress: Callable[[float], None]) -> dict:
@@ -77,21 +83,93 @@ def _sweep(model: ViT, x: torch.Tensor, settings: dict, progress: Callable[[floa
     }
 
 
-def _decoded_sweep(arrays: dict) -> HeadSweep:
+def _decoded_sweep(arrays: dict) -> tuple[HeadSweep]:
     target = int(arrays["target"])
-    return HeadSweep(
+    return (HeadSweep(
         values=torch.from_numpy(arrays["values"]), target=None if target < 0 else target, mode=str(arrays["mode"]),
+    ),)
+
+
+CAPTURED_TENSORS = ("logits", "attentions", "tokens", "patches", "patch_embeddings")
+
+
+def _views(model: ViT, x: torch.Tensor, settings: dict, progress: Callable[[float], None]) -> dict:
+    """What a page draws of one image (the Compare page's model B): the capture (tokens, no
+    attention), the rollout through every layer at its default settings, and the attention of
+    layer ``settings["layer"]`` in float16, as app.selection.Selection computes them."""
+    captured = capture(model, x, layers=())
+    depth = model.config.depth
+    progress(1 / (depth + 1))
+    drawn = {}
+
+    def layers():
+        for layer, attention in enumerate(layer_attentions(model, captured)):
+            if layer == settings["layer"]:
+                drawn["attention"] = attention[0].to(torch.float16).numpy()
+            progress((layer + 2) / (depth + 1))
+            yield attention
+
+    rollout = streamed_rollout(layers(), num_prefix_tokens=captured.num_prefix_tokens)
+    arrays = {f"capture.{name}": getattr(captured, name).numpy() for name in CAPTURED_TENSORS}
+    if captured.pool_attentions is not None:
+        arrays["capture.pool_attentions"] = captured.pool_attentions.numpy()
+    return {
+        **arrays, "capture.grid_size": np.array(captured.grid_size), "capture.layers": np.array(captured.layers, int),
+        "capture.num_prefix_tokens": np.array(captured.num_prefix_tokens),
+        "capture.class_token": np.array(captured.class_token), "rollout": rollout.cpu().numpy(), **drawn,
+    }
+
+
+def _decoded_views(arrays: dict) -> tuple[Capture, torch.Tensor, torch.Tensor]:
+    """(the capture, the rollout (1, N, N), the drawn layer's attention (heads, N, N))."""
+    pool = arrays.get("capture.pool_attentions")
+    captured = Capture(
+        **{name: torch.from_numpy(arrays[f"capture.{name}"]) for name in CAPTURED_TENSORS},
+        grid_size=tuple(int(size) for size in arrays["capture.grid_size"]),
+        num_prefix_tokens=int(arrays["capture.num_prefix_tokens"]),
+        layers=tuple(int(layer) for layer in arrays["capture.layers"]),
+        class_token=bool(arrays["capture.class_token"]), pool_attentions=None if pool is None else torch.from_numpy(pool),
     )
+    return captured, torch.from_numpy(arrays["rollout"]), torch.from_numpy(arrays["attention"])
+
+
+def _tokens(model: ViT, x: torch.Tensor, settings: dict, progress: Callable[[float], None]) -> dict:
+    """Every block's tokens of the images ``x`` (B, C, H, W), in one pass (app.selection.ImageSet's)."""
+    return {"tokens": capture(model, x, layers=()).tokens.numpy()}
+
+
+def _decoded_tokens(arrays: dict) -> tuple[torch.Tensor, ...]:
+    """(depth + 1, N, D) per image, each in storage of its own (kept apart)."""
+    return tuple(torch.from_numpy(tokens.copy()) for tokens in arrays["tokens"])
+
+
+def _views_memory(config, settings: dict) -> int:
+    """The capture's tokens kept, a layer's float32 attention and the drawn one's in float16, the
+    rollout's N x N matrices (app.models.view_bytes' count)."""
+    tokens = config.num_tokens
+    return inference_memory(config, 1, kept_floats=(
+        (config.depth + 1) * tokens * config.embed_dim + 2 * config.num_heads * tokens**2 + 8 * tokens**2
+    ))
 
 
 KINDS = {
     "head sweep": Kind(
-        forwards=sweep_cost,
+        forwards=lambda config, settings: sweep_cost(config),
         # SWEEP_BATCH copies of one layer's input at a time, the intact tokens of every layer kept.
-        memory=lambda config: inference_memory(
+        memory=lambda config, settings: inference_memory(
             config, SWEEP_BATCH, kept_floats=(config.depth + 1) * config.num_tokens * config.embed_dim,
         ),
         compute=_sweep, decode=_decoded_sweep,
+    ),
+    # The pass, then every layer's attention part again for the rollout (less than a pass).
+    "views": Kind(forwards=lambda config, settings: 2.0, memory=_views_memory, compute=_views, decode=_decoded_views),
+    # One pass of settings["images"] images, each one's tokens kept.
+    "tokens": Kind(
+        forwards=lambda config, settings: settings["images"],
+        memory=lambda config, settings: inference_memory(
+            config, settings["images"], kept_floats=settings["images"] * (config.depth + 1) * config.num_tokens * config.embed_dim,
+        ),
+        compute=_tokens, decode=_decoded_tokens,
     ),
 }
 
@@ -190,9 +268,10 @@ class JobBoard:
     def _write_record(self, key: str, record: dict) -> None:
         _write_whole(self._files(key)["record"], json.dumps(record).encode())
 
-    def _state(self, key: str, record: dict) -> str:
+    def _state(self, key: str, record: dict, ended: str | None = None) -> str:
         """"queued", "running", "done", "failed" or "cancelled"; a worker found dead without a
-        result leaves its job failed, in a sentence every server reads."""
+        result leaves its job failed, in a sentence every server reads. ``ended``: the job whose
+        worker asks, ending (no longer running)."""
         files = self._files(key)
         if files["result"].exists():
             return "done"
@@ -200,9 +279,9 @@ class JobBoard:
             return "failed"
         if record["pid"] is None:
             return "queued"
-        alive = record["host"] != socket.gethostname() or process_identity(record["pid"]) == (
+        alive = key != ended and (record["host"] != socket.gethostname() or process_identity(record["pid"]) == (
             record["pid"], record["started"]
-        )
+        ))
         if alive:
             return "running"
         if files["cancel"].exists():
@@ -215,7 +294,7 @@ class JobBoard:
             return "failed"
         return "done"
 
-    def _jobs(self) -> dict[str, tuple[dict, str]]:
+    def _jobs(self, ended: str | None = None) -> dict[str, tuple[dict, str]]:
         """key -> (record, state), oldest first; cancelled jobs and old ended ones removed."""
         jobs = []
         for record_file in self.folder.glob("*/record.json"):
@@ -223,7 +302,7 @@ class JobBoard:
             record = self._record(key)
             if record is None:
                 continue
-            state = self._state(key, record)
+            state = self._state(key, record, ended)
             ended_long_ago = state in ("done", "failed") and time.time() - record_file.stat().st_mtime > KEEP_SECONDS
             if state == "cancelled" or ended_long_ago:
                 shutil.rmtree(record_file.parent, ignore_errors=True)
@@ -282,7 +361,7 @@ class JobBoard:
     def estimate(self, spec: JobSpec, config) -> tuple[float, int]:
         """(forward passes, peak bytes) of ``spec`` on a model of ``config``."""
         kind = KINDS[spec.kind]
-        return kind.forwards(config), kind.memory(config)
+        return kind.forwards(config, spec.settings), kind.memory(config, spec.settings)
 
     def submit(self, spec: JobSpec, x: torch.Tensor, config, owner: str) -> JobStatus:
         """Ask for ``spec`` on input ``x`` for ``owner``: joins the same job if there is one (a
@@ -323,6 +402,7 @@ class JobBoard:
             record = {
                 "spec": asdict(spec), "owners": [owner], "submitted": time.time(), "forwards": forwards,
                 "memory": memory, "memory_limit": self.limits.memory, "threads": self.limits.threads,
+                "max_jobs": self.limits.max_jobs,
                 "pid": None, "started": None, "host": None,
             }
             self._write_record(key, record)
@@ -342,8 +422,14 @@ class JobBoard:
             record, state = jobs[key]
             return self._status(key, record, state, jobs)
 
-    def result(self, key: str) -> object:
-        """The value of a done job (its kind's ``decode``)."""
+    def start_waiting(self, ended: str | None = None) -> None:
+        """Start the oldest waiting jobs while slots are free; ``ended``: the job whose worker
+        calls this as it ends, its slot free."""
+        with self._locked():
+            self._promote(self._jobs(ended))
+
+    def result(self, key: str) -> tuple:
+        """The values of a done job (its kind's ``decode``)."""
         record = self._record(key)
         with np.load(self._files(key)["result"], allow_pickle=False) as saved:
             arrays = {name: saved[name] for name in saved.files}
@@ -395,7 +481,8 @@ def _work(folder: str) -> None:
     not. Nothing it does reaches a server but its files."""
     folder = Path(folder)
     with contextlib.suppress(OSError):
-        os.nice(15)  # well below the servers: the people browsing come first
+        os.nice(max(0, 15 - os.nice(0)))  # well below the servers (a worker started by a worker is there)
+    inherited = resource.getrlimit(resource.RLIMIT_DATA)
     record = json.loads((folder / "record.json").read_text())
     torch.set_num_threads(record["threads"])
     spec, cancel = record["spec"], folder / "cancel"
@@ -419,3 +506,7 @@ def _work(folder: str) -> None:
         pass  # the board removes a cancelled job once its worker has ended
     except BaseException as failure:  # whoever follows the job reads why
         _write_whole(folder / "error", _sentence(failure).encode())
+    # This slot goes to the oldest waiting job (a board that only starts jobs: it admits none).
+    resource.setrlimit(resource.RLIMIT_DATA, inherited)
+    limits = JobLimits(record["max_jobs"], queue_size=0, memory=record["memory_limit"], threads=record["threads"])
+    JobBoard(folder.parent, limits).start_waiting(ended=folder.name)

@@ -1,18 +1,22 @@
 """A view's heavy computation as a job (vit_explorer.jobs): asked for with a button, followed live
-(place in the queue, a progress bar, Cancel), its result shared with everybody through ``memo``
-under the key the inline computation uses."""
+(place in the queue, a progress bar, Cancel), its results shared with everybody through ``memo``
+under the keys the inline computation uses: the Knock-out page's head sweep, what the Compare
+page draws of model B, the Several images page's batch."""
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
 import streamlit as st
+import torch
 
 from ..ablation import HeadSweep
+from ..capture import Capture
 from ..jobs import JobBoard, JobRefused, JobSpec, JobStatus
 from . import models, runs
 from .memo import memo, shared_results
-from .selection import Selection
+from .selection import ImageSet, Selection
 
 FOLLOW_SECONDS = 1.0  # how often a followed job's place and progress are drawn again
 
@@ -34,20 +38,55 @@ def _model_source(model_key: str) -> dict:
 def head_sweep(selection: Selection, mode: str) -> HeadSweep | None:
     """:meth:`Selection.head_sweep` as a job, for a model whose sweep is not quick: the sweep once
     it is done (for anybody), else None, with what to do or how it goes drawn in its place."""
-    spec = JobSpec(
-        "head sweep", _model_source(selection.model_key), selection.patch_size, selection.config.img_size,
-        selection.image_key, {"mode": mode},
+    key = (*selection.key, "head sweep", mode)
+    values = _as_job(selection, _spec(selection, "head sweep", mode=mode), (key,), "Run the sweep")
+    return None if values is None else values[0]
+
+
+def views(selection: Selection, layer: int, label: str) -> Capture | None:
+    """What a page draws of ``selection`` computed as a job, for a model whose views are not quick
+    (the Compare page's model B at a finer patch size or of a larger kind): :meth:`Selection.capture`,
+    its default :meth:`Selection.rollout` and :meth:`Selection.attention` of ``layer``, under their
+    keys, so that the page then reads them as it would have computed them; the capture once they
+    are there, else None, with what to do or how it goes drawn in its place."""
+    keys = (
+        (*selection.key, "capture"), (*selection.key, "rollout", "mean", 0.0, None),
+        (*selection.key, "attention", layer, None),
     )
-    return _as_job(selection, spec, (*selection.key, "head sweep", mode), "Run the sweep")
+    values = _as_job(selection, _spec(selection, "views", layer=layer), keys, label)
+    return None if values is None else values[0]
 
 
-def _as_job(selection: Selection, spec: JobSpec, key: tuple, label: str):
-    if key in shared_results():
-        return shared_results().get(key)
+def image_tokens(image_set: ImageSet, label: str) -> bool:
+    """:meth:`ImageSet.image_tokens` of the images no page has read (:meth:`ImageSet.unread`) as a
+    job, in one batch, each image's tokens kept under its key: whether they are all there (else
+    what to do or how it goes is drawn in their place)."""
+    unread = image_set.unread()
+    identity = "\n".join(image_set.image_keys[index] for index in unread)
+    spec = _spec(image_set.selection, "tokens", identity, images=len(unread))
+    keys = tuple(image_set.tokens_key(index) for index in unread)
+    return _as_job(image_set.selection, spec, keys, label, image_set.model_input()[unread]) is not None
+
+
+def _spec(selection: Selection, kind: str, identity: str | None = None, **settings) -> JobSpec:
+    """``kind`` on ``selection``'s model at its sizes, for its image unless ``identity`` says what
+    the input is."""
+    return JobSpec(
+        kind, _model_source(selection.model_key), selection.patch_size, selection.config.img_size,
+        selection.image_key if identity is None else identity, settings,
+    )
+
+
+def _as_job(selection: Selection, spec: JobSpec, keys: tuple[tuple, ...], label: str, x: torch.Tensor | None = None) -> tuple | None:
+    """The job's values, kept under ``keys`` (one each), once done; else None, with the button
+    to ask for it (for the input ``x``: by default the selection's image) or its progress."""
+    found = tuple(shared_results().get(key) for key in keys)
+    if all(value is not None for value in found):
+        return found
     board = job_board()
     status = board.status(spec.key)
     if status is not None and status.state == "done":
-        return memo(key, lambda: board.result(spec.key))
+        return _kept(spec.key, keys)
     forwards, _ = board.estimate(spec, selection.config)
     token = st.session_state.get("owner_token")
     asked = status is not None and status.state != "failed" and token in status.owners
@@ -65,24 +104,30 @@ def _as_job(selection: Selection, spec: JobSpec, key: tuple, label: str):
             ),
         ):
             try:
-                board.submit(spec, selection.model_input(), selection.config, runs.owner_token())
+                board.submit(spec, selection.model_input() if x is None else x, selection.config, runs.owner_token())
             except JobRefused as refusal:
                 st.error(str(refusal))
                 return None
             st.rerun()  # drawn again as asked: the button gone, the job followed
     if status is not None and status.state in ("queued", "running"):
-        _follow(spec.key, key)
+        _follow(spec.key, keys)
     return None
 
 
+def _kept(job_key: str, keys: tuple[tuple, ...]) -> tuple:
+    """A done job's values, each kept in ``memo`` under its key (read from its files once)."""
+    result = functools.cache(lambda: job_board().result(job_key))
+    return tuple(memo(key, lambda index=index: result()[index]) for index, key in enumerate(keys))
+
+
 @st.fragment(run_every=FOLLOW_SECONDS)
-def _follow(job_key: str, key: tuple) -> None:
+def _follow(job_key: str, keys: tuple[tuple, ...]) -> None:
     """The job's place in the queue or its progress, and Cancel for those who asked; the whole page
-    again once it has ended (its result, or why not)."""
+    again once it has ended (its results, or why not)."""
     status = job_board().status(job_key)
     if status is None or status.state in ("done", "failed"):
-        if key not in shared_results() and status is not None and status.state == "done":
-            memo(key, lambda: job_board().result(job_key))
+        if status is not None and status.state == "done":
+            _kept(job_key, keys)
         st.rerun()
     _draw(status)
     token = st.session_state.get("owner_token")

@@ -240,19 +240,30 @@ class ImageSet:
             batch = capture(selection.model, x, layers=()).tokens
             ran.update({index: tokens.clone() for index, tokens in zip(indices, batch)})  # own storage each
             for index in indices[1:]:
-                memo(self._tokens_key(index), lambda index=index: ran[index])
+                memo(self.tokens_key(index), lambda index=index: ran[index])
             return ran[indices[0]]
 
         spinner = f"Running the model on {len(missing)} image{'s' if len(missing) > 1 else ''} ..."
         for index in missing:  # the first one missing runs every one still missing
-            found[index] = memo(self._tokens_key(index), lambda index=index: ran[index] if index in ran else run([
-                index, *(later for later in missing if later > index and self._tokens_key(later) not in shared_results())
+            found[index] = memo(self.tokens_key(index), lambda index=index: ran[index] if index in ran else run([
+                index, *(later for later in missing if later > index and self.tokens_key(later) not in shared_results())
             ]), spinner=spinner)
         return found
 
-    def _tokens_key(self, index: int) -> tuple:
+    def tokens_key(self, index: int) -> tuple:
+        """The memo key of image ``index``'s tokens (by model, sizes and image: any set shares them)."""
         selection = self.selection
         return (selection.model_key, selection.patch_size, selection.config.img_size, "set image tokens", self.image_keys[index])
+
+    def unread(self) -> list[int]:
+        """The images :meth:`image_tokens` would run (the sidebar's aside: its capture is every
+        page's): no page has captured them and no set has read them."""
+        selection = self.selection
+        return [
+            index for index, (image_key, image) in enumerate(zip(self.image_keys, self.images))
+            if image_key != selection.image_key and self.tokens_key(index) not in shared_results()
+            and replace(selection, image_key=image_key, image=image).cached_capture() is None
+        ]
 
     def tokens(self, index: int) -> torch.Tensor:
         """(B, N, D) every image's tokens at ``index`` of :meth:`image_tokens` (0: entering the
