@@ -232,6 +232,7 @@ def test_images_whose_pass_is_not_quick_are_read_by_a_job_that_draws_what_the_se
     inline = charts(choose(open_page(), THREE))
     memo.shared_results().clear()
     monkeypatch.setattr(costs, "QUICK_COST", 1.0)  # each picture's pass as a real-size model's would be
+    monkeypatch.setattr(costs, "HEAVY_FORWARDS", 1)  # and two of them more than a few
     app = choose(open_page(), THREE)
     assert errors(app) == [] and charts(app) == {}
     assert any("Pictures no page has read with this model yet: 2" in markdown.value for markdown in app.markdown)
@@ -241,6 +242,13 @@ def test_images_whose_pass_is_not_quick_are_read_by_a_job_that_draws_what_the_se
     assert errors(app) == [] and not app.get("progress")
     assert sum(forwards) == 0  # the two in one batch beside the server; the sidebar's was captured
     assert_same_charts(charts(app), inline)
+
+
+def test_a_few_pictures_are_read_in_the_server_even_on_a_real_size_model(forwards, monkeypatch):
+    monkeypatch.setattr(costs, "QUICK_COST", 1.0)  # each picture's pass as a real-size model's would be
+    app = choose(open_page(), THREE)  # two pictures no page read: a page's own capture or two, not a job
+    assert errors(app) == [] and len(charts(app)) > 0
+    assert not [button for button in app.button if button.label == "Read the pictures"]
 
 
 def test_the_images_batch_is_shared_by_every_session(forwards):

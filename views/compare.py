@@ -58,7 +58,7 @@ if other.key == selection.key:
     st.stop()
 
 b_passes = costs.forward_cost(other.config) / costs.forward_cost(selection.config)
-if not costs.is_quick(selection.config, forwards=1 + b_passes):
+if costs.is_heavy(selection.config, forwards=1 + b_passes):
     st.write(
         f"Model B here costs about {b_passes:.1f} forward passes of A: it runs when you ask, beside the"
         " server, so that the pages stay quick for everybody, and then serves everyone who compares the same."

@@ -46,7 +46,7 @@ except ValueError as error:
     st.info(str(error))
     st.stop()
 unread = len(image_set.unread())
-if not costs.is_quick(config, forwards=unread):
+if costs.is_heavy(config, forwards=unread):
     st.write(
         f"Pictures no page has read with this model yet: {unread}, about {unread} forward passes. They are"
         " read when you ask, beside the server, so that the pages stay quick for everybody, and then serve everyone."

@@ -45,6 +45,16 @@ def is_quick(config, forwards: float = 1.0) -> bool:
     return forwards * forward_cost(config) <= QUICK_COST
 
 
+# A view whose work is at most this many of its model's forward passes stays in the server, like
+# any page's own capture; more is a job (vit_explorer.app.jobs) unless it is quick anyway.
+HEAVY_FORWARDS = 3
+
+
+def is_heavy(config, forwards: float) -> bool:
+    """Whether work of ``forwards`` forward passes is a job: more than a few, and not quick."""
+    return forwards > HEAVY_FORWARDS and not is_quick(config, forwards)
+
+
 # --- every patch size side by side ---------------------------------------------------------------
 
 # Each patch size is timed once per model and input size (a pass's time does not depend on the
