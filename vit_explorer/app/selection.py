@@ -3,6 +3,7 @@ and input size, and an image), ``ImageSet`` (several images for one model), and 
 on them is worth (``prediction_caveats``)."""
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TypeVar
@@ -56,10 +57,19 @@ class Selection:
     def capture(self) -> Capture:
         """The forward pass dissected, attention in float16: the views only draw it, and half the
         bytes are half the memory every cached capture holds and half of what a pass writes."""
-        return self.memo(
-            "capture", compute=lambda: capture(self.model, self.model_input(), attention_dtype=torch.float16),
-            spinner="Running the model ...",
-        )
+        return self.memo("capture", compute=self._timed_capture, spinner="Running the model ...")
+
+    def _timed_capture(self) -> Capture:
+        """The capture, its pass's seconds kept beside it (:meth:`capture_seconds`)."""
+        started = time.perf_counter()
+        captured = capture(self.model, self.model_input(), attention_dtype=torch.float16)
+        seconds = time.perf_counter() - started  # the tensors are on the CPU: the pass has run
+        self.memo("capture seconds", compute=lambda: seconds)
+        return captured
+
+    def capture_seconds(self) -> float | None:
+        """Seconds the pass of :meth:`capture` took, if it ran in this process and is still kept."""
+        return shared_results().get((*self.key, "capture seconds"))
 
     def cached_capture(self) -> Capture | None:
         """:meth:`capture` if a page has made it already (for anybody), else None: nothing runs."""
