@@ -285,10 +285,10 @@ def comparison_cost(selection: Selection) -> float:
 def forward_seconds(selection: Selection) -> float:
     """Seconds of one forward pass of this image at the model's own patch size, once per model
     and input size for everybody: the pass that captured this image at that size, whichever page
-    made it (recording it makes it a little slower than a plain pass: the wait said errs long),
+    made it (recording makes it a few percent slower than a plain pass: the wait said errs long),
     else the median of TIMED_PASSES timed now (one sample on a busy server can be several times
-    off; the page's capture has just warmed the model up). Timing passes for it cost a real-size
-    model's Patches page three forward passes more than it draws."""
+    off; the page's capture has just warmed the model up). Passes of its own made a real-size
+    model's first Patches view cost four passes where it draws one."""
     model = selection.base_model
     native = replace(selection, patch_size=model.config.patch_size, model=model)
     key = (selection.model_key, selection.config.img_size, "forward seconds")
