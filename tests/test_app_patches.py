@@ -11,7 +11,7 @@ import torch
 
 import vit_explorer as vx
 from vit_explorer import catalogue
-from vit_explorer.app import costs, memo, models
+from vit_explorer.app import costs, memo, models, selection
 from vit_explorer.data import shapes_sample
 from test_app import errors, open_app, tiny_default, tiny_model, title_matching  # noqa: F401
 
@@ -61,6 +61,24 @@ def test_each_patch_size_is_warmed_up_then_timed_by_the_median_of_the_plan(monke
     assert [text.split(" (")[0] for _, text in seen[:-1]] == [
         f"Timing patch {planned.patch_size}" for planned in plan
     ]
+
+
+def test_the_wait_is_timed_from_the_pass_that_captured_the_image(monkeypatch):
+    """The comparison's wait needs one pass's seconds: the capture's own pass at the model's patch
+    size gives them; only where no page captured it there do passes run to time it."""
+    base = models.base_model(models.DEFAULT_MODEL)
+    image = shapes_sample(0, 32)[0]
+    native = selection.Selection(models.DEFAULT_MODEL, base.config.patch_size, "shapes:0", base, image)
+    calls = counting_forwards(monkeypatch)
+    native.capture()
+    assert costs.forward_seconds(native) == native.capture_seconds() > 0 and len(calls) == 1
+    memo.shared_results().clear()
+    finer = selection.Selection(
+        models.DEFAULT_MODEL, 2, "shapes:0", models.model_at(models.DEFAULT_MODEL, 2, base.config.img_size), image
+    )
+    finer.capture()
+    assert costs.forward_seconds(finer) > 0
+    assert calls[1:] == [(1, 257)] + [(1, 65)] * costs.TIMED_PASSES  # patch 2's capture, then the timed passes
 
 
 def test_an_expensive_patch_size_is_timed_once_after_its_warm_up():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import streamlit as st
 import torch
@@ -293,12 +293,16 @@ def comparison_cost(selection: Selection) -> float:
 
 
 def forward_seconds(selection: Selection) -> float:
-    """Seconds of one forward pass of this image at the model's own patch size: the median of
-    TIMED_PASSES (one sample on a busy server can be several times off), timed once per model
-    and input size for everybody (the page's capture has just warmed the model up)."""
+    """Seconds of one forward pass of this image at the model's own patch size, once per model
+    and input size for everybody: the pass that captured this image at that size, whichever page
+    made it (recording makes it a few percent slower than a plain pass: the wait said errs long),
+    else the median of TIMED_PASSES timed now (one sample on a busy server can be several times
+    off; the page's capture has just warmed the model up). Passes of its own made a real-size
+    model's first Patches view cost four passes where it draws one."""
     model = selection.base_model
+    native = replace(selection, patch_size=model.config.patch_size, model=model)
     key = (selection.model_key, selection.config.img_size, "forward seconds")
-    return memo(key, lambda: _median_forward(
+    return memo(key, lambda: native.capture_seconds() or _median_forward(
         model, selection.model_input().to(models.DEVICE), TIMED_PASSES, warm_up=False
     )[1] / 1000)
 

@@ -3,6 +3,7 @@ and input size, and an image), ``ImageSet`` (several images for one model), and 
 on them is worth (``prediction_caveats``)."""
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TypeVar
@@ -58,10 +59,19 @@ class Selection:
         ask for the layers they draw (:meth:`attention`), and the analyses over all layers compute
         them from these tokens a layer at a time (:meth:`rollout`, :meth:`head_statistics`), so a
         view holds what models.view_bytes counts at any input size, not (depth, heads, N, N)."""
-        return self.memo(
-            "capture", compute=lambda: capture(self.model, self.model_input(), layers=()),
-            spinner="Running the model ...",
-        )
+        return self.memo("capture", compute=self._timed_capture, spinner="Running the model ...")
+
+    def _timed_capture(self) -> Capture:
+        """The capture, its pass's seconds kept beside it (:meth:`capture_seconds`)."""
+        started = time.perf_counter()
+        captured = capture(self.model, self.model_input(), layers=())
+        seconds = time.perf_counter() - started  # the tensors are on the CPU: the pass has run
+        self.memo("capture seconds", compute=lambda: seconds)
+        return captured
+
+    def capture_seconds(self) -> float | None:
+        """Seconds the pass of :meth:`capture` took, if it ran in this process and is still kept."""
+        return shared_results().get((*self.key, "capture seconds"))
 
     def _captured(self, knock_out: KnockOut | None) -> Capture:
         return self.capture() if knock_out is None else self.knock_out_capture(knock_out)
