@@ -109,10 +109,22 @@ def token_count(config, patch_size: int, image_size: tuple[int, int] | None = No
     return config.num_prefix_tokens + (height // patch_size) * (width // patch_size)
 
 
+# Every layer's float16 attention is kept from the capture's own pass while it is at most this
+# (a ViT-B/16 at 224 px: 11 MB): its views then read it instead of computing layers again from the
+# tokens, which made a knock-out view twice as slow. Past it, only the tokens are kept.
+KEEP_EVERY_LAYER_BYTES = 64 * 2**20
+
+
+def every_layer_bytes(config, tokens: int | None = None) -> int:
+    """Bytes of every layer's (heads, N, N) attention of one image in float16."""
+    tokens = config.num_tokens if tokens is None else tokens
+    return config.depth * config.num_heads * tokens**2 * 2
+
+
 def view_bytes(config, tokens: int | None = None) -> int:
     """Bytes one view holds at its peak for one image of ``tokens`` tokens (the model's own by
-    default): the capture's tokens (depth + 1, N, D) float32 (Selection.capture keeps no
-    attention), the layer it draws (heads, N, N) in float16 (Selection.attention), one layer in
+    default): the capture's tokens (depth + 1, N, D) float32 (and every layer's float16 attention
+    where that is small, KEEP_EVERY_LAYER_BYTES), the layer it draws (heads, N, N) in float16 (Selection.attention), one layer in
     float32 while an analysis over all layers computes it (capture.layer_attentions), and the
     rollout's N x N float32 matrices (its product, the next factor, the identity, the fused heads,
     and the discarding's ranking, indices and mask: eight at most); plus, as the allocator keeps
@@ -120,6 +132,8 @@ def view_bytes(config, tokens: int | None = None) -> int:
     Measured at depth 12: the peak memory a DINOv3 ViT-S/16 view at 768 px adds is 486 MiB."""
     tokens = config.num_tokens if tokens is None else tokens
     captured = (config.depth + 1) * tokens * config.embed_dim * 4
+    kept = every_layer_bytes(config, tokens)
+    captured += kept if kept <= KEEP_EVERY_LAYER_BYTES else 0  # Selection.capture keeps them then
     return captured + config.num_heads * tokens**2 * (2 + 4 + 4) + 8 * tokens**2 * 4
 
 

@@ -55,16 +55,22 @@ class Selection:
         return memo((*self.key, *key), compute, spinner)
 
     def capture(self) -> Capture:
-        """The forward pass dissected, every layer's tokens and no layer's attention: the views
-        ask for the layers they draw (:meth:`attention`), and the analyses over all layers compute
-        them from these tokens a layer at a time (:meth:`rollout`, :meth:`head_statistics`), so a
-        view holds what models.view_bytes counts at any input size, not (depth, heads, N, N)."""
+        """The forward pass dissected: every layer's tokens, and every layer's attention in float16
+        where that is small (models.KEEP_EVERY_LAYER_BYTES). Past it no layer's attention is kept:
+        the views ask for the layers they draw (:meth:`attention`), and the analyses over all
+        layers compute them from the tokens a layer at a time (:meth:`rollout`,
+        :meth:`head_statistics`), so a view holds what models.view_bytes counts at any input
+        size, not (depth, heads, N, N)."""
         return self.memo("capture", compute=self._timed_capture, spinner="Running the model ...")
+
+    def _kept_layers(self) -> tuple[int, ...] | None:
+        """The layers whose attention a capture keeps: all (None) when that is small, else none."""
+        return None if models.every_layer_bytes(self.config) <= models.KEEP_EVERY_LAYER_BYTES else ()
 
     def _timed_capture(self) -> Capture:
         """The capture, its pass's seconds kept beside it (:meth:`capture_seconds`)."""
         started = time.perf_counter()
-        captured = capture(self.model, self.model_input(), layers=())
+        captured = capture(self.model, self.model_input(), layers=self._kept_layers(), attention_dtype=torch.float16)
         seconds = time.perf_counter() - started  # the tensors are on the CPU: the pass has run
         self.memo("capture seconds", compute=lambda: seconds)
         return captured
@@ -84,6 +90,8 @@ class Selection:
         if knock_out is not None and (knock_out.is_empty or layer <= knock_out.first_layer()):
             knock_out = None
         captured = self._captured(knock_out)
+        if layer in captured.layers:  # kept by the pass itself
+            return captured.attentions[0, captured.layers.index(layer)]
         return self.memo(
             "attention", layer, knock_out, spinner=f"Computing the attention of layer {layer} ...",
             compute=lambda: layer_attention(self.model, captured.tokens[:, layer], layer, captured.grid_size, torch.float16)[0],
@@ -163,7 +171,11 @@ class Selection:
             return intact
         return self.memo(
             "knock-out capture", knock_out, spinner="Running the model without them ...",
-            compute=lambda: capture(self.model, self.model_input(), layers=(), knock_out=knock_out, intact=intact),
+            # The layers and dtype of the intact capture, whose layers before the knocked one it reuses.
+            compute=lambda: capture(
+                self.model, self.model_input(), layers=intact.layers, attention_dtype=intact.attentions.dtype,
+                knock_out=knock_out, intact=intact,
+            ),
         )
 
     def head_sweep(self, mode: str) -> HeadSweep:
@@ -341,3 +353,4 @@ def prediction_caveats(selection: Selection, probabilities: torch.Tensor) -> lis
             " are random or untrained."
         )
     return caveats
+
