@@ -163,7 +163,7 @@ def test_moving_sliders_never_recomputes_the_forward_pass(monkeypatch):
     assert len(calls) == 2  # a new patch size is a new model: one more forward pass
 
 
-def test_the_app_captures_tokens_only_and_keeps_the_layer_it_draws_in_half_precision(monkeypatch):
+def keeping_captures(monkeypatch) -> list:
     captured = []
 
     def keeping_capture(*args, **kwargs):
@@ -171,15 +171,33 @@ def test_the_app_captures_tokens_only_and_keeps_the_layer_it_draws_in_half_preci
         return captured[-1]
 
     monkeypatch.setattr(selection, "capture", keeping_capture)
+    return captured
+
+
+def computed_layers() -> list[tuple]:
+    return [key[4:] for key in memo.shared_results()._entries if key[4:5] == ("attention",)]
+
+
+def test_a_small_capture_keeps_every_layer_in_half_precision_and_computes_none_again(monkeypatch):
+    captured = keeping_captures(monkeypatch)
+    app = open_app("views/attention.py")
+    assert not app.exception and len(captured) == 1
+    assert captured[0].attentions.shape == (1, 4, 4, 65, 65) and captured[0].attentions.dtype == torch.float16
+    widget(app.slider, "Layer").set_value(1).run()
+    assert not app.exception and computed_layers() == []  # read from the capture, not computed again
+
+
+def test_past_the_bound_the_app_captures_tokens_only_and_computes_the_layer_it_draws(monkeypatch):
+    monkeypatch.setattr(models, "KEEP_EVERY_LAYER_BYTES", 0)  # as for a model at a high resolution
+    captured = keeping_captures(monkeypatch)
     app = open_app("views/attention.py")
     assert not app.exception and len(captured) == 1
     assert captured[0].attentions.shape[1] == 0 and captured[0].tokens.dtype == torch.float32
-    kept = {key[4:]: value for key, (value, _) in memo.shared_results()._entries.items() if key[4:5] == ("attention",)}
-    assert list(kept) == [("attention", 3, None)]  # the layer drawn, not every layer
-    (attention,) = kept.values()
+    assert computed_layers() == [("attention", 3, None)]  # the layer drawn, not every layer
+    (attention,) = [value for key, (value, _) in memo.shared_results()._entries.items() if key[4:5] == ("attention",)]
     assert attention.dtype == torch.float16 and attention.shape == (4, 65, 65)  # (heads, N, N)
     widget(app.slider, "Layer").set_value(1).run()
-    assert ("attention", 1, None) in {key[4:] for key in memo.shared_results()._entries}
+    assert ("attention", 1, None) in computed_layers()
 
 
 def test_a_resized_model_shares_its_base_weights_and_is_evicted_before_its_base(monkeypatch):
