@@ -322,7 +322,9 @@ class LayerScale(nn.Module):
 
     def __init__(self, dim: int, init_values: float):
         super().__init__()
-        self.gamma = nn.Parameter(init_values * torch.ones(dim))
+        # torch.full, not init_values * torch.ones: on the meta device (checkpoints are built there)
+        # the product goes through torch's decompositions, whose first use imports ~1 s of modules.
+        self.gamma = nn.Parameter(torch.full((dim,), float(init_values)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * self.gamma

@@ -110,9 +110,10 @@ def token_count(config, patch_size: int, image_size: tuple[int, int] | None = No
 
 
 # Every layer's float16 attention is kept from the capture's own pass while it is at most this
-# (a ViT-B/16 at 224 px: 11 MB): its views then read it instead of computing layers again from the
-# tokens, which made a knock-out view twice as slow. Past it, only the tokens are kept.
-KEEP_EVERY_LAYER_BYTES = 64 * 2**20
+# (a ViT-B/16: 11 MB at patch 16, 177 MB at patch 8): its views then read it instead of computing
+# every layer again from the tokens for each analysis (a knock-out view took twice as long, the
+# Attention page at patch 8 four times). Past it (DINOv2 at 518 px: 272 MB), only the tokens.
+KEEP_EVERY_LAYER_BYTES = 256 * 2**20
 
 
 def every_layer_bytes(config, tokens: int | None = None) -> int:
