@@ -167,3 +167,31 @@ def test_a_model_b_that_is_not_quick_is_a_job_that_draws_what_the_server_would(c
     assert errors(app) == [] and not app.get("progress")
     assert [config.patch_size for config in captures] == [4]  # A's only: B's ran beside the server
     assert_same_charts(b_figures(app), inline)
+
+
+def test_a_dinov2_beside_a_dinov3_on_the_same_photo(tmp_path, monkeypatch):
+    """The comparison people bring in 2026: learned positions and patch 14 (DINOv2 with registers)
+    beside rotary positions and patch 16 (DINOv3), headless both, on one uploaded photo."""
+    shared = dict(num_classes=0, class_names=None, reg_tokens=4, init_values=1e-5, embed_dim=32, depth=2, num_heads=2)
+    dinov2 = tmp_path / "dinov2.safetensors"
+    vx.save_model(tiny_model(image_size=56, patch_size=14, no_embed_class=True, **shared), dinov2)
+    dinov3 = tmp_path / "dinov3.safetensors"
+    vx.save_model(tiny_model(image_size=64, patch_size=16, rope_type="dinov3", abs_pos_embed=False,
+                             qkv_bias=False, **shared), dinov3)
+    monkeypatch.setenv("VIT_EXPLORER_DEFAULT_MODEL", str(dinov3))
+    app = open_app("views/pipeline.py")
+    app.file_uploader(key="checkpoint_upload").set_value(
+        (dinov2.name, dinov2.read_bytes(), "application/octet-stream")
+    ).run()
+    dinov2_key = app.session_state["model_key"]
+    app.selectbox(key="model_picker").set_value("default").run()  # A: the DINOv3
+    photo = (vx.resources.app_root() / "assets" / "samples" / "chelsea.png").read_bytes()
+    app.file_uploader(key="image_upload").set_value(("chelsea.png", photo, "image/png")).run()
+    app.switch_page(PAGE).run()
+    app.selectbox(key="compare_model").set_value(dinov2_key).run()
+    assert not app.exception and errors(app) == []
+    titles = figure_titles(app)
+    assert title_matching(app, "^A: attention") and title_matching(app, "^B: attention")
+    assert all(title.strip() for title in titles)
+    widget(app.radio, "Query").set_value("image point").run()  # one image point on both grids: patches of 16 and 14 px
+    assert not app.exception and errors(app) == []
