@@ -6,8 +6,7 @@ import streamlit as st
 from vit_explorer import dense_pca as dense
 from vit_explorer import figures
 from vit_explorer import image_set as sets
-from vit_explorer.app import costs, images, jobs, models, session
-from vit_explorer.app.memo import memo
+from vit_explorer.app import costs, images, jobs, session
 from vit_explorer.app.selection import ImageSet
 
 selection = session.selection()
@@ -130,14 +129,8 @@ else:
         **session.keep("set_dense_high_on", False),
     ):
         each = [
-            memo(
-                (selection.model_key, selection.patch_size, size, image_key, "dense features"),
-                lambda size=size, image=image: dense.image_features(
-                    models.model_at(selection.model_key, selection.patch_size, size), image
-                ),
-                spinner=f"Reading picture {index + 1} at {size[0]}x{size[1]} px ...",
-            )
-            for index, (size, image_key, image) in enumerate(zip(sizes, image_set.image_keys, image_set.images))
+            selection.dense_features(image_key, image, size)
+            for size, image_key, image in zip(sizes, image_set.image_keys, image_set.images)
         ]
         read = ([features for features, _ in each], [picture for _, picture in each],
                 [(height // patch_size, width // patch_size) for height, width in sizes])

@@ -168,11 +168,7 @@ else:
         help="One forward pass of the model at that size, learned position embeddings resampled to its grid.",
         **session.keep("dense_high_on", False),
     ):
-        features, picture = memo(
-            (selection.model_key, selection.patch_size, high, selection.image_key, "dense features"),
-            lambda: dense.image_features(models.model_at(selection.model_key, selection.patch_size, high), selection.image),
-            spinner=f"Reading the picture at {high[0]}x{high[1]} px ...",
-        )
+        features, picture = selection.dense_features(selection.image_key, selection.image, high)
         read = (features, picture, high_config.grid_size)
     else:
         st.caption(

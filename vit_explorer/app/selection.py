@@ -17,6 +17,7 @@ from ..ablation import HeadSweep, KnockOut, head_sweep
 from ..analysis import attribution, display_image, head_distances, head_entropies, near_chance, streamed_rollout
 from ..capture import Capture, capture, layer_attention, layer_attentions, layer_internals
 from ..data import SHAPE_CLASSES
+from ..dense_pca import image_features
 from ..image_set import MAX_IMAGES, MIN_IMAGES, first_component, last_layer_features, layer_keys
 from ..images import preprocess
 from ..internals import LayerInternals
@@ -138,6 +139,15 @@ class Selection:
             spinner="Tracing the class back to the patches ...",
         )
 
+
+    def dense_features(self, image_key: str, image: Image.Image, size: tuple[int, int]) -> tuple[torch.Tensor, np.ndarray]:
+        """(features, picture) of ``image`` read by this model at ``size`` (dense_pca.image_features:
+        DINOv3's PCA at 768 px high), once for everybody and for every page that shows it."""
+        return memo(
+            (self.model_key, self.patch_size, size, image_key, "dense features"),
+            lambda: image_features(models.model_at(self.model_key, self.patch_size, size), image),
+            spinner=f"Reading the picture at {size[0]}x{size[1]} px ...",
+        )
 
     def model_input(self) -> torch.Tensor:
         return preprocess(self.image, self.config)  # (1, C, H, W)
