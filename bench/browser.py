@@ -32,6 +32,13 @@ STATUS_WIDGET = '[data-testid="stStatusWidget"]'
 ERROR_ELEMENTS = '[data-testid="stException"], [data-testid="stAlertContentError"]'
 
 
+def settle(page, timeout_ms: float = 60_000) -> None:
+    """Wait until Streamlit has finished the current run of a Playwright (sync) page: its status
+    widget, shown a moment after the run starts, has gone again."""
+    page.wait_for_timeout(300)
+    page.locator(STATUS_WIDGET).wait_for(state="hidden", timeout=timeout_ms)
+
+
 class ServerError(RuntimeError):
     """The app did not start, or ended on its own; the message ends with its log."""
 

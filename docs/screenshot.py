@@ -10,14 +10,9 @@ from pathlib import Path
 
 from playwright.sync_api import sync_playwright
 
-from bench.browser import CHROMIUM_LAUNCH, STATUS_WIDGET, serve_app
+from bench.browser import CHROMIUM_LAUNCH, serve_app, settle
 
 OUT = Path(__file__).resolve().parent / "screenshot.png"
-
-
-def settle(page) -> None:
-    page.wait_for_timeout(500)
-    page.locator(STATUS_WIDGET).wait_for(state="hidden", timeout=120_000)
 
 
 def main() -> None:
@@ -27,7 +22,7 @@ def main() -> None:
         page.set_default_timeout(120_000)
         page.goto(f"{url}/attention")
         page.get_by_role("heading", name="Attention", level=1).wait_for()
-        settle(page)
+        settle(page, timeout_ms=120_000)
         # Plotly draws after the run ends: wait for every chart's drawing.
         page.wait_for_function(
             "document.querySelectorAll('.js-plotly-plot').length >= 3 && [...document.querySelectorAll("

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import vit_explorer as vx
-from bench.browser import CHROMIUM, CHROMIUM_LAUNCH, ROOT, STATUS_WIDGET, serve_app
+from bench.browser import CHROMIUM, CHROMIUM_LAUNCH, ROOT, serve_app, settle
 from vit_explorer.data import SHAPE_CLASSES
 from vit_explorer.jobs import JobBoard, JobLimits, JobSpec
 
@@ -46,12 +46,6 @@ def shots(tmp_path):
     folder = Path(os.environ.get("VIT_EXPLORER_SCREENSHOTS") or tmp_path / "screenshots")
     folder.mkdir(parents=True, exist_ok=True)
     return folder
-
-
-def settle(page) -> None:
-    """Wait until Streamlit has finished the current run (its status widget disappears)."""
-    page.wait_for_timeout(300)
-    page.locator(STATUS_WIDGET).wait_for(state="hidden", timeout=60_000)
 
 
 def go_to(page, title: str) -> None:
