@@ -33,6 +33,16 @@ def slow_model(tmp_path):
     return model, path
 
 
+@pytest.fixture
+def tiny(tmp_path):
+    """A tiny model, its checkpoint and an input: a job that ends in a moment."""
+    torch.manual_seed(0)
+    model = vx.ViT(tiny_config(num_classes=10)).eval()
+    path = tmp_path / "tiny.safetensors"
+    vx.save_model(model, path)
+    return model, path, torch.randn(1, 3, *model.config.img_size)
+
+
 def spec_of(path, model, identity="image a", mode="zero") -> JobSpec:
     config = model.config
     return JobSpec("head sweep", {"path": str(path)}, config.patch_size, config.img_size, identity, {"mode": mode})
@@ -42,12 +52,8 @@ def limits(**changes) -> JobLimits:
     return JobLimits(**{**dict(max_jobs=1, queue_size=1, memory=8 * 2**30, threads=1), **changes})
 
 
-def test_a_sweep_job_gives_the_sweep_computed_in_the_server(tmp_path):
-    torch.manual_seed(0)
-    model = vx.ViT(tiny_config(num_classes=10)).eval()
-    path = tmp_path / "tiny.safetensors"
-    vx.save_model(model, path)
-    x = torch.randn(1, 3, *model.config.img_size)
+def test_a_sweep_job_gives_the_sweep_computed_in_the_server(tmp_path, tiny):
+    model, path, x = tiny
     board = JobBoard(tmp_path / "jobs", limits())
     spec = spec_of(path, model, mode="mean")
     status = board.submit(spec, x, model.config, "ann")
@@ -82,12 +88,8 @@ def test_the_cap_the_queue_and_one_waiting_per_owner(tmp_path, slow_model):
         JobBoard(tmp_path / "small", limits(memory=2**30 // 10)).submit(first, x, model.config, "ann")
 
 
-def test_a_waiting_job_starts_when_the_one_before_ends_with_nobody_looking(tmp_path):
-    torch.manual_seed(0)
-    model = vx.ViT(tiny_config(num_classes=10)).eval()
-    path = tmp_path / "tiny.safetensors"
-    vx.save_model(model, path)
-    x = torch.randn(1, 3, *model.config.img_size)
+def test_a_waiting_job_starts_when_the_one_before_ends_with_nobody_looking(tmp_path, tiny):
+    model, path, x = tiny
     board = JobBoard(tmp_path / "jobs", limits())
     first, second = spec_of(path, model, "image a"), spec_of(path, model, "image b")
     assert board.submit(first, x, model.config, "ann").state == "running"
