@@ -94,6 +94,7 @@ def test_inside_shows_q_and_k_rotated_and_the_offset_figure(flavour):
     # A prefix token is not rotated: its strips still show, its content placed at the centre.
     widget(app.selectbox, "Query token").set_value(-1).run()
     assert not app.exception
+    title_matching(app, r"before and after the rotation \(\d+ numbers each\): a prefix token is not rotated$")
     title_matching(app, r"^The same q and k of CLS \(layer 1, head 0\)")
 
 

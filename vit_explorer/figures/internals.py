@@ -265,7 +265,8 @@ def inside_layer_figures(
         ) if steps.q_unrotated is None else vector_strips(
             {"q before the rotation": steps.q_unrotated[0, head, row], "q rotated": steps.q[0, head, row],
              "k before the rotation": steps.k_unrotated[0, head, token], "k rotated": steps.k[0, head, token]},
-            f"Query q and key k of {name}, {where}, before and after the rotation ({steps.head_dim} numbers each)",
+            f"Query q and key k of {name}, {where}, before and after the rotation ({steps.head_dim} numbers each)"
+            + (": a prefix token is not rotated" if token < prefix else ""),
         ),
         "keys_values": key_value_matrices(
             steps.k[0, head], steps.v[0, head], token, labels,
