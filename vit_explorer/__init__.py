@@ -12,6 +12,7 @@ from .ablation import HeadSweep, KnockOut, head_sweep, sweep_cost
 from .capture import Capture, capture, layer_attention, layer_attentions, layer_internals
 from .config import PRESETS, TrainConfig, ViTConfig
 from .data import SHAPE_CLASSES, DatasetError, load_dataset, shapes_sample
+from .head_types import HeadTypes, classify_heads
 from .images import InvalidImageError, load_image, preprocess
 from .internals import LayerInternals
 from .model import ViT
@@ -22,7 +23,7 @@ from .weights import CheckpointError, load_model, load_pretrained, resize_model,
 __all__ = [
     "Capture", "ViT", "ViTConfig", "capture", "LayerInternals", "layer_internals",
     "layer_attention", "layer_attentions",
-    "KnockOut", "HeadSweep", "head_sweep", "sweep_cost",
+    "KnockOut", "HeadSweep", "head_sweep", "sweep_cost", "HeadTypes", "classify_heads",
     "CheckpointError", "load_model", "load_pretrained", "resize_model", "save_model",
     "InvalidImageError", "load_image", "preprocess",
     "PRESETS", "SHAPE_CLASSES", "DatasetError", "load_dataset", "shapes_sample",

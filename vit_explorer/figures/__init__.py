@@ -16,6 +16,7 @@ from .embeddings import (
     embedding_filters_figure, position_similarity_grid, token_matrix, token_norms_figure, token_pca_image,
 )
 from .files import FigureExportError, find_browser, write_figures
+from .head_types import LABEL_STYLES, head_maps_grid, head_types_grid
 from .image_set import correspondence_grid, dense_pca_grid, foreground_pca_grid, norm_outliers_grid
 from .internals import (
     head_sources_figure, inside_layer_figures, key_value_matrices, mlp_activations_figure, softmax_scale_figure,
@@ -35,6 +36,7 @@ __all__ = [
     "embedding_filters_figure", "position_similarity_grid", "token_matrix", "token_norms_figure",
     "token_pca_image",
     "FigureExportError", "find_browser", "write_figures",
+    "LABEL_STYLES", "head_maps_grid", "head_types_grid",
     "correspondence_grid", "dense_pca_grid", "foreground_pca_grid", "norm_outliers_grid",
     "head_sources_figure", "inside_layer_figures", "key_value_matrices", "mlp_activations_figure",
     "softmax_scale_figure", "softmax_scale_figures", "token_values_on_grid", "vector_strips",
