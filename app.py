@@ -22,6 +22,7 @@ pages = {"Explore": [
     st.Page("views/train.py", title="Train", icon=":material/model_training:"),
 ], "Experiments": [
     st.Page("views/images.py", title="Several images", icon=":material/photo_library:", url_path="images"),
+    st.Page("views/head_types.py", title="Head types", icon=":material/category:", url_path="heads"),
     st.Page("views/knockout.py", title="Knock-out", icon=":material/block:", url_path="knockout"),
     st.Page("views/compare.py", title="Compare", icon=":material/compare:"),
 ]}

@@ -1,6 +1,8 @@
 """python -m vit_explorer inspect: figures (and capture.npz when asked) for a real photo, from our
 checkpoints and torchvision's, as PNG (when a browser exists) or HTML; bad input is one line and
 exit 2."""
+import csv
+import json
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +12,7 @@ import torchvision
 
 import vit_explorer as vx
 from vit_explorer import cli, figures
+from vit_explorer import head_types as ht
 
 PHOTO = Path(__file__).resolve().parents[1] / "assets" / "samples" / "chelsea.png"
 FIGURES = [
@@ -249,3 +252,36 @@ def test_inspect_a_dinov3_shaped_checkpoint(tmp_path, monkeypatch, capsys):
         assert int(data["num_prefix_tokens"]) == 5 and tuple(data["grid_size"]) == (4, 6)
         cap = vx.capture(model, expected_input(model))
         np.testing.assert_allclose(data["attentions"][0, -1], cap.attentions[0, 1], atol=1e-3)
+
+
+def test_inspect_writes_the_head_types_over_the_image_and_more(tiny_checkpoint, tmp_path, monkeypatch, capsys):
+    path, model = tiny_checkpoint
+    monkeypatch.setattr(figures, "find_browser", lambda: None)
+    more = PHOTO.parent / "coffee.png"
+    out = tmp_path / "out"
+    assert cli.main(["inspect", str(PHOTO), "--weights", str(path), "--out", str(out), "--head-types", str(more)]) == 0
+    printed = capsys.readouterr().out
+    assert "; heads over 2 images: " in printed and "head_types.json" in printed and "head_types.csv" in printed
+    assert (out / "head_types.html").is_file()
+    written = json.loads((out / "head_types.json").read_text())
+    x = torch.cat([expected_input(model), vx.preprocess(vx.load_image(more), model.config)])
+    expected = vx.classify_heads(model, x)  # both images in one pass: the same numbers
+    assert written["images"] == 2 and written["thresholds"]["positional"] == ht.POSITIONAL
+    assert [row["label"] for row in written["heads"]] == [label for row in expected.labels for label in row]
+    np.testing.assert_allclose([row["consistency"] for row in written["heads"]], expected.consistency.flatten(), atol=1e-5)
+    np.testing.assert_allclose([row["distance_px"] for row in written["heads"]], expected.distance.flatten(), rtol=1e-4)
+    with open(out / "head_types.csv", newline="") as file:
+        rows = list(csv.DictReader(file))
+    config = model.config
+    assert len(rows) == config.depth * config.num_heads and rows[0]["layer"] == "0" and rows[-1]["head"] == "1"
+    assert float(rows[3]["prefix_share"]) == pytest.approx(written["heads"][3]["prefix_share"])
+    # The image alone: nothing is consistent or not with one picture.
+    alone = tmp_path / "alone"
+    assert cli.main(["inspect", str(PHOTO), "--weights", str(path), "--out", str(alone), "--head-types"]) == 0
+    assert all(row["consistency"] is None for row in json.loads((alone / "head_types.json").read_text())["heads"])
+    # An unreadable extra image is one sentence, before anything runs.
+    capsys.readouterr()
+    assert cli.main(["inspect", str(PHOTO), "--weights", str(path), "--out", str(tmp_path / "bad"),
+                     "--head-types", str(tmp_path / "missing.png")]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("error: ") and error.count("\n") == 1 and not (tmp_path / "bad").exists()

@@ -18,14 +18,6 @@ options = images.sample_image_options(config.img_size)
 options.update(images.uploaded_image_options())
 
 
-def default_images() -> list[str]:
-    """The sidebar's image and two more of its kind (shapes, photos or uploads) where there are."""
-    current = state["image_key"] if state["image_key"] in options else next(iter(options))
-    kind = current.partition(":")[0]
-    others = sorted(options, key=lambda key: key.partition(":")[0] != kind)
-    return [current, *[key for key in others if key != current][:2]]
-
-
 st.title("Several images")
 st.write(
     "Read two to six pictures together: one PCA over all of them splits foreground from background"
@@ -37,7 +29,7 @@ st.write(
 chosen = st.multiselect(
     "Images", list(options), format_func=options.get,
     help="Two to six of the sidebar's pictures (shapes, photos, your uploads) to read together.",
-    **session.keep("image_set", default_images(), lambda keys: all(key in options for key in keys)),
+    **session.keep("image_set", images.default_set(state["image_key"], options), lambda keys: all(key in options for key in keys)),
 )
 try:
     image_set = ImageSet.of(selection, chosen)

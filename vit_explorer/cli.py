@@ -203,8 +203,8 @@ def _add_inspect(subparsers) -> None:
     parser = subparsers.add_parser(
         "inspect", help="write attention figures for an image",
         description="Run a ViT on one image and write its attention figures (PNG, or HTML when"
-        " no Chrome/Chromium is found) to a folder, and the captured tensors (capture.npz) when"
-        " asked with --tensors.",
+        " no Chrome/Chromium is found) to a folder, the captured tensors (capture.npz) when"
+        " asked with --tensors, and every head's type when asked with --head-types.",
     )
     parser.add_argument("image", help="image file (PNG, JPEG, WebP, ...)")
     parser.add_argument("--weights", default=str(DEFAULT_WEIGHTS),
@@ -232,13 +232,21 @@ def _add_inspect(subparsers) -> None:
     parser.add_argument("--tensors", nargs="?", const="", metavar="LAYERS",
                         help="also write capture.npz: logits, tokens, patches, rollout, ... and the"
                         " attention (float16) of --layer, of these layers (0,5,11) or of all")
+    parser.add_argument("--head-types", nargs="*", metavar="MORE",
+                        help="also write every head's type (local, global, positional, prefix or outlier"
+                        " sink, content) over the image and these more images, if any (positional heads"
+                        " need two or more): head_types.json, head_types.csv and the grid figure; the more"
+                        " images cost one pass each, and every layer's attention is computed again")
     parser.set_defaults(run=_run_inspect)
 
 
 def _run_inspect(args: argparse.Namespace) -> int:
     """Load, capture the tokens (no layer's attention: each is computed from them as the figures
     need it), draw, and write the figures and, with --tensors, capture.npz."""
+    import torch
+
     from .capture import capture
+    from .head_types import classify_heads
     from .images import load_image, preprocess
     from .weights import load_model
 
@@ -250,12 +258,21 @@ def _run_inspect(args: argparse.Namespace) -> int:
         raise ValueError(f"--layer {args.layer} does not exist; the model has layers 0..{config.depth - 1}")
     saved_layers = None if args.tensors is None else _tensor_layers(args.tensors, layer, config.depth)
     inside = _inside_choice(args, config) if args.head is not None or args.query is not None else None
+    more = [preprocess(load_image(path), config) for path in args.head_types or ()]  # refused before any pass
 
     # The layer's internals, when asked for, come from this same pass.
     captured = capture(model, x, layers=(), internals=None if inside is None else layer)
     streamed = _InspectedLayers.of(model, captured, args, keep={layer, *(saved_layers or ())})
     figs, arrays, summary = _inspect_figures(model, x, captured, streamed, layer, inside, args)
+    types = None
+    if args.head_types is not None:
+        types = classify_heads(model, [captured] + ([capture(model, torch.cat(more), layers=())] if more else []))
+        figs["head_types"] = _head_types_figure(types)
+        kinds = ", ".join(f"{number} {label}" for label, number in types.counts().items() if number)
+        summary = f"{summary}; heads over {types.images} image{'s' if types.images > 1 else ''}: {kinds}"
     written = _write_inspected(figs, Path(args.out), args.format)
+    if types is not None:
+        written += _write_head_types(Path(args.out), types)
     if saved_layers is not None:
         written.append(_write_tensors(Path(args.out), captured, streamed, saved_layers, arrays))
     print(f"{summary}; wrote {len(written)} files to {args.out}:")
@@ -415,6 +432,33 @@ def _write_inspected(figs: dict, out: Path, image_format: str) -> list[Path]:
     except figures.FigureExportError as error:
         print(f"{error}; writing HTML figures instead", file=sys.stderr)
         return list(figures.write_figures(figs, out, "html"))
+
+
+def _head_types_figure(types):
+    from . import figures
+    from .head_types import LABELS, MEASURES
+
+    return figures.head_types_grid(
+        types.labels, {column: getattr(types, name) for name, column in MEASURES}, LABELS,
+        title=f"Every head's type over {types.images} image{'s' if types.images > 1 else ''}"
+        " (rules and measures: head_types.json)",
+    )
+
+
+def _write_head_types(out: Path, types) -> list[Path]:
+    """head_types.json (numbers, labels, the rules with their thresholds, the definitions) and
+    head_types.csv (a row per head)."""
+    import csv
+    import json
+
+    written = [out / "head_types.json", out / "head_types.csv"]
+    written[0].write_text(json.dumps(types.to_dict(), indent=1))
+    rows = types.rows()
+    with open(written[1], "w", newline="") as file:
+        writer = csv.DictWriter(file, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    return written
 
 
 def _write_tensors(out: Path, captured, streamed: _InspectedLayers, layers: tuple[int, ...], arrays: dict) -> Path:

@@ -2,7 +2,8 @@
 server of a machine shares, each run in a worker process of its own, followed through files.
 
 A job is a ``JobSpec``: what to compute (``kind``, one of ``KINDS``: the head sweep, a model's
-capture of one image for the Compare page, the tokens of several images in one batch), the model (a checkpoint file
+capture of one image for the Compare page, the tokens of several images in one batch, the head
+types over several images), the model (a checkpoint file
 or a catalogue name, at a patch size and input size), what the input is (``identity``, with the
 input tensor handed over at submission) and its settings. Its ``key`` hashes all of that, so a
 second person asking for the same result joins the job instead of starting another.
@@ -42,6 +43,7 @@ from .ablation import SWEEP_BATCH, HeadSweep, head_sweep, sweep_cost
 from .admission import GB, available_memory, environment_number, inference_memory, limit_memory
 from .analysis import streamed_rollout
 from .capture import Capture, capture, layer_attentions
+from .head_types import HeadTypes, attention_share, classify_heads_from_tokens
 from .model import ViT
 from .runs import ordinal
 from .training_run import process_identity
@@ -143,6 +145,29 @@ def _decoded_tokens(arrays: dict) -> tuple[torch.Tensor, ...]:
     return tuple(torch.from_numpy(tokens.copy()) for tokens in arrays["tokens"])
 
 
+def _head_types(model: ViT, x: torch.Tensor, settings: dict, progress: Callable[[float], None]) -> dict:
+    """Every head's type over the images ``x`` (head_types.classify_heads_from_tokens after one
+    pass that keeps their tokens), and the tokens of the images ``settings["kept"]`` (indices in
+    ``x``), as app.selection.ImageSet keeps them."""
+    passes = x.shape[0]
+    total = passes * (1 + attention_share(model.config))
+    captured = capture(model, x, layers=())
+    progress(passes / total)
+    types = classify_heads_from_tokens(
+        model, captured.tokens, progress=lambda share: progress((passes + share * (total - passes)) / total),
+    )
+    arrays = {f"types.{name}": values for name, values in types.to_arrays().items()}
+    return {"tokens": captured.tokens[settings["kept"]].numpy(), **arrays}
+
+
+def _decoded_head_types(arrays: dict) -> tuple:
+    """(each kept image's tokens (depth + 1, N, D), ..., the head types)."""
+    types = HeadTypes.from_arrays({
+        name.removeprefix("types."): values for name, values in arrays.items() if name.startswith("types.")
+    })
+    return (*_decoded_tokens(arrays), types)
+
+
 def _views_memory(config, settings: dict) -> int:
     """The capture's tokens kept, a layer's float32 attention and the drawn one's in float16, the
     rollout's N x N matrices (app.models.view_bytes' count)."""
@@ -170,6 +195,16 @@ KINDS = {
             config, settings["images"], kept_floats=settings["images"] * (config.depth + 1) * config.num_tokens * config.embed_dim,
         ),
         compute=_tokens, decode=_decoded_tokens,
+    ),
+    # One pass of settings["images"] images, then every layer's attention part again, an image at a
+    # time; the tokens kept meanwhile, and one layer's sums over the patch-to-patch maps (float64).
+    "head types": Kind(
+        forwards=lambda config, settings: settings["images"] * (1 + attention_share(config)),
+        memory=lambda config, settings: inference_memory(
+            config, settings["images"], kept_floats=settings["images"] * (config.depth + 1) * config.num_tokens
+            * config.embed_dim + 10 * config.num_heads * config.num_tokens**2,
+        ),
+        compute=_head_types, decode=_decoded_head_types,
     ),
 }
 

@@ -82,6 +82,20 @@ def sample_image_options(image_size: tuple[int, int]) -> dict[str, str]:
     return dict(memo((tuple(image_size), "sample image options"), options))
 
 
+def photo_keys() -> list[str]:
+    """The image keys of the bundled photos."""
+    return [f"photo:{name}" for name in photo_names()]
+
+
+def default_set(current: str, options: dict[str, str]) -> list[str]:
+    """Three pictures to read together (the Several images page's first set): ``current``, the
+    sidebar's, and two more of its kind (shapes, photos or uploads) where there are, of ``options``."""
+    current = current if current in options else next(iter(options))
+    kind = current.partition(":")[0]
+    others = sorted(options, key=lambda key: key.partition(":")[0] != kind)
+    return [current, *[key for key in others if key != current][:2]]
+
+
 def uploaded_image_options() -> dict[str, str]:
     """This session's uploads that are still kept (the uploads folder has a quota), key -> label."""
     uploaded = st.session_state["uploaded_images"]

@@ -1,7 +1,7 @@
 """A view's heavy computation as a job (vit_explorer.jobs): asked for with a button, followed live
 (place in the queue, a progress bar, Cancel), its results shared with everybody through ``memo``
 under the keys the inline computation uses: the Knock-out page's head sweep, what the Compare
-page draws of model B, the Several images page's batch."""
+page draws of model B, the Several images page's batch, the Head types page's measures."""
 from __future__ import annotations
 
 import functools
@@ -13,6 +13,7 @@ import torch
 
 from ..ablation import HeadSweep
 from ..capture import Capture
+from ..head_types import HeadTypes
 from ..jobs import JobBoard, JobRefused, JobSpec, JobStatus
 from . import models, runs
 from .memo import memo, shared_results
@@ -66,6 +67,23 @@ def image_tokens(image_set: ImageSet, label: str) -> bool:
     spec = _spec(image_set.selection, "tokens", identity, images=len(unread))
     keys = tuple(image_set.tokens_key(index) for index in unread)
     return _as_job(image_set.selection, spec, keys, label, image_set.model_input()[unread]) is not None
+
+
+def head_types(image_set: ImageSet, label: str) -> HeadTypes | None:
+    """:meth:`ImageSet.head_types` as a job (one pass of every image, then every layer's attention
+    from their tokens), the tokens of the images no page has read kept under their keys meanwhile,
+    so that the page's maps of a head run no pass: the head types once they are there (for anybody),
+    else None, with what to do or how it goes drawn in their place."""
+    found = image_set.cached_head_types()
+    if found is not None:
+        return found
+    unread = image_set.unread()
+    spec = _spec(
+        image_set.selection, "head types", "\n".join(image_set.image_keys), images=len(image_set.image_keys), kept=unread,
+    )
+    keys = (*(image_set.tokens_key(index) for index in unread), (*image_set.key, "head types"))
+    values = _as_job(image_set.selection, spec, keys, label, image_set.model_input())
+    return None if values is None else values[-1]
 
 
 def _spec(selection: Selection, kind: str, identity: str | None = None, **settings) -> JobSpec:

@@ -14,10 +14,11 @@ import torch
 from PIL import Image
 
 from ..ablation import HeadSweep, KnockOut, head_sweep
-from ..analysis import attribution, display_image, head_distances, head_entropies, near_chance, streamed_rollout
+from ..analysis import attribution, display_image, head_distances, head_entropies, near_chance, query_map, streamed_rollout
 from ..capture import Capture, capture, layer_attention, layer_attentions, layer_internals
 from ..data import SHAPE_CLASSES
 from ..dense_pca import image_features
+from ..head_types import HeadTypes, classify_heads_from_tokens
 from ..image_set import MAX_IMAGES, MIN_IMAGES, first_component, last_layer_features, layer_keys
 from ..images import preprocess
 from ..internals import LayerInternals
@@ -318,6 +319,40 @@ class ImageSet:
     def last_layer_features(self) -> torch.Tensor:
         """(B, P, D) the last layer's patch tokens after the final norm (DINOv2's figure's features)."""
         return self.memo("last layer features", compute=lambda: last_layer_features(self.selection.model, self.tokens(-1)))
+
+    def head_types(self) -> HeadTypes:
+        """Every head's measures and label over these images (head_types), from their tokens
+        (:meth:`image_tokens`), each layer's attention computed again an image at a time; once per
+        set for everybody (app.jobs.head_types computes it as a job, under the same key)."""
+        return self.memo("head types", spinner="Measuring every head on every image ...", compute=lambda: (
+            classify_heads_from_tokens(self.selection.model, torch.stack(self.image_tokens()))
+        ))
+
+    def cached_head_types(self) -> HeadTypes | None:
+        """:meth:`head_types` if anybody has measured them (here or in a job), else None: nothing runs."""
+        return shared_results().get((*self.key, "head types"))
+
+    def head_attention(self, layer: int, head: int) -> torch.Tensor:
+        """(B, N, N) float16: head ``head`` of ``layer`` on each image, from the layer's attention
+        computed again from each image's tokens entering it (the attention part of one block, an
+        image at a time); once for everybody, whatever the query."""
+        def compute() -> torch.Tensor:
+            tokens = self.tokens(layer)  # (B, N, D)
+            return torch.cat([
+                layer_attention(self.selection.model, tokens[index:index + 1], layer, dtype=torch.float16)[:, head]
+                for index in range(tokens.shape[0])
+            ])
+
+        return self.memo("head attention", layer, head, compute=compute, spinner=f"Computing layer {layer}'s attention ...")
+
+    def head_maps(self, layer: int, head: int, query: int | None) -> torch.Tensor:
+        """(B, gh, gw) :meth:`head_attention` of ``query`` (a patch index; None: the class token, or
+        without one the mean of the patch queries) over the patches of each image."""
+        config = self.selection.config
+        return self.memo("head maps", layer, head, query, compute=lambda: query_map(
+            self.head_attention(layer, head), config.grid_size, config.num_prefix_tokens, query,
+            class_token=config.class_token,
+        ))
 
     def display_images(self) -> list[np.ndarray]:
         """(H, W, 3) uint8 per image: each picture as the model sees it."""

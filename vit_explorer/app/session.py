@@ -104,6 +104,13 @@ def keep(widget_key: str, default: Any, valid: Callable[[Any], bool] = lambda va
     return dict(key=widget_key, on_change=_copy_to_kept, args=(widget_key,))
 
 
+def kept(widget_key: str, default: Any, valid: Callable[[Any], bool] = lambda value: True) -> Any:
+    """The value a page's widget keeps (:func:`keep`) if there is one and it is still valid, else
+    ``default``: for another page to read, without drawing that widget."""
+    value = st.session_state.get(kept_key(widget_key))
+    return value if value is not None and valid(value) else default
+
+
 def _copy_to_kept(widget_key: str) -> None:
     st.session_state[kept_key(widget_key)] = st.session_state[widget_key]
 
@@ -115,6 +122,19 @@ def patch_picked(chart_key: str, kept_widget: str) -> Callable[[], None]:
         points = st.session_state[chart_key].selection.points
         if points:
             set_kept(kept_widget, int(points[0]["point_index"]))
+
+    return pick
+
+
+def cell_picked(chart_key: str, layer_widget: str, head_widget: str) -> Callable[[], None]:
+    """The ``on_select`` callback of a layer x head grid (figures.head_types_grid) drawn with
+    ``key=chart_key``, whose points' x is the head and y the layer: the clicked cell's layer and
+    head become the kept values of the page widgets ``layer_widget`` and ``head_widget``."""
+    def pick() -> None:
+        points = st.session_state[chart_key].selection.points
+        if points:
+            set_kept(layer_widget, int(points[0]["y"]))
+            set_kept(head_widget, int(points[0]["x"]))
 
     return pick
 
