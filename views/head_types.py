@@ -79,13 +79,13 @@ with grid_column:
         key="types_click", on_select=session.cell_picked("types_click", "types_layer", "types_head"),
         selection_mode="points", config={"displayModeBar": False},
     )
+    with st.expander("What each measure is", expanded=True):
+        st.markdown("\n".join(f"- **{name}**: {text}." for name, text in types.definitions.items()))
 with rules_column:
     st.markdown("**Labels**: each head takes the first rule that holds, in this order.")
     st.markdown("\n".join(
         f"{position}. **{label}**: {rule}." for position, (label, rule) in enumerate(types.rules.items(), start=1)
     ))
-    with st.expander("What each measure is", expanded=True):
-        st.markdown("\n".join(f"- **{name}**: {text}." for name, text in types.definitions.items()))
 found = ", ".join(f"{number}" for number in types.outlier_counts.tolist())
 st.caption(
     f"High-norm patches found among the {count} pictures' {count * grid_h * grid_w} patches entering each layer,"
