@@ -20,12 +20,18 @@ measured in the same run, then whether the goals are met:
 - Knock-out (patch 16): a view of another knock-out at most 1.5; the sweep of all 144 heads at
   most 150 (it is batched from each layer's input: about 79 forwards' worth of work; on a
   real-size model a job in a worker process, timed from the click until it is drawn).
+- Head types over the 4 bundled photos (issue 29): at most 6 forwards in all for the computation
+  (vit_explorer.classify_heads: one batched pass of the 4 photos keeping their tokens, then every
+  layer's attention again, an image at a time); on the page a job in a worker process (3 photos
+  unread), timed from the click until drawn, which adds the worker's start and the model's load
+  (at most 20); another head's maps on the 4 photos at most 1.
 
     python -m bench.app_latency            # ViT-B/16 at 224, 3 rounds on the CPU, then on CUDA if present
     python -m bench.app_latency --small    # a ViT-S/16-sized model, for a quick look
     python -m bench.app_latency --dinov3   # a DINOv3-shaped ViT-B/16: rotary positions, 4 registers
     python -m bench.app_latency --device cuda
     python -m bench.app_latency --pages knockout compare   # only those pages' steps (after loading)
+    python -m bench.app_latency --pages heads --rounds 3   # the Head types steps alone
 
 Each round starts a fresh app with empty caches; a step's ratio is the median over the rounds
 (a single round on a shared 2-core machine can be off by half). The goals are the CPU's (a
@@ -47,7 +53,7 @@ from streamlit.runtime.scriptrunner.script_cache import ScriptCache
 from streamlit.testing.v1 import AppTest, app_test, local_script_runner
 
 import vit_explorer as vx
-from vit_explorer.app import models, session, uploads
+from vit_explorer.app import images, models, session, uploads
 
 APP = str(Path(__file__).resolve().parent.parent / "app.py")
 # AppTest compiles app.py and the page again on every run (a new ScriptCache each time: 20-25 ms
@@ -61,6 +67,7 @@ GOALS = {
     "inside first view": 2.0, "inside widget": 0.5, "several images per image": 1.2,
     "compare first view": 2.0,  # in one model's first views, not in forward passes
     "knock-out view": 1.5, "head sweep": 150.0,
+    "head types": 6.0, "head types job": 20.0,
 }
 # --dinov3: what a DINOv3 ViT-B/16 changes (timm's vit_base_patch16_dinov3): no position embedding,
 # rotary positions on the patch tokens' queries and keys, 4 registers, LayerScale.
@@ -69,6 +76,7 @@ COMPARE = "views/compare.py"
 INSIDE = "views/inside.py"
 IMAGES = "views/images.py"
 KNOCKOUT = "views/knockout.py"
+HEADS = "views/head_types.py"
 
 
 def forward_seconds(model: vx.ViT, rounds: int = 7) -> float:
@@ -113,6 +121,13 @@ class Steps:
             raise RuntimeError(f"{name}: {self.app.exception[0].value}")
         self.rows.append((name, kind, seconds, reference))
 
+    def time_call(self, name: str, kind: str, call) -> None:
+        """Time ``call()``, something the app's package does, not a rerun of the app."""
+        reference = forward_seconds(self.model, rounds=3)
+        started = time.perf_counter()
+        call()
+        self.rows.append((name, kind, time.perf_counter() - started, reference))
+
     def time_against(self, name: str, kind: str, action, reference_step: str) -> None:
         """Time a step against an earlier step of this round instead of a plain forward pass."""
         started = time.perf_counter()
@@ -130,7 +145,7 @@ class Steps:
         return lambda: self.app.selectbox(key="image_picker").set_value(key)
 
 
-PAGES = ("core", "images", "knockout", "compare")  # --pages: core is Pipeline, Patches, Attention, Inside
+PAGES = ("core", "heads", "images", "knockout", "compare")  # --pages: core is Pipeline, Patches, Attention, Inside
 
 
 def run(
@@ -164,6 +179,8 @@ def _round(model: torch.nn.Module, folder: Path, size: dict, device: torch.devic
     # Model load and the first image: counted as the first view of Pipeline.
     steps.time("Pipeline: first view (new model)", "first view", lambda: app)
     steps.time("Pipeline: first view after a new image", "first view", steps.image("photo:astronaut.png"))
+    if "heads" in pages:  # first: the photos but the sidebar's are read by no page yet
+        head_types_steps(app, steps, model)
     if "images" in pages:  # first: its photos are not yet captured by the core steps' pages
         image_set_steps(app, steps)
     if "core" in pages:
@@ -200,6 +217,20 @@ def core_steps(app: AppTest, steps: Steps) -> None:
     steps.time("Patches: first view after a new image", "patches first view", steps.page("views/patches.py"))
     steps.time("Patches: move the PCA slider", "widget",
                lambda: widget(app.slider, "Tokens after this many layers (0: the patch embeddings)").set_value(4))
+
+
+def head_types_steps(app: AppTest, steps: Steps, model: vx.ViT) -> None:
+    """Head types over the 4 bundled photos: the computation itself in the package, then the page,
+    where the sidebar's photo (astronaut) is captured and the 3 others are read by the job."""
+    config = model.config
+    x = torch.cat([vx.preprocess(images.photo(name), config) for name in images.photo_names()]).to(models.DEVICE)
+    steps.time_call("Head types: 4 photos in the package", "head types", lambda: vx.classify_heads(model, x))
+    app.switch_page(HEADS).run()  # the button (untimed: nothing computed)
+    steps.time("Head types: 4 photos on the page (a job, until drawn)", "head types job", lambda: Drawn(
+        app, "Measure the heads", "Every head's type over 4 pictures"
+    ))
+    steps.time("Head types: another head's maps", "widget", lambda: widget(app.selectbox, "Head").set_value(5))
+    steps.time("Head types: another layer's", "widget", lambda: widget(app.selectbox, "Layer").set_value(7))
 
 
 def image_set_steps(app: AppTest, steps: Steps) -> None:
@@ -262,23 +293,25 @@ def knockout_steps(app: AppTest, steps: Steps) -> None:
                lambda: app.radio(key="knockout_mode").set_value("mean"))
     steps.time("Knock-out: remove an MLP branch too", "knock-out view",
                lambda: widget(app.multiselect, "Remove the MLP branch of layers").set_value([8]))
-    steps.time("Knock-out: the sweep of every head (a job, until drawn)", "head sweep", lambda: SweepDrawn(app))
+    steps.time("Knock-out: the sweep of every head (a job, until drawn)", "head sweep", lambda: Drawn(
+        app, "Run the sweep", "Each head knocked out alone"
+    ))
 
 
-class SweepDrawn:
-    """The click on "Run the sweep", then reruns (as the page's live fragment does) until the sweep
-    is drawn: on a real-size model it is a job computed beside the server."""
+class Drawn:
+    """The click on a job's button, then reruns (as the page's live fragment does) until a chart
+    whose spec holds ``drawn`` is there: on a real-size model the job is computed beside the server."""
 
-    def __init__(self, app: AppTest):
-        self.app = app
+    def __init__(self, app: AppTest, button: str, drawn: str):
+        self.app, self.button, self.drawn = app, button, drawn
 
     def run(self) -> AppTest:
-        app = widget(self.app.button, "Run the sweep").click().run()
+        app = widget(self.app.button, self.button).click().run()
         deadline = time.monotonic() + 1200
-        while not any("Each head knocked out alone" in chart.proto.spec for chart in app.get("plotly_chart")):
+        while not any(self.drawn in chart.proto.spec for chart in app.get("plotly_chart")):
             if app.exception or time.monotonic() > deadline:
-                raise RuntimeError(f"the sweep was not drawn: {[error.value for error in app.error]}")
-            time.sleep(0.5)
+                raise RuntimeError(f"{self.drawn!r} was not drawn: {[error.value for error in app.error]}")
+            time.sleep(0.1)
             app.run()
         return app
 
@@ -341,7 +374,7 @@ def main() -> None:
     parser.add_argument(
         "--pages", nargs="+", choices=PAGES, default=PAGES,
         help="whose steps to time (default all): core (Pipeline, Patches, Attention, Inside a layer),"
-        " images (Several images), knockout, compare",
+        " heads (Head types), images (Several images), knockout, compare",
     )
     parser.add_argument(
         "--device", choices=("all", "cpu", "cuda"), default="all",

@@ -205,7 +205,7 @@ def test_heads_a_model_is_built_to_have_get_their_labels_end_to_end():
     assert types.prefix_share[0, 2] > 0.99 and types.reach[0, 0] < 0.2
 
 
-def test_the_streamed_path_reads_one_image_of_one_layer_at_a_time_and_equals_the_full_attention(monkeypatch):
+def test_the_streamed_path_reads_one_layer_of_a_few_images_at_a_time_and_equals_the_full_attention(monkeypatch):
     torch.manual_seed(0)
     model = vx.ViT(vx.ViTConfig(image_size=32, patch_size=4, num_classes=3, embed_dim=32, depth=3, num_heads=4, reg_tokens=2))
     model.eval()
@@ -223,10 +223,16 @@ def test_the_streamed_path_reads_one_image_of_one_layer_at_a_time_and_equals_the
     progress = []
     streamed = ht.classify_heads(model, x, progress=progress.append)
     assert blocks == [3] * 3  # one batched pass of the three images, tokens only
-    assert computed == [1] * 9  # then each layer's attention, an image at a time
+    assert computed == [3] * 3  # then each layer's attention, the three images' together (small)
     assert progress == pytest.approx([1 / 3, 2 / 3, 1])
-    for name, _ in ht.MEASURES:
-        torch.testing.assert_close(getattr(streamed, name), getattr(reference, name), rtol=1e-4, atol=1e-5)
+    # Past CHUNK_BYTES of one layer's attention the images go fewer at a time.
+    monkeypatch.setattr(ht, "CHUNK_BYTES", 2 * 4 * 4 * full.num_tokens**2)  # two images' 4 heads
+    computed.clear()
+    chunked = ht.classify_heads(model, x)
+    assert computed == [2, 1] * 3
+    for types in (streamed, chunked):
+        for name, _ in ht.MEASURES:
+            torch.testing.assert_close(getattr(types, name), getattr(reference, name), rtol=1e-4, atol=1e-5)
     # Captures that kept their attention, and a list of one-image captures, read alike.
     from_full = ht.classify_heads(model, full)
     listed = ht.classify_heads(model, [vx.capture(model, x[index:index + 1], layers=()) for index in range(3)])

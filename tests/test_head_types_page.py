@@ -55,9 +55,9 @@ def test_the_page_measures_the_four_photos_in_one_pass_and_shows_the_rules_besid
     app.switch_page(PAGE).run()
     assert not app.exception and errors(app) == []
     assert app.title[0].value == "Head types"
-    # One pass of the four photos together, then each layer's attention an image at a time, and
-    # the drawn head's layer (0) for its maps.
-    assert blocks == [4] * depth and attentions == [1] * (4 * depth + 4)
+    # One pass of the four photos together, then each layer's attention (the four together: they
+    # are small), and the drawn head's layer (0) for its maps, an image at a time.
+    assert blocks == [4] * depth and attentions == [4] * depth + [1] * 4
     titles = figure_titles(app)
     assert len(titles) == 2 and titles[0].startswith("Every head's type over 4 pictures: ")
     assert titles[1].startswith("Layer 0, head 0 (") and "patch 36 (row 4, col 4) on each picture" in titles[1]

@@ -15,7 +15,8 @@ grid_h, grid_w = config.grid_size
 
 options = images.sample_image_options(config.img_size)
 options.update(images.uploaded_image_options())
-SOURCES = {"photos": "the four bundled photos", "set": "the Several images page's pictures"}
+photos = images.photo_keys()
+SOURCES = {"photos": f"the {len(photos)} bundled photos", "set": "the Several images page's pictures"}
 # The measures in the grid's hover, by field, with their units.
 SHOWN = {
     "distance": "distance (px)", "reach": "reach", "entropy": "entropy (nats)", "evenness": "evenness",
@@ -38,7 +39,7 @@ source = st.radio(
     **session.keep("types_images", "photos", lambda value: value in SOURCES),
 )
 if source == "photos":
-    keys = images.photo_keys()
+    keys = photos
 else:
     keys = session.kept("image_set", images.default_set(state["image_key"], options), lambda chosen: all(
         key in options for key in chosen

@@ -12,8 +12,9 @@ show. Per layer and head, five measures, each averaged over the images:
 - ``consistency``: how alike the head's patch-to-patch attention is from image to image.
 
 From these, one label per head by rules with named thresholds, checked in the order of ``LABELS``
-(the first that holds). Every layer's attention is read one at a time, one image at a time where it
-is computed from tokens: never (B, L, H, N, N), nor a layer for all the images at once.
+(the first that holds). Every layer's attention is read one at a time, and where it is computed from
+tokens a few images at a time (at most ``CHUNK_BYTES`` of it): never (B, L, H, N, N), nor a large
+model's layer for all the images at once.
 
 Shapes: B images, L layers, H heads, N tokens (prefix first), P = gh * gw patches.
 """
@@ -41,6 +42,9 @@ GLOBAL_EVENNESS = 0.85  # evenness from which a head is global (spread over the 
 POSITIONAL = 0.8  # consistency across images from which a head is positional
 OUTLIER_MADS = 6.0  # high norm: above the median + this many MADs (the Several images page's default k)
 FEW_OUTLIERS = 0.1  # few: at most this share of all the images' patches, the highest norms
+# The float32 attention of one layer computed from tokens at once: a ViT-B/16's four photos (7 MB)
+# in one call, a model at 2,309 tokens an image at a time.
+CHUNK_BYTES = 64 * 2**20
 
 
 @dataclass(frozen=True)
@@ -313,12 +317,15 @@ def _layer_measures(
         }
         for name, value in measured.items():
             sums[name] = sums[name] + value if name in sums else value
-        maps = on_patches.reshape(count, weights.shape[1], -1).double()  # (b, H, P*P)
-        maps = maps - maps.mean(dim=-1, keepdim=True)
-        lengths = torch.linalg.vector_norm(maps, dim=-1, keepdim=True)
-        unit = torch.where(lengths > 1e-12, maps / lengths.clamp(min=1e-12), torch.zeros_like(maps))
+        maps = on_patches.reshape(count, weights.shape[1], -1)  # (b, H, P*P)
+        centred = maps - maps.mean(dim=-1, keepdim=True)
+        lengths = torch.linalg.vector_norm(centred, dim=-1, keepdim=True)
+        # A map without variation (uniform) has none to correlate: rounding left in its centred
+        # weights is not a pattern, and it counts as 0.
+        varied = lengths > 1e-5 * torch.linalg.vector_norm(maps, dim=-1, keepdim=True)
+        unit = centred * (varied / lengths.clamp(min=torch.finfo(lengths.dtype).tiny))
         together = unit.sum(dim=0) if together is None else together + unit.sum(dim=0)
-        squares = unit.pow(2).sum(dim=(0, 2)) if squares is None else squares + unit.pow(2).sum(dim=(0, 2))
+        squares = varied.sum(dim=(0, 2)) if squares is None else squares + varied.sum(dim=(0, 2))
         seen += count
     if not seen:
         raise AnalysisError("a layer's attention holds no image")
@@ -327,8 +334,8 @@ def _layer_measures(
     measures = {name: value / seen for name, value in sums.items()}
     pairs = seen * (seen - 1)
     measures["consistency"] = (
-        (together.pow(2).sum(dim=-1) - squares) / pairs if pairs else torch.full_like(squares, math.nan)
-    ).float()
+        (together.pow(2).sum(dim=-1) - squares) / pairs if pairs else torch.full(squares.shape, math.nan)
+    )
     return measures, seen
 
 
@@ -368,17 +375,18 @@ def classify_heads_from_tokens(
 ) -> HeadTypes:
     """:func:`classify_heads` from every block's tokens of a set of images (B, L + 1, N, D) (a capture's
     ``tokens``, or several images' stacked), on ``grid_size`` (default: the model's grid): each
-    layer's attention computed from the tokens entering it (capture.layer_attention), one image
-    at a time, so that one image's layer is the largest thing held."""
+    layer's attention computed from the tokens entering it (capture.layer_attention), as many
+    images at a time as hold at most ``CHUNK_BYTES`` of it (one at the least)."""
     config = model.config
     grid_size = config.grid_size if grid_size is None else tuple(grid_size)
     depth = tokens.shape[1] - 1
+    together = max(1, CHUNK_BYTES // (4 * config.num_heads * tokens.shape[2] ** 2))
 
     def layers():
         for layer in range(depth):
             yield (
-                layer_attention(model, tokens[image:image + 1, layer], layer, grid_size)
-                for image in range(tokens.shape[0])
+                layer_attention(model, tokens[start:start + together, layer], layer, grid_size)
+                for start in range(0, tokens.shape[0], together)
             )
 
     return measure_heads(
