@@ -307,13 +307,13 @@ def _layer_measures(
         weights = _full_precision(chunk).float()
         rows = weights[:, :, prefix:]  # (b, H, P, N): the patch queries
         on_patches = rows[..., prefix:]  # (b, H, P, P)
+        mask = None if outliers is None else outliers[seen:seen + count]
         measured = {
             "distance": head_distances(chunk, grid_size, patch_size, prefix) * count,
             "entropy": head_entropies(chunk).sum(dim=0),
             "prefix_share": rows[..., :prefix].sum(dim=-1).mean(dim=-1).sum(dim=0),
-            "outlier_share": torch.zeros(weights.shape[1]) if outliers is None else torch.einsum(
-                "bhqk,bk->h", on_patches, outliers[seen:seen + count].float()
-            ) / patches,
+            "outlier_share": torch.einsum("bhqk,bk->h", on_patches, mask.float()) / patches
+            if mask is not None and mask.any() else torch.zeros(weights.shape[1]),
         }
         for name, value in measured.items():
             sums[name] = sums[name] + value if name in sums else value
