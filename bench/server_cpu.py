@@ -54,10 +54,10 @@ from bench.browser import CHROMIUM_LAUNCH, app_server, log_tail
 CONTENT = {
     **LOAD_CONTENT,
     "Inside a layer": re.compile(r"^5\. The MLP"),
-    "Several images": None, "Knock-out": None, "Compare": None,
+    "Several images": None, "Head types": None, "Knock-out": None, "Compare": None,
 }
 EXPLORE = ("Pipeline", "Patches", "Attention", "Inside a layer", "Train")
-EVERY_PAGE = (*EXPLORE, "Several images", "Knock-out", "Compare")
+EVERY_PAGE = (*EXPLORE, "Several images", "Head types", "Knock-out", "Compare")
 SLIDERS = ("Attention", "Inside a layer")  # pages whose "Layer" slider the --vit-b16 walk moves
 
 
