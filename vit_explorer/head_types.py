@@ -404,6 +404,15 @@ def attention_share(config) -> float:
     return attention / block
 
 
+def held_floats(config, images: int) -> int:
+    """Floats :func:`classify_heads_from_tokens` holds at its peak beside the tokens: a chunk of
+    images' layer attention with its copies (float32 weights, patch maps, centred, unit) and the
+    running sum of the maps."""
+    layer = config.num_heads * config.num_tokens**2  # one image's
+    together = min(images, max(1, CHUNK_BYTES // (4 * layer)))
+    return 5 * together * layer + layer
+
+
 def forwards(config, images: int, unread: int | None = None) -> float:
     """Forward passes' worth of :func:`classify_heads_from_tokens` over ``images`` images of which ``unread``
     (default all) still need their pass."""

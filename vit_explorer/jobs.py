@@ -43,7 +43,7 @@ from .ablation import SWEEP_BATCH, HeadSweep, head_sweep, sweep_cost
 from .admission import GB, available_memory, environment_number, inference_memory, limit_memory
 from .analysis import streamed_rollout
 from .capture import Capture, capture, layer_attentions
-from .head_types import HeadTypes, attention_share, classify_heads_from_tokens
+from .head_types import HeadTypes, attention_share, classify_heads_from_tokens, held_floats
 from .model import ViT
 from .runs import ordinal
 from .training_run import process_identity
@@ -196,14 +196,14 @@ KINDS = {
         ),
         compute=_tokens, decode=_decoded_tokens,
     ),
-    # One pass of settings["images"] images, then every layer's attention part again, an image at a
-    # time; the tokens kept meanwhile, and one layer's sums over the patch-to-patch maps (float64).
+    # One pass of settings["images"] images, then every layer's attention part again, a few images
+    # at a time, their tokens kept meanwhile.
     "head types": Kind(
         forwards=lambda config, settings: settings["images"] * (1 + attention_share(config)),
-        memory=lambda config, settings: inference_memory(
-            config, settings["images"], kept_floats=settings["images"] * (config.depth + 1) * config.num_tokens
-            * config.embed_dim + 10 * config.num_heads * config.num_tokens**2,
-        ),
+        memory=lambda config, settings: inference_memory(config, settings["images"], kept_floats=(
+            settings["images"] * (config.depth + 1) * config.num_tokens * config.embed_dim
+            + held_floats(config, settings["images"])
+        )),
         compute=_head_types, decode=_decoded_head_types,
     ),
 }

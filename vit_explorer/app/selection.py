@@ -14,7 +14,9 @@ import torch
 from PIL import Image
 
 from ..ablation import HeadSweep, KnockOut, head_sweep
-from ..analysis import attribution, display_image, head_distances, head_entropies, near_chance, query_map, streamed_rollout
+from ..analysis import (
+    attribution, display_image, head_distances, head_entropies, near_chance, query_map, streamed_rollout,
+)
 from ..capture import Capture, capture, layer_attention, layer_attentions, layer_internals
 from ..data import SHAPE_CLASSES
 from ..dense_pca import image_features
@@ -322,8 +324,8 @@ class ImageSet:
 
     def head_types(self) -> HeadTypes:
         """Every head's measures and label over these images (head_types), from their tokens
-        (:meth:`image_tokens`), each layer's attention computed again an image at a time; once per
-        set for everybody (app.jobs.head_types computes it as a job, under the same key)."""
+        (:meth:`image_tokens`), each layer's attention computed again a few images at a time; once
+        per set for everybody (app.jobs.head_types computes it as a job, under the same key)."""
         return self.memo("head types", spinner="Measuring every head on every image ...", compute=lambda: (
             classify_heads_from_tokens(self.selection.model, torch.stack(self.image_tokens()))
         ))
