@@ -358,7 +358,7 @@ def classify_heads(
     if len({captured.grid_size for captured in captures}) > 1:
         raise AnalysisError("the captures must share one patch grid (the same input size and patch size)")
     first = captures[0]
-    if all(not captured.layers for captured in captures):  # tokens only: an image at a time
+    if all(not captured.layers for captured in captures):  # tokens only: every layer from them
         tokens = torch.cat([captured.tokens for captured in captures])
         return classify_heads_from_tokens(model, tokens, first.grid_size, thresholds, progress)
     layers = zip(*(layer_attentions(model, captured) for captured in captures))  # per layer, a chunk per capture
@@ -397,7 +397,7 @@ def classify_heads_from_tokens(
 
 def attention_share(config) -> float:
     """What computing every layer's attention again from the tokens costs, as a share of a forward
-    pass (multiply-adds: the q and k projections and the scores, against the whole block)."""
+    pass (multiply-adds: the q, k, v projection and the scores, against the whole block)."""
     tokens, dim = config.num_tokens, config.embed_dim
     attention = tokens * 3 * dim * dim + tokens * tokens * dim
     block = tokens * (4 * dim * dim + config.mlp_matrices * dim * config.mlp_hidden) + 2 * tokens * tokens * dim
@@ -414,6 +414,6 @@ def held_floats(config, images: int) -> int:
 
 
 def forwards(config, images: int, unread: int | None = None) -> float:
-    """Forward passes' worth of :func:`classify_heads_from_tokens` over ``images`` images of which ``unread``
-    (default all) still need their pass."""
+    """Forward passes' worth of :func:`classify_heads_from_tokens` over ``images`` images, of which
+    ``unread`` (default all) still need their pass."""
     return (images if unread is None else unread) + images * attention_share(config)
