@@ -197,3 +197,29 @@ def test_the_page_reads_the_shipped_model(monkeypatch):
     titles = figure_titles(app)
     assert titles[0].startswith("Every head's type over 4 pictures") and titles[1].startswith("Layer 0, head 0")
     assert any(caption.value.startswith("High-norm patches found among the 4 pictures' 256 patches") for caption in app.caption)
+
+
+def test_clicking_a_cell_in_chromium_shows_that_heads_maps(tmp_path):
+    """The click itself, through a real browser: AppTest cannot play a plotly selection."""
+    sync_api = pytest.importorskip("playwright.sync_api")
+    from bench.browser import CHROMIUM, CHROMIUM_LAUNCH, STATUS_WIDGET, serve_app
+
+    if CHROMIUM is None:
+        pytest.skip("no system Chromium (apt-get install chromium)")
+    weights = tmp_path / "tiny.safetensors"
+    vx.save_model(tiny_model(), weights)  # 4 layers of 4 heads
+    env = {"VIT_EXPLORER_DEFAULT_MODEL": str(weights), "VIT_EXPLORER_RUNS_DIR": str(tmp_path / "runs")}
+    with serve_app(env, log=tmp_path / "streamlit.log") as url, sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(**CHROMIUM_LAUNCH)
+        page = browser.new_page(viewport={"width": 1400, "height": 2400})
+        page.set_default_timeout(120_000)
+        page.goto(f"{url}/heads")
+        page.get_by_role("heading", name="Head types", level=1).wait_for()
+        grid = page.locator(".st-key-types_click .nsewdrag").first
+        grid.wait_for()
+        page.locator(STATUS_WIDGET).wait_for(state="hidden")
+        box = grid.bounding_box()
+        # The cell of layer 2, head 3: the axes run from -0.5 to 3.5 both ways, layer 0 on top.
+        page.mouse.click(box["x"] + box["width"] * 3.5 / 4, box["y"] + box["height"] * 2.5 / 4)
+        sync_api.expect(page.get_by_text("Layer 2, head 3 (").first).to_be_visible(timeout=120_000)
+        browser.close()
