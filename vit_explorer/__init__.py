@@ -15,6 +15,7 @@ from .data import SHAPE_CLASSES, DatasetError, load_dataset, shapes_sample
 from .images import InvalidImageError, load_image, preprocess
 from .internals import LayerInternals
 from .model import ViT
+from .test_time_registers import RegisterNeurons, TestTimeRegister, find_register_neurons, register_capture
 from .train import DEFAULT_WEIGHTS, DoneEvent, EpochEvent, SnapshotEvent, StepEvent, TrainingError
 from .training_run import TrainingRun
 from .weights import CheckpointError, load_model, load_pretrained, resize_model, save_model
@@ -23,6 +24,7 @@ __all__ = [
     "Capture", "ViT", "ViTConfig", "capture", "LayerInternals", "layer_internals",
     "layer_attention", "layer_attentions",
     "KnockOut", "HeadSweep", "head_sweep", "sweep_cost",
+    "TestTimeRegister", "RegisterNeurons", "find_register_neurons", "register_capture",
     "CheckpointError", "load_model", "load_pretrained", "resize_model", "save_model",
     "InvalidImageError", "load_image", "preprocess",
     "PRESETS", "SHAPE_CLASSES", "DatasetError", "load_dataset", "shapes_sample",
