@@ -291,10 +291,11 @@ def test_a_neuron_that_cannot_be_planted_is_refused_in_a_sentence():
     x, fire = picture(1)
     with pytest.raises(ValueError, match="^A register neuron is planted in a GELU MLP"):
         ttr.plant_register_neuron(gated, x, fire, 0)
-    model = randomize(vx.ViT(tiny_config(image_size=32)))
-    everything = torch.ones(1, GRID, GRID, dtype=torch.bool)
-    everything[0, 0, 0] = False
+    # Without positions two patches alike are the same token in every layer: no unit tells them apart.
+    model = randomize(vx.ViT(tiny_config(image_size=32, abs_pos_embed=False)))
     x = torch.randn(1, 3, 32, 32)
-    x[..., :4, :4] = COLOUR[:, None, None]  # the one patch left out is as uniform as can be
+    x[..., :4, :8] = COLOUR[:, None, None]  # patches (0, 0) and (0, 1)
+    first = torch.zeros(1, GRID, GRID, dtype=torch.bool)
+    first[0, 0, 0] = True
     with pytest.raises(ValueError, match="^One unit of layer 0 cannot tell those patches from the other tokens"):
-        ttr.plant_register_neuron(model, x, everything, 0)
+        ttr.plant_register_neuron(model, x, first, 0)

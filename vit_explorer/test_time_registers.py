@@ -38,7 +38,7 @@ from einops import rearrange
 from .analysis import AnalysisError
 from .capture import Capture, capture
 from .image_set import NormOutliers, norm_outliers
-from .model import ACTIVE_REGISTER, ViT
+from .model import ACTIVE_REGISTER, LayerScale, ViT
 from .recorder import eval_mode
 
 # The sparsity filter of their find_register_neurons (shared/algorithms.py, apply_sparsity_filter,
@@ -274,6 +274,20 @@ def find_register_neurons(model: ViT, source: Capture | torch.Tensor, k: float =
     )
 
 
+def attention_drawn(
+    attentions: Iterable[torch.Tensor], tokens: torch.Tensor, num_prefix_tokens: int, class_token: bool = True,
+) -> torch.Tensor:
+    """(L, B, M): in each layer's (B, H, N, N) attention, the share of the query's attention on each
+    of M sets of tokens, ``tokens`` (M, N) bool, mean over heads; the query is the class token, or
+    without one the mean of the patch queries (analysis.query_map's). How much the outliers draw,
+    and the register."""
+    shares = []
+    for attention in attentions:
+        rows = attention[:, :, 0] if class_token else attention[:, :, num_prefix_tokens:].float().mean(dim=2)  # (B, H, N)
+        shares.append(torch.einsum("bhn,mn->bm", rows.float(), tokens.float()) / rows.shape[1])
+    return torch.stack(shares)
+
+
 def _first_standing_out(patches: torch.Tensor, outliers: torch.Tensor, k: float, last: int) -> int:
     """The first layer after which at least APPEAR_SHARE of ``outliers`` (B, P) are outliers by the
     same rule in that layer's own norms; ``patches``: (B, L + 1, P, D)."""
@@ -310,11 +324,13 @@ def plant_register_neuron(
     low-information patches. What the tests and benchmarks check the search and the register
     against: random and small models have no outliers.
 
-    Its fc1 row reads the direction of the two groups' mean difference in the MLP's input (the
-    patches to fire on, every other token), scaled and offset so that the threshold lies halfway
-    between them and the nearest token of either group is ``peak`` away from it; its fc2 column is
-    ``direction`` (default: the first feature axis) times ``strength / peak``. Raises ValueError
-    when one unit cannot tell those patches from the other tokens, or for a gated (SwiGLU) MLP.
+    Its fc1 row reads the direction a logistic regression finds between the two groups in the
+    MLP's input (the patches to fire on, every other token), scaled and offset so that the
+    threshold lies halfway between them and the nearest token of either group is ``peak`` away
+    from it; its fc2 column writes ``direction`` (default: the first feature axis) times
+    ``strength / peak`` into the residual stream (through the block's LayerScale, if any). Raises
+    ValueError when one unit cannot tell those patches from the other tokens, or for a gated
+    (SwiGLU) MLP.
     """
     planted = copy.deepcopy(model)
     mlp = planted.blocks[layer].mlp
@@ -324,9 +340,8 @@ def plant_register_neuron(
     inputs = _mlp_input(planted, captured.tokens[:, layer], layer, captured.grid_size).float().cpu()  # (B, N, D)
     at = torch.zeros(inputs.shape[:2], dtype=torch.bool)
     at[:, captured.num_prefix_tokens :] = fire.flatten(1).cpu()
-    firing, others = inputs[at], inputs[~at]
-    axis = firing.mean(dim=0) - others.mean(dim=0)
-    axis = axis / axis.norm()
+    firing, others = inputs[at].double(), inputs[~at].double()
+    axis = _separating_axis(firing, others)
     low, high = float((firing @ axis).min()), float((others @ axis).max())
     if low <= high:
         raise ValueError(f"One unit of layer {layer} cannot tell those patches from the other tokens.")
@@ -337,6 +352,32 @@ def plant_register_neuron(
     weight = mlp.fc1.weight
     weight[unit] = (gain * axis).to(weight)
     mlp.fc1.bias[unit] = -gain * (low + high) / 2
-    mlp.fc2.weight[:, unit] = (direction / direction.norm() * strength / peak).to(weight)
+    column = direction / direction.norm() * strength / peak
+    layer_scale = planted.blocks[layer].ls2
+    if isinstance(layer_scale, LayerScale):  # the residual gets the branch times gamma: write through it
+        column = column / layer_scale.gamma.to(column)
+    mlp.fc2.weight[:, unit] = column.to(weight)
     return planted
 
+
+def _separating_axis(firing: torch.Tensor, others: torch.Tensor, decay: float = 1e-4) -> torch.Tensor:
+    """(D,) unit vector: the weights of a logistic regression of (n, D) ``firing`` against (m, D)
+    ``others`` (the two groups weighted alike, a little L2 decay so that separable groups give a
+    finite answer), fitted by L-BFGS."""
+    samples = torch.cat([firing, others])
+    labels = torch.cat([torch.ones(len(firing)), torch.zeros(len(others))]).to(samples)
+    weights = torch.zeros(samples.shape[1], dtype=samples.dtype, requires_grad=True)
+    bias = torch.zeros((), dtype=samples.dtype, requires_grad=True)
+    optimizer = torch.optim.LBFGS([weights, bias], max_iter=500, line_search_fn="strong_wolfe")
+    balance = torch.tensor(len(others) / len(firing), dtype=samples.dtype)
+
+    def loss() -> torch.Tensor:
+        optimizer.zero_grad()
+        value = torch.nn.functional.binary_cross_entropy_with_logits(samples @ weights + bias, labels, pos_weight=balance)
+        value = value + decay * weights.pow(2).sum()
+        value.backward()
+        return value
+
+    with torch.enable_grad():
+        optimizer.step(loss)
+    return (weights / weights.norm()).detach()

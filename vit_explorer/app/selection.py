@@ -22,6 +22,7 @@ from ..image_set import MAX_IMAGES, MIN_IMAGES, first_component, last_layer_feat
 from ..images import preprocess
 from ..internals import LayerInternals
 from ..model import ViT
+from ..test_time_registers import RegisterNeurons, TestTimeRegister, find_register_neurons, register_capture
 from . import models
 from .images import resolve_image
 from .memo import memo, shared_results
@@ -186,6 +187,36 @@ class Selection:
                 self.model, self.model_input(), layers=intact.layers, attention_dtype=intact.attentions.dtype,
                 knock_out=knock_out, intact=intact,
             ),
+        )
+
+    def register_neurons(self, layer: int, k: float) -> RegisterNeurons:
+        """Every MLP unit scored as a register neuron on this image's outliers after ``layer``
+        (median norm + ``k`` MADs; test_time_registers.find_register_neurons), from the capture's
+        tokens: one more pass, the blocks run again up to each MLP, once for everybody."""
+        return self.memo(
+            "register neurons", layer, k, spinner="Scoring every MLP unit on the outliers ...",
+            compute=lambda: find_register_neurons(self.model, self.capture(), k, layer),
+        )
+
+    def register_capture(self, register: TestTimeRegister) -> Capture:
+        """:meth:`capture` of the pass with ``register`` (that call only: the shared model is
+        untouched), keeping the layers the intact capture keeps."""
+        intact = self.capture()
+        return self.memo(
+            "register capture", register, spinner="Running the model with a test-time register ...",
+            compute=lambda: register_capture(
+                self.model, self.model_input(), register, layers=intact.layers, attention_dtype=intact.attentions.dtype,
+            ),
+        )
+
+    def register_attention(self, layer: int, register: TestTimeRegister) -> torch.Tensor:
+        """(heads, N + 1, N + 1) float16: :meth:`attention` of the pass with ``register``."""
+        captured = self.register_capture(register)
+        if layer in captured.layers:
+            return captured.attentions[0, captured.layers.index(layer)]
+        return self.memo(
+            "register attention", layer, register, spinner=f"Computing the attention of layer {layer} ...",
+            compute=lambda: layer_attention(self.model, captured.tokens[:, layer], layer, captured.grid_size, torch.float16)[0],
         )
 
     def head_sweep(self, mode: str) -> HeadSweep:
