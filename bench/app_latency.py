@@ -20,12 +20,15 @@ measured in the same run, then whether the goals are met:
 - Knock-out (patch 16): a view of another knock-out at most 1.5; the sweep of all 144 heads at
   most 150 (it is batched from each layer's input: about 79 forwards' worth of work; on a
   real-size model a job in a worker process, timed from the click until it is drawn).
+- Registers (patch 16; the model gets a register neuron planted, random weights having no
+  outliers): the whole comparison at most 3 (the capture, the neuron search, the pass with the
+  register), another number of neurons at most 1.5 (one pass with the register).
 
     python -m bench.app_latency            # ViT-B/16 at 224, 3 rounds on the CPU, then on CUDA if present
     python -m bench.app_latency --small    # a ViT-S/16-sized model, for a quick look
     python -m bench.app_latency --dinov3   # a DINOv3-shaped ViT-B/16: rotary positions, 4 registers
     python -m bench.app_latency --device cuda
-    python -m bench.app_latency --pages knockout compare   # only those pages' steps (after loading)
+    python -m bench.app_latency --pages knockout registers  # only those pages' steps (after loading)
 
 Each round starts a fresh app with empty caches; a step's ratio is the median over the rounds
 (a single round on a shared 2-core machine can be off by half). The goals are the CPU's (a
@@ -47,7 +50,8 @@ from streamlit.runtime.scriptrunner.script_cache import ScriptCache
 from streamlit.testing.v1 import AppTest, app_test, local_script_runner
 
 import vit_explorer as vx
-from vit_explorer.app import models, session, uploads
+from vit_explorer import test_time_registers
+from vit_explorer.app import images, models, session, uploads
 
 APP = str(Path(__file__).resolve().parent.parent / "app.py")
 # AppTest compiles app.py and the page again on every run (a new ScriptCache each time: 20-25 ms
@@ -61,6 +65,7 @@ GOALS = {
     "inside first view": 2.0, "inside widget": 0.5, "several images per image": 1.2,
     "compare first view": 2.0,  # in one model's first views, not in forward passes
     "knock-out view": 1.5, "head sweep": 150.0,
+    "registers view": 3.0, "registers change": 1.5,
 }
 # --dinov3: what a DINOv3 ViT-B/16 changes (timm's vit_base_patch16_dinov3): no position embedding,
 # rotary positions on the patch tokens' queries and keys, 4 registers, LayerScale.
@@ -69,6 +74,10 @@ COMPARE = "views/compare.py"
 INSIDE = "views/inside.py"
 IMAGES = "views/images.py"
 KNOCKOUT = "views/knockout.py"
+REGISTERS = "views/registers.py"
+# The Registers steps' pictures: one the first steps capture, one no step has; the register neuron
+# is planted on their plainest patches, and the search must find it from either.
+REGISTER_IMAGES = ("photo:astronaut.png", "shapes:0")
 
 
 def forward_seconds(model: vx.ViT, rounds: int = 7) -> float:
@@ -130,7 +139,7 @@ class Steps:
         return lambda: self.app.selectbox(key="image_picker").set_value(key)
 
 
-PAGES = ("core", "images", "knockout", "compare")  # --pages: core is Pipeline, Patches, Attention, Inside
+PAGES = ("core", "images", "knockout", "registers", "compare")  # --pages: core is Pipeline, Patches, Attention, Inside
 
 
 def run(
@@ -144,6 +153,8 @@ def run(
     size.update(DINOV3 if dinov3 else {})
     torch.manual_seed(0)
     model = vx.ViT(vx.ViTConfig(image_size=224, patch_size=16, num_classes=1000, **size))
+    if "registers" in pages:
+        model = with_register_neuron(model)
     # Removed after the round: two ViT-B/16 checkpoints are 700 MB a round, which piled up in /tmp.
     with tempfile.TemporaryDirectory(prefix="vit_explorer_latency_") as temporary:
         return _round(model, Path(temporary), size, device, pages)
@@ -171,6 +182,8 @@ def _round(model: torch.nn.Module, folder: Path, size: dict, device: torch.devic
         patch_8_steps(app, steps)
     if "knockout" in pages:
         knockout_steps(app, steps)
+    if "registers" in pages:
+        registers_steps(app, steps)
     if "compare" in pages:
         compare(app, steps, folder, size)
     return steps.rows
@@ -265,6 +278,27 @@ def knockout_steps(app: AppTest, steps: Steps) -> None:
     steps.time("Knock-out: the sweep of every head (a job, until drawn)", "head sweep", lambda: SweepDrawn(app))
 
 
+def with_register_neuron(model: vx.ViT) -> vx.ViT:
+    """``model`` with a register neuron in its middle layer that fires on the 8 plainest patches of
+    each of REGISTER_IMAGES and writes a large vector there (test_time_registers.plant_register_neuron)."""
+    config = model.config
+    x = torch.cat([vx.preprocess(images.resolve_image(key, config.img_size)[1], config) for key in REGISTER_IMAGES])
+    fire = test_time_registers.low_information_patches(x, config.patch_size, 8)
+    return test_time_registers.plant_register_neuron(model.eval(), x, fire, config.depth // 2)
+
+
+def registers_steps(app: AppTest, steps: Steps) -> None:
+    """Registers at patch 16 (untimed: back to patch 16 and to the first picture, both captured)."""
+    app.switch_page("views/patches.py").run()
+    widget(app.select_slider, "Patch size").set_value(16).run()
+    app.selectbox(key="image_picker").set_value(REGISTER_IMAGES[0]).run()
+    steps.time("Registers: first view (image captured already)", "registers view", steps.page(REGISTERS))
+    steps.time("Registers: fewer register neurons", "registers change",
+               lambda: widget(app.slider, "Register neurons").set_value(5))
+    steps.time("Registers: another layer's heads", "widget", lambda: widget(app.slider, "Layer").set_value(3))
+    steps.time("Registers: a new image (its capture too)", "registers view", steps.image(REGISTER_IMAGES[1]))
+
+
 class SweepDrawn:
     """The click on "Run the sweep", then reruns (as the page's live fragment does) until the sweep
     is drawn: on a real-size model it is a job computed beside the server."""
@@ -341,7 +375,7 @@ def main() -> None:
     parser.add_argument(
         "--pages", nargs="+", choices=PAGES, default=PAGES,
         help="whose steps to time (default all): core (Pipeline, Patches, Attention, Inside a layer),"
-        " images (Several images), knockout, compare",
+        " images (Several images), knockout, registers, compare",
     )
     parser.add_argument(
         "--device", choices=("all", "cpu", "cuda"), default="all",

@@ -11,11 +11,12 @@ import torch
 import vit_explorer as vx
 from vit_explorer import test_time_registers as ttr
 from vit_explorer import train
-from vit_explorer.app import memo, models, selection
-from test_app import errors, figure_titles, open_app, tiny_default, tiny_model, title_matching, widget  # noqa: F401
-from test_knockout import decoded
+from vit_explorer.app import costs, jobs, memo, models, selection
+from test_app import PHOTO, errors, figure_titles, open_app, tiny_default, tiny_model, title_matching, widget  # noqa: F401
+from test_knockout import decoded, run_until
 
 PAGE = "views/registers.py"
+PHOTOS = PHOTO.parent  # the bundled photos
 LAYER, UNIT = 1, 5
 
 
@@ -65,7 +66,7 @@ def test_the_planted_neuron_is_found_and_the_register_takes_its_outliers(planted
     assert errors(app) == [] and app.title[0].value == "Registers at test time"
     assert all(w.help for w in app.slider)  # every control says what it does
     title_matching(app, "^Patch-token norms after layer 3; outliers \\(x\\) above")
-    assert "on the 5 outliers" in texts(app) and "stand out already after layer 1" in texts(app)
+    assert "on the 5 outliers of this image" in texts(app) and "stand out already after layer 1" in texts(app)
     # The best unit of the layers searched is the planted one, drawn first.
     ranked = chart(app, "^Register neurons: the 10 in colour")["data"][1]["y"]
     assert ranked[0] == f"layer {LAYER}, unit {UNIT}"
@@ -105,6 +106,42 @@ def test_a_view_costs_one_search_and_one_register_pass_and_its_widgets_reuse_the
     assert not app.exception and (len(captures), len(searches), len(passes)) == (1, 1, 2)  # kept, and shared
     widget(app.slider, "Find the outliers after layer").set_value(2).run()
     assert not app.exception and (len(captures), len(searches)) == (1, 2)
+
+
+def photos_input(config) -> torch.Tensor:
+    """The default picture, then the bundled photos, as the model reads them."""
+    photos = [vx.preprocess(vx.load_image(path), config) for path in sorted(PHOTOS.glob("*.[pj][np]g"))]
+    return torch.cat([default_input(config), *photos])
+
+
+def ranked_units(app) -> list[str]:
+    return chart(app, "^Register neurons: the")["data"][1]["y"]
+
+
+def test_the_neurons_found_on_the_bundled_photos_too(planted_default):
+    app = open_app(PAGE)
+    app.radio(key="registers_with_photos").set_value(True).run()
+    assert not app.exception and errors(app) == []
+    found = vx.find_register_neurons(planted_default, photos_input(planted_default.config))
+    assert f"on the {found.images} of the 5 pictures with outliers" in texts(app)
+    assert ranked_units(app)[:3] == [f"layer {layer}, unit {unit}" for layer, unit, _ in found.top(3)]
+
+
+def test_the_search_on_the_photos_is_a_job_for_a_large_model(planted_default, monkeypatch):
+    monkeypatch.setattr(costs, "QUICK_COST", 1.0)  # the tiny model's search as a ViT-B's would be
+    computed = []
+    monkeypatch.setattr(selection, "find_register_neurons", lambda model, source, *args: computed.append(source) or (
+        ttr.find_register_neurons(model, source, *args)
+    ))
+    app = open_app(PAGE)
+    app.radio(key="registers_with_photos").set_value(True).run()
+    assert "costs about 8 forward passes" in texts(app) and not any(t.startswith("Register neurons") for t in figure_titles(app))
+    widget(app.button, "Search the photos").click().run()
+    run_until(app, lambda app: any(title.startswith("Register neurons") for title in figure_titles(app)))
+    found = vx.find_register_neurons(planted_default, photos_input(planted_default.config))
+    assert ranked_units(app)[:3] == [f"layer {layer}, unit {unit}" for layer, unit, _ in found.top(3)]
+    assert errors(app) == [] and len(list(jobs.job_board().folder.glob("*/record.json"))) == 1
+    assert all(isinstance(source, vx.Capture) for source in computed)  # the photos were searched beside the server
 
 
 def test_without_outliers_the_page_says_so_and_where_to_find_them():

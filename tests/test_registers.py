@@ -278,7 +278,6 @@ def test_registers_are_values_that_can_key_a_cache():
     a = ttr.TestTimeRegister({2: [5, 1, 5], 0: (3,)})
     assert a == ttr.TestTimeRegister(((0, [3]), (2, [1, 5]))) and hash(a) == hash(ttr.TestTimeRegister({0: [3], 2: [1, 5]}))
     assert a.neurons == ((0, (3,)), (2, (1, 5))) and a.count == 3
-    assert a.describe() == "a test-time register (3 neurons, layers 0, 2)"
 
 
 def test_low_information_patches_are_the_uniform_ones():

@@ -7,7 +7,7 @@ import torch
 from vit_explorer import analysis, figures
 from vit_explorer import image_set as sets
 from vit_explorer import test_time_registers as registers
-from vit_explorer.app import models, session
+from vit_explorer.app import costs, jobs, models, session
 from vit_explorer.capture import layer_attentions
 
 selection = session.selection()
@@ -74,14 +74,40 @@ if count == 0:
     st.stop()
 
 st.subheader("The register neurons")
-neurons = selection.register_neurons(found_after, k)
+photos = len(selection.with_photos())
+SOURCES = {False: "this image", True: f"this image and the bundled photos ({photos} pictures)"}
+with_photos = st.radio(
+    "Find them on", list(SOURCES), format_func=SOURCES.get, horizontal=True,
+    help="Jiang et al. average over many images: units that write the outliers of every picture, not"
+    " only of this one. On the photos too, the register found elsewhere is tried on this image.",
+    **session.keep("registers_with_photos", False, lambda value: value in SOURCES),
+)
+if with_photos and costs.is_heavy(config, forwards=photos * (1 + registers.SEARCH_PASSES)):
+    st.write(
+        f"Reading the {photos} pictures and searching them costs about {photos * (1 + registers.SEARCH_PASSES):.0f}"
+        " forward passes: it runs when you ask, beside the server, so that the pages stay quick for everybody,"
+        " and then serves everyone."
+    )
+    neurons = jobs.register_neurons(selection, found_after, k, "Search the photos")
+    if neurons is None:
+        st.stop()
+else:
+    try:
+        neurons = selection.register_neurons(found_after, k, with_photos)
+    except analysis.AnalysisError as error:  # over the photos, this image's outliers may not stand out
+        st.info(str(error))
+        st.stop()
+where = (
+    f"on the {count} outlier{'s' if count > 1 else ''} of this image" if not with_photos else
+    f"on the {neurons.images} of the {photos} pictures with outliers (the threshold taken over all their patches)"
+)
 st.write(
-    f"Every unit of every MLP is scored on the {count} outlier{'s' if count > 1 else ''}: its mean absolute"
-    " activation there, kept only if the unit is quiet elsewhere (below 0.5 on at least half of the tokens),"
-    " their find_register_neurons on this one image; the blocks run once more from the captured tokens to"
-    f" read the activations. The outliers stand out already after layer {neurons.appears_at}: the units that"
-    " write them are in that layer or before, so the search keeps to those layers by default (their"
-    " highest_layer), and takes the best units (their top_k: 10 for CLIP ViT-B/16)."
+    f"Every unit of every MLP is scored {where}: its mean absolute activation on them, kept only if"
+    " the unit is quiet elsewhere (below 0.5 on at least half of the tokens), averaged over the pictures, as"
+    " their find_register_neurons does; the blocks run once more from the captured tokens to read the"
+    f" activations. The outliers stand out already after layer {neurons.appears_at}: the units that write"
+    " them are in that layer or before, so the search keeps to those layers by default (their highest_layer),"
+    " and takes the best units (their top_k: 10 for CLIP ViT-B/16)."
 )
 count_column, range_column = st.columns(2)
 chosen = count_column.slider(
@@ -93,7 +119,7 @@ first, last = range_column.slider(
     "From the layers", 0, depth - 1,
     help="The layers whose units may be register neurons. Units after the outliers appear only respond to them.",
     **session.keep(
-        "registers_layers", (0, neurons.appears_at),
+        f"registers_layers_{neurons.appears_at}", (0, neurons.appears_at),
         lambda value: len(value) == 2 and 0 <= value[0] <= value[1] < depth,
     ),
 )
@@ -103,7 +129,7 @@ if not ranked:
     st.stop()
 register = neurons.register(chosen, first, last)
 st.plotly_chart(selection.memo(
-    "register neurons figure", found_after, k, chosen, first, last, compute=lambda: figures.register_neurons_figure(
+    "register neurons figure", found_after, k, with_photos, chosen, first, last, compute=lambda: figures.register_neurons_figure(
         neurons.scores.max(dim=1).values, ranked, min(chosen, len(ranked)), first, last, neurons.appears_at,
     ),
 ))
@@ -155,9 +181,11 @@ def drawn_figure():
     after = torch.zeros(2, moved.num_tokens, dtype=torch.bool)
     after[0, moved.num_prefix_tokens:] = outliers.outliers[0]
     after[1, index] = True
-    intact_shares = registers.attention_drawn(layer_attentions(selection.model, intact), before, prefix, config.class_token)
+    intact_shares = registers.attention_drawn(
+        layer_attentions(selection.model, intact, torch.float16), before, prefix, config.class_token,
+    )
     moved_shares = registers.attention_drawn(
-        layer_attentions(selection.model, moved), after, moved.num_prefix_tokens, config.class_token,
+        layer_attentions(selection.model, moved, torch.float16), after, moved.num_prefix_tokens, config.class_token,
     )
     before, after, taken = intact_shares[:, 0, 0], moved_shares[:, 0, 0], moved_shares[:, 0, 1]
     return figures.attention_drawn_figure(before, after, taken, query), (float(before[-1]), float(after[-1]), float(taken[-1]))

@@ -28,9 +28,9 @@ Shapes: B images, L layers, N tokens, P = gh * gw patches, D features, U hidden 
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from einops import rearrange
@@ -50,6 +50,9 @@ SPARSE_SHARE = 0.5
 APPEAR_SHARE = 0.5
 # Their configs keep 10 neurons for CLIP ViT-B/16 (configs/openai_clip_base.yaml, top_k).
 DEFAULT_COUNT = 10
+# What the search costs per image beyond its capture, in forward passes: every block again up to
+# its MLP's activation (the attention and fc1 of a block, not fc2: about two thirds of its work).
+SEARCH_PASSES = 0.7
 
 
 def _pairs(neurons: Mapping[int, Iterable[int]] | Iterable) -> tuple[tuple[int, tuple[int, ...]], ...]:
@@ -86,14 +89,6 @@ class TestTimeRegister:
             if bad:
                 return f"Unit {bad[0]} of layer {layer} does not exist: its MLP has units 0 to {config.mlp_hidden - 1}."
         return None
-
-    def describe(self) -> str:
-        """One line for titles: how many neurons of which layers feed the register."""
-        if not self.neurons:
-            return "an empty test-time register"
-        layers = ", ".join(str(layer) for layer, _ in self.neurons)
-        count = self.count
-        return f"a test-time register ({count} neuron{'s' if count > 1 else ''}, layer{'s' if len(self.neurons) > 1 else ''} {layers})"
 
     @contextmanager
     def applied(self, model: ViT) -> Iterator[None]:
@@ -229,10 +224,14 @@ def mlp_activations(model: ViT, tokens: torch.Tensor, layer: int, grid_size: tup
         return model.blocks[layer].mlp.hidden(_mlp_input(model, tokens, layer, grid_size)).float().cpu()
 
 
-def find_register_neurons(model: ViT, source: Capture | torch.Tensor, k: float = 6.0, layer: int = -1) -> RegisterNeurons:
+def find_register_neurons(
+    model: ViT, source: Capture | torch.Tensor, k: float = 6.0, layer: int = -1,
+    progress: Callable[[float], None] | None = None,
+) -> RegisterNeurons:
     """Score every MLP unit of ``model`` as a register neuron on ``source``: a capture of it
-    (its tokens are reused: one more pass, the blocks run again up to each MLP) or normalized
-    images (B, C, H, W), captured first.
+    (its tokens are reused: the blocks run again up to each MLP, SEARCH_PASSES of a pass per
+    image) or normalized images (B, C, H, W), captured first. ``progress`` gets the share of the
+    layers searched after each one.
 
     Their find_register_neurons (shared/algorithms.py): the outliers are the patches whose token
     after ``layer`` (negative: from the end; theirs: the last layer for CLIP, the one before for
@@ -268,6 +267,8 @@ def find_register_neurons(model: ViT, source: Capture | torch.Tensor, k: float =
         on_outliers = (hidden.abs() * at[..., None]).sum(dim=1) / at.sum(dim=1, keepdim=True)  # (b, U)
         sparse = (hidden < SPARSE_ACTIVATION).float().mean(dim=1) >= SPARSE_SHARE  # (b, U)
         scores.append((on_outliers * sparse).mean(dim=0))
+        if progress is not None:
+            progress((index + 1) / depth)
     return RegisterNeurons(
         scores=torch.stack(scores), outliers=found, layer=found_after,
         appears_at=_first_standing_out(tokens[:, :, prefix:], outliers, k, found_after), images=int(with_outliers.sum()),

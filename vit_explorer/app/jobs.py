@@ -14,6 +14,7 @@ import torch
 from ..ablation import HeadSweep
 from ..capture import Capture
 from ..jobs import JobBoard, JobRefused, JobSpec, JobStatus
+from ..test_time_registers import RegisterNeurons
 from . import models, runs
 from .memo import memo, shared_results
 from .selection import ImageSet, Selection
@@ -66,6 +67,16 @@ def image_tokens(image_set: ImageSet, label: str) -> bool:
     spec = _spec(image_set.selection, "tokens", identity, images=len(unread))
     keys = tuple(image_set.tokens_key(index) for index in unread)
     return _as_job(image_set.selection, spec, keys, label, image_set.model_input()[unread]) is not None
+
+
+def register_neurons(selection: Selection, layer: int, k: float, label: str) -> RegisterNeurons | None:
+    """:meth:`Selection.register_neurons` on this image and the bundled photos as a job, for a model
+    whose search over them is heavy: the neurons once found (for anybody), else None, with what to
+    do or how it goes drawn in their place."""
+    x = selection.with_photos()
+    spec = _spec(selection, "register neurons", layer=layer, k=k, images=len(x))
+    values = _as_job(selection, spec, ((*selection.key, "register neurons", layer, k, True),), label, x)
+    return None if values is None else values[0]
 
 
 def _spec(selection: Selection, kind: str, identity: str | None = None, **settings) -> JobSpec:

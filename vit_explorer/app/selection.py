@@ -24,7 +24,7 @@ from ..internals import LayerInternals
 from ..model import ViT
 from ..test_time_registers import RegisterNeurons, TestTimeRegister, find_register_neurons, register_capture
 from . import models
-from .images import resolve_image
+from .images import photo_names, resolve_image
 from .memo import memo, shared_results
 
 T = TypeVar("T")
@@ -189,14 +189,29 @@ class Selection:
             ),
         )
 
-    def register_neurons(self, layer: int, k: float) -> RegisterNeurons:
-        """Every MLP unit scored as a register neuron on this image's outliers after ``layer``
-        (median norm + ``k`` MADs; test_time_registers.find_register_neurons), from the capture's
-        tokens: one more pass, the blocks run again up to each MLP, once for everybody."""
+    def register_neurons(self, layer: int, k: float, with_photos: bool = False) -> RegisterNeurons:
+        """Every MLP unit scored as a register neuron on the outliers after ``layer`` (median norm +
+        ``k`` MADs; test_time_registers.find_register_neurons), once for everybody: on this image,
+        from its capture's tokens (the blocks run again up to each MLP); ``with_photos``, on this
+        image and the bundled photos together (:meth:`with_photos`: their capture too; a job when
+        heavy, app.jobs.register_neurons, under the same key)."""
+        if with_photos:
+            return self.memo(
+                "register neurons", layer, k, with_photos, spinner="Scoring every MLP unit on the photos' outliers ...",
+                compute=lambda: find_register_neurons(self.model, self.with_photos(), k, layer),
+            )
         return self.memo(
-            "register neurons", layer, k, spinner="Scoring every MLP unit on the outliers ...",
+            "register neurons", layer, k, with_photos, spinner="Scoring every MLP unit on the outliers ...",
             compute=lambda: find_register_neurons(self.model, self.capture(), k, layer),
         )
+
+    def with_photos(self) -> torch.Tensor:
+        """(B, C, H, W): this image, then each bundled photo that is not this image, at the model's
+        input (once per model, sizes and image)."""
+        others = [f"photo:{name}" for name in photo_names() if f"photo:{name}" != self.image_key]
+        return self.memo("with photos", compute=lambda: torch.cat([self.model_input(), *(
+            preprocess(resolve_image(key, self.config.img_size)[1], self.config) for key in others
+        )]))
 
     def register_capture(self, register: TestTimeRegister) -> Capture:
         """:meth:`capture` of the pass with ``register`` (that call only: the shared model is
