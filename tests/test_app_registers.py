@@ -104,8 +104,11 @@ def test_a_view_costs_one_search_and_one_register_pass_and_its_widgets_reuse_the
     app.switch_page("views/attention.py").run()
     app.switch_page(PAGE).run()
     assert not app.exception and (len(captures), len(searches), len(passes)) == (1, 1, 2)  # kept, and shared
-    widget(app.slider, "Find the outliers after layer").set_value(2).run()
+    widget(app.slider, "From the layers").set_value((2, 3)).run()  # past where the outliers appear
     assert not app.exception and (len(captures), len(searches)) == (1, 2)
+    assert all(label.startswith(("layer 2,", "layer 3,")) for label in ranked_units(app))
+    widget(app.slider, "Find the outliers after layer").set_value(2).run()  # up to where they appear, then 3
+    assert not app.exception and (len(captures), len(searches)) == (1, 4)
 
 
 def photos_input(config) -> torch.Tensor:
@@ -135,7 +138,7 @@ def test_the_search_on_the_photos_is_a_job_for_a_large_model(planted_default, mo
     ))
     app = open_app(PAGE)
     app.radio(key="registers_with_photos").set_value(True).run()
-    assert "costs about 8 forward passes" in texts(app) and not any(t.startswith("Register neurons") for t in figure_titles(app))
+    assert "costs about 9 forward passes" in texts(app) and not any(t.startswith("Register neurons") for t in figure_titles(app))
     widget(app.button, "Search the photos").click().run()
     run_until(app, lambda app: any(title.startswith("Register neurons") for title in figure_titles(app)))
     found = vx.find_register_neurons(planted_default, photos_input(planted_default.config))

@@ -111,9 +111,13 @@ def test_the_layers_searched_and_the_images_without_outliers(planted, others):
     assert found.images == 1 and not found.outliers.outliers[1].any()
     alone = ttr.find_register_neurons(planted, x[:1])
     assert torch.allclose(found.scores, alone.scores)  # the image without outliers is skipped, as theirs
-    later = found.top(5, first=2, last=3)
+    assert found.scores.shape[0] == LAYER + 1  # by default, the layers up to where they appear
+    with pytest.raises(ValueError, match="^Layer 3 was not searched"):
+        found.top(5, first=2, last=3)
+    deeper = ttr.find_register_neurons(planted, torch.cat([x[:1], plain]), last=3)
+    assert torch.equal(deeper.scores[: LAYER + 1], found.scores)
+    later = deeper.top(5, first=2, last=3)
     assert len(later) == 5 and all(layer in (2, 3) for layer, _, _ in later)
-    assert all(layer <= LAYER for layer, _, _ in found.top(50))  # by default, up to where they appear
 
 
 def test_a_model_without_outliers_says_so():

@@ -82,21 +82,29 @@ with_photos = st.radio(
     " only of this one. On the photos too, the register found elsewhere is tried on this image.",
     **session.keep("registers_with_photos", False, lambda value: value in SOURCES),
 )
-if with_photos and costs.is_heavy(config, forwards=photos * (1 + registers.SEARCH_PASSES)):
-    st.write(
-        f"Reading the {photos} pictures and searching them costs about {photos * (1 + registers.SEARCH_PASSES):.0f}"
-        " forward passes: it runs when you ask, beside the server, so that the pages stay quick for everybody,"
-        " and then serves everyone."
-    )
-    neurons = jobs.register_neurons(selection, found_after, k, "Search the photos")
-    if neurons is None:
-        st.stop()
-else:
+
+
+def search(last: int | None) -> registers.RegisterNeurons:
+    """The register neurons of layers 0 to ``last`` (default: where the outliers appear), found on
+    what the radio says; on the photos a job when heavy (the page stops until it is done)."""
+    if with_photos and costs.is_heavy(config, forwards=photos * (1 + registers.SEARCH_PASSES)):
+        st.write(
+            f"Reading the {photos} pictures and searching them costs about {photos * (1 + registers.SEARCH_PASSES):.0f}"
+            " forward passes: it runs when you ask, beside the server, so that the pages stay quick for everybody,"
+            " and then serves everyone."
+        )
+        found = jobs.register_neurons(selection, found_after, k, last, "Search the photos")
+        if found is None:
+            st.stop()
+        return found
     try:
-        neurons = selection.register_neurons(found_after, k, with_photos)
+        return selection.register_neurons(found_after, k, with_photos, last)
     except analysis.AnalysisError as error:  # over the photos, this image's outliers may not stand out
         st.info(str(error))
         st.stop()
+
+
+neurons = search(None)
 where = (
     f"on the {count} outlier{'s' if count > 1 else ''} of this image" if not with_photos else
     f"on the {neurons.images} of the {photos} pictures with outliers (the threshold taken over all their patches)"
@@ -106,8 +114,8 @@ st.write(
     " the unit is quiet elsewhere (below 0.5 on at least half of the tokens), averaged over the pictures, as"
     " their find_register_neurons does; the blocks run once more from the captured tokens to read the"
     f" activations. The outliers stand out already after layer {neurons.appears_at}: the units that write"
-    " them are in that layer or before, so the search keeps to those layers by default (their highest_layer),"
-    " and takes the best units (their top_k: 10 for CLIP ViT-B/16)."
+    " them are in that layer or before, so the search keeps to those layers unless you widen them (their"
+    " highest_layer), and takes the best units (their top_k: 10 for CLIP ViT-B/16)."
 )
 count_column, range_column = st.columns(2)
 chosen = count_column.slider(
@@ -123,13 +131,16 @@ first, last = range_column.slider(
         lambda value: len(value) == 2 and 0 <= value[0] <= value[1] < depth,
     ),
 )
+if last >= len(neurons.scores):  # widened past where the outliers appear: those layers searched too
+    neurons = search(last)
 ranked = neurons.top(max(chosen, 20), first, last)
 if not ranked:
     st.info(f"No unit of layers {first} to {last} is both quiet elsewhere and active on the outliers: widen the layers.")
     st.stop()
 register = neurons.register(chosen, first, last)
 st.plotly_chart(selection.memo(
-    "register neurons figure", found_after, k, with_photos, chosen, first, last, compute=lambda: figures.register_neurons_figure(
+    "register neurons figure", found_after, k, with_photos, len(neurons.scores), chosen, first, last,
+    compute=lambda: figures.register_neurons_figure(
         neurons.scores.max(dim=1).values, ranked, min(chosen, len(ranked)), first, last, neurons.appears_at,
     ),
 ))

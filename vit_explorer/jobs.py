@@ -149,7 +149,7 @@ def _decoded_tokens(arrays: dict) -> tuple[torch.Tensor, ...]:
 def _register_neurons(model: ViT, x: torch.Tensor, settings: dict, progress: Callable[[float], None]) -> dict:
     """The register neurons over the images ``x`` (B, C, H, W): their capture, then the search
     (test_time_registers.find_register_neurons), as app.selection.Selection.register_neurons."""
-    neurons = find_register_neurons(model, x, settings["k"], settings["layer"], progress=progress)
+    neurons = find_register_neurons(model, x, settings["k"], settings["layer"], settings["last"], progress)
     found = neurons.outliers
     return {
         "scores": neurons.scores.numpy(), "norms": found.norms.numpy(), "outliers": found.outliers.numpy(),

@@ -50,9 +50,9 @@ SPARSE_SHARE = 0.5
 APPEAR_SHARE = 0.5
 # Their configs keep 10 neurons for CLIP ViT-B/16 (configs/openai_clip_base.yaml, top_k).
 DEFAULT_COUNT = 10
-# What the search costs per image beyond its capture, in forward passes: every block again up to
-# its MLP's activation (the attention and fc1 of a block, not fc2: about two thirds of its work).
-SEARCH_PASSES = 0.7
+# What the search of every layer costs per image beyond its capture, in forward passes (measured:
+# the blocks again up to each MLP's activation, the attention and fc1 of a block but not its fc2).
+SEARCH_PASSES = 0.8
 
 
 def _pairs(neurons: Mapping[int, Iterable[int]] | Iterable) -> tuple[tuple[int, tuple[int, ...]], ...]:
@@ -175,8 +175,8 @@ def register_capture(
 class RegisterNeurons:
     """Every MLP unit of a model scored as a register neuron over some images."""
 
-    # (L, U): each unit's mean absolute activation on the outlier tokens of an image, 0 for a unit
-    # that is not sparse on it, averaged over the images with outliers.
+    # (layers searched, U), layers 0 on: each unit's mean absolute activation on the outlier tokens
+    # of an image, 0 for a unit that is not sparse on it, averaged over the images with outliers.
     scores: torch.Tensor
     outliers: NormOutliers  # the patch tokens' norms (B, P) after ``layer`` and which are outliers
     layer: int  # the layer after which the outliers were found
@@ -185,8 +185,11 @@ class RegisterNeurons:
 
     def top(self, count: int, first: int = 0, last: int | None = None) -> list[tuple[int, int, float]]:
         """The ``count`` best (layer, unit, score) of the layers ``first`` to ``last`` (default: where
-        the outliers appear), best first; units scoring 0 are never register neurons."""
+        the outliers appear; the layers searched at most), best first; units scoring 0 are never
+        register neurons."""
         last = self.appears_at if last is None else last
+        if last >= len(self.scores):
+            raise ValueError(f"Layer {last} was not searched: search up to it (find_register_neurons(..., last={last})).")
         scores = self.scores[first : last + 1].flatten()
         values, indices = scores.topk(min(count, scores.numel()))
         units = self.scores.shape[1]
@@ -225,13 +228,15 @@ def mlp_activations(model: ViT, tokens: torch.Tensor, layer: int, grid_size: tup
 
 
 def find_register_neurons(
-    model: ViT, source: Capture | torch.Tensor, k: float = 6.0, layer: int = -1,
+    model: ViT, source: Capture | torch.Tensor, k: float = 6.0, layer: int = -1, last: int | None = None,
     progress: Callable[[float], None] | None = None,
 ) -> RegisterNeurons:
-    """Score every MLP unit of ``model`` as a register neuron on ``source``: a capture of it
-    (its tokens are reused: the blocks run again up to each MLP, SEARCH_PASSES of a pass per
-    image) or normalized images (B, C, H, W), captured first. ``progress`` gets the share of the
-    layers searched after each one.
+    """Score the MLP units of ``model`` as register neurons on ``source``: a capture of it (its
+    tokens are reused: the blocks run again up to each MLP, at most SEARCH_PASSES of a pass per
+    image) or normalized images (B, C, H, W), captured first. The units of layers 0 to ``last``
+    are scored; by default up to the layer after which the outliers appear (units after it
+    cannot have written them: their highest_layer, whose units only are kept, chosen here from
+    the norms). ``progress`` gets the share of the layers searched after each one.
 
     Their find_register_neurons (shared/algorithms.py): the outliers are the patches whose token
     after ``layer`` (negative: from the end; theirs: the last layer for CLIP, the one before for
@@ -258,21 +263,20 @@ def find_register_neurons(
             f"No patch token stands out after layer {found_after} (none above {found.threshold:.3g}, the median norm"
             f" plus {k:g} MADs): there are no outliers for register neurons to have written."
         )
-    at = torch.zeros(tokens.shape[0], tokens.shape[2], dtype=torch.bool)  # (B, N) the outlier tokens
-    at[:, prefix:] = outliers
-    at = at[with_outliers]
+    appears_at = _first_standing_out(tokens[:, :, prefix:], outliers, k, found_after)
+    last = appears_at if last is None else last
+    if not 0 <= last < depth:
+        raise AnalysisError(f"Layer {last} does not exist: this model has layers 0 to {depth - 1}.")
+    at = [prefix + patches.nonzero().flatten() for patches in outliers[with_outliers]]  # each image's outlier tokens
     scores = []
-    for index in range(depth):
+    for index in range(last + 1):
         hidden = mlp_activations(model, tokens[with_outliers, index], index, captured.grid_size)  # (b, N, U)
-        on_outliers = (hidden.abs() * at[..., None]).sum(dim=1) / at.sum(dim=1, keepdim=True)  # (b, U)
-        sparse = (hidden < SPARSE_ACTIVATION).float().mean(dim=1) >= SPARSE_SHARE  # (b, U)
+        on_outliers = torch.stack([units[rows].abs().mean(dim=0) for units, rows in zip(hidden, at)])  # (b, U)
+        sparse = (hidden < SPARSE_ACTIVATION).sum(dim=1) >= SPARSE_SHARE * hidden.shape[1]  # (b, U)
         scores.append((on_outliers * sparse).mean(dim=0))
         if progress is not None:
-            progress((index + 1) / depth)
-    return RegisterNeurons(
-        scores=torch.stack(scores), outliers=found, layer=found_after,
-        appears_at=_first_standing_out(tokens[:, :, prefix:], outliers, k, found_after), images=int(with_outliers.sum()),
-    )
+            progress((index + 1) / (last + 1))
+    return RegisterNeurons(torch.stack(scores), found, found_after, appears_at, int(with_outliers.sum()))
 
 
 def attention_drawn(

@@ -69,13 +69,13 @@ def image_tokens(image_set: ImageSet, label: str) -> bool:
     return _as_job(image_set.selection, spec, keys, label, image_set.model_input()[unread]) is not None
 
 
-def register_neurons(selection: Selection, layer: int, k: float, label: str) -> RegisterNeurons | None:
+def register_neurons(selection: Selection, layer: int, k: float, last: int | None, label: str) -> RegisterNeurons | None:
     """:meth:`Selection.register_neurons` on this image and the bundled photos as a job, for a model
     whose search over them is heavy: the neurons once found (for anybody), else None, with what to
     do or how it goes drawn in their place."""
     x = selection.with_photos()
-    spec = _spec(selection, "register neurons", layer=layer, k=k, images=len(x))
-    values = _as_job(selection, spec, ((*selection.key, "register neurons", layer, k, True),), label, x)
+    spec = _spec(selection, "register neurons", layer=layer, k=k, last=last, images=len(x))
+    values = _as_job(selection, spec, ((*selection.key, "register neurons", layer, k, True, last),), label, x)
     return None if values is None else values[0]
 
 

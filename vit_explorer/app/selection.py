@@ -189,20 +189,17 @@ class Selection:
             ),
         )
 
-    def register_neurons(self, layer: int, k: float, with_photos: bool = False) -> RegisterNeurons:
-        """Every MLP unit scored as a register neuron on the outliers after ``layer`` (median norm +
-        ``k`` MADs; test_time_registers.find_register_neurons), once for everybody: on this image,
-        from its capture's tokens (the blocks run again up to each MLP); ``with_photos``, on this
-        image and the bundled photos together (:meth:`with_photos`: their capture too; a job when
-        heavy, app.jobs.register_neurons, under the same key)."""
-        if with_photos:
-            return self.memo(
-                "register neurons", layer, k, with_photos, spinner="Scoring every MLP unit on the photos' outliers ...",
-                compute=lambda: find_register_neurons(self.model, self.with_photos(), k, layer),
-            )
+    def register_neurons(self, layer: int, k: float, with_photos: bool = False, last: int | None = None) -> RegisterNeurons:
+        """The MLP units of layers 0 to ``last`` (default: where the outliers appear) scored as
+        register neurons on the outliers after ``layer`` (median norm + ``k`` MADs;
+        test_time_registers.find_register_neurons), once for everybody: on this image, from its
+        capture's tokens (the blocks run again up to each MLP); ``with_photos``, on this image and
+        the bundled photos together (:meth:`with_photos`: their capture too; a job when heavy,
+        app.jobs.register_neurons, under the same key)."""
+        source = self.with_photos if with_photos else self.capture
         return self.memo(
-            "register neurons", layer, k, with_photos, spinner="Scoring every MLP unit on the outliers ...",
-            compute=lambda: find_register_neurons(self.model, self.capture(), k, layer),
+            "register neurons", layer, k, with_photos, last, spinner="Scoring the MLP units on the outliers ...",
+            compute=lambda: find_register_neurons(self.model, source(), k, layer, last),
         )
 
     def with_photos(self) -> torch.Tensor:

@@ -21,12 +21,12 @@ def register_neurons_figure(
     best: Sequence[float], ranked: Sequence[tuple[int, int, float]], chosen: int, first: int, last: int,
     appears_at: int,
 ) -> go.Figure:
-    """Left: each layer's best score (L,), the layers searched (``first`` to ``last``) in colour,
-    the layer where the outliers appear marked; right: the ``ranked`` (layer, unit, score) of those
-    layers, best first, the ``chosen`` first ones in colour."""
+    """Left: the best score of each layer searched (``best``, layers 0 on), the layers chosen
+    (``first`` to ``last``) in colour, the layer where the outliers appear marked; right: the
+    ``ranked`` (layer, unit, score) of those layers, best first, the ``chosen`` first ones in colour."""
     best = _float_array(best)
     layout, cells = _subplots(
-        1, 2, ("best unit of each layer", f"the best units of layers {first} to {last}"),
+        1, 2, ("best unit of each layer searched", f"the best units of layers {first} to {last}"),
         column_widths=[0.4, 0.6], horizontal_spacing=0.12,
     )
     layers = np.arange(len(best))
