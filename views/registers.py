@@ -14,7 +14,6 @@ selection = session.selection()
 config = selection.config
 image = selection.display_image()
 depth = config.depth
-layers = list(range(depth))
 
 st.title("Registers at test time")
 st.write(
