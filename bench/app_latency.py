@@ -25,6 +25,11 @@ measured in the same run, then whether the goals are met:
   layer's attention again, an image at a time); on the page a job in a worker process (3 photos
   unread), timed from the click until drawn, which adds the worker's start and the model's load
   (at most 20); another head's maps on the 4 photos at most 1.
+- Registers (patch 16; the model gets a register neuron planted, random weights having no
+  outliers): the comparison on an image another page has captured at most 3 (the neuron search
+  and the pass with the register, with their figures), another number of neurons at most 2 (one
+  pass with the register and its figures); on a new image its capture comes first, as on any
+  page (a first view: at most 8).
 
     python -m bench.app_latency            # ViT-B/16 at 224, 3 rounds on the CPU, then on CUDA if present
     python -m bench.app_latency --small    # a ViT-S/16-sized model, for a quick look
@@ -53,6 +58,7 @@ from streamlit.runtime.scriptrunner.script_cache import ScriptCache
 from streamlit.testing.v1 import AppTest, app_test, local_script_runner
 
 import vit_explorer as vx
+from vit_explorer import test_time_registers
 from vit_explorer.app import images, models, session, uploads
 
 APP = str(Path(__file__).resolve().parent.parent / "app.py")
@@ -68,6 +74,7 @@ GOALS = {
     "compare first view": 2.0,  # in one model's first views, not in forward passes
     "knock-out view": 1.5, "head sweep": 150.0,
     "head types": 6.0, "head types job": 20.0,
+    "registers view": 3.0, "registers change": 2.0,
 }
 # --dinov3: what a DINOv3 ViT-B/16 changes (timm's vit_base_patch16_dinov3): no position embedding,
 # rotary positions on the patch tokens' queries and keys, 4 registers, LayerScale.
@@ -77,6 +84,10 @@ INSIDE = "views/inside.py"
 IMAGES = "views/images.py"
 KNOCKOUT = "views/knockout.py"
 HEADS = "views/head_types.py"
+REGISTERS = "views/registers.py"
+# The Registers steps' pictures: one the first steps capture, one no step has; the register neuron
+# is planted on their plainest patches, and the search must find it from either.
+REGISTER_IMAGES = ("photo:astronaut.png", "shapes:0")
 
 
 def forward_seconds(model: vx.ViT, rounds: int = 7) -> float:
@@ -145,7 +156,7 @@ class Steps:
         return lambda: self.app.selectbox(key="image_picker").set_value(key)
 
 
-PAGES = ("core", "heads", "images", "knockout", "compare")  # --pages: core is Pipeline, Patches, Attention, Inside
+PAGES = ("core", "heads", "images", "knockout", "registers", "compare")  # --pages: core is Pipeline, Patches, Attention, Inside
 
 
 def run(
@@ -159,6 +170,8 @@ def run(
     size.update(DINOV3 if dinov3 else {})
     torch.manual_seed(0)
     model = vx.ViT(vx.ViTConfig(image_size=224, patch_size=16, num_classes=1000, **size))
+    if "registers" in pages:
+        model = with_register_neuron(model)
     # Removed after the round: two ViT-B/16 checkpoints are 700 MB a round, which piled up in /tmp.
     with tempfile.TemporaryDirectory(prefix="vit_explorer_latency_") as temporary:
         return _round(model, Path(temporary), size, device, pages)
@@ -188,6 +201,8 @@ def _round(model: torch.nn.Module, folder: Path, size: dict, device: torch.devic
         patch_8_steps(app, steps)
     if "knockout" in pages:
         knockout_steps(app, steps)
+    if "registers" in pages:
+        registers_steps(app, steps)
     if "compare" in pages:
         compare(app, steps, folder, size)
     return steps.rows
@@ -298,6 +313,27 @@ def knockout_steps(app: AppTest, steps: Steps) -> None:
     ))
 
 
+def with_register_neuron(model: vx.ViT) -> vx.ViT:
+    """``model`` with a register neuron in its middle layer that fires on the 8 plainest patches of
+    each of REGISTER_IMAGES and writes a large vector there (test_time_registers.plant_register_neuron)."""
+    config = model.config
+    x = torch.cat([vx.preprocess(images.resolve_image(key, config.img_size)[1], config) for key in REGISTER_IMAGES])
+    fire = test_time_registers.low_information_patches(x, config.patch_size, 8)
+    return test_time_registers.plant_register_neuron(model.eval(), x, fire, config.depth // 2)
+
+
+def registers_steps(app: AppTest, steps: Steps) -> None:
+    """Registers at patch 16 (untimed: back to patch 16 and to the first picture, both captured)."""
+    app.switch_page("views/patches.py").run()
+    widget(app.select_slider, "Patch size").set_value(16).run()
+    app.selectbox(key="image_picker").set_value(REGISTER_IMAGES[0]).run()
+    steps.time("Registers: first view (image captured already)", "registers view", steps.page(REGISTERS))
+    steps.time("Registers: fewer register neurons", "registers change",
+               lambda: widget(app.slider, "Register neurons").set_value(5))
+    steps.time("Registers: another layer's heads", "widget", lambda: widget(app.slider, "Layer").set_value(3))
+    steps.time("Registers: a new image (its capture too)", "first view", steps.image(REGISTER_IMAGES[1]))
+
+
 class Drawn:
     """The click on a job's button, then reruns (as the page's live fragment does) until a chart
     whose spec holds ``drawn`` is there: on a real-size model the job is computed beside the server."""
@@ -374,7 +410,7 @@ def main() -> None:
     parser.add_argument(
         "--pages", nargs="+", choices=PAGES, default=PAGES,
         help="whose steps to time (default all): core (Pipeline, Patches, Attention, Inside a layer),"
-        " heads (Head types), images (Several images), knockout, compare",
+        " heads (Head types), images (Several images), knockout, registers, compare",
     )
     parser.add_argument(
         "--device", choices=("all", "cpu", "cuda"), default="all",

@@ -22,10 +22,10 @@ SHAPED = {
 }
 TOKENS = {"DINOv2 ViT-S/14 with registers at 518 px": 1374, "DINOv3 ViT-S/16 at 768 px": 2309}
 # Pages that hold two models' or two passes' views side by side.
-PAIRS = {"views/compare.py", "views/knockout.py"}
+PAIRS = {"views/compare.py", "views/knockout.py", "views/registers.py"}
 PAGES = [
     "views/pipeline.py", "views/patches.py", "views/attention.py", "views/inside.py", "views/images.py",
-    "views/knockout.py", "views/compare.py",
+    "views/knockout.py", "views/registers.py", "views/compare.py",
 ]
 
 

@@ -629,3 +629,31 @@ def test_token_norms_built_in_one_go_are_the_figure_they_were(prefix, layer):
         f"Token norms after block {layer}" if layer is not None else "Token norms",
     )
     assert _json(new) == _json(old)
+
+
+def test_the_register_figures_show_their_numbers_on_one_scale():
+    before = np.arange(6.0).reshape(GRID) + 1
+    before[0, 2] = 60.0
+    after = np.full(GRID, 3.0)
+    outliers = before > 10
+    fig = figures.register_norms_figure(before, after, outliers, 58.0, IMAGE.shape, layer=5)
+    assert title_of(fig).startswith("Patch-token norms after layer 5") and title_of(fig).endswith("register's norm: 58")
+    maps = [trace for trace in fig.data if trace.type == "heatmap"]
+    assert [(m.zmin, m.zmax) for m in maps] == [(1.0, 60.0)] * 2  # one scale for both passes
+    np.testing.assert_array_equal(maps[0].z, before)
+    assert [list(t.customdata) for t in fig.data if t.type == "scatter"] == [[2], [2]]  # the outlier, in both
+    with pytest.raises(ValueError, match="must be one"):
+        figures.register_norms_figure(before, after[:1], outliers, 1.0, IMAGE.shape, layer=0)
+    ranked = [(2, 7, 9.0), (1, 3, 2.0), (2, 4, 1.0)]
+    fig = figures.register_neurons_figure([0.5, 2.0, 9.0], ranked, chosen=2, first=1, last=2, appears_at=2)
+    layers, units = fig.data
+    assert list(layers.marker.color) == ["#9aa5b1", "#e45756", "#e45756"]  # layer 0 is not searched
+    assert list(units.y) == ["layer 2, unit 7", "layer 1, unit 3", "layer 2, unit 4"]
+    assert list(units.marker.color) == ["#e45756", "#e45756", "#9aa5b1"]  # the two chosen
+    lines = figures.attention_drawn_figure([0.5, 0.9], [0.1, 0.05], [0.0, 0.8], "class token")
+    assert [trace.name for trace in lines.data] == [
+        "on the outlier patches, without", "on the same patches, with the register", "on the register",
+    ]
+    assert list(lines.data[2].y) == [0.0, 0.8] and title_of(lines).startswith("The attention the outliers draw")
+    norms = figures.norms_by_layer_figure([5, 50], [5, 6], [4, 4], [0, 49])
+    assert len(norms.data) == 4 and title_of(norms).startswith("Token norms after each layer")

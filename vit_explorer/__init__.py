@@ -16,6 +16,7 @@ from .head_types import HeadTypes, classify_heads
 from .images import InvalidImageError, load_image, preprocess
 from .internals import LayerInternals
 from .model import ViT
+from .test_time_registers import RegisterNeurons, TestTimeRegister, find_register_neurons, register_capture
 from .train import DEFAULT_WEIGHTS, DoneEvent, EpochEvent, SnapshotEvent, StepEvent, TrainingError
 from .training_run import TrainingRun
 from .weights import CheckpointError, load_model, load_pretrained, resize_model, save_model
@@ -24,6 +25,7 @@ __all__ = [
     "Capture", "ViT", "ViTConfig", "capture", "LayerInternals", "layer_internals",
     "layer_attention", "layer_attentions",
     "KnockOut", "HeadSweep", "head_sweep", "sweep_cost", "HeadTypes", "classify_heads",
+    "TestTimeRegister", "RegisterNeurons", "find_register_neurons", "register_capture",
     "CheckpointError", "load_model", "load_pretrained", "resize_model", "save_model",
     "InvalidImageError", "load_image", "preprocess",
     "PRESETS", "SHAPE_CLASSES", "DatasetError", "load_dataset", "shapes_sample",

@@ -1,6 +1,7 @@
 """One forward pass of a ViT, dissected: :func:`capture` runs it under a recorder
 (vit_explorer.recorder) and returns a :class:`Capture`; :func:`layer_internals` opens one layer
-again from a capture's tokens. A knock-out (vit_explorer.ablation) may ride the same pass.
+again from a capture's tokens. A knock-out (vit_explorer.ablation) or a test-time register
+(vit_explorer.test_time_registers) may ride the same pass.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from einops import rearrange
 
 from .ablation import KnockOut
 from .internals import LayerInternals
-from .model import ViT
+from .model import ACTIVE_REGISTER, ViT
 from .recorder import Recorder, eval_mode, own_cpu_copy, recording, to_cpu
 
 
@@ -30,9 +31,12 @@ class Capture:
     patches: torch.Tensor  # (B, gh, gw, C, p, p) pixel patches of the model input
     patch_embeddings: torch.Tensor  # (B, gh * gw, D) before prefix tokens and positions
     grid_size: tuple[int, int]  # (gh, gw)
-    num_prefix_tokens: int  # class token + register tokens
+    num_prefix_tokens: int  # class token + register tokens (+ a test-time register)
     layers: tuple[int, ...]  # which encoder layers `attentions` holds, in order
     class_token: bool = True  # whether token 0 is a class token (registers alone are prefix too)
+    # The index of the pass's test-time register (vit_explorer.test_time_registers), the last of
+    # the prefix tokens; None for a pass without one.
+    register_token: int | None = None
     # (B, nh, 1, gh * gw): the attention pool's probe query over the patch tokens (SigLIP's MAP
     # head); None for a model without one. It reads the final norm's output after the last block.
     pool_attentions: torch.Tensor | None = None
@@ -71,7 +75,10 @@ def capture(
     index, negative from the end) also keeps that layer's every intermediate from this same pass
     as ``Capture.internals`` (vit_explorer.internals.LayerInternals; float32 whatever
     ``attention_dtype``). ``knock_out`` (a :class:`vit_explorer.ablation.KnockOut`) removes those
-    heads and branches from this pass only: everything recorded is the ablated pass's.
+    heads and branches from this pass only: everything recorded is the ablated pass's. Under a
+    test-time register (``TestTimeRegister.applied``, or ``test_time_registers.register_capture``)
+    everything recorded is that pass's, its extra token among the prefix tokens
+    (``Capture.register_token`` says which it is).
 
     ``intact`` (with ``knock_out``): the capture of the same model and images without it, with the
     same ``layers`` and ``attention_dtype``. The layers before the first one the knock-out changes
@@ -106,10 +113,11 @@ def capture(
         elif earlier:
             attentions = torch.cat([intact.attentions[:, :earlier], attentions], dim=1)
         tokens = torch.cat([intact.tokens[:, : start + 1], tokens], dim=1)
+    batch, _, count, _ = tokens.shape
     if attentions is None:  # layers=(): tokens only; layer_attention computes a layer when asked
-        batch, _, count, _ = tokens.shape
         attentions = torch.empty(batch, 0, config.num_heads, count, count, dtype=attention_dtype)
     patch = config.patch_size
+    register = ACTIVE_REGISTER.get()
     return Capture(
         logits=to_cpu(logits),
         attentions=attentions,
@@ -119,9 +127,10 @@ def capture(
         ),
         patch_embeddings=intact.patch_embeddings if start > 0 else recorder.patch_embedding_states[0],
         grid_size=config.grid_size,
-        num_prefix_tokens=config.num_prefix_tokens,
+        num_prefix_tokens=count - config.num_patches,  # the patches are last, whatever came before
         layers=indices,
         class_token=config.class_token,
+        register_token=None if register is None else register.token(model),
         pool_attentions=recorder.pool_attention,
         internals=None if opened is None else LayerInternals.from_recorded(
             opened, model.blocks[opened], recorder.internal_states

@@ -3,7 +3,7 @@ server of a machine shares, each run in a worker process of its own, followed th
 
 A job is a ``JobSpec``: what to compute (``kind``, one of ``KINDS``: the head sweep, a model's
 capture of one image for the Compare page, the tokens of several images in one batch, the head
-types over several images), the model (a checkpoint file
+types and the register neurons over several images), the model (a checkpoint file
 or a catalogue name, at a patch size and input size), what the input is (``identity``, with the
 input tensor handed over at submission) and its settings. Its ``key`` hashes all of that, so a
 second person asking for the same result joins the job instead of starting another.
@@ -41,11 +41,13 @@ import torch
 
 from .ablation import SWEEP_BATCH, HeadSweep, head_sweep, sweep_cost
 from .admission import GB, available_memory, environment_number, inference_memory, limit_memory
-from .analysis import streamed_rollout
+from .analysis import AnalysisError, streamed_rollout
 from .capture import Capture, capture, layer_attentions
 from .head_types import HeadTypes, attention_share, classify_heads_from_tokens, held_floats
+from .image_set import NormOutliers
 from .model import ViT
 from .runs import ordinal
+from .test_time_registers import SEARCH_PASSES, RegisterNeurons, find_register_neurons
 from .training_run import process_identity
 
 LOCK_NAME = ".jobs.lock"
@@ -168,6 +170,27 @@ def _decoded_head_types(arrays: dict) -> tuple:
     return (*_decoded_tokens(arrays), types)
 
 
+def _register_neurons(model: ViT, x: torch.Tensor, settings: dict, progress: Callable[[float], None]) -> dict:
+    """The register neurons over the images ``x`` (B, C, H, W): their capture, then the search
+    (test_time_registers.find_register_neurons), as app.selection.Selection.register_neurons."""
+    neurons = find_register_neurons(model, x, settings["k"], settings["layer"], settings["last"], progress)
+    found = neurons.outliers
+    return {
+        "scores": neurons.scores.numpy(), "norms": found.norms.numpy(), "outliers": found.outliers.numpy(),
+        "statistics": np.array([found.threshold, found.median, found.mad]),
+        "layers": np.array([neurons.layer, neurons.appears_at, neurons.images]),
+    }
+
+
+def _decoded_register_neurons(arrays: dict) -> tuple[RegisterNeurons]:
+    threshold, median, mad = (float(value) for value in arrays["statistics"])
+    layer, appears_at, images = (int(value) for value in arrays["layers"])
+    outliers = NormOutliers(
+        torch.from_numpy(arrays["norms"]), threshold, median, mad, torch.from_numpy(arrays["outliers"]),
+    )
+    return (RegisterNeurons(torch.from_numpy(arrays["scores"]), outliers, layer, appears_at, images),)
+
+
 def _views_memory(config, settings: dict) -> int:
     """The capture's tokens kept, a layer's float32 attention and the drawn one's in float16, the
     rollout's N x N matrices (app.models.view_bytes' count)."""
@@ -205,6 +228,15 @@ KINDS = {
             + held_floats(config, settings["images"])
         )),
         compute=_head_types, decode=_decoded_head_types,
+    ),
+    # The pass of settings["images"] images, then the search over them; their tokens and one
+    # layer's MLP activations kept.
+    "register neurons": Kind(
+        forwards=lambda config, settings: settings["images"] * (1 + SEARCH_PASSES),
+        memory=lambda config, settings: inference_memory(config, settings["images"], kept_floats=settings["images"] * (
+            (config.depth + 1) * config.num_tokens * config.embed_dim + config.num_tokens * config.mlp_hidden
+        )),
+        compute=_register_neurons, decode=_decoded_register_neurons,
     ),
 }
 
@@ -505,6 +537,8 @@ def _load(spec: dict) -> ViT:
 
 
 def _sentence(error: BaseException) -> str:
+    if isinstance(error, AnalysisError):  # a sentence for the person already
+        return str(error)
     if isinstance(error, MemoryError) or "can't allocate memory" in str(error):
         return "The computation needed more memory than it may use on this server; choose a larger patch size."
     first_line = str(error).splitlines()[0] if str(error) else ""

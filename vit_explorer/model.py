@@ -25,6 +25,10 @@ ACTIVE_RECORDER: ContextVar[Any] = ContextVar("vit_explorer_recorder", default=N
 # vit_explorer.ablation): which heads and branches each image of the batch loses, chosen per call
 # in the same way, so one session's knock-out never reaches another's pass.
 ACTIVE_KNOCKOUT: ContextVar[Any] = ContextVar("vit_explorer_knockout", default=None)
+# The test-time register of the forward pass running in this context, if one asked (see
+# vit_explorer.test_time_registers): one more token after the prefix tokens, and some MLP units'
+# activations moved into it, for that pass only.
+ACTIVE_REGISTER: ContextVar[Any] = ContextVar("vit_explorer_register", default=None)
 
 
 # --- FlexiViT resizing (Beyer et al. 2023): one set of weights at any patch size -----------------
@@ -174,7 +178,9 @@ class Attention(nn.Module):
 
     A model with rotary positions (``config.rope_type``) rotates the patch tokens' queries and keys
     before either path (:func:`vit_explorer.rope.apply_rope`), with the sin/cos tables of this
-    pass's grid given as ``rope``; the recorder then also gets them before the rotation.
+    pass's grid given as ``rope``; the recorder then also gets them before the rotation. The
+    patches are the last tokens, one per row of the tables; the tokens before them (the prefix
+    tokens, and a test-time register when a pass has one) are not rotated.
     """
 
     def __init__(self, config: ViTConfig):
@@ -184,7 +190,6 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.scale = self.head_dim**-0.5
         self.fused_attn = True
-        self.num_prefix_tokens = config.num_prefix_tokens
         spec = RopeSpec.of(config)
         self.rotary = spec is not None
         self.rotate_half = spec is not None and spec.rotate_half
@@ -218,7 +223,7 @@ class Attention(nn.Module):
             raise ValueError(
                 "this model rotates its patch tokens' queries and keys: pass rope=model.rope_tables(grid_size)"
             )
-        return apply_rope(x, rope, self.rotate_half, self.num_prefix_tokens)
+        return apply_rope(x, rope, self.rotate_half, x.shape[2] - rope[0].shape[0])
 
     def keys(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """(B, N, D) normed tokens -> (B, nh, N, hd): this layer's keys as ``forward`` computes them
@@ -271,8 +276,8 @@ class Mlp(nn.Module):
     fc1_g, fc1_x) when the config asks for scale_mlp or an aligned width, as timm's Eva builds
     them. scale_mlp adds a LayerNorm on the hidden units before fc2 (EVA-02).
 
-    A knock-out replaces, and a recorder asking for this layer's internals gets, the hidden units
-    fc2 reads (:meth:`hidden`)."""
+    A knock-out replaces, a test-time register moves, and a recorder asking for this layer's
+    internals gets, the hidden units fc2 reads (:meth:`hidden`)."""
 
     def __init__(self, config: ViTConfig):
         super().__init__()
@@ -311,6 +316,9 @@ class Mlp(nn.Module):
         knock_out = ACTIVE_KNOCKOUT.get()
         if knock_out is not None:
             hidden = knock_out.hidden(self, hidden)  # a knocked-out branch's units, before fc2
+        register = ACTIVE_REGISTER.get()
+        if register is not None:
+            hidden = register.hidden(self, hidden)  # register neurons' activations moved into the register
         recorder = ACTIVE_RECORDER.get()
         if recorder is not None:
             recorder.internals(self, mlp_hidden=hidden)
@@ -521,7 +529,11 @@ class ViT(nn.Module):
         x = self.patch_embed(x, patch_size)  # (B, gh*gw, D)
         if recorder is not None:
             recorder.patch_embeddings(self, x)
-        x = self.norm_pre(self._pos_embed(x, patch_size))  # (B, N, D)
+        x = self._pos_embed(x, patch_size)  # (B, N, D)
+        register = ACTIVE_REGISTER.get()
+        if register is not None:  # a test-time register: one more prefix token, without a position
+            x = register.append(self, x)
+        x = self.norm_pre(x)
         if recorder is not None:
             recorder.tokens(self, x)
         return self.forward_blocks(x, grid_size=self.grid_size(patch_size))
@@ -543,11 +555,13 @@ class ViT(nn.Module):
 
     def pool(self, x: torch.Tensor) -> torch.Tensor:
         """(B, N, D) tokens -> (B, D): the class token, the mean of the patch tokens, or what the
-        attention pool's probe gathers from them."""
+        attention pool's probe gathers from them (never a test-time register's token)."""
+        register = ACTIVE_REGISTER.get()
+        prefix = self.num_prefix_tokens + (0 if register is None else register.added_tokens(self))
         if self.attn_pool is not None:
-            return self.attn_pool(x[:, self.num_prefix_tokens :])
+            return self.attn_pool(x[:, prefix:])
         if self.config.global_pool == "mean":
-            return x[:, self.num_prefix_tokens :].mean(dim=1)
+            return x[:, prefix:].mean(dim=1)
         return x[:, 0]
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:

@@ -15,6 +15,7 @@ from ..ablation import HeadSweep
 from ..capture import Capture
 from ..head_types import HeadTypes
 from ..jobs import JobBoard, JobRefused, JobSpec, JobStatus
+from ..test_time_registers import RegisterNeurons
 from . import models, runs
 from .memo import memo, shared_results
 from .selection import ImageSet, Selection
@@ -84,6 +85,16 @@ def head_types(image_set: ImageSet, label: str) -> HeadTypes | None:
     keys = (*(image_set.tokens_key(index) for index in unread), (*image_set.key, "head types"))
     values = _as_job(image_set.selection, spec, keys, label, image_set.model_input())
     return None if values is None else values[-1]
+
+
+def register_neurons(selection: Selection, layer: int, k: float, last: int | None, label: str) -> RegisterNeurons | None:
+    """:meth:`Selection.register_neurons` on this image and the bundled photos as a job, for a model
+    whose search over them is heavy: the neurons once found (for anybody), else None, with what to
+    do or how it goes drawn in their place."""
+    x = selection.with_photos()
+    spec = _spec(selection, "register neurons", layer=layer, k=k, last=last, images=len(x))
+    values = _as_job(selection, spec, ((*selection.key, "register neurons", layer, k, True, last),), label, x)
+    return None if values is None else values[0]
 
 
 def _spec(selection: Selection, kind: str, identity: str | None = None, **settings) -> JobSpec:

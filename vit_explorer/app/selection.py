@@ -25,8 +25,9 @@ from ..image_set import MAX_IMAGES, MIN_IMAGES, first_component, last_layer_feat
 from ..images import preprocess
 from ..internals import LayerInternals
 from ..model import ViT
+from ..test_time_registers import RegisterNeurons, TestTimeRegister, find_register_neurons, register_capture
 from . import models
-from .images import resolve_image
+from .images import photo_names, resolve_image
 from .memo import memo, shared_results
 
 T = TypeVar("T")
@@ -189,6 +190,48 @@ class Selection:
                 self.model, self.model_input(), layers=intact.layers, attention_dtype=intact.attentions.dtype,
                 knock_out=knock_out, intact=intact,
             ),
+        )
+
+    def register_neurons(self, layer: int, k: float, with_photos: bool = False, last: int | None = None) -> RegisterNeurons:
+        """The MLP units of layers 0 to ``last`` (default: where the outliers appear) scored as
+        register neurons on the outliers after ``layer`` (median norm + ``k`` MADs;
+        test_time_registers.find_register_neurons), once for everybody: on this image, from its
+        capture's tokens (the blocks run again up to each MLP); ``with_photos``, on this image and
+        the bundled photos together (:meth:`with_photos`: their capture too; a job when heavy,
+        app.jobs.register_neurons, under the same key)."""
+        source = self.with_photos if with_photos else self.capture
+        return self.memo(
+            "register neurons", layer, k, with_photos, last, spinner="Scoring the MLP units on the outliers ...",
+            compute=lambda: find_register_neurons(self.model, source(), k, layer, last),
+        )
+
+    def with_photos(self) -> torch.Tensor:
+        """(B, C, H, W): this image, then each bundled photo that is not this image, at the model's
+        input (once per model, sizes and image)."""
+        others = [f"photo:{name}" for name in photo_names() if f"photo:{name}" != self.image_key]
+        return self.memo("with photos", compute=lambda: torch.cat([self.model_input(), *(
+            preprocess(resolve_image(key, self.config.img_size)[1], self.config) for key in others
+        )]))
+
+    def register_capture(self, register: TestTimeRegister) -> Capture:
+        """:meth:`capture` of the pass with ``register`` (that call only: the shared model is
+        untouched), keeping the layers the intact capture keeps."""
+        intact = self.capture()
+        return self.memo(
+            "register capture", register, spinner="Running the model with a test-time register ...",
+            compute=lambda: register_capture(
+                self.model, self.model_input(), register, layers=intact.layers, attention_dtype=intact.attentions.dtype,
+            ),
+        )
+
+    def register_attention(self, layer: int, register: TestTimeRegister) -> torch.Tensor:
+        """(heads, N + 1, N + 1) float16: :meth:`attention` of the pass with ``register``."""
+        captured = self.register_capture(register)
+        if layer in captured.layers:
+            return captured.attentions[0, captured.layers.index(layer)]
+        return self.memo(
+            "register attention", layer, register, spinner=f"Computing the attention of layer {layer} ...",
+            compute=lambda: layer_attention(self.model, captured.tokens[:, layer], layer, captured.grid_size, torch.float16)[0],
         )
 
     def head_sweep(self, mode: str) -> HeadSweep:

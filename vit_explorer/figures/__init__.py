@@ -25,6 +25,7 @@ from .internals import (
 from .knockout import head_sweep_grid, intact_and_knocked_heads, intact_and_knocked_rollouts, knockout_topk
 from .patches import image_with_grid, input_image, patch_picker, patch_sequence, patch_size_tradeoff
 from .predictions import logit_lens_figure, topk_bar
+from .registers import attention_drawn_figure, norms_by_layer_figure, register_neurons_figure, register_norms_figure
 from .rope import offset_scores_figure, rotation_angles_figure
 from .training import accuracy_by_image_size_figure, training_curves
 
@@ -43,6 +44,7 @@ __all__ = [
     "head_sweep_grid", "intact_and_knocked_heads", "intact_and_knocked_rollouts", "knockout_topk",
     "image_with_grid", "input_image", "patch_picker", "patch_sequence", "patch_size_tradeoff",
     "logit_lens_figure", "topk_bar",
+    "attention_drawn_figure", "norms_by_layer_figure", "register_neurons_figure", "register_norms_figure",
     "offset_scores_figure", "rotation_angles_figure",
     "accuracy_by_image_size_figure", "training_curves",
 ]

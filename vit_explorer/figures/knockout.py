@@ -13,10 +13,13 @@ from .predictions import _class_names
 INTACT_COLOUR, KNOCKED_COLOUR = "#9aa5b1", "#dc143c"
 
 
-def knockout_topk(intact, knocked, class_names: Sequence[str] | None = None, k: int = 5, what: str = "") -> go.Figure:
+def knockout_topk(
+    intact, knocked, class_names: Sequence[str] | None = None, k: int = 5, what: str = "", changed: str = "knocked out",
+) -> go.Figure:
     """The k classes the knocked-out model finds most probable, each with its probability intact
     (grey) and knocked out (crimson), labelled with the change in percentage points. intact,
-    knocked: (C,) probabilities."""
+    knocked: (C,) probabilities; ``changed`` names the second model in the legend (another change
+    than a knock-out: a test-time register)."""
     intact, knocked = _float_array(intact).reshape(-1), _float_array(knocked).reshape(-1)
     names = _class_names(intact.shape[0], class_names)
     top = np.argsort(-knocked, kind="stable")[:k]
@@ -29,11 +32,11 @@ def knockout_topk(intact, knocked, class_names: Sequence[str] | None = None, k: 
             hovertemplate="%{y}, intact: %{x:.4f}<extra></extra>",
         ),
         dict(
-            type="bar", x=knocked[top], y=labels, orientation="h", name="knocked out",
+            type="bar", x=knocked[top], y=labels, orientation="h", name=changed,
             marker=dict(color=KNOCKED_COLOUR),
             text=[f"{100 * p:.1f}% ({delta:+.2f} pts)" for p, delta in zip(knocked[top], change)],
             textposition="auto", customdata=change,
-            hovertemplate="%{y}, knocked out: %{x:.4f} (%{customdata:+.2f} points)<extra></extra>",
+            hovertemplate=f"%{{y}}, {changed}: %{{x:.4f}} (%{{customdata:+.2f}} points)<extra></extra>",
         ),
     ], dict(
         xaxis=dict(title=dict(text="probability"), range=[0, 1]), yaxis=dict(autorange="reversed"),
