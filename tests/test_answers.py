@@ -21,6 +21,7 @@ def test_a_patchs_rank_counts_the_patches_ahead_of_it_and_says_ties():
     last = answers.patch_rank(attention, 0)
     assert (last.rank, last.tied) == (3, 3)  # behind 0.4 and 0.2, level with three more
     assert middle.close and not answers.patch_rank(torch.arange(100.0), 0).close
+    assert last.undecided and not middle.undecided  # four of the six patches share 0.1
     with pytest.raises(ValueError, match="one of the 6 candidates"):
         answers.patch_rank(attention, 6)
 

@@ -29,6 +29,12 @@ class Rank:
         return self.rank == 1
 
     @property
+    def undecided(self) -> bool:
+        """Half the candidates or more share the guess's score: the numbers pick nothing out (an
+        untrained model's even attention, say)."""
+        return 2 * (self.tied + 1) >= self.total
+
+    @property
     def close(self) -> bool:
         """In the top 5% (at least the top 3): near enough to say so."""
         return self.rank <= max(3, round(0.05 * self.total))
