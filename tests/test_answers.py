@@ -87,3 +87,16 @@ def test_one_querys_attention_through_the_layers_is_each_layers_head_mean(change
             expected = (attention[:, row, prefix:] if query is not None or model.config.class_token
                         else attention[:, prefix:, prefix:].mean(dim=1)).mean(dim=0).reshape(4, 4)
             torch.testing.assert_close(maps[0, layer], expected)
+
+
+def test_a_verdict_and_the_numbers_are_said_plainly():
+    attention = torch.tensor([0.3, 0.2, 0.15, 0.1, 0.08, 0.06, 0.05] + [0.0] * 93)
+    assert [answers.patch_rank(attention, patch).verdict("patch") for patch in (0, 2, 6)] == [
+        "Right", "Close", "Not this time"]
+    assert answers.patch_rank(torch.full((8,), 0.125), 3).verdict("patch") == "No patch stands out"
+    assert [answers.ordinal(n) for n in (1, 2, 3, 4, 11, 12, 13, 21, 22, 111, 123)] == [
+        "1st", "2nd", "3rd", "4th", "11th", "12th", "13th", "21st", "22nd", "111th", "123rd"]
+    assert answers.percents(0.5, 0.25) == ["50.0%", "25.0%"]
+    assert answers.percents(0.9997, 0.99968) == ["99.970%", "99.968%"]  # told apart
+    assert answers.percents(0.99996) == ["99.996%"] and answers.percents(1.0) == ["100.0%"]  # 100% only when it is
+    assert answers.percents(0.00002, 0.0) == ["0.002%", "0.000%"]

@@ -89,7 +89,8 @@ def test_every_step_with_a_headless_model_with_registers(tiny_default, changes):
     assert "This step's question (will the prediction survive without the MLP?) needs class scores" in texts[7]
     assert "The logit lens needs class scores" in texts[8] and "A prediction needs class scores" in texts[9]
     if config.class_token:
-        assert "Each patch's rotation angle" in " ".join(figure_titles(app.selectbox(key="lesson_step_picker").set_value(3).run()))
+        app.selectbox(key="lesson_step_picker").set_value(3).run()
+        assert "Each patch's rotation angle" in " ".join(figure_titles(app))
     else:  # the steps follow the centre patch
         assert "the centre patch (patch 36) attends to most" in texts[4]
     # The random model is said to be one, at the top of every step.

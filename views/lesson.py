@@ -43,30 +43,6 @@ def head_name(index: int) -> str:
     return "layer {}, head {}".format(*divmod(index, heads))
 
 
-def verdict(rank: answers.Rank, what: str) -> str:
-    """How a guess of a ``what`` did, in a few words."""
-    if rank.undecided:
-        return f"No {what} stands out"
-    return "Right" if rank.right else "Close" if rank.close else "Not this time"
-
-
-def ordinal(number: int) -> str:
-    suffix = "th" if 10 <= number % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(number % 10, "th")
-    return f"{number}{suffix}"
-
-
-def percents(*values: float) -> list[str]:
-    """The values as percentages with the fewest decimals (1 to 4) that tell them apart and round
-    none of them to 0% or 100%."""
-    for decimals in range(1, 5):
-        shown = [f"{value:.{decimals}%}" for value in values]
-        rounded = any(text in (f"{0:.{decimals}%}", f"{1:.{decimals}%}") and value not in (0, 1)
-                      for text, value in zip(shown, values))
-        if len(set(shown)) == len(set(values)) and not rounded:
-            break
-    return shown
-
-
 def inside_figures(layer: int, head: int) -> dict:
     """The Inside a layer page's figures for the followed token (shared with it)."""
     steps = selection.internals(layer, token)
@@ -154,7 +130,10 @@ def positions() -> None:
             " where two patches are relative to each other."
         )
     else:
-        parts.append("Attention by itself ignores where a token came from, and this model has no positions: it reads a bag of patches.")
+        parts.append(
+            "Attention by itself ignores where a token came from, and this model has no positions: it reads a bag"
+            " of patches."
+        )
     st.write(" ".join(parts))
     left, right = st.columns(2) if added else (st.container(), st.container())  # the angles need the width
     left.plotly_chart(selection.memo("lesson layer 0 tokens", compute=lambda: figures.token_matrix(
@@ -223,28 +202,28 @@ def reveal_patch(guess: int, column) -> None:
     rank = answers.patch_rank(mean_map, guess)
     with column:
         st.plotly_chart(selection.memo("lesson patch answer", guess, compute=lambda: figures.attention_overlay(
-            image, mean_map, title=f"The {followed}'s attention in layer {last}<br>(the mean of {heads} heads; outlined: your patch)",
-            query_patch=guess, weights=True,
+            image, mean_map, query_patch=guess, weights=True,
+            title=f"The {followed}'s attention in layer {last}<br>(the mean of {heads} heads; outlined: your patch)",
         )))
-    value, best = percents(rank.value, rank.best_value)
+    value, best = answers.percents(rank.value, rank.best_value)
     if rank.undecided:
         said = (
-            f"**No patch stands out.** Your {patch_name(guess)} gets {value} of the {followed}'s attention, as do"
+            f"**{rank.verdict('patch')}.** Your {patch_name(guess)} gets {value} of the {followed}'s attention, as do"
             f" {rank.tied} others" + ("." if rank.right else f"; the most, {best}, goes to {patch_name(rank.best)}.")
             + " Attention this even picks nothing out."
         )
     else:
         ties = f", tied with {rank.tied} other{'s' if rank.tied > 1 else ''}" if rank.tied else ""
         said = (
-            f"**{verdict(rank, 'patch')}.** Your {patch_name(guess)} gets {value} of the {followed}'s attention and ranks"
-            f" {ordinal(rank.rank)} of {rank.total}{ties}"
+            f"**{rank.verdict('patch')}.** Your {patch_name(guess)} gets {value} of the {followed}'s attention and ranks"
+            f" {answers.ordinal(rank.rank)} of {rank.total}{ties}"
             + ("." if rank.right else f"; the most goes to {patch_name(rank.best)}, {best}.")
         )
     elsewhere = 1 - float(mean_map.sum())  # what the row gives the prefix tokens
     if elsewhere >= 0.005:
         said += (
-            f" The other {elsewhere:.0%} goes to no patch: to the {'token itself' if prefix == 1 else f'{prefix} prefix tokens'}"
-            + (" (a trained model often parks attention there when nothing needs gathering)." if elsewhere >= 0.3 else ".")
+            f" The other {elsewhere:.0%} goes to no patch: to the"
+            + (" token itself." if prefix == 1 else f" {prefix} prefix tokens.")
         )
     st.write(said)
     ask_again_button("patch")
@@ -291,9 +270,11 @@ def how_it_decides() -> None:
             f" {largest_halved:.3f}. Halving the scale halves the gaps between the scores, and the softmax turns"
             " gaps into ratios exponentially: smaller gaps, more even weights."
         )
-        scaled = selection.memo("inside scale figures", last, head, query, 0.5, compute=lambda: figures.softmax_scale_figures(
-            image, steps, result.grid_size, labels, head, token, 0.5, query_patch
-        ))
+        scaled = selection.memo(  # the Inside a layer page's at that scale
+            "inside scale figures", last, head, query, 0.5, compute=lambda: figures.softmax_scale_figures(
+                image, steps, result.grid_size, labels, head, token, 0.5, query_patch
+            ),
+        )
         st.plotly_chart(scaled["rescaled_attention"])
         st.plotly_chart(scaled["scale_sweep"])
         ask_again_button("scale")
@@ -345,8 +326,9 @@ def mlp() -> None:
         st.info(models.NO_CLASSIFIER.format(what="This step's question (will the prediction survive without the MLP?)"))
     else:
         top = int(probabilities.argmax())
+        (share,) = answers.percents(float(probabilities[top]))
         st.markdown(
-            f"**Before you look:** the model says '{names[top]}' ({percents(float(probabilities[top]))[0]}). Remove layer"
+            f"**Before you look:** the model says '{names[top]}' ({share}). Remove layer"
             f" {middle}'s MLP (its hidden units set to zero, so the layer adds only its bias): will it still say"
             f" '{names[top]}'?"
         )
@@ -360,7 +342,7 @@ def mlp() -> None:
             knocked = selection.knock_out_capture(knock_out).logits[0].softmax(-1)
             survives = answers.prediction_survives(probabilities, knocked)
             winner = int(knocked.argmax())
-            intact, without = percents(float(probabilities[top]), float(knocked[top]))
+            intact, without = answers.percents(float(probabilities[top]), float(knocked[top]))
             st.write(
                 f"**{'Right' if (guess == 'yes') == survives else 'Not this time'}.** "
                 + (f"It survives: still '{names[top]}', with {without} instead of {intact}." if survives else
@@ -418,7 +400,7 @@ def prediction() -> None:
         st.write(
             f"At the end the model keeps one vector, {pooled}, normalises it, and one matrix maps it to"
             f" {config.num_classes} scores, one per class; the softmax turns them into probabilities that sum to"
-            f" 1. For your image it says **{names[top]}**, with {percents(float(probabilities[top]))[0]}."
+            f" 1. For your image it says **{names[top]}**, with {answers.percents(float(probabilities[top]))[0]}."
         )
         st.plotly_chart(selection.memo("top-5 figure", compute=lambda: figures.topk_bar(probabilities, names, k=5)))
     lesson.explore_button("views/pipeline.py", "Pipeline")
@@ -452,13 +434,16 @@ def experiment() -> None:
                   for index, value in ((guess, rank.value), (rank.best, rank.best_value))}
     else:  # the sweep's values: the change of the predicted class's log-probability
         top = int(probabilities.argmax())
-        shown = percents(*(float(probabilities[top]) * math.exp(value) for value in (0.0, rank.value, rank.best_value)))
+        shown = answers.percents(*(
+            float(probabilities[top]) * math.exp(change) for change in (0.0, rank.value, rank.best_value)
+        ))
         intact = f" The intact model gives '{names[top]}' {shown[0]}."
         effect = {guess: f"'{names[top]}' gets {shown[1]}", rank.best: f"'{names[top]}' gets {shown[2]}"}
     st.write(
-        f"**{verdict(rank, 'head')}.**{intact} Without layer {layer}, head {head} {effect[guess]}: that head ranks"
-        f" {ordinal(rank.rank)} of {rank.total}"
-        + ("." if rank.right else f". The head that matters most is layer {best_layer}, head {best_head}: without it {effect[rank.best]}.")
+        f"**{rank.verdict('head')}.**{intact} Without layer {layer}, head {head} {effect[guess]}: that head ranks"
+        f" {answers.ordinal(rank.rank)} of {rank.total}"
+        + ("." if rank.right else
+           f". The head that matters most is layer {best_layer}, head {best_head}: without it {effect[rank.best]}.")
     )
     st.plotly_chart(selection.memo("lesson sweep grid", guess, compute=lambda: figures.head_sweep_grid(
         sweep.values, sweep.measure, knocked=ablation.KnockOut(heads={layer: (head,)}).head_mask(config),

@@ -39,6 +39,12 @@ class Rank:
         """In the top 5% (at least the top 3): near enough to say so."""
         return self.rank <= max(3, round(0.05 * self.total))
 
+    def verdict(self, what: str) -> str:
+        """How the guess of a ``what`` ("patch", "head") did, in a few words."""
+        if self.undecided:
+            return f"No {what} stands out"
+        return "Right" if self.right else "Close" if self.close else "Not this time"
+
 
 def _rank(scores: torch.Tensor, guess: int, descending: bool = True) -> Rank:
     scores = scores.double().reshape(-1)
@@ -70,7 +76,9 @@ def head_rank(sweep_values: torch.Tensor, layer: int, head: int) -> Rank:
     return _rank(sweep_values, layer * heads + head, descending=False)
 
 
-def softmax_change(steps: LayerInternals, head: int, token: int, factor: float) -> tuple[str, dict[str, tuple[float, float]]]:
+def softmax_change(
+    steps: LayerInternals, head: int, token: int, factor: float,
+) -> tuple[str, dict[str, tuple[float, float]]]:
     """Which way the softmax of ``token``'s row in ``head`` (internals.scale_sweep, from the
     recorded q and k) moves at ``factor`` times the model's scale: "flatter" (more entropy),
     "sharper" (less) or "unchanged" (equal scores: uniform at any scale); with the entropy and the
@@ -101,3 +109,21 @@ def settled_from(lens: torch.Tensor) -> int:
 def sharpest_head(rows: torch.Tensor) -> int:
     """The head whose attention row (H, N) for one query has the least entropy."""
     return int(torch.special.entr(rows.double()).sum(dim=-1).argmin())
+
+
+def ordinal(number: int) -> str:
+    """1st, 2nd, 3rd, 4th, ..., 11th, 12th, 13th, ..., 21st."""
+    suffix = "th" if 10 <= number % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(number % 10, "th")
+    return f"{number}{suffix}"
+
+
+def percents(*values: float) -> list[str]:
+    """The shares ``values`` as percentages with the fewest decimals (1 to 4) that tell different
+    ones apart and show none but exactly 0 or 1 as 0% or 100% (99.97%, not 100.0%)."""
+    for decimals in range(1, 5):
+        shown = [f"{value:.{decimals}%}" for value in values]
+        rounded = any(text in (f"{0:.{decimals}%}", f"{1:.{decimals}%}") and value not in (0, 1)
+                      for text, value in zip(shown, values))
+        if len(set(shown)) == len(set(values)) and not rounded:
+            break
+    return shown
