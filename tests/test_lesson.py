@@ -4,7 +4,6 @@ the teacher's link, and what a step's first view costs.
 
 Uses test_app's fixture (tiny default model, private runs and uploads folders) and helpers."""
 import json
-import math
 import re
 import time
 import urllib.parse
@@ -167,7 +166,7 @@ def test_the_mlp_question_is_answered_by_the_pass_without_it(peaked):
     intact = vx.capture(model, x).logits[0].softmax(-1)
     knocked = vx.capture(model, x, knock_out=vx.KnockOut(mlp=(2,))).logits[0].softmax(-1)
     top = int(intact.argmax())
-    assert f"Remove layer 2's MLP" in said(app)
+    assert "Remove layer 2's MLP" in said(app)
     app.radio(key="lesson_answer_mlp").set_value("yes").run()
     survives = int(knocked.argmax()) == top
     assert ("**Right.**" if survives else "**Not this time.**") in said(app)

@@ -142,8 +142,8 @@ def positions() -> None:
     )))
     left.caption(
         "What the first layer receives, one row per token: "
-        + (f"the first {prefix} row{'s are the prefix tokens' if prefix > 1 else ' is the class token'}, then the patches."
-           if prefix else "the patches, in reading order.")
+        + ("the patches, in reading order." if not prefix else f"the first row is {labels[0]}, then the patches."
+           if prefix == 1 else f"the first {prefix} rows are {', '.join(labels[:prefix])}, then the patches.")
     )
     if added:
         right.plotly_chart(memo(  # the Patches page's: the model at this patch and input size, any image
@@ -215,8 +215,8 @@ def reveal_patch(guess: int, column) -> None:
     else:
         ties = f", tied with {rank.tied} other{'s' if rank.tied > 1 else ''}" if rank.tied else ""
         said = (
-            f"**{rank.verdict('patch')}.** Your {patch_name(guess)} gets {value} of the {followed}'s attention and ranks"
-            f" {answers.ordinal(rank.rank)} of {rank.total}{ties}"
+            f"**{rank.verdict('patch')}.** Your {patch_name(guess)} gets {value} of the {followed}'s attention"
+            f" and ranks {answers.ordinal(rank.rank)} of {rank.total}{ties}"
             + ("." if rank.right else f"; the most goes to {patch_name(rank.best)}, {best}.")
         )
     elsewhere = 1 - float(mean_map.sum())  # what the row gives the prefix tokens
@@ -259,9 +259,9 @@ def how_it_decides() -> None:
     kept = dict(layer=last, head=head, query=query)
     if guess is not None:
         steps = selection.internals(last, token)
-        change, numbers = selection.memo("lesson softmax change", last, head, token, compute=lambda: answers.softmax_change(
-            steps, head, token, 0.5
-        ))
+        change, numbers = selection.memo(
+            "lesson softmax change", last, head, token, compute=lambda: answers.softmax_change(steps, head, token, 0.5),
+        )
         (entropy, halved), (largest, largest_halved) = numbers["entropy"], numbers["largest weight"]
         st.write(
             f"**{'Right' if guess == change else 'Not this time'}: {change}.** At half the scale the entropy goes"
@@ -408,7 +408,8 @@ def prediction() -> None:
 
 def experiment() -> None:
     cost = ablation.sweep_cost(config)
-    measure = "the feature the model outputs" if headless else f"the probability of '{names[int(probabilities.argmax())]}'"
+    top = None if headless else int(probabilities.argmax())
+    measure = "the feature the model outputs" if headless else f"the probability of '{names[top]}'"
     st.write(
         "Where a head looks does not say whether it matters. Knock a head out (its output set to zero) and the"
         f" model reads your image without it. Which of the {depth * heads} heads matters most for {measure}?"
@@ -433,7 +434,6 @@ def experiment() -> None:
         effect = {index: f"the feature keeps a cosine of {1 + value:.4f} with the intact one"
                   for index, value in ((guess, rank.value), (rank.best, rank.best_value))}
     else:  # the sweep's values: the change of the predicted class's log-probability
-        top = int(probabilities.argmax())
         shown = answers.percents(*(
             float(probabilities[top]) * math.exp(change) for change in (0.0, rank.value, rank.best_value)
         ))
@@ -466,7 +466,9 @@ def experiment() -> None:
             probabilities, after, names, what=knock_out.describe(),
         )))
     ask_again_button("head")
-    knocked_heads = {session.knockout_heads_key(index): [best_head] if index == best_layer else [] for index in range(depth)}
+    knocked_heads = {
+        session.knockout_heads_key(index): [best_head] if index == best_layer else [] for index in range(depth)
+    }
     lesson.explore_button(
         "views/knockout.py", "Knock-out", **knocked_heads, knockout_attention=[], knockout_mlp=[], knockout_mode="zero",
     )
@@ -484,7 +486,7 @@ number = lesson.step()
 count = len(lesson.STEPS)
 st.title("Lesson")
 st.write(
-    f"Ten steps from your picture to what the model makes of it, with this model's own numbers. Where a step"
+    "Ten steps from your picture to what the model makes of it, with this model's own numbers. Where a step"
     " asks a question, answer before you look: the answer is checked against the model."
 )
 caveats = ([] if headless else prediction_caveats(selection, probabilities)) + [uniform_attention_caveat(selection)]
@@ -513,6 +515,7 @@ with st.expander("For teachers: a link to this step"):
     st.caption(
         "It opens this step on this picture and model for anyone on this server"
         + (", and carries nothing of yours (no owner token)." if names_model else
-           "; this model cannot be named in a link (a file the server was started with), so it opens the default model.")
+           "; this model cannot be named in a link (a file the server was started with), so it opens the default"
+           " model.")
     )
 lesson.keep_step_in_address()
