@@ -7,14 +7,18 @@ without this script, that is without the sidebar and the session state it sets u
 """
 import streamlit as st
 
-from vit_explorer.app import images, models, runs, session, uploads
+from vit_explorer.app import images, lesson, models, runs, session, uploads
 from vit_explorer.app.selection import unreadable_photo_reason
 
 st.set_page_config(page_title="ViT Explorer", page_icon=":material/grid_view:", layout="wide")
 session.init_state()
 state = st.session_state
 
-pages = {"Explore": [
+# The Lesson first: a path through the pages for a first visit. Pipeline stays the root address
+# (and offers the Lesson at its top), so that links to the app keep opening what they opened.
+pages = {"Learn": [
+    st.Page(lesson.PAGE, title="Lesson", icon=":material/school:", url_path=lesson.URL_PATH),
+], "Explore": [
     st.Page("views/pipeline.py", title="Pipeline", icon=":material/route:", default=True),
     st.Page("views/patches.py", title="Patches", icon=":material/grid_on:"),
     st.Page("views/attention.py", title="Attention", icon=":material/visibility:"),

@@ -30,6 +30,11 @@ measured in the same run, then whether the goals are met:
   and the pass with the register, with their figures), another number of neurons at most 2 (one
   pass with the register and its figures); on a new image its capture comes first, as on any
   page (a first view: at most 8).
+- Lesson: each step's first view with nothing computed (as for a class opening a teacher's link
+  on a new picture: the capture included) at most 2 (issue 28); step 10's question shows at once
+  and its sweep is asked for as a job, not computed in the view; an answer's reveal at most 1.5,
+  as a knock-out view (steps 7 and 10 run the pass without a layer's MLP or the head that matters
+  most, from that layer on: all of it when that head is in layer 0).
 
     python -m bench.app_latency            # ViT-B/16 at 224, 3 rounds on the CPU, then on CUDA if present
     python -m bench.app_latency --small    # a ViT-S/16-sized model, for a quick look
@@ -37,6 +42,7 @@ measured in the same run, then whether the goals are met:
     python -m bench.app_latency --device cuda
     python -m bench.app_latency --pages knockout compare   # only those pages' steps (after loading)
     python -m bench.app_latency --pages heads --rounds 3   # the Head types steps alone
+    python -m bench.app_latency --pages lesson --rounds 1  # the Lesson's ten steps and four answers
 
 Each round starts a fresh app with empty caches; a step's ratio is the median over the rounds
 (a single round on a shared 2-core machine can be off by half). The goals are the CPU's (a
@@ -59,7 +65,7 @@ from streamlit.testing.v1 import AppTest, app_test, local_script_runner
 
 import vit_explorer as vx
 from vit_explorer import test_time_registers
-from vit_explorer.app import images, models, session, uploads
+from vit_explorer.app import images, memo, models, session, uploads
 
 APP = str(Path(__file__).resolve().parent.parent / "app.py")
 # AppTest compiles app.py and the page again on every run (a new ScriptCache each time: 20-25 ms
@@ -72,7 +78,7 @@ GOALS = {
     "widget": 1.0, "widget at patch 8": 2.0, "page switch": 0.5,
     "inside first view": 2.0, "inside widget": 0.5, "several images per image": 1.2,
     "compare first view": 2.0,  # in one model's first views, not in forward passes
-    "knock-out view": 1.5, "head sweep": 150.0,
+    "knock-out view": 1.5, "head sweep": 150.0, "lesson first view": 2.0, "lesson answer": 1.5,
     "head types": 6.0, "head types job": 20.0,
     "registers view": 3.0, "registers change": 2.0,
 }
@@ -88,6 +94,7 @@ REGISTERS = "views/registers.py"
 # The Registers steps' pictures: one the first steps capture, one no step has; the register neuron
 # is planted on their plainest patches, and the search must find it from either.
 REGISTER_IMAGES = ("photo:astronaut.png", "shapes:0")
+LESSON = "views/lesson.py"
 
 
 def forward_seconds(model: vx.ViT, rounds: int = 7) -> float:
@@ -156,7 +163,7 @@ class Steps:
         return lambda: self.app.selectbox(key="image_picker").set_value(key)
 
 
-PAGES = ("core", "heads", "images", "knockout", "registers", "compare")  # --pages: core is Pipeline, Patches, Attention, Inside
+PAGES = ("core", "heads", "images", "knockout", "registers", "compare", "lesson")  # --pages: core is Pipeline, Patches, Attention, Inside
 
 
 def run(
@@ -205,6 +212,8 @@ def _round(model: torch.nn.Module, folder: Path, size: dict, device: torch.devic
         registers_steps(app, steps)
     if "compare" in pages:
         compare(app, steps, folder, size)
+    if "lesson" in pages:  # last: its sweep is a job, whose worker would share the cores with later steps
+        lesson_steps(app, steps)
     return steps.rows
 
 
@@ -377,6 +386,37 @@ def compare(app: AppTest, steps: Steps, folder: Path, size: dict) -> None:
                        steps.image("shapes:2"), one_model)
 
 
+def lesson_steps(app: AppTest, steps: Steps) -> None:
+    """Each step of the Lesson at the native patch size, with nothing computed before it (the
+    shared results emptied, the model kept), then its four answers."""
+    app.switch_page("views/patches.py").run()
+    widget(app.select_slider, "Patch size").set_value(16).run()
+    app.switch_page(LESSON).run()
+    for number in range(1, 11):
+        memo.shared_results().clear()
+        steps.time(f"Lesson {number}: first view (nothing computed)", "lesson first view",
+                   lambda number=number: app.selectbox(key="lesson_step_picker").set_value(number))
+        if number == 4:
+            steps.time("Lesson 4: answer (a patch)", "lesson answer",
+                       lambda: app.selectbox(key="lesson_answer_patch").set_value(100))
+        elif number == 5:
+            steps.time("Lesson 5: answer (half the scale)", "lesson answer",
+                       lambda: app.radio(key="lesson_answer_scale").set_value("flatter"))
+        elif number == 7:
+            steps.time("Lesson 7: answer (layer 6's MLP removed)", "lesson answer",
+                       lambda: app.radio(key="lesson_answer_mlp").set_value("yes"))
+    deadline = time.monotonic() + 1200
+    while any("beside the server" in bar.proto.text for bar in app.get("progress")) or any(
+        "Waiting for its turn" in info.value for info in app.info
+    ):  # the sweep's job, queued or running
+        if app.exception or time.monotonic() > deadline:
+            raise RuntimeError(f"the lesson's sweep did not finish: {[error.value for error in app.error]}")
+        time.sleep(1)
+        app.run()
+    steps.time("Lesson 10: answer, the sweep done (a head)", "lesson answer",
+               lambda: app.selectbox(key="lesson_answer_head").set_value(40))
+
+
 def report(name: str, device: torch.device, rounds: list[list[tuple[str, str, float, float]]]) -> bool:
     """Print each step's median seconds and ratio over the rounds; whether every goal was met."""
     median = statistics.median(
@@ -410,7 +450,7 @@ def main() -> None:
     parser.add_argument(
         "--pages", nargs="+", choices=PAGES, default=PAGES,
         help="whose steps to time (default all): core (Pipeline, Patches, Attention, Inside a layer),"
-        " heads (Head types), images (Several images), knockout, registers, compare",
+        " heads (Head types), images (Several images), knockout, registers, compare, lesson",
     )
     parser.add_argument(
         "--device", choices=("all", "cpu", "cuda"), default="all",

@@ -246,3 +246,53 @@ def test_a_heavy_sweep_waits_its_turn_and_then_shows_in_chromium(tmp_path, shots
         expect(page.get_by_role("button", name="Cancel")).to_have_count(0)
         page.screenshot(path=shots / "sweep_done.png", full_page=True)
         browser.close()
+
+
+def test_the_lesson_in_chromium(server, shots):
+    """A student walks the lesson, answers the patch question by clicking a patch, and a teacher's
+    link to a step, opened in a new session, shows that step on the same image."""
+    expect = sync_api.expect
+    expect.set_options(timeout=60_000)
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(**CHROMIUM_LAUNCH)
+        page = browser.new_page(viewport={"width": 1400, "height": 2400})
+        page.set_default_timeout(60_000)
+        page.goto(server)
+        page.get_by_role("heading", name="Pipeline", level=1).wait_for()
+        settle(page)
+        page.get_by_text("New to Vision Transformers? The Lesson walks").click()  # offered on the first page
+        page.get_by_role("heading", name="Lesson", level=1).wait_for()
+        settle(page)
+        for step in (2, 3, 4):
+            page.get_by_role("button", name="Next", exact=True).click()
+            page.get_by_role("heading", name=re.compile(rf"^{step}\. ")).wait_for()
+            settle(page)
+        expect(page.get_by_text(re.compile("click the patch you think the class token attends to most"))).to_be_visible()
+        picker = page.locator(".st-key-lesson_patch_click .nsewdrag").first
+        box = picker.bounding_box()
+        page.mouse.click(box["x"] + box["width"] * 0.1, box["y"] + box["height"] * 0.1)  # the top-left patch
+        expect(page.get_by_text(re.compile(r"Your patch 0 \(row 0, col 0\) gets [\d.]+% of the class token's attention"))).to_be_visible()
+        settle(page)
+        page.screenshot(path=shots / "lesson_1_patch_answered.png", full_page=True)
+
+        page.get_by_role("button", name="Next", exact=True).click()
+        page.get_by_role("heading", name=re.compile(r"^5\. ")).wait_for()
+        settle(page)
+        assert parse_qs(urlparse(page.url).query)["step"] == ["5"]
+        page.get_by_text("For teachers: a link to this step").click()
+        link = page.locator('[data-testid="stCode"]').filter(has_text="step=5").inner_text().strip()
+        assert parse_qs(urlparse(link).query) == {"step": ["5"], "image": ["shapes:4"], "model": ["default"]}
+        page.screenshot(path=shots / "lesson_2_teachers_link.png", full_page=True)
+
+        student = browser.new_page(viewport={"width": 1400, "height": 2400})
+        student.set_default_timeout(60_000)
+        student.goto(link.replace("shapes%3A4", "shapes%3A2"))  # the teacher's link, for another picture
+        student.get_by_role("heading", name=re.compile(r"^5\. How a head decides")).wait_for()
+        settle(student)
+        expect(student.get_by_role("combobox", name="Image")).to_have_value("Shapes #2: triangle")
+        expect(student.get_by_text(re.compile("Your patch"))).to_have_count(0)  # a new session: no answers
+        expect(student.locator('[data-testid="stException"]')).to_have_count(0)
+        student.screenshot(path=shots / "lesson_3_link_opened.png", full_page=True)
+        student.reload()  # the address is still the link
+        student.get_by_role("heading", name=re.compile(r"^5\. How a head decides")).wait_for()
+        browser.close()

@@ -161,4 +161,4 @@ def test_the_matrix_and_the_pipeline_link_here():
     app = open_app("views/attention.py")
     assert [link.proto.page for link in app.get("page_link")] == ["inside"]  # the page's url_path
     app.switch_page("views/pipeline.py").run()
-    assert [link.proto.page for link in app.get("page_link")] == ["inside"]
+    assert [link.proto.page for link in app.get("page_link")] == ["lesson", "inside"]  # the Lesson offered first

@@ -3,7 +3,7 @@ the importance sweep of every head alone."""
 import streamlit as st
 
 from vit_explorer import ablation, analysis, figures
-from vit_explorer.app import costs, jobs, models, session
+from vit_explorer.app import jobs, models, session
 
 selection = session.selection()
 config = selection.config
@@ -17,12 +17,8 @@ MODE_LABELS = {
 }
 
 
-def heads_key(layer: int) -> str:
-    return f"knockout_heads_{layer}"
-
-
 def clear_knock_out() -> None:
-    for key in [heads_key(layer) for layer in layers] + ["knockout_attention", "knockout_mlp"]:
+    for key in [session.knockout_heads_key(layer) for layer in layers] + ["knockout_attention", "knockout_mlp"]:
         session.set_kept(key, [])
 
 
@@ -30,7 +26,8 @@ def knock_out_clicked_head() -> None:
     points = state["knockout_sweep_click"].selection.points
     if points:
         layer, head = int(points[0]["y"]), int(points[0]["x"])
-        session.set_kept(heads_key(layer), sorted({*state.get(heads_key(layer), []), head}))
+        key = session.knockout_heads_key(layer)
+        session.set_kept(key, sorted({*state.get(key, []), head}))
 
 
 st.title("Knock-out")
@@ -53,7 +50,7 @@ with st.expander("Heads to knock out", expanded=True):
         columns[layer % 4].multiselect(
             f"Layer {layer}", list(range(heads)), placeholder="no head",
             help=f"The heads of layer {layer} whose outputs are removed before its output projection.",
-            **session.keep(heads_key(layer), [], lambda chosen: all(0 <= head < heads for head in chosen)),
+            **session.keep(session.knockout_heads_key(layer), [], lambda chosen: all(0 <= head < heads for head in chosen)),
         )
 attention_column, mlp_column, clear_column = st.columns([3, 3, 1], vertical_alignment="bottom")
 removed_attention = attention_column.multiselect(
@@ -69,7 +66,7 @@ removed_mlp = mlp_column.multiselect(
 clear_column.button("Clear", on_click=clear_knock_out, help="Knock nothing out.", width="stretch")
 
 knock_out = ablation.KnockOut(
-    heads={layer: state[heads_key(layer)] for layer in layers}, attention=removed_attention, mlp=removed_mlp,
+    heads={layer: state[session.knockout_heads_key(layer)] for layer in layers}, attention=removed_attention, mlp=removed_mlp,
     mode=mode,
 )
 problem = knock_out.problem(config)
@@ -149,10 +146,7 @@ st.write(
     f" {cost:.0f} forward passes of this model rather than {depth * heads + 1}. Click a cell to knock"
     " that head out above."
 )
-if costs.is_quick(config, forwards=cost):
-    sweep = selection.head_sweep(mode)
-else:  # a job beside the server, in turn: one person's sweep does not slow the class
-    sweep = jobs.head_sweep(selection, mode)
+sweep = jobs.sweep(selection, mode)  # unless quick, a job beside the server, in turn: one person's does not slow the class
 if sweep is not None:
     measure = f"{sweep.measure} of {selection.class_names()[sweep.target]!r}" if sweep.target is not None else sweep.measure
     st.plotly_chart(

@@ -202,7 +202,7 @@ with left:
                if rotary else "")
         )
         st.plotly_chart(memo(
-            (selection.model_key, selection.patch_size, "position similarity"),
+            (*selection.key[:3], "position similarity"),  # the model at this patch and input size, any image
             lambda: figures.position_similarity_grid(analysis.position_embedding_similarity(selection.model)),
         ))
     elif rotary:

@@ -3,7 +3,7 @@ import streamlit as st
 
 from vit_explorer import analysis, figures, rope
 from vit_explorer.app import models, session
-from vit_explorer.app.selection import prediction_caveats
+from vit_explorer.app.selection import prediction_caveats, uniform_attention_caveat
 from vit_explorer.internals import activation_name
 
 selection = session.selection()
@@ -24,6 +24,10 @@ added = config.abs_pos_embed
 head_dim, gated = config.head_dim, config.swiglu_mlp
 
 st.title("Pipeline")
+st.page_link(
+    "views/lesson.py", icon=":material/school:",
+    label="New to Vision Transformers? The Lesson walks your picture through the model in ten steps, asking before it shows",
+)
 st.write(
     "A Vision Transformer reads an image the way a language model reads a sentence: it cuts the"
     " picture into patches, turns every patch into a vector (a token) and lets the tokens exchange"
@@ -189,31 +193,15 @@ st.page_link(
     label="Open one layer: its LayerNorm, queries, keys, values, softmax and MLP with this image's numbers",
 )
 # From each head's mean entropy (shared with the Attention page): the layers are not held at once.
-evenness = analysis.entropy_evenness(selection.head_statistics()[1], tokens)
-if analysis.near_uniform(evenness):
-    st.info(
-        f"This model's heads spread their attention almost evenly over all tokens (mean entropy {evenness:.0%}"
-        " of the uniform log N), as an untrained model's do: its layers mix the tokens without picking any out."
-    )
+caveat = uniform_attention_caveat(selection)
+if caveat:
+    st.info(caveat)
 if headless:
     st.info(models.NO_CLASSIFIER.format(what="The logit lens"))
 else:
-    st.plotly_chart(selection.memo("logit lens", compute=lambda: figures.logit_lens_figure(
-        analysis.logit_lens(selection.model, result)[0].softmax(dim=-1), names  # (L+1, classes)
-    )))
+    st.plotly_chart(selection.memo("logit lens", compute=lambda: figures.logit_lens_figure(selection.logit_lens(), names)))
 
-pooled = {
-    "cls": "the class token's output",
-    "mean": "the mean of the patch tokens",
-    "map": "what a learned probe query gathers from the patch tokens by attention (an attention-pool"
-    " head; the Attention page shows where it reads)",
-}[config.global_pool]
-if config.dist_token:
-    pooled = (
-        "the average of the class and distillation tokens' outputs" if headless
-        else "the class and distillation tokens' outputs, each through its own head (the two"
-        " scores are averaged)"
-    )
+pooled = models.pooled_output(config)
 if headless:
     st.subheader("8. Pool and norm: the feature vector")
     st.write(

@@ -247,6 +247,26 @@ def query_map(
     return rearrange(row[..., num_prefix_tokens:], "... (gh gw) -> ... gh gw", gh=grid_h)
 
 
+def streamed_query_maps(
+    layers: Iterable[torch.Tensor],
+    grid_size: tuple[int, int],
+    num_prefix_tokens: int,
+    query: int | tuple[int, int] | None = None,
+    *,
+    class_token: bool | None = None,
+) -> torch.Tensor:
+    """(B, L, gh, gw): one query's attention to the patches (:func:`query_map`), the mean of the
+    heads, in each of the layers' (B, H, N, N) attention given one at a time
+    (vit_explorer.capture.layer_attentions): how where it looks changes with depth, one layer held."""
+    maps = [
+        query_map(attention, grid_size, num_prefix_tokens, query, class_token=class_token).mean(dim=1)
+        for attention in layers
+    ]
+    if not maps:
+        raise AnalysisError("the attention of at least one layer is needed")
+    return torch.stack(maps, dim=1)
+
+
 def patch_index(patch: int | tuple[int, int], grid_size: tuple[int, int]) -> int:
     """Row-major index of a patch given as an index or as (row, col); validated."""
     grid_h, grid_w = grid_size

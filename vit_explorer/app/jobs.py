@@ -1,7 +1,8 @@
 """A view's heavy computation as a job (vit_explorer.jobs): asked for with a button, followed live
 (place in the queue, a progress bar, Cancel), its results shared with everybody through ``memo``
-under the keys the inline computation uses: the Knock-out page's head sweep, what the Compare
-page draws of model B, the Several images page's batch, the Head types page's measures."""
+under the keys the inline computation uses: the head sweep (the Knock-out page's, the Lesson's
+question, which asks for it at once), what the Compare page draws of model B, the Several images
+page's batch, the Head types page's measures, the Registers page's neurons over several images."""
 from __future__ import annotations
 
 import functools
@@ -11,12 +12,12 @@ from pathlib import Path
 import streamlit as st
 import torch
 
-from ..ablation import HeadSweep
+from ..ablation import HeadSweep, sweep_cost
 from ..capture import Capture
 from ..head_types import HeadTypes
 from ..jobs import JobBoard, JobRefused, JobSpec, JobStatus
 from ..test_time_registers import RegisterNeurons
-from . import models, runs
+from . import costs, models, runs
 from .memo import memo, shared_results
 from .selection import ImageSet, Selection
 
@@ -37,11 +38,21 @@ def _model_source(model_key: str) -> dict:
     return {"pretrained": reference} if kind == "pretrained" else {"path": reference}
 
 
-def head_sweep(selection: Selection, mode: str) -> HeadSweep | None:
+def sweep(selection: Selection, mode: str, ask: bool = False) -> HeadSweep | None:
+    """Every head knocked out alone on ``selection``'s image: :meth:`Selection.head_sweep` here if
+    it is quick, else :func:`head_sweep` as a job (``ask``: asked for without the button)."""
+    if costs.is_quick(selection.config, forwards=sweep_cost(selection.config)):
+        return selection.head_sweep(mode)
+    return head_sweep(selection, mode, ask)
+
+
+def head_sweep(selection: Selection, mode: str, ask: bool = False) -> HeadSweep | None:
     """:meth:`Selection.head_sweep` as a job, for a model whose sweep is not quick: the sweep once
-    it is done (for anybody), else None, with what to do or how it goes drawn in its place."""
+    it is done (for anybody), else None, with what to do or how it goes drawn in its place.
+    ``ask``: the job is asked for at once, once in this session (a page that poses a question while
+    it computes); asked before, then withdrawn or failed, it waits for the button again."""
     key = (*selection.key, "head sweep", mode)
-    values = _as_job(selection, _spec(selection, "head sweep", mode=mode), (key,), "Run the sweep")
+    values = _as_job(selection, _spec(selection, "head sweep", mode=mode), (key,), "Run the sweep", ask=ask)
     return None if values is None else values[0]
 
 
@@ -106,9 +117,13 @@ def _spec(selection: Selection, kind: str, identity: str | None = None, **settin
     )
 
 
-def _as_job(selection: Selection, spec: JobSpec, keys: tuple[tuple, ...], label: str, x: torch.Tensor | None = None) -> tuple | None:
+def _as_job(
+    selection: Selection, spec: JobSpec, keys: tuple[tuple, ...], label: str, x: torch.Tensor | None = None,
+    ask: bool = False,
+) -> tuple | None:
     """The job's values, kept under ``keys`` (one each), once done; else None, with the button
-    to ask for it (for the input ``x``: by default the selection's image) or its progress."""
+    to ask for it (for the input ``x``: by default the selection's image) or its progress.
+    ``ask``: asked for without the button, the first time this session meets it."""
     found = tuple(shared_results().get(key) for key in keys)
     if all(value is not None for value in found):
         return found
@@ -121,6 +136,13 @@ def _as_job(selection: Selection, spec: JobSpec, keys: tuple[tuple, ...], label:
     asked = status is not None and status.state != "failed" and token in status.owners
     if status is not None and status.state == "failed":
         st.error(status.error)
+    asked_before = st.session_state.setdefault("jobs asked at once", set())
+    if not asked and ask and spec.key not in asked_before and (status is None or status.state != "failed"):
+        asked_before.add(spec.key)  # once: withdrawn or failed, it waits for the button
+        status = _submit(board, spec, selection, x)
+        if status is None:
+            return None
+        asked = True
     if not asked:
         joining = status is not None and status.state != "failed"
         if st.button(
@@ -132,15 +154,21 @@ def _as_job(selection: Selection, spec: JobSpec, keys: tuple[tuple, ...], label:
                 " shared with everyone."
             ),
         ):
-            try:
-                board.submit(spec, selection.model_input() if x is None else x, selection.config, runs.owner_token())
-            except JobRefused as refusal:
-                st.error(str(refusal))
-                return None
-            st.rerun()  # drawn again as asked: the button gone, the job followed
+            if _submit(board, spec, selection, x) is not None:
+                st.rerun()  # drawn again as asked: the button gone, the job followed
+            return None
     if status is not None and status.state in ("queued", "running"):
         _follow(spec.key, keys)
     return None
+
+
+def _submit(board: JobBoard, spec: JobSpec, selection: Selection, x: torch.Tensor | None) -> JobStatus | None:
+    """Ask for the job for this person; its status, or None with the refusal said."""
+    try:
+        return board.submit(spec, selection.model_input() if x is None else x, selection.config, runs.owner_token())
+    except JobRefused as refusal:
+        st.error(str(refusal))
+        return None
 
 
 def _kept(job_key: str, keys: tuple[tuple, ...]) -> tuple:

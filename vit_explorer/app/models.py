@@ -188,6 +188,22 @@ def describe(config) -> str:
     )
 
 
+def pooled_output(config) -> str:
+    """What the model keeps of its tokens at the end, for a sentence ("The model keeps one vector, ...")."""
+    if config.dist_token:
+        return (
+            "the average of the class and distillation tokens' outputs" if config.num_classes == 0
+            else "the class and distillation tokens' outputs, each through its own head (the two"
+            " scores are averaged)"
+        )
+    return {
+        "cls": "the class token's output",
+        "mean": "the mean of the patch tokens",
+        "map": "what a learned probe query gathers from the patch tokens by attention (an attention-pool"
+        " head; the Attention page shows where it reads)",
+    }[config.global_pool]
+
+
 # Model labels longer than this are cut in the sidebar's picker (and in its open list): a name is
 # shortened in the middle (its start and end tell checkpoints apart), the whole label shown below.
 MAX_LABEL = 34

@@ -15,7 +15,8 @@ from PIL import Image
 
 from ..ablation import HeadSweep, KnockOut, head_sweep
 from ..analysis import (
-    attribution, display_image, head_distances, head_entropies, near_chance, query_map, streamed_rollout,
+    attribution, display_image, entropy_evenness, head_distances, head_entropies, logit_lens, near_chance, near_uniform,
+    query_map, streamed_query_maps, streamed_rollout,
 )
 from ..capture import Capture, capture, layer_attention, layer_attentions, layer_internals
 from ..data import SHAPE_CLASSES
@@ -130,6 +131,24 @@ class Selection:
             return torch.stack(distances), torch.stack(entropies)
 
         return self.memo("head statistics", compute=compute, spinner="Measuring every head of every layer ...")
+
+    def query_maps_by_layer(self, query: int | None) -> torch.Tensor:
+        """(depth, gh, gw) the attention of ``query`` (analysis.query_map's: None is the class token,
+        without one the mean over the patch queries; else a patch index) to the patches in every
+        layer, the mean of its heads: one layer at a time, from the capture."""
+        captured = self.capture()
+        return self.memo(
+            "query maps by layer", query, spinner="Following the attention through the layers ...",
+            compute=lambda: streamed_query_maps(
+                layer_attentions(self.model, captured), captured.grid_size, captured.num_prefix_tokens, query,
+                class_token=self.config.class_token,
+            )[0],
+        )
+
+    def logit_lens(self) -> torch.Tensor:
+        """(depth + 1, classes) the probabilities read out after every block (analysis.logit_lens:
+        row 0 the embeddings, the last row the prediction), once for everybody."""
+        return self.memo("logit lens probabilities", compute=lambda: logit_lens(self.model, self.capture())[0].softmax(dim=-1))
 
     def cached_capture(self) -> Capture | None:
         """:meth:`capture` if a page has made it already (for anybody), else None: nothing runs."""
@@ -426,6 +445,18 @@ def unreadable_photo_reason(selection: Selection) -> str | None:
             f"x{selection.image.size[1]} photo, so it sees a blur."
         )
     return None
+
+
+def uniform_attention_caveat(selection: Selection) -> str | None:
+    """One sentence when the model's heads spread their attention almost evenly over all tokens
+    on this image (their mean entropy near the uniform log N), as an untrained model's do; else None."""
+    evenness = entropy_evenness(selection.head_statistics()[1], selection.capture().num_tokens)
+    if not near_uniform(evenness):
+        return None
+    return (
+        f"This model's heads spread their attention almost evenly over all tokens (mean entropy {evenness:.0%}"
+        " of the uniform log N), as an untrained model's do: its layers mix the tokens without picking any out."
+    )
 
 
 def prediction_caveats(selection: Selection, probabilities: torch.Tensor) -> list[str]:

@@ -1,23 +1,32 @@
 """A session's choices and where they are kept: its session state, the page address (owner
-token and image, across reloads), widget values kept across pages, and the ``Selection`` they
-make (the sidebar's, and the Compare page's model B)."""
+token, image and model, across reloads and in a link sent to others), widget values kept across
+pages (and set to open another page on them), and the ``Selection`` they make (the sidebar's, and
+the Compare page's model B)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import streamlit as st
 
+from .. import catalogue
 from . import images, models, runs, uploads
 from .selection import Selection
 
 IMAGE_PARAM = "image"  # the address parameter that keeps the chosen image across a reload
+MODEL_PARAM = "model"  # and the chosen model
+
 
 def init_state() -> None:
     state = st.session_state
-    state.setdefault("model_key", models.DEFAULT_MODEL)
     state.setdefault("uploaded_models", {})  # model key -> label
     state.setdefault("uploaded_images", {})  # image key -> label (the bytes are in UPLOADS_DIR)
+    if "model_key" not in state:  # a new session: the model the address names is asked for
+        state["model_key"] = models.DEFAULT_MODEL
+        requested = _model_in_address()
+        if requested != models.DEFAULT_MODEL:
+            models.request_model(requested)  # loaded (or its licence asked) like a pick in the sidebar
     if "image_key" not in state:  # a new session, or a reload: the address says which image
         state["image_key"] = _image_in_address()
     if "owner_token" not in state and st.query_params.get(runs.OWNER_PARAM):
@@ -26,17 +35,54 @@ def init_state() -> None:
 
 
 def keep_in_address() -> None:
-    """Write the owner token and the chosen image into the page's address on every run: a reload
-    then keeps them, and Streamlit's page navigation, which drops the address's parameters, does
-    not take a person's runs from them. A person who never trained has no token to keep, and the
-    default image needs no parameter."""
+    """Write the owner token, the chosen image and the chosen model into the page's address on
+    every run: a reload then keeps them, and Streamlit's page navigation, which drops the address's
+    parameters, does not take a person's runs from them. A person who never trained has no token
+    to keep, and the default image and model need no parameter."""
     state = st.session_state
     image_key = state["image_key"] if state["image_key"] != images.DEFAULT_IMAGE else None
-    for param, value in ((runs.OWNER_PARAM, state.get("owner_token")), (IMAGE_PARAM, image_key)):
+    model = model_in_address(state["model_key"])
+    model = model if model != models.DEFAULT_MODEL else None
+    for param, value in ((runs.OWNER_PARAM, state.get("owner_token")), (IMAGE_PARAM, image_key), (MODEL_PARAM, model)):
         if value is None:
             st.query_params.pop(param, None)
         elif st.query_params.get(param) != value:
             st.query_params[param] = value
+
+
+def model_in_address(model_key: str) -> str | None:
+    """How the address names a model, without a server path: "default", "pretrained:<name>",
+    "upload:<digest>" (an uploaded checkpoint, while the uploads folder keeps it) or "run:<id>" (a
+    run trained here); None for a model it cannot name (a file the server was started with)."""
+    kind, _, reference = model_key.partition(":")
+    if kind in (models.DEFAULT_MODEL, "pretrained"):
+        return model_key
+    path = Path(reference)
+    if path.is_relative_to(uploads.UPLOADS_DIR):
+        return f"upload:{path.relative_to(uploads.UPLOADS_DIR).parts[0]}"
+    found = [run_id for run_id, run in runs.training_runs().items() if run.checkpoint == reference]
+    return f"run:{found[0]}" if found else None
+
+
+def _model_in_address() -> str:
+    """The model key the address names (model_in_address's forms) if this server has it, else the default."""
+    kind, _, reference = st.query_params.get(MODEL_PARAM, "").partition(":")
+    if kind == "pretrained" and reference in catalogue.CATALOGUE:
+        return f"pretrained:{reference}"
+    if kind == "upload" and reference.isalnum():
+        folder = uploads.UPLOADS_DIR / reference
+        files = sorted(folder.iterdir()) if folder.is_dir() and not folder.is_symlink() else []
+        # As uploads.add_checkpoint_upload keeps them: a Hugging Face folder, else its one file.
+        path = folder if (folder / "config.json").is_file() else files[0] if len(files) == 1 else None
+        if path is not None:
+            model_key = f"file:{path}"
+            st.session_state["uploaded_models"].setdefault(model_key, "Uploaded checkpoint")
+            return model_key
+    if kind == "run":
+        run = runs.training_runs().get(reference)
+        if run is not None and run.checkpoint is not None:
+            return f"file:{run.checkpoint}"
+    return models.DEFAULT_MODEL
 
 
 def _image_in_address() -> str:
@@ -143,6 +189,19 @@ def set_kept(widget_key: str, value: Any) -> None:
     """Change a kept widget's value from a callback (before the widget is drawn)."""
     st.session_state[widget_key] = value
     st.session_state[kept_key(widget_key)] = value
+
+
+def open_page(page: str, **kept: Any) -> None:
+    """Go to ``page`` with these kept widget values (layer, head, query, ...), so that it opens on
+    them; from a page that does not draw those widgets itself."""
+    for widget_key, value in kept.items():
+        set_kept(widget_key, value)
+    st.switch_page(page)
+
+
+def knockout_heads_key(layer: int) -> str:
+    """The Knock-out page's kept widget of the heads knocked out in ``layer``."""
+    return f"knockout_heads_{layer}"
 
 
 # --- a second model beside the sidebar's (the Compare page) ------------------------------------

@@ -8,8 +8,8 @@ of any size line up. One module per topic; every public builder is importable fr
 """
 from ._base import ATTENTION_SCALE, SIMILARITY_SCALE, VALUE_SCALE, colour_mapped, image_data_uri, token_labels
 from .attention import (
-    HEAD_SCALES, attention_heads_grid, attention_masks_grid, attention_matrix, attention_overlay, layer_head_heatmap,
-    layer_head_scatter, matrix_block,
+    HEAD_SCALES, attention_by_layer, attention_heads_grid, attention_masks_grid, attention_matrix, attention_overlay,
+    layer_head_heatmap, layer_head_scatter, matrix_block,
 )
 from .compare import side_heads_grid, side_point_picker, side_token_pca, side_topk
 from .embeddings import (
@@ -31,8 +31,8 @@ from .training import accuracy_by_image_size_figure, training_curves
 
 __all__ = [
     "ATTENTION_SCALE", "SIMILARITY_SCALE", "VALUE_SCALE", "colour_mapped", "image_data_uri", "token_labels",
-    "HEAD_SCALES", "attention_heads_grid", "attention_masks_grid", "attention_matrix", "attention_overlay",
-    "layer_head_heatmap", "layer_head_scatter", "matrix_block",
+    "HEAD_SCALES", "attention_by_layer", "attention_heads_grid", "attention_masks_grid", "attention_matrix",
+    "attention_overlay", "layer_head_heatmap", "layer_head_scatter", "matrix_block",
     "side_heads_grid", "side_point_picker", "side_token_pca", "side_topk",
     "embedding_filters_figure", "position_similarity_grid", "token_matrix", "token_norms_figure",
     "token_pca_image",

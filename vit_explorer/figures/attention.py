@@ -114,7 +114,7 @@ def heads_height(image_shape: tuple[int, ...], heads: int, columns: int) -> int:
 def attention_heads_grid(
     image, maps, opacity: float = 0.85, layer: int | str | None = None, columns: int = 4,
     query: str = "class token", query_patch: int | None = None, scale: str = "shared",
-    top: float | None = None, **layout,
+    top: float | None = None, panel: str = "head", **layout,
 ) -> go.Figure:
     """Every head's attention map (H, gh, gw) over the image, one panel per head, each from 0
     (transparent) up: on one shared scale so that heads can be compared (``scale="shared"``), or
@@ -122,7 +122,8 @@ def attention_heads_grid(
     never tops out below 3x the uniform weight, so that attention spread evenly stays pale.
     ``query_patch`` (row-major index, None for a token without a patch) is outlined in every panel.
     ``top`` sets the shared scale's top (another grid's, to compare two on one scale); ``layout``
-    adds to the figure's layout last (a caller's own title, margin, height)."""
+    adds to the figure's layout last (a caller's own title, margin, height). ``panel`` names what
+    the maps are one of ("layer": one query's map per layer, say; the caller then titles it)."""
     image = _rgb_uint8(image)
     maps = _float_array(maps)
     if maps.ndim != 3:
@@ -141,13 +142,22 @@ def attention_heads_grid(
     if shared:
         layout["coloraxis"] = dict(
             colorscale=ATTENTION_SCALE, cmin=0, cmax=top if top is not None else attention_top(maps, uniform),
-            colorbar=dict(title=dict(text="attention<br>(all heads,<br>0 = clear)")),
+            colorbar=dict(title=dict(text=f"attention<br>(all {panel}s,<br>0 = clear)")),
         )
     return _head_panels(image, [
-        _patch_heatmap(head_map, image.shape[:2], label=f"head {head}", opacity=opacity, **colour)
+        _patch_heatmap(head_map, image.shape[:2], label=f"{panel} {head}", opacity=opacity, **colour)
         for head, (head_map, colour) in enumerate(zip(maps, colours))
-    ], columns, titles=[f"head {head} (max {head_map.max():.2g})" for head, head_map in enumerate(maps)],
+    ], columns, titles=[f"{panel} {head} (max {head_map.max():.2g})" for head, head_map in enumerate(maps)],
         query_patch=query_patch, grid_size=maps.shape[1:], **layout)
+
+
+def attention_by_layer(image, maps, query: str = "class token", query_patch: int | None = None, columns: int = 4) -> go.Figure:
+    """One query's attention map in every layer (L, gh, gw), the mean of each layer's heads, over
+    the image on one shared colour scale: how where it looks changes with depth."""
+    return attention_heads_grid(
+        image, maps, query=query, query_patch=query_patch, columns=columns, panel="layer",
+        title=_title(f"Attention of the {query} in every layer, the mean of its heads (one colour scale)"),
+    )
 
 
 def attention_masks_grid(

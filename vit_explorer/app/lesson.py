@@ -1,0 +1,112 @@
+"""The Lesson page's state: the step it shows (read from the address when a session starts, so
+that a teacher's link opens that step, and written back on every run), the learner's answers to
+its questions (this session's only, per model, sizes and image: another image asks again), the
+teacher's link to a step, and the buttons that open another page on what a step showed."""
+from __future__ import annotations
+
+import urllib.parse
+from collections.abc import Callable
+from typing import Any
+
+import streamlit as st
+
+from . import session
+from .selection import Selection
+
+PAGE = "views/lesson.py"
+URL_PATH = "lesson"
+STEP_PARAM = "step"  # the address parameter of the step shown
+STEPS = (
+    "Your photo, cut into patches",
+    "Each patch becomes a vector",
+    "The class token and the positions",
+    "Where one token looks",
+    "How a head decides: queries, keys and the softmax",
+    "Many heads, each asking its own question",
+    "The MLP and the residual stream",
+    "Layer after layer",
+    "The prediction",
+    "One experiment: knock out a head",
+)
+
+
+def step() -> int:
+    """The step shown, 1 to len(STEPS): this session's; in a new session the address's, else 1."""
+    state = st.session_state
+    if "lesson_step" not in state:
+        value = st.query_params.get(STEP_PARAM, "")
+        state["lesson_step"] = int(value) if value.isdigit() and 1 <= int(value) <= len(STEPS) else 1
+    return state["lesson_step"]
+
+
+def go_to(number: int) -> None:
+    """Show step ``number`` (a callback: Back, Next, the step picker); nothing else changes."""
+    st.session_state["lesson_step"] = min(max(number, 1), len(STEPS))
+
+
+def picked_step() -> None:
+    go_to(st.session_state["lesson_step_picker"])
+
+
+def step_picker() -> dict:
+    """Widget arguments of the step picker, showing the step shown (changed by Back and Next too)."""
+    st.session_state["lesson_step_picker"] = step()
+    return dict(key="lesson_step_picker", on_change=picked_step)
+
+
+def keep_step_in_address() -> None:
+    """The step in the page's address, beside the image and model (session.keep_in_address), so that
+    the address is always the link to what is on the screen."""
+    if st.query_params.get(STEP_PARAM) != str(step()):
+        st.query_params[STEP_PARAM] = str(step())
+
+
+def teacher_link() -> tuple[str, bool]:
+    """(the address that opens the step shown on this session's image and model, whether it names
+    the model). Never the owner token: whoever holds that can stop this person's runs."""
+    state = st.session_state
+    params = {STEP_PARAM: str(step()), session.IMAGE_PARAM: state["image_key"]}
+    model = session.model_in_address(state["model_key"])
+    if model is not None:
+        params[session.MODEL_PARAM] = model
+    return f"{st.context.url or URL_PATH}?{urllib.parse.urlencode(params)}", model is not None
+
+
+def answer(question: str, selection: Selection) -> Any:
+    """The learner's answer to ``question`` on this model, size and image, or None."""
+    return st.session_state.get("lesson_answers", {}).get((question, selection.key))
+
+
+def _set_answer(question: str, selection_key: tuple, value: Any) -> None:
+    st.session_state.setdefault("lesson_answers", {})[(question, selection_key)] = value
+
+
+def answer_widget(question: str, selection: Selection) -> dict:
+    """Widget arguments that show the learner's answer to ``question`` (None: not answered yet)
+    and keep what they choose, per model, sizes and image."""
+    key = f"lesson_answer_{question}"
+    st.session_state[key] = answer(question, selection)
+    return dict(key=key, on_change=lambda: _set_answer(question, selection.key, st.session_state[key]))
+
+
+def patch_clicked(question: str, selection: Selection, chart_key: str) -> Callable[[], None]:
+    """The ``on_select`` callback of a patch picker drawn with ``key=chart_key``: the clicked patch
+    is the answer to ``question``."""
+    def pick() -> None:
+        points = st.session_state[chart_key].selection.points
+        if points:
+            _set_answer(question, selection.key, int(points[0]["point_index"]))
+
+    return pick
+
+
+def ask_again(question: str, selection: Selection) -> None:
+    """Forget the answer to ``question`` on this selection (a callback: "Ask me again")."""
+    st.session_state.get("lesson_answers", {}).pop((question, selection.key), None)
+
+
+def explore_button(page: str, title: str, **kept: Any) -> None:
+    """A button that opens ``page`` (titled ``title``) on these kept widget values: the layer, head
+    and query the step showed."""
+    if st.button(f"Explore this on its page: {title}", icon=":material/open_in_new:", key="lesson_explore"):
+        session.open_page(page, **kept)
