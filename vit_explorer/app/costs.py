@@ -12,6 +12,7 @@ import streamlit as st
 import torch
 from PIL import Image
 
+from ..admission import environment_number
 from ..data import SHAPE_CLASSES, SHAPES_TEST_SEED, ImageDataset, shapes_dataset
 from ..images import preprocess
 from ..model import ViT
@@ -21,8 +22,14 @@ from .images import SHAPE_SAMPLES
 from .memo import memo, shared_results
 from .selection import Selection
 
-# Work a view does unasked: about 3 forward passes of a ViT-S/16 at 224 (multiply-adds).
+# Work a view does unasked: about 3 forward passes of a ViT-S/16 at 224, in multiply-adds (the
+# estimate before any pass of the model at that size has been timed) and in seconds (once one has:
+# models.pass_times). QUICK_COST's 13e9 multiply-adds took 0.12 s on the 2-core machine: a ViT-S/16
+# at 224 is 4.6e9 in 42 ms (a plain pass, median of 9, quiet, torch 2.14, 2026-11-25); a server
+# with faster cores or a GPU then does more unasked, a slower one less.
+# VIT_EXPLORER_QUICK_SECONDS sets the time (0: nothing once timed is quick).
 QUICK_COST = 13e9
+QUICK_SECONDS = environment_number("VIT_EXPLORER_QUICK_SECONDS", 0.12, float, minimum=0)
 # Held-out images per patch size on the Patches page: the shipped model's comparison at all its
 # patch sizes then stays within QUICK_COST (and is computed once per model for everybody).
 HELD_OUT_IMAGES = 128
@@ -41,7 +48,12 @@ def forward_cost(config, patch_size: int | None = None) -> float:
 
 
 def is_quick(config, forwards: float = 1.0) -> bool:
-    """Whether ``forwards`` forward passes of this model are cheap enough to run unasked."""
+    """Whether ``forwards`` forward passes of this model (``config``: at its patch and input size)
+    are cheap enough to run unasked: from the shortest pass of it timed on this server, else from
+    its multiply-adds."""
+    seconds = models.pass_times().seconds(config)
+    if seconds is not None:
+        return forwards * seconds <= QUICK_SECONDS
     return forwards * forward_cost(config) <= QUICK_COST
 
 
@@ -339,6 +351,8 @@ def compare_patch_sizes(selection: Selection, run: bool = True) -> list[dict] | 
     rows = memo(key, lambda: predictions_by_patch_size(model, selection.image, report(0.0, image_share), forward_ms))
     if forward_ms is None:  # these rows timed every size: the times of later images
         memo(_forward_ms_key(selection), lambda: {row["patch size"]: row["forward ms"] for row in rows})
+        for row in rows:  # plain passes at every size: what is quick at each (is_quick)
+            models.pass_times().record(config.replace(patch_size=row["patch size"]), row["forward ms"] / 1000)
     if held_out:
         accuracy = memo(_held_out_key(selection), lambda: held_out_accuracy_by_patch_size(
             model, held_out_set(config), report(image_share, 1 - image_share)
