@@ -39,7 +39,7 @@ def head_sweep(selection: Selection, mode: str) -> HeadSweep | None:
     """:meth:`Selection.head_sweep` as a job, for a model whose sweep is not quick: the sweep once
     it is done (for anybody), else None, with what to do or how it goes drawn in its place."""
     key = (*selection.key, "head sweep", mode)
-    values = _as_job(selection, _spec(selection, "head sweep", mode=mode), (key,), "Run the sweep")
+    values = as_job(selection, job_spec(selection, "head sweep", mode=mode), (key,), "Run the sweep")
     return None if values is None else values[0]
 
 
@@ -53,7 +53,7 @@ def views(selection: Selection, layer: int, label: str) -> Capture | None:
         (*selection.key, "capture"), (*selection.key, "rollout", "mean", 0.0, None),
         (*selection.key, "attention", layer, None),
     )
-    values = _as_job(selection, _spec(selection, "views", layer=layer), keys, label)
+    values = as_job(selection, job_spec(selection, "views", layer=layer), keys, label)
     return None if values is None else values[0]
 
 
@@ -63,12 +63,12 @@ def image_tokens(image_set: ImageSet, label: str) -> bool:
     what to do or how it goes is drawn in their place)."""
     unread = image_set.unread()
     identity = "\n".join(image_set.image_keys[index] for index in unread)
-    spec = _spec(image_set.selection, "tokens", identity, images=len(unread))
+    spec = job_spec(image_set.selection, "tokens", identity, images=len(unread))
     keys = tuple(image_set.tokens_key(index) for index in unread)
-    return _as_job(image_set.selection, spec, keys, label, image_set.model_input()[unread]) is not None
+    return as_job(image_set.selection, spec, keys, label, image_set.model_input()[unread]) is not None
 
 
-def _spec(selection: Selection, kind: str, identity: str | None = None, **settings) -> JobSpec:
+def job_spec(selection: Selection, kind: str, identity: str | None = None, **settings) -> JobSpec:
     """``kind`` on ``selection``'s model at its sizes, for its image unless ``identity`` says what
     the input is."""
     return JobSpec(
@@ -77,7 +77,7 @@ def _spec(selection: Selection, kind: str, identity: str | None = None, **settin
     )
 
 
-def _as_job(selection: Selection, spec: JobSpec, keys: tuple[tuple, ...], label: str, x: torch.Tensor | None = None) -> tuple | None:
+def as_job(selection: Selection, spec: JobSpec, keys: tuple[tuple, ...], label: str, x: torch.Tensor | None = None) -> tuple | None:
     """The job's values, kept under ``keys`` (one each), once done; else None, with the button
     to ask for it (for the input ``x``: by default the selection's image) or its progress."""
     found = tuple(shared_results().get(key) for key in keys)
