@@ -34,7 +34,8 @@ pictures of its own and, round after round, asks for the work that is a job on a
 (app.costs.is_heavy): Several images on its five new pictures, the Knock-out page's sweep of every
 head, Compare with model B the same model at half the patch size; it presses the button each page
 shows and waits as a person would, the page's live fragment (its place in line, its progress)
-rerun every second as the frontend reruns it, until the result is drawn. When the class ends it
+rerun every second as the frontend reruns it, until the result is drawn; between actions it
+thinks ``--heavy-think`` seconds (1-2: its jobs come nearly back to back). When the class ends it
 cancels what it still waits for. Each job asked for ends finished, cancelled, failed with a
 sentence (an error) or lost (neither a result nor a sentence). The same invocation runs the light
 students first alone, then beside the heavy ones, each on a fresh server (the same images, walks
@@ -535,10 +536,11 @@ class Result:
 
 
 def run_class(url: str, probes: list[Probe], think: tuple[float, float], spawn_rate: float, duration: float,
-              options: Options, pids: list[int], warm_urls: list[str] | None = None, heavy: int = 0
-              ) -> tuple[Result, Environment, list[HeavyReport]]:
+              options: Options, pids: list[int], warm_urls: list[str] | None = None, heavy: int = 0,
+              heavy_think: tuple[float, float] = (1.0, 2.0)) -> tuple[Result, Environment, list[HeavyReport]]:
     """``len(probes)`` students at ``url`` until each has done its actions or ``duration`` is up,
-    beside ``heavy`` heavy students (who then cancel what they wait for and leave).
+    beside ``heavy`` heavy students thinking ``heavy_think`` seconds between actions (who then
+    cancel what they wait for and leave).
 
     ``warm_urls`` (default ``url``) are visited first, every page once, unmeasured: a fresh
     server's first views load the model and import what each page needs.
@@ -557,7 +559,7 @@ def run_class(url: str, probes: list[Probe], think: tuple[float, float], spawn_r
     expected = Expected(probes, server_weights())
     users = [student_class(probes, report, options, think, expected)]
     if heavy:
-        users.append(heavy_class(heavy, heavy_reports, options, think, expected.model.config.img_size))
+        users.append(heavy_class(heavy, heavy_reports, options, heavy_think, expected.model.config.img_size))
     environment = Environment(user_classes=users, host=url)
     runner = environment.create_local_runner()
     cpu_before, own_before, start = cpu_seconds(pids), _own_cpu(), time.monotonic()
@@ -725,13 +727,13 @@ def one_class(args, folder: Path, probes: list[Probe], options: Options, heavy: 
             print(f"{args.replicas} replicas (pids {', '.join(map(str, pids))}) behind nginx at {cluster.url},"
                   f" the model {weights.name}")
             outcome = run_class(cluster.url + "/", probes, args.think, args.spawn_rate, args.duration, options,
-                                pids, warm_urls=cluster.replica_urls, heavy=heavy)
+                                pids, warm_urls=cluster.replica_urls, heavy=heavy, heavy_think=args.heavy_think)
             return Class(*outcome, workers_ended=end_workers(jobs), log=folder / "serve" / "replica-1.log")
     environment = {"VIT_EXPLORER_RUNS_DIR": str(folder / "runs"), "VIT_EXPLORER_UPLOADS_DIR": str(folder / "uploads")}
     with app_server(environment, log=log, port=args.port) as server:
         print(f"streamlit run app.py at {server.url} (pid {server.pid}), the model {weights.name}")
         outcome = run_class(server.url, probes, args.think, args.spawn_rate, args.duration, options, [server.pid],
-                            heavy=heavy)
+                            heavy=heavy, heavy_think=args.heavy_think)
         return Class(*outcome, workers_ended=end_workers(jobs), log=log)
 
 
@@ -764,6 +766,8 @@ def main() -> None:
     parser.add_argument("--heavy", type=int, default=0, help="heavy students beside them, after a class of the"
                         " light ones alone (0)")
     parser.add_argument("--think", type=think_range, help="MIN,MAX seconds between actions (5,10; 3,6 with --heavy)")
+    parser.add_argument("--heavy-think", type=think_range, default=(1.0, 2.0),
+                        help="MIN,MAX seconds between a heavy student's actions (1,2: its jobs nearly back to back)")
     parser.add_argument("--actions", type=int, help="actions per light student, opening and upload included"
                         " (20; unbounded with --heavy: the duration ends the class)")
     parser.add_argument("--duration", type=float, help="stop after this many seconds at most (120; 100 with --heavy)")
@@ -791,6 +795,7 @@ def main() -> None:
             setattr(args, name, default)
 
     folder = args.folder or Path(tempfile.mkdtemp(prefix="vit_explorer_class_"))
+    folder.mkdir(parents=True, exist_ok=True)
     options = Options(actions=args.actions, timeout=args.timeout, pages=args.pages)
     with contextlib.ExitStack() as stack:
         if args.vit_b16 or (args.heavy and not os.environ.get("VIT_EXPLORER_DEFAULT_MODEL")):

@@ -78,7 +78,7 @@ def test_heavy_students_jobs_finish_beside_the_light_ones(tmp_path):
         image_size=32, patch_size=4, embed_dim=32, depth=2, num_heads=2, num_classes=10,
     )), weights)
     result, printed = small_class(
-        tmp_path, "--heavy", "1", "--students", "1", "--duration", "10", "--pages", PAGES,
+        tmp_path, "--heavy", "1", "--heavy-think", "0.2,0.5", "--students", "1", "--duration", "15", "--pages", PAGES,
         env={"VIT_EXPLORER_DEFAULT_MODEL": str(weights), "VIT_EXPLORER_QUICK_SECONDS": "0"},
     )
     report = printed[-4000:]
