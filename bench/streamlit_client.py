@@ -6,19 +6,24 @@ HTTP client, whose cookies go with the websocket handshake too), the websocket
 widget's state and the hashes of the messages it caches, and the ForwardMsgs that come back
 (`new_session`, deltas, `script_finished`) read into the `Page` a run drew. Uploads go as
 `st.file_uploader`'s do: a `file_urls_request`, an HTTP PUT to the URL the server gives (with the
-XSRF cookie's token), a rerun with the uploader's state. Checked against streamlit 1.67's server
-(`streamlit/runtime/app_session.py`, `web/server/starlette/`) and its frontend's bundle.
+XSRF cookie's token), a rerun with the uploader's state. A button is a rerun with its trigger,
+sent once. A live fragment (`st.fragment(run_every=...)`, which the server announces with an
+`auto_rerun` message) is rerun as the frontend's timer does (`follow`): a rerun with the
+fragment's id, which the server answers with a run of that fragment alone, whose elements replace
+the fragment's. Checked against streamlit 1.67's server (`streamlit/runtime/app_session.py`,
+`runtime/fragment.py`, `web/server/starlette/`) and its frontend's bundle.
 
 No gevent here: the reader is a thread, a greenlet where gevent has patched threading (Locust).
 """
 from __future__ import annotations
 
+import json
 import re
 import threading
 import time
 import urllib.parse
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import websocket
@@ -33,6 +38,7 @@ from bench.app_load import PREDICTION
 
 FINISHED = ForwardMsg.ScriptFinishedStatus.Value("FINISHED_SUCCESSFULLY")
 COMPILE_ERROR = ForwardMsg.ScriptFinishedStatus.Value("FINISHED_WITH_COMPILE_ERROR")
+FRAGMENT_FINISHED = ForwardMsg.ScriptFinishedStatus.Value("FINISHED_FRAGMENT_RUN_SUCCESSFULLY")
 ERROR_ALERT = Alert.Format.Value("ERROR")
 SELECT_SLIDER = Slider.Type.Value("SELECT_SLIDER")
 MAIN, SIDEBAR = 0, 1  # the first index of a delta path: the page's main area or the sidebar
@@ -54,6 +60,7 @@ class Shown:
     path: tuple[int, ...]
     script_hash: str
     element: Element
+    fragment_id: str = ""  # the fragment that drew it, if any
 
     @property
     def kind(self) -> str:
@@ -110,6 +117,14 @@ class Page:
         found = [PREDICTION.search(text.replace("**", "")) for text in self.texts()]
         found = [match for match in found if match]
         return (found[0][1], float(found[0][2])) if len(found) == 1 else None
+
+    def figure_titles(self) -> list[str]:
+        """The titles of the page's plotly figures."""
+        titles = []
+        for shown in self.widgets("plotly_chart"):
+            title = json.loads(shown.element.plotly_chart.spec or "{}").get("layout", {}).get("title", "")
+            titles.append(title.get("text", "") if isinstance(title, dict) else str(title))
+        return titles
 
     def thumbnail_url(self) -> str | None:
         for shown in self.widgets("imgs", SIDEBAR):
@@ -182,9 +197,12 @@ class StreamlitSession:
         self._widgets: dict[str, WidgetState] = {}  # id -> the value the frontend would send
         self._widget_scripts: dict[str, str] = {}  # id -> the script that drew it
         self._cache: dict[str, list] = {}  # hash -> [ForwardMsg, run count when last used]
+        self.live_fragments: dict[str, float] = {}  # fragment id -> seconds between its reruns
         self._max_age = 2
         self._runs = 0
         self._drawing: dict[tuple[int, ...], Shown] = {}
+        self._drawn: set[tuple[int, ...]] = set()  # the paths the run in progress has drawn
+        self._fragment_run: tuple[str, ...] = ()  # the fragments the run in progress runs alone
         self._file_urls: dict[str, ForwardMsg] = {}
         self._changed = threading.Condition()
         self._finished = 0
@@ -221,11 +239,14 @@ class StreamlitSession:
     # -- actions
 
     def rerun(self, changed: WidgetState | None = None, page_script_hash: str | None = None,
-              query_string: str | None = None, keep: set[str] | None = None) -> Page:
+              query_string: str | None = None, keep: set[str] | None = None, trigger: WidgetState | None = None,
+              fragment_id: str = "", auto: bool = False) -> Page:
         """Send a rerun as the frontend does and wait for it to finish; the page it drew.
 
         ``changed`` is the widget the student just set; every other widget the frontend holds
-        goes along with its value (``keep``: only those ids).
+        goes along with its value (``keep``: only those ids). ``trigger``: a button's click, sent
+        with this rerun only. ``fragment_id``: the run of that fragment alone (``auto``: by its
+        timer), which ends with the fragment's run or, when it asks for one, the app's.
         """
         if changed is not None:
             self._widgets[changed.id] = changed
@@ -236,6 +257,9 @@ class StreamlitSession:
         rerun.widget_states.widgets.extend(
             state for widget_id, state in self._widgets.items() if keep is None or widget_id in keep
         )
+        if trigger is not None:
+            rerun.widget_states.widgets.append(trigger)
+        rerun.fragment_id, rerun.is_auto_rerun = fragment_id, auto
         rerun.cached_message_hashes.extend(self._cache)
         rerun.context_info.timezone = "UTC"
         rerun.context_info.locale = "en-US"
@@ -249,6 +273,23 @@ class StreamlitSession:
             raise ProtocolError(f"no page {page_name!r} in the navigation ({', '.join(self.pages)})")
         keep = {wid for wid, script in self._widget_scripts.items() if script == self.main_script_hash}
         return self.rerun(page_script_hash=self.pages[page_name], query_string="", keep=keep)
+
+    def click(self, label: str) -> Page:
+        """Press the button labelled ``label`` (in its fragment, if it is drawn in one)."""
+        button = next((s for s in self.page.widgets("button") if s.widget.label == label), None)
+        if button is None:
+            raise ProtocolError(f"no button {label!r} on the page")
+        return self.rerun(trigger=WidgetState(id=button.widget.id, trigger_value=True), fragment_id=button.fragment_id)
+
+    def follow(self, until: Callable[[Page], bool], timeout: float) -> Page:
+        """Watch the page as its live fragments rerun on their timers, the frontend's way, until
+        ``until(page)``, no fragment is live any more, or ``timeout`` seconds have passed."""
+        deadline = time.monotonic() + timeout
+        while self.live_fragments and not until(self.page) and time.monotonic() < deadline:
+            fragment_id, interval = next(iter(self.live_fragments.items()))
+            time.sleep(interval)
+            self.rerun(fragment_id=fragment_id, auto=True)
+        return self.page
 
     def upload(self, label: str, name: str, data: bytes, content_type: str = "image/png") -> Page:
         """Upload a file through the uploader labelled ``label``, as st.file_uploader does."""
@@ -338,13 +379,22 @@ class StreamlitSession:
             message, kind = cached, cached.WhichOneof("type")
         elif message.metadata.cacheable and message.hash:
             self._cache[message.hash] = [message, self._runs]
-        if kind == "new_session":  # every full run starts with one
+        if kind == "new_session":  # every run starts with one, a fragment's too
             new = message.new_session
             self.session_id = new.initialize.session_id or self.session_id
             self.main_script_hash = new.main_script_hash
             self.page_script_hash = new.page_script_hash
             self._max_age = new.config.max_cached_message_age or self._max_age
-            self._drawing = {}
+            self._fragment_run = tuple(message.metadata.run.fragment_ids)
+            self._drawn = set()
+            if not self._fragment_run:  # the whole page again, its fragments' timers set anew
+                self._drawing = {}
+                self.live_fragments = {}
+        elif kind == "auto_rerun":
+            self.live_fragments[message.auto_rerun.fragment_id] = message.auto_rerun.interval
+        elif kind == "stop_auto_rerun":
+            for fragment_id in message.stop_auto_rerun.fragment_ids:
+                self.live_fragments.pop(fragment_id, None)
         elif kind == "navigation":
             self.pages = {page.page_name: page.page_script_hash for page in message.navigation.app_pages}
         elif kind == "page_info_changed":
@@ -355,8 +405,9 @@ class StreamlitSession:
             self._file_urls[message.file_urls_response.response_id] = message
         elif kind == "delta" and message.delta.WhichOneof("type") == "new_element":
             path = tuple(message.metadata.delta_path)
-            shown = Shown(path, message.metadata.active_script_hash, message.delta.new_element)
+            shown = Shown(path, message.metadata.active_script_hash, message.delta.new_element, message.delta.fragment_id)
             self._drawing[path] = shown
+            self._drawn.add(path)
             state_id = getattr(shown.widget, "id", None)
             if state_id and (state_id not in self._widgets or getattr(shown.widget, "set_value", False)):
                 state = widget_value(shown.element)
@@ -367,10 +418,14 @@ class StreamlitSession:
         elif kind == "script_finished":
             if message.script_finished == COMPILE_ERROR:
                 self._failure = "the script did not compile"
-            elif message.script_finished == FINISHED:
+            elif message.script_finished in (FINISHED, FRAGMENT_FINISHED):
                 self._finish_run()
 
     def _finish_run(self) -> None:
+        # Like the frontend: a fragment's run replaces what that fragment drew before.
+        for path in [path for path, shown in self._drawing.items()
+                     if shown.fragment_id in self._fragment_run and path not in self._drawn]:
+            del self._drawing[path]
         elements = [self._drawing[path] for path in sorted(self._drawing)]
         self.page = Page(elements, self.page_script_hash)
         # Like the frontend: forget widgets no longer drawn, and cached messages unused for a while.

@@ -90,6 +90,36 @@ def test_rollout_discard_drops_smallest_weights_but_not_the_class_token_column()
     assert torch.allclose(result, mixed / mixed.sum(dim=-1, keepdim=True))
 
 
+def reference_discard(fused: torch.Tensor, ratio: float, protected: int) -> torch.Tensor:
+    """The share's smallest weights outside the protected columns zeroed, ties in reading order:
+    a stable sort of (weight, position), the long way round."""
+    tokens = fused.shape[-1]
+    flat = fused.flatten().tolist()
+    candidates = [index for index in range(tokens * tokens) if index % tokens >= protected]
+    count = min(int(tokens * tokens * ratio), len(candidates))
+    dropped = sorted(candidates, key=lambda index: (flat[index], index))[:count]
+    kept = fused.flatten().clone()
+    kept[dropped] = 0.0
+    return kept.reshape(tokens, tokens)
+
+
+@pytest.mark.parametrize("ratio, protected", [(0.3, 1), (0.9, 1), (0.5, 5), (0.99, 3)])
+def test_rollout_discard_drops_exactly_the_share_with_ties_in_reading_order(ratio, protected):
+    """float16 attention ties often: weights equal to the largest one dropped go row by row, so
+    that exactly the share goes, whichever device or implementation computes it."""
+    torch.manual_seed(0)
+    fused = (torch.rand(2, 12, 12) * 8).round() / 8  # nine values: every threshold is a tie
+    discarded = analysis._discard_smallest(fused, ratio, protected)
+    for image in range(2):
+        expected = reference_discard(fused[image], ratio, protected)
+        assert torch.equal(discarded[image], expected)
+    assert torch.equal(discarded[..., :protected], fused[..., :protected])
+    untied = torch.rand(1, 12, 12)  # no ties: exactly the weights topk picks as the smallest
+    smallest = untied[..., protected:].flatten().topk(min(72, 12 * (12 - protected)), largest=False).values
+    dropped = analysis._discard_smallest(untied, 0.5, protected)
+    assert torch.equal(untied[dropped == 0].sort().values, smallest.sort().values)
+
+
 def reference_rollout(attentions, head_fusion, start_layer=0):
     """Per image and layer, written the long way round."""
     results = []

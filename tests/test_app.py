@@ -6,6 +6,7 @@ last test runs the pages on the shipped model itself when it is there.
 import io
 import json
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -41,6 +42,11 @@ def tiny_default(tmp_path, monkeypatch):
     monkeypatch.setattr(uploads, "UPLOADS_DIR", tmp_path / "uploads")
     st.cache_data.clear()
     st.cache_resource.clear()
+    # What is quick from multiply-adds only, never from passes timed on a machine whose load varies
+    # (a tiny model's pass is mostly fixed costs: timed, its 480-pass comparison would not be quick).
+    # The tests of the timed rule bring their own record.
+    untimed = models.PassTimes(size=0)
+    monkeypatch.setattr(models, "pass_times", lambda: untimed)
     yield weights
     runs.run_manager().shutdown()
     st.cache_resource.clear()
@@ -459,6 +465,33 @@ def test_the_shipped_model_explores_offline(monkeypatch):
         assert errors(app) == [], page
 
 
+def test_what_is_quick_is_decided_from_the_shortest_pass_timed(monkeypatch):
+    times = models.PassTimes(size=2)
+    monkeypatch.setattr(models, "pass_times", lambda: times)
+    config = tiny_model().config
+    assert costs.is_quick(config, forwards=100)  # not timed yet: its multiply-adds say so
+    times.record(config, 0.1)
+    assert costs.is_quick(config) and not costs.is_quick(config, forwards=2)  # 0.2 s: more than QUICK_SECONDS
+    times.record(config.replace(image_size=(32, 32)), 1.0)  # the same shape timed on a busy moment
+    assert times.seconds(config) == 0.1 and costs.is_quick(config)  # the shortest is kept: nothing flips
+    times.record(config.replace(patch_size=2), 0.5)
+    times.record(config.replace(patch_size=8), 0.5)
+    assert times.seconds(config) is None  # bounded: the least recently recorded shape forgotten
+
+
+def test_a_page_times_its_capture_and_the_sweep_is_a_job_when_that_pass_is_slow(monkeypatch):
+    """The multiply-adds of the tiny model's sweep are quick; its pass timed on a server where no
+    pass is quick makes the sweep a job."""
+    times = models.PassTimes()
+    monkeypatch.setattr(models, "pass_times", lambda: times)
+    monkeypatch.setattr(costs, "QUICK_SECONDS", 0)
+    config = tiny_model().config
+    assert costs.is_quick(config, forwards=vx.sweep_cost(config))
+    app = open_app("views/knockout.py")
+    assert times.seconds(config) > 0  # the page's capture, timed
+    assert errors(app) == [] and [button.label for button in app.button if button.label == "Run the sweep"]
+
+
 def test_a_real_size_model_runs_only_what_the_view_shows(monkeypatch):
     """With a model too large for unasked work (the bar set to zero here), a view costs one
     forward pass; the all-patch-sizes comparison and the attribution wait to be asked for, and
@@ -483,13 +516,17 @@ def test_a_real_size_model_runs_only_what_the_view_shows(monkeypatch):
     app.switch_page("views/patches.py").run()
     compare = next(button for button in app.button if button.label.startswith("Compare all"))
     compare.click().run()
-    # Per patch size: a warm-up pass of this image, its timed passes and the held-out batch (this
-    # model's first comparison: nobody has timed it yet).
-    compared = sum(2 + planned.timed_passes for planned in costs.comparison_plan(tiny_model().config, held_out=True))
-    assert len(forwards) == 2 + compared
+    # Every patch size's passes and the held-out batches (this model's first comparison: nobody has
+    # timed it yet) run in a job's worker, beside the server.
+    deadline = time.monotonic() + 120
+    while "The same weights at every patch size" not in " ".join(figure_titles(app)):
+        assert time.monotonic() < deadline and not app.exception, [error.value for error in app.error]
+        time.sleep(0.5)
+        app.run()
+    assert len(forwards) == 2
     app.switch_page("views/pipeline.py").run()
     app.switch_page("views/patches.py").run()  # the comparison stays, without running again
-    assert len(forwards) == 2 + compared and not app.exception
+    assert len(forwards) == 2 and not app.exception
     assert title_matching(app, "^The same weights at every patch size")
     assert not any(button.label.startswith("Compare all") for button in app.button)
 

@@ -14,6 +14,7 @@ from vit_explorer import catalogue
 from vit_explorer.app import costs, memo, models, selection
 from vit_explorer.data import shapes_sample
 from test_app import errors, open_app, tiny_default, tiny_model, title_matching  # noqa: F401
+from test_knockout import assert_same_charts, charts, run_until
 
 HEADLESS = dict(num_classes=0, class_names=None)
 
@@ -202,10 +203,10 @@ def test_a_real_size_model_says_what_the_comparison_costs_before_it_runs(monkeyp
     assert compare.help.startswith(f"About {cost:.0f} forward passes")
     assert compare.label.endswith(" s)")  # the wait in seconds, from a pass timed on this server
     compare.click().run()
-    assert not app.exception
+    run_until(app, lambda app: len(app.dataframe) > 0)
     assert title_matching(app, "^The same weights at every patch size")
-    # Once the comparison is there, neither its button nor Stop is offered.
-    assert not [button.label for button in app.button if button.label == "Stop" or button.label.startswith("Compare all")]
+    # Once the comparison is there, neither its button nor Cancel is offered.
+    assert not [button.label for button in app.button if button.label == "Cancel" or button.label.startswith("Compare all")]
     # Another image: the button announces only its own passes (times and held-out accuracy are the model's).
     picture = io.BytesIO()
     shapes_sample(5, 32)[0].save(picture, format="PNG")
@@ -214,6 +215,37 @@ def test_a_real_size_model_says_what_the_comparison_costs_before_it_runs(monkeyp
     config = tiny_model().config
     cost = costs.patch_size_comparison_cost(config, timed=False)
     assert cost < costs.patch_size_comparison_cost(config) and compare.help.startswith(f"About {cost:.0f} forward passes")
+
+
+def test_a_heavy_comparison_is_a_job_that_draws_what_the_server_would(monkeypatch):
+    """Costed as a real-size model's, the comparison is asked for and computed beside the server:
+    its predictions, times and held-out accuracy land in memo under the keys of the comparison in
+    the server, and the page draws from them what it draws when it computes them itself."""
+    quick_cost = costs.QUICK_COST
+    monkeypatch.setattr(costs, "QUICK_COST", 1.0)
+    app = open_app("views/patches.py")
+    assert not app.dataframe and any("runs when you ask, beside the server" in caption.value for caption in app.caption)
+    calls = counting_forwards(monkeypatch)
+    next(button for button in app.button if button.label.startswith("Compare all")).click().run()
+    run_until(app, lambda app: len(app.dataframe) > 0)
+    assert calls == [] and errors(app) == [] and not app.get("progress")  # every pass in the worker
+    model = tiny_model()
+    accuracy = costs.held_out_accuracy_by_patch_size(model, costs.held_out_set(model.config))
+    rows = app.dataframe[0].value
+    assert list(rows["held-out accuracy"]) == pytest.approx([accuracy[patch] for patch in rows["patch size"]])
+    assert (rows["forward ms"] > 0).all()
+    # The page in the server, from the times and accuracy the job measured: the same figures.
+    drawn = charts(app)
+    kept = [("default", (32, 32), "forward ms by patch size"), ("default", "held-out accuracy by patch size")]
+    values = {key: memo.shared_results().get(key) for key in kept}
+    memo.shared_results().clear()
+    for key, value in values.items():
+        memo.memo(key, lambda value=value: value)
+    monkeypatch.setattr(costs, "QUICK_COST", quick_cost)
+    calls.clear()
+    inline = open_app("views/patches.py")
+    assert len(calls) == 1 + len(rows)  # the capture, then one untimed pass per patch size
+    assert_same_charts(charts(inline), drawn)
 
 
 # --- the model picker ------------------------------------------------------------------------

@@ -8,6 +8,7 @@ hand-made protobufs: what it takes for an error, a prediction and a widget's val
 """
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -65,6 +66,35 @@ def test_predictions_are_checked_against_the_servers_default_model(tmp_path):
     )
     assert result["errors"] == [] and result["mixups"] == [], printed[-3000:]
     assert result["predictions"] >= 2 and "the model other.safetensors" in printed
+
+
+def test_heavy_students_jobs_finish_beside_the_light_ones(tmp_path):
+    """One heavy student beside one light one, on a tiny model whose every timed pass counts as
+    slow (VIT_EXPLORER_QUICK_SECONDS=0), so that its work is jobs as a ViT-B/16's is: the light
+    class alone, then beside it, and the last line compares them and counts the heavy jobs."""
+    torch.manual_seed(0)
+    weights = tmp_path / "tiny.safetensors"
+    vx.save_model(vx.ViT(vx.ViTConfig(
+        image_size=32, patch_size=4, embed_dim=32, depth=2, num_heads=2, num_classes=10,
+    )), weights)
+    result, printed = small_class(
+        tmp_path, "--heavy", "1", "--heavy-think", "0.2,0.5", "--students", "1", "--duration", "15", "--pages", PAGES,
+        env={"VIT_EXPLORER_DEFAULT_MODEL": str(weights), "VIT_EXPLORER_QUICK_SECONDS": "0"},
+    )
+    report = printed[-4000:]
+    last = printed.strip().splitlines()[-1]
+    shape = re.fullmatch(
+        r"light p95 beside 1 heavy / alone: ([\d.]+) s / ([\d.]+) s = ([\d.]+)x; slider moves .+ = [\d.]+x;"
+        r" heavy 1: (\d+) finished / (\d+) cancelled / (\d+) lost, (\d+) errors", last,
+    )
+    assert shape, report
+    _, _, ratio, finished, _, lost, errors = shape.groups()
+    assert float(ratio) == pytest.approx(result["beside_heavy"]["p95"] / result["alone"]["p95"], abs=0.006)
+    assert int(finished) >= 1 and (lost, errors) == ("0", "0"), report
+    (heavy,) = result["heavy"]
+    assert heavy["inline"] == 0 and heavy["failed"] == 0, report  # every piece of work was a job
+    assert result["alone"]["errors"] == result["beside_heavy"]["errors"] == [], report
+    assert result["beside_heavy"]["mixups"] == [] and result["workers_ended"] == 0, report
 
 
 @pytest.mark.skipif(find_nginx() is None, reason="no nginx (apt-get install nginx)")

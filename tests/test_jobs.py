@@ -3,11 +3,13 @@ worker killed mid-job ends in a sentence; each with real worker processes."""
 import os
 import signal
 import time
+from dataclasses import astuple
 
 import pytest
 import torch
 
 import vit_explorer as vx
+from vit_explorer import patch_sizes
 from vit_explorer.jobs import JobBoard, JobLimits, JobRefused, JobSpec
 
 from helpers import tiny_config
@@ -62,6 +64,31 @@ def test_a_sweep_job_gives_the_sweep_computed_in_the_server(tmp_path, tiny):
     (got,), expected = board.result(spec.key), vx.head_sweep(model, x, "mean")
     assert (got.target, got.mode) == (expected.target, "mean")
     torch.testing.assert_close(got.values, expected.values, rtol=1e-4, atol=1e-5)
+
+
+def test_a_patch_sizes_job_gives_the_comparison_computed_in_the_server(tmp_path, tiny):
+    """Every patch size timed on the plan the server made, and the accuracy on a held-out batch:
+    the rows as the server's comparison gives them (times aside: each pass is timed where it runs)."""
+    model, path, x = tiny
+    config = model.config
+    plan = [patch_sizes.PlannedSize(patch, 2, 0, cost) for patch, cost in ((2, 4.0), (4, 1.0), (8, 0.5))]
+    held_out_plan = [patch_sizes.PlannedSize(patch, 0, 16, 1.0) for patch in (2, 4, 8)]
+    spec = JobSpec("patch sizes", {"path": str(path)}, config.patch_size, config.img_size, "image a", {
+        "forwards": 40.0, "plan": [astuple(planned) for planned in plan], "forward_ms": None, "image_share": 0.5,
+        "held_out": [16, 0], "held_out_plan": [astuple(planned) for planned in held_out_plan],
+    })
+    board = JobBoard(tmp_path / "jobs", limits())
+    assert board.submit(spec, x, config, "ann").forwards == 40.0
+    wait_for(board, spec.key, {"done"})
+    rows, accuracy = board.result(spec.key)
+    expected = patch_sizes.predictions(model, x, plan)
+    assert [row.keys() for row in rows] == [row.keys() for row in expected]
+    for row, reference in zip(rows, expected, strict=True):
+        assert row["forward ms"] > 0 and type(row["forward ms"]) is float
+        assert {**row, "forward ms": 0, "probability": 0} == {**reference, "forward ms": 0, "probability": 0}
+        assert row["probability"] == pytest.approx(reference["probability"], abs=1e-5)
+    dataset = patch_sizes.held_out_set(config, 16, 0)
+    assert accuracy == pytest.approx(patch_sizes.held_out_accuracy(model, dataset, held_out_plan))
 
 
 def test_the_cap_the_queue_and_one_waiting_per_owner(tmp_path, slow_model):

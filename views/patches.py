@@ -4,7 +4,7 @@ import streamlit as st
 from vit_explorer import analysis, figures
 from vit_explorer import dense_pca as dense
 from vit_explorer import image_set as sets
-from vit_explorer.app import costs, models, session
+from vit_explorer.app import costs, jobs, models, session
 from vit_explorer.app.memo import memo
 
 base = session.selection().base_model.config
@@ -55,28 +55,21 @@ st.write(
 )
 # Every patch size is a pass of this image, the first time for this model a warm-up and a few
 # timed passes (plus the held-out batch): for a real-size model that is dozens of forward passes'
-# worth, so it runs when asked.
+# worth, a job beside the server when asked for.
 cost = costs.comparison_cost(selection)
-rows = costs.compare_patch_sizes(selection, run=costs.is_quick(base, forwards=cost))
-if rows is None:
-    wait = costs.duration(cost * costs.forward_seconds(selection))
-    if st.session_state.get("stop_comparison"):
-        st.caption("Stopped: nothing of that comparison was kept.")
-    controls = st.empty()  # the buttons go once the comparison is there
-    if controls.container().button(
-        f"Compare all {len(options)} patch sizes (about {wait})",
-        help=f"About {cost:.0f} forward passes of this model at its own patch size.",
-    ):
-        with controls.container():
-            st.button("Stop", key="stop_comparison", help="Stops the comparison; you can start it again.")
-        rows = costs.compare_patch_sizes(selection)
-        controls.empty()
-    else:
+if costs.is_heavy(base, forwards=cost):
+    rows = costs.compare_patch_sizes(selection, run=False)
+    if rows is None:
+        wait = costs.duration(cost * costs.forward_seconds(selection))
         st.caption(
-            f"Running this image at all {len(options)} patch sizes costs about {cost:.0f} forward"
-            f" passes of this model (the first time, a warm-up pass then up to {costs.TIMED_PASSES}"
-            f" timed passes each), about {wait} on this server now, so it runs when you press the button."
+            f"Running this image at all {len(options)} patch sizes costs about {cost:.0f} forward passes of"
+            f" this model (the first time, a warm-up pass then up to {costs.TIMED_PASSES} timed passes each),"
+            f" about {wait} of this server's time, so it runs when you ask, beside the server, and then"
+            " serves everyone who looks at this image."
         )
+        rows = jobs.patch_size_job(selection, f"Compare all {len(options)} patch sizes (about {wait})")
+else:
+    rows = costs.compare_patch_sizes(selection)
 if rows is not None:
     if config.num_classes == 0:
         st.info(models.NO_CLASSIFIER.format(what="The prediction at each patch size"))

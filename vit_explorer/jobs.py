@@ -3,7 +3,8 @@ server of a machine shares, each run in a worker process of its own, followed th
 
 A job is a ``JobSpec``: what to compute (``kind``, one of ``KINDS``: the head sweep, a model's
 capture of one image for the Compare page, the tokens of several images in one batch, the head
-types and the register neurons over several images), the model (a checkpoint file
+types and the register neurons over several images, the Patches page's comparison of every patch
+size), the model (a checkpoint file
 or a catalogue name, at a patch size and input size), what the input is (``identity``, with the
 input tensor handed over at submission) and its settings. Its ``key`` hashes all of that, so a
 second person asking for the same result joins the job instead of starting another.
@@ -46,6 +47,7 @@ from .capture import Capture, capture, layer_attentions
 from .head_types import HeadTypes, attention_share, classify_heads_from_tokens, held_floats
 from .image_set import NormOutliers
 from .model import ViT
+from .patch_sizes import PlannedSize, held_out_accuracy, held_out_set, predictions
 from .runs import ordinal
 from .test_time_registers import SEARCH_PASSES, RegisterNeurons, find_register_neurons
 from .training_run import process_identity
@@ -191,6 +193,51 @@ def _decoded_register_neurons(arrays: dict) -> tuple[RegisterNeurons]:
     return (RegisterNeurons(torch.from_numpy(arrays["scores"]), outliers, layer, appears_at, images),)
 
 
+ROW_FIELDS = ("patch size", "grid", "tokens", "forward ms", "prediction", "probability")
+
+
+def _patch_sizes(model: ViT, x: torch.Tensor, settings: dict, progress: Callable[[float], None]) -> dict:
+    """The Patches page's comparison of every patch size (vit_explorer.patch_sizes), on the plans the
+    server made: the image's rows (``settings["forward_ms"]``: times measured before, as pairs), then
+    the held-out batch's accuracy where ``settings["held_out"]`` names it (images, start)."""
+    plan = [PlannedSize(*planned) for planned in settings["plan"]]
+    forward_ms = None if settings["forward_ms"] is None else {int(p): ms for p, ms in settings["forward_ms"]}
+    share = settings["image_share"]  # of the whole work, for one progress bar over both parts
+    rows = predictions(model, x, plan, lambda done, text: progress(share * done), forward_ms)
+    arrays = {f"rows.{name}": np.array([row[name] for row in rows]) for name in ROW_FIELDS if name in rows[0]}
+    if settings["held_out"] is not None:
+        held_out_plan = [PlannedSize(*planned) for planned in settings["held_out_plan"]]
+        accuracy = held_out_accuracy(
+            model, held_out_set(model.config, *settings["held_out"]), held_out_plan,
+            lambda done, text: progress(share + (1 - share) * done),
+        )
+        arrays.update({"held_out.patch size": np.array(list(accuracy)), "held_out.accuracy": np.array(list(accuracy.values()))})
+    return arrays
+
+
+def _decoded_patch_sizes(arrays: dict) -> tuple:
+    """(the rows as predictions() returns them,) and the held-out accuracy by patch size where computed."""
+    kinds = {"patch size": int, "grid": str, "tokens": int, "forward ms": float, "prediction": str, "probability": float}
+    names = [name for name in ROW_FIELDS if f"rows.{name}" in arrays]
+    rows = [
+        {name: kinds[name](arrays[f"rows.{name}"][index]) for name in names}
+        for index in range(len(arrays["rows.patch size"]))
+    ]
+    if "held_out.accuracy" not in arrays:
+        return (rows,)
+    return rows, {int(p): float(a) for p, a in zip(arrays["held_out.patch size"], arrays["held_out.accuracy"])}
+
+
+def _patch_sizes_memory(config, settings: dict) -> int:
+    """The largest pass (the held-out batch, else the image, at the finest patch size) and the
+    largest resampled patch kernel, in float32 and float64 while it is resampled."""
+    finest = min(planned[0] for planned in settings["plan"])
+    batch = settings["held_out"][0] if settings["held_out"] is not None else 1
+    largest = max(planned[0] for planned in settings["plan"])
+    kernel = 12 * config.in_chans * config.embed_dim * largest**2
+    return inference_memory(config.replace(patch_size=finest), batch) + kernel
+
+
 def _views_memory(config, settings: dict) -> int:
     """The capture's tokens kept, a layer's float32 attention and the drawn one's in float16, the
     rollout's N x N matrices (app.models.view_bytes' count)."""
@@ -237,6 +284,11 @@ KINDS = {
             (config.depth + 1) * config.num_tokens * config.embed_dim + config.num_tokens * config.mlp_hidden
         )),
         compute=_register_neurons, decode=_decoded_register_neurons,
+    ),
+    # Every patch size side by side (app.costs plans it and counts its forward passes).
+    "patch sizes": Kind(
+        forwards=lambda config, settings: settings["forwards"], memory=_patch_sizes_memory,
+        compute=_patch_sizes, decode=_decoded_patch_sizes,
     ),
 }
 

@@ -3,26 +3,31 @@ view does unasked (``is_quick``), and the plan the Patches page's every-size com
 counts, times and summarises, once per model for everybody where it does not depend on the image."""
 from __future__ import annotations
 
-import statistics
-import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Sequence
+from dataclasses import replace
 
 import streamlit as st
-import torch
 from PIL import Image
 
-from ..data import SHAPE_CLASSES, SHAPES_TEST_SEED, ImageDataset, shapes_dataset
+from .. import patch_sizes
+from ..admission import environment_number
+from ..data import SHAPE_CLASSES, ImageDataset
 from ..images import preprocess
 from ..model import ViT
-from ..weights import resize_model
+from ..patch_sizes import PlannedSize, Progress
 from . import models
 from .images import SHAPE_SAMPLES
 from .memo import memo, shared_results
 from .selection import Selection
 
-# Work a view does unasked: about 3 forward passes of a ViT-S/16 at 224 (multiply-adds).
+# Work a view does unasked: about 3 forward passes of a ViT-S/16 at 224, in multiply-adds (the
+# estimate before any pass of the model at that size has been timed) and in seconds (once one has:
+# models.pass_times). QUICK_COST's 13e9 multiply-adds took 0.12 s on the 2-core machine: a ViT-S/16
+# at 224 is 4.6e9 in 42 ms (a plain pass, median of 9, quiet, torch 2.14, 2026-11-25); a server
+# with faster cores or a GPU then does more unasked, a slower one less.
+# VIT_EXPLORER_QUICK_SECONDS sets the time (0: nothing once timed is quick).
 QUICK_COST = 13e9
+QUICK_SECONDS = environment_number("VIT_EXPLORER_QUICK_SECONDS", 0.12, float, minimum=0)
 # Held-out images per patch size on the Patches page: the shipped model's comparison at all its
 # patch sizes then stays within QUICK_COST (and is computed once per model for everybody).
 HELD_OUT_IMAGES = 128
@@ -41,7 +46,12 @@ def forward_cost(config, patch_size: int | None = None) -> float:
 
 
 def is_quick(config, forwards: float = 1.0) -> bool:
-    """Whether ``forwards`` forward passes of this model are cheap enough to run unasked."""
+    """Whether ``forwards`` forward passes of this model (``config``: at its patch and input size)
+    are cheap enough to run unasked: from the shortest pass of it timed on this server, else from
+    its multiply-adds."""
+    seconds = models.pass_times().seconds(config)
+    if seconds is not None:
+        return forwards * seconds <= QUICK_SECONDS
     return forwards * forward_cost(config) <= QUICK_COST
 
 
@@ -68,20 +78,11 @@ EXPENSIVE_PASS = 2.0
 BLOCK_OVERHEAD = 3e6
 
 
-@dataclass(frozen=True)
-class PlannedSize:
-    """One patch size's share of the comparison: what ``predictions_by_patch_size`` and
-    ``held_out_accuracy_by_patch_size`` run at it, and what ``comparison_cost`` counts."""
-
-    patch_size: int
-    timed_passes: int  # after one warm-up pass of the image; 0: one untimed pass (already timed)
-    held_out_images: int  # 0: no held-out batch
-
-
 def comparison_plan(config, held_out: bool = False, timed: bool = True) -> list[PlannedSize]:
-    """``timed``: whether the forward times are measured now (nobody has for this model and size)."""
+    """What the comparison runs at each patch size (and each size's cost: :func:`size_cost`).
+    ``timed``: whether the forward times are measured now (nobody has for this model and size)."""
     native = pass_cost(config)
-    return [
+    plan = [
         PlannedSize(
             patch,
             0 if not timed else 1 if pass_cost(config, patch) > EXPENSIVE_PASS * native else TIMED_PASSES,
@@ -89,6 +90,7 @@ def comparison_plan(config, held_out: bool = False, timed: bool = True) -> list[
         )
         for patch in models.patch_size_options(config)
     ]
+    return [replace(planned, cost=size_cost(config, planned)) for planned in plan]
 
 
 def pass_cost(config, patch_size: int | None = None, images: int = 1) -> float:
@@ -118,82 +120,17 @@ def size_cost(config, planned: PlannedSize) -> float:
 def patch_size_comparison_cost(config, held_out: bool = False, timed: bool = True) -> float:
     """What trying every patch size costs, in forward passes of the model at its own size, from
     the plan the comparison runs (:func:`comparison_plan`)."""
-    plan = comparison_plan(config, held_out, timed)
-    return sum(size_cost(config, planned) for planned in plan) / pass_cost(config)
-
-
-def _median_forward(model: ViT, x: torch.Tensor, passes: int, warm_up: bool = True) -> tuple[torch.Tensor, float]:
-    """(class scores or features of the first image, milliseconds): a warm-up pass (allocations,
-    first-call work), then the median of ``passes`` timed passes."""
-    times = []
-    with torch.no_grad():
-        output = model(x) if warm_up else None
-        for _ in range(passes):
-            started = time.perf_counter()
-            output = model(x)
-            if x.is_cuda:
-                torch.cuda.synchronize()  # the pass has run, not only been queued
-            times.append(time.perf_counter() - started)
-    return output[0].float().cpu(), 1000 * statistics.median(times)
-
-
-# progress(fraction done, what runs now); it may raise to stop the comparison.
-Progress = Callable[[float, str], None]
-
-
-def _each_size(config, held_out: bool, progress: Progress | None, what: str, timed: bool = True):
-    """The comparison plan's sizes, reporting before each the share of the work done so far."""
-    plan = comparison_plan(config, held_out, timed)
-    costs = [size_cost(config, planned) for planned in plan]
-    for index, planned in enumerate(plan):
-        if progress is not None:
-            tokens = models.token_count(config, planned.patch_size)
-            progress(
-                sum(costs[:index]) / sum(costs),
-                f"{what} patch {planned.patch_size} ({tokens} tokens), {index + 1} of {len(plan)} ...",
-            )
-        yield planned
-    if progress is not None:
-        progress(1.0, "Done.")
+    return sum(planned.cost for planned in comparison_plan(config, held_out, timed)) / pass_cost(config)
 
 
 def predictions_by_patch_size(
     model: ViT, image: Image.Image, progress: Progress | None = None, forward_ms: dict[int, float] | None = None
 ) -> list[dict]:
-    """Per allowed patch size: grid, tokens, the forward time (a warm-up pass, then the median of
-    the plan's timed passes) and, for a model with classes, the image's top-1 prediction.
-    ``forward_ms`` (patch size -> milliseconds) are times measured before for this model and input
-    size: then each size runs the image once, untimed. Each size runs on the model resized to it
-    once (FlexiViT PI-resize), so the time is the transformer's at that size, not the kernel's
-    resampling; the shared model is unchanged."""
-    config = model.config
-    names = config.class_names
-    x = preprocess(image, config).to(models.DEVICE)
-    timed = forward_ms is None
-    rows = []
-    for planned in _each_size(config, False, progress, "Timing" if timed else "Running", timed):
-        patch = planned.patch_size
-        resized = model if patch == config.patch_size else resize_model(model, patch_size=patch, share_weights=True).eval()
-        if timed:
-            output, milliseconds = _median_forward(resized, x, planned.timed_passes)
-        else:
-            with torch.no_grad():
-                output, milliseconds = resized(x)[0].float().cpu(), forward_ms[patch]
-        del resized  # a large patch's kernel is hundreds of MB: gone before the next size
-        grid_h, grid_w = model.grid_size(patch)
-        row = {
-            "patch size": patch,
-            "grid": f"{grid_h}x{grid_w}",
-            "tokens": config.num_prefix_tokens + grid_h * grid_w,
-            "forward ms": milliseconds,
-        }
-        if config.num_classes:
-            probabilities = output.softmax(dim=-1)
-            best = int(probabilities.argmax())
-            row["prediction"] = names[best] if names else f"class {best}"
-            row["probability"] = float(probabilities[best])
-        rows.append(row)
-    return rows
+    """:func:`vit_explorer.patch_sizes.predictions` of ``image`` on the comparison's plan: per
+    allowed patch size, grid, tokens, the forward time (or ``forward_ms``'s, measured before for
+    this model and input size: then each size runs once, untimed) and the top-1 prediction."""
+    x = preprocess(image, model.config).to(models.DEVICE)
+    return patch_sizes.predictions(model, x, comparison_plan(model.config, timed=forward_ms is None), progress, forward_ms)
 
 
 def has_held_out(config) -> bool:
@@ -205,24 +142,14 @@ def has_held_out(config) -> bool:
 def held_out_set(config) -> ImageDataset:
     """A batch of the shapes test stream at the model's input size."""
     # Past the sample pictures of the sidebar, which come from the start of the same test stream.
-    return shapes_dataset(HELD_OUT_IMAGES, config.img_size, SHAPES_TEST_SEED, "test", start=SHAPE_SAMPLES)
+    return patch_sizes.held_out_set(config, HELD_OUT_IMAGES, SHAPE_SAMPLES)
 
 
 def held_out_accuracy_by_patch_size(
     model: ViT, dataset: ImageDataset, progress: Progress | None = None
 ) -> dict[int, float]:
-    """Patch size -> accuracy of the model on ``dataset`` at that size (one batch per size)."""
-    config = model.config
-    mean = torch.tensor(config.mean, device=models.DEVICE).view(1, -1, 1, 1)
-    std = torch.tensor(config.std, device=models.DEVICE).view(1, -1, 1, 1)
-    images = (dataset.images.to(models.DEVICE).float() / 255 - mean) / std
-    labels = dataset.labels.to(models.DEVICE)
-    accuracy = {}
-    for planned in _each_size(config, True, progress, f"Testing on {len(dataset)} held-out images:"):
-        with torch.no_grad():
-            predicted = model(images, patch_size=planned.patch_size).argmax(dim=-1)
-        accuracy[planned.patch_size] = float((predicted == labels).float().mean())
-    return accuracy
+    """Patch size -> accuracy of the model on ``dataset`` at each allowed size (one batch per size)."""
+    return patch_sizes.held_out_accuracy(model, dataset, comparison_plan(model.config, held_out=True), progress)
 
 
 def duration(seconds: float) -> str:
@@ -288,8 +215,8 @@ def comparison_cost(selection: Selection) -> float:
     """What ``compare_patch_sizes`` would compute now, in forward passes (the forward times and
     the held-out accuracy are per model, so they count only until somebody has computed them)."""
     config = selection.base_model.config
-    held_out = has_held_out(config) and _held_out_key(selection) not in shared_results()
-    return patch_size_comparison_cost(config, held_out=held_out, timed=_forward_ms_key(selection) not in shared_results())
+    held_out = has_held_out(config) and held_out_key(selection) not in shared_results()
+    return patch_size_comparison_cost(config, held_out=held_out, timed=forward_ms_key(selection) not in shared_results())
 
 
 def forward_seconds(selection: Selection) -> float:
@@ -302,33 +229,38 @@ def forward_seconds(selection: Selection) -> float:
     model = selection.base_model
     native = replace(selection, patch_size=model.config.patch_size, model=model)
     key = (selection.model_key, selection.config.img_size, "forward seconds")
-    return memo(key, lambda: native.capture_seconds() or _median_forward(
+    return memo(key, lambda: native.capture_seconds() or patch_sizes.median_forward(
         model, selection.model_input().to(models.DEVICE), TIMED_PASSES, warm_up=False
     )[1] / 1000)
 
 
-def _held_out_key(selection: Selection) -> tuple:
+def held_out_key(selection: Selection) -> tuple:
     return (selection.model_key, "held-out accuracy by patch size")
 
 
-def _forward_ms_key(selection: Selection) -> tuple:
+def forward_ms_key(selection: Selection) -> tuple:
     return (selection.model_key, selection.config.img_size, "forward ms by patch size")
+
+
+def rows_key(selection: Selection) -> tuple:
+    return (selection.model_key, selection.config.img_size, selection.image_key, "predictions by patch size")
 
 
 def compare_patch_sizes(selection: Selection, run: bool = True) -> list[dict] | None:
     """Per allowed patch size: tokens, forward time and (with classes) the top-1 prediction of
     the selected image, and the accuracy on a held-out batch ("held-out accuracy") where the
-    model's dataset has one. Runs under a progress bar; a stopped run leaves nothing cached.
+    model's dataset has one. Runs under a progress bar.
 
-    With ``run=False`` only what somebody already computed for this model and image, or None.
+    With ``run=False`` only what somebody already computed for this model and image (here or in
+    a job: :func:`patch_size_job`), or None.
     """
-    key = (selection.model_key, selection.config.img_size, selection.image_key, "predictions by patch size")
+    key = rows_key(selection)
     if not run and key not in shared_results():
         return None
     model = selection.base_model
     config = model.config
     held_out = has_held_out(config)
-    forward_ms = shared_results().get(_forward_ms_key(selection))  # None: nobody has timed them yet
+    forward_ms = shared_results().get(forward_ms_key(selection))  # None: nobody has timed them yet
     # One bar over both parts, each advancing by its share of the plan's cost.
     image_share = patch_size_comparison_cost(config, timed=forward_ms is None) / max(comparison_cost(selection), 1e-9)
     slot = st.empty()
@@ -338,9 +270,11 @@ def compare_patch_sizes(selection: Selection, run: bool = True) -> list[dict] | 
 
     rows = memo(key, lambda: predictions_by_patch_size(model, selection.image, report(0.0, image_share), forward_ms))
     if forward_ms is None:  # these rows timed every size: the times of later images
-        memo(_forward_ms_key(selection), lambda: {row["patch size"]: row["forward ms"] for row in rows})
+        memo(forward_ms_key(selection), lambda: {row["patch size"]: row["forward ms"] for row in rows})
+        for row in rows:  # plain passes at every size: what is quick at each (is_quick)
+            models.pass_times().record(config.replace(patch_size=row["patch size"]), row["forward ms"] / 1000)
     if held_out:
-        accuracy = memo(_held_out_key(selection), lambda: held_out_accuracy_by_patch_size(
+        accuracy = memo(held_out_key(selection), lambda: held_out_accuracy_by_patch_size(
             model, held_out_set(config), report(image_share, 1 - image_share)
         ))
         rows = [{**row, "held-out accuracy": accuracy[row["patch size"]]} for row in rows]

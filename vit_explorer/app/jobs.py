@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import astuple, replace
 from pathlib import Path
 
 import streamlit as st
@@ -18,6 +19,7 @@ from ..head_types import HeadTypes
 from ..jobs import JobBoard, JobRefused, JobSpec, JobStatus
 from ..test_time_registers import RegisterNeurons
 from . import costs, models, runs
+from .images import SHAPE_SAMPLES
 from .memo import memo, shared_results
 from .selection import ImageSet, Selection
 
@@ -52,7 +54,7 @@ def head_sweep(selection: Selection, mode: str, ask: bool = False) -> HeadSweep 
     ``ask``: the job is asked for at once, once in this session (a page that poses a question while
     it computes); asked before, then withdrawn or failed, it waits for the button again."""
     key = (*selection.key, "head sweep", mode)
-    values = _as_job(selection, _spec(selection, "head sweep", mode=mode), (key,), "Run the sweep", ask=ask)
+    values = as_job(selection, job_spec(selection, "head sweep", mode=mode), (key,), "Run the sweep", ask=ask)
     return None if values is None else values[0]
 
 
@@ -66,7 +68,7 @@ def views(selection: Selection, layer: int, label: str) -> Capture | None:
         (*selection.key, "capture"), (*selection.key, "rollout", "mean", 0.0, None),
         (*selection.key, "attention", layer, None),
     )
-    values = _as_job(selection, _spec(selection, "views", layer=layer), keys, label)
+    values = as_job(selection, job_spec(selection, "views", layer=layer), keys, label)
     return None if values is None else values[0]
 
 
@@ -76,9 +78,9 @@ def image_tokens(image_set: ImageSet, label: str) -> bool:
     what to do or how it goes is drawn in their place)."""
     unread = image_set.unread()
     identity = "\n".join(image_set.image_keys[index] for index in unread)
-    spec = _spec(image_set.selection, "tokens", identity, images=len(unread))
+    spec = job_spec(image_set.selection, "tokens", identity, images=len(unread))
     keys = tuple(image_set.tokens_key(index) for index in unread)
-    return _as_job(image_set.selection, spec, keys, label, image_set.model_input()[unread]) is not None
+    return as_job(image_set.selection, spec, keys, label, image_set.model_input()[unread]) is not None
 
 
 def head_types(image_set: ImageSet, label: str) -> HeadTypes | None:
@@ -90,11 +92,11 @@ def head_types(image_set: ImageSet, label: str) -> HeadTypes | None:
     if found is not None:
         return found
     unread = image_set.unread()
-    spec = _spec(
+    spec = job_spec(
         image_set.selection, "head types", "\n".join(image_set.image_keys), images=len(image_set.image_keys), kept=unread,
     )
     keys = (*(image_set.tokens_key(index) for index in unread), (*image_set.key, "head types"))
-    values = _as_job(image_set.selection, spec, keys, label, image_set.model_input())
+    values = as_job(image_set.selection, spec, keys, label, image_set.model_input())
     return None if values is None else values[-1]
 
 
@@ -103,12 +105,36 @@ def register_neurons(selection: Selection, layer: int, k: float, last: int | Non
     whose search over them is heavy: the neurons once found (for anybody), else None, with what to
     do or how it goes drawn in their place."""
     x = selection.with_photos()
-    spec = _spec(selection, "register neurons", layer=layer, k=k, last=last, images=len(x))
-    values = _as_job(selection, spec, ((*selection.key, "register neurons", layer, k, True, last),), label, x)
+    spec = job_spec(selection, "register neurons", layer=layer, k=k, last=last, images=len(x))
+    values = as_job(selection, spec, ((*selection.key, "register neurons", layer, k, True, last),), label, x)
     return None if values is None else values[0]
 
 
-def _spec(selection: Selection, kind: str, identity: str | None = None, **settings) -> JobSpec:
+def patch_size_job(selection: Selection, label: str) -> list[dict] | None:
+    """:func:`costs.compare_patch_sizes` as a job (vit_explorer.jobs' "patch sizes", on the plan made
+    here), for a model whose comparison is heavy: its rows and held-out accuracy go into memo under
+    the keys the comparison in the server uses. The rows once they are there (for anybody), else
+    None, with the button ``label`` to ask for them or how the job goes drawn in their place."""
+    config = selection.base_model.config
+    native = replace(selection, patch_size=config.patch_size, model=selection.base_model)
+    forward_ms = shared_results().get(costs.forward_ms_key(selection))
+    held_out = costs.has_held_out(config) and costs.held_out_key(selection) not in shared_results()
+    cost = costs.comparison_cost(selection)
+    spec = job_spec(
+        native, "patch sizes", forwards=cost,
+        plan=[astuple(planned) for planned in costs.comparison_plan(config, timed=forward_ms is None)],
+        forward_ms=None if forward_ms is None else sorted(forward_ms.items()),
+        image_share=costs.patch_size_comparison_cost(config, timed=forward_ms is None) / max(cost, 1e-9),
+        held_out=[costs.HELD_OUT_IMAGES, SHAPE_SAMPLES] if held_out else None,
+        held_out_plan=[astuple(planned) for planned in costs.comparison_plan(config, held_out=True)] if held_out else None,
+    )
+    keys = (costs.rows_key(selection), *([costs.held_out_key(selection)] if held_out else []))
+    if as_job(native, spec, keys, label) is None:
+        return None
+    return costs.compare_patch_sizes(selection, run=False)
+
+
+def job_spec(selection: Selection, kind: str, identity: str | None = None, **settings) -> JobSpec:
     """``kind`` on ``selection``'s model at its sizes, for its image unless ``identity`` says what
     the input is."""
     return JobSpec(
@@ -117,7 +143,7 @@ def _spec(selection: Selection, kind: str, identity: str | None = None, **settin
     )
 
 
-def _as_job(
+def as_job(
     selection: Selection, spec: JobSpec, keys: tuple[tuple, ...], label: str, x: torch.Tensor | None = None,
     ask: bool = False,
 ) -> tuple | None:

@@ -79,6 +79,7 @@ class Selection:
         captured = capture(self.model, self.model_input(), layers=self._kept_layers(), attention_dtype=torch.float16)
         seconds = time.perf_counter() - started  # the tensors are on the CPU: the pass has run
         self.memo("capture seconds", compute=lambda: seconds)
+        models.pass_times().record(self.config, seconds)  # what is quick at this size (costs.is_quick)
         return captured
 
     def capture_seconds(self) -> float | None:
