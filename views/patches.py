@@ -55,9 +55,11 @@ st.write(
 )
 # Every patch size is a pass of this image, the first time for this model a warm-up and a few
 # timed passes (plus the held-out batch): for a real-size model that is dozens of forward passes'
-# worth, a job beside the server when asked for.
+# worth, a job beside the server when asked for. Counted in multiply-adds, not in timed passes:
+# most of a small model's comparison is its held-out batches, and a batch of 128 shares the fixed
+# costs that make up most of one image's pass (the shipped model's: 0.3 s, 483 single passes' worth).
 cost = costs.comparison_cost(selection)
-if costs.is_heavy(base, forwards=cost):
+if costs.is_heavy(base, forwards=cost, timed=False):
     rows = costs.compare_patch_sizes(selection, run=False)
     if rows is None:
         wait = costs.duration(cost * costs.forward_seconds(selection))

@@ -45,11 +45,12 @@ def forward_cost(config, patch_size: int | None = None) -> float:
     return embedding + config.depth * (tokens * per_token + 2 * tokens * tokens * dim)
 
 
-def is_quick(config, forwards: float = 1.0) -> bool:
+def is_quick(config, forwards: float = 1.0, timed: bool = True) -> bool:
     """Whether ``forwards`` forward passes of this model (``config``: at its patch and input size)
-    are cheap enough to run unasked: from the shortest pass of it timed on this server, else from
-    its multiply-adds."""
-    seconds = models.pass_times().seconds(config)
+    are cheap enough to run unasked: from the shortest pass of it timed on this server, else (or
+    with ``timed`` False: work whose passes are batches, which one image's pass does not time)
+    from its multiply-adds."""
+    seconds = models.pass_times().seconds(config) if timed else None
     if seconds is not None:
         return forwards * seconds <= QUICK_SECONDS
     return forwards * forward_cost(config) <= QUICK_COST
@@ -60,9 +61,9 @@ def is_quick(config, forwards: float = 1.0) -> bool:
 HEAVY_FORWARDS = 3
 
 
-def is_heavy(config, forwards: float) -> bool:
+def is_heavy(config, forwards: float, timed: bool = True) -> bool:
     """Whether work of ``forwards`` forward passes is a job: more than a few, and not quick."""
-    return forwards > HEAVY_FORWARDS and not is_quick(config, forwards)
+    return forwards > HEAVY_FORWARDS and not is_quick(config, forwards, timed)
 
 
 # --- every patch size side by side ---------------------------------------------------------------
