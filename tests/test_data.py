@@ -29,6 +29,16 @@ def test_shapes_streams_differ_by_seed_and_split():
     assert (train.float() - other.float()).abs().mean() > 20
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_shapes_render_on_cuda_as_on_the_cpu():
+    # A run on a GPU renders its data there: the same images, up to a pixel value's rounding.
+    on_cpu, labels = data.render_shapes(torch.arange(64), 32, seed=2)
+    on_gpu, gpu_labels = data.render_shapes(torch.arange(64, device="cuda"), 32, seed=2)
+    assert on_gpu.is_cuda and torch.equal(gpu_labels.cpu(), labels)
+    difference = (on_gpu.cpu().int() - on_cpu.int()).abs()
+    assert difference.max() <= 1 and (difference > 0).float().mean() < 0.01
+
+
 @pytest.mark.parametrize("size", [32, (24, 40), 64])
 def test_shapes_rendering_shape_dtype_and_balance(size):
     images, labels = data.render_shapes(torch.arange(96), size)

@@ -87,7 +87,7 @@ def _splitmix(x: torch.Tensor) -> torch.Tensor:
 
 
 def _sample_keys(indices: torch.Tensor, seed: int, split: str) -> torch.Tensor:
-    stream = _splitmix(torch.tensor([seed * 2 + (split == "test")], dtype=torch.int64))
+    stream = _splitmix(torch.tensor([seed * 2 + (split == "test")], dtype=torch.int64, device=indices.device))
     return _splitmix(stream + indices.to(torch.int64) * _GOLDEN)  # (B,)
 
 
