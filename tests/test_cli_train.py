@@ -132,7 +132,8 @@ def _free_port() -> int:
 
 @pytest.mark.parametrize("flexi", [[], ["--patch-sizes", "2,4,8"]], ids=["plain", "flexivit"])
 def test_data_parallel_under_torchrun(tmp_path, flexi):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    path = os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))  # the suite's packages too
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
         f"--master_port={_free_port()}", "-m", "vit_explorer", "train", "--epochs", "2",

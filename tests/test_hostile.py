@@ -430,7 +430,8 @@ def outcomes(tmp_path_factory):
     listing = root / "cases.json"
     listing.write_text(json.dumps([[name, str(path)] for name, (path, _) in cases.items()]))
     repository = Path(__file__).resolve().parent.parent
-    environment = {**os.environ, "PYTHONPATH": str(repository)}
+    # The repository first, then whatever else the suite's own interpreter finds its packages by.
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(repository), os.environ.get("PYTHONPATH"))))}
     child = subprocess.Popen(
         [sys.executable, "-c", CHILD, str(listing)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment, cwd=root,

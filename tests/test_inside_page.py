@@ -94,7 +94,7 @@ def test_a_view_costs_one_capture_and_one_block_and_widgets_reuse_them(monkeypat
 def test_the_scale_control_changes_only_its_own_charts():
     app = open_app(PAGE)
     model = models.base_model(models.DEFAULT_MODEL)
-    x = torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(0)).to(next(model.parameters()).device)
     with torch.no_grad():
         before = model(x)
     shown = figures_by_title(app)

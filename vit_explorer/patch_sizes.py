@@ -72,6 +72,7 @@ def predictions(
     config = model.config
     names = config.class_names
     timed = forward_ms is None
+    x = x.to(next(model.parameters()).device)
     rows = []
     for planned in _each_size(model, plan, progress, "Timing" if timed else "Running"):
         patch = planned.patch_size

@@ -130,7 +130,7 @@ def predictions_by_patch_size(
     """:func:`vit_explorer.patch_sizes.predictions` of ``image`` on the comparison's plan: per
     allowed patch size, grid, tokens, the forward time (or ``forward_ms``'s, measured before for
     this model and input size: then each size runs once, untimed) and the top-1 prediction."""
-    x = preprocess(image, model.config).to(models.DEVICE)
+    x = preprocess(image, model.config)
     return patch_sizes.predictions(model, x, comparison_plan(model.config, timed=forward_ms is None), progress, forward_ms)
 
 
@@ -231,7 +231,7 @@ def forward_seconds(selection: Selection) -> float:
     native = replace(selection, patch_size=model.config.patch_size, model=model)
     key = (selection.model_key, selection.config.img_size, "forward seconds")
     return memo(key, lambda: native.capture_seconds() or patch_sizes.median_forward(
-        model, selection.model_input().to(models.DEVICE), TIMED_PASSES, warm_up=False
+        model, selection.model_input().to(next(model.parameters()).device), TIMED_PASSES, warm_up=False
     )[1] / 1000)
 
 
