@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Every check that needs a CUDA GPU, in one run of about 8 minutes (a lent GPU machine's time is
-# short): the CUDA tests, bench.inference and bench.train on the GPU, the app's pages on the GPU
-# (bench.app_latency --device cuda), then the whole suite with the app's model on the GPU.
+# Every check that needs a CUDA GPU (a lent GPU machine's time is short): the CUDA tests,
+# bench.inference and bench.train on the GPU (about 3 minutes with the machine's start), the app's
+# pages on the GPU (bench.app_latency --device cuda) beside the whole suite with the app's model on
+# the GPU (about 7 minutes more on an H100 machine's 16 cores: give the suite a call of its own).
 # Each step's log goes to $OUT (default /tmp/cuda-checks); a step past its time limit is ended and
 # the next one runs. Name steps to run only those.
 #
@@ -38,7 +39,8 @@ step train 120 $python -m bench.train --device cuda --batch-size 512 --rounds 15
 # The app's pages on the GPU, beside the whole suite (its model on the GPU too: app.models.DEVICE);
 # the browser, replicas and load tests need what this machine lacks and are left out.
 step app_latency 200 $python -m bench.app_latency --device cuda --rounds 1 &
-step suite 330 $python -m pytest -v -p no:cacheprovider -n 12 --timeout 150 --tb=short -rfE \
+# Each worker at 2 threads: 12 workers of 16 threads each starved the training runs (at nice 15).
+OMP_NUM_THREADS=2 step suite 420 $python -m pytest -v -p no:cacheprovider -n 8 --timeout 200 --tb=short -rfE \
     --ignore tests/test_browser.py --ignore tests/test_replicas.py --ignore tests/test_class_load.py \
     --ignore tests/test_app_load.py --ignore tests/test_server_cpu.py --junitxml "$out/suite.xml"
 wait
