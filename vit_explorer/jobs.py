@@ -48,6 +48,7 @@ from .head_types import HeadTypes, attention_share, classify_heads_from_tokens, 
 from .image_set import NormOutliers
 from .model import ViT
 from .patch_sizes import PlannedSize, held_out_accuracy, held_out_set, predictions
+from .priority import run_below_the_servers
 from .runs import ordinal
 from .test_time_registers import SEARCH_PASSES, RegisterNeurons, find_register_neurons
 from .training_run import process_identity
@@ -601,8 +602,7 @@ def _work(folder: str) -> None:
     """A worker's whole life: load the model, compute, report progress, write the result or why
     not. Nothing it does reaches a server but its files."""
     folder = Path(folder)
-    with contextlib.suppress(OSError):
-        os.nice(max(0, 15 - os.nice(0)))  # well below the servers (a worker started by a worker is there)
+    run_below_the_servers()
     inherited = resource.getrlimit(resource.RLIMIT_DATA)
     record = json.loads((folder / "record.json").read_text())
     torch.set_num_threads(record["threads"])

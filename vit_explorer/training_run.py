@@ -26,6 +26,7 @@ import torch
 
 from .admission import limit_memory, memory_status
 from .config import TrainConfig
+from .priority import run_below_the_servers
 from .train import (
     DoneEvent, EpochEvent, Event, SnapshotEvent, StepEvent, TrainingError, check_run_name, checkpoint_paths,
     resolve_device, saved_history, saved_run, train,
@@ -209,10 +210,7 @@ def _train_in_child(spec_json: str) -> None:
     """A run process's whole life: train, append every event to the run's events file, end with
     an "end" line. It reports to no one in particular, so it outlives the server that started it."""
     spec = json.loads(spec_json)
-    with contextlib.suppress(OSError):
-        # Well below the server: on a small machine the people browsing come first and the run
-        # takes what they leave (at nice 5 eight sessions beside one run stalled the app).
-        os.nice(15)
+    run_below_the_servers()
     torch.set_num_threads(spec["threads"])
     config = TrainConfig.from_json(spec["config"])
     memory_limit = spec["memory_limit"]
