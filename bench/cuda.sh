@@ -39,7 +39,8 @@ step train 120 $python -m bench.train --device cuda --batch-size 512 --rounds 15
 # The app's pages on the GPU, beside the whole suite (its model on the GPU too: app.models.DEVICE);
 # the browser, replicas and load tests need what this machine lacks and are left out.
 step app_latency 200 $python -m bench.app_latency --device cuda --rounds 1 &
-# Each worker at 2 threads: 12 workers of 16 threads each starved the training runs (at nice 15).
+# Each worker at 2 threads (pytest-xdist is on the GPU image): with 12 workers of 16 threads each on
+# 16 cores, two app tests' training runs (at nice 15) did not finish in time, likely starved.
 OMP_NUM_THREADS=2 step suite 420 $python -m pytest -v -p no:cacheprovider -n 8 --timeout 200 --tb=short -rfE \
     --ignore tests/test_browser.py --ignore tests/test_replicas.py --ignore tests/test_class_load.py \
     --ignore tests/test_app_load.py --ignore tests/test_server_cpu.py --junitxml "$out/suite.xml"
