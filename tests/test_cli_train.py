@@ -3,18 +3,17 @@ import os
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 import vit_explorer as vx
 from vit_explorer.cli import main
+from vit_explorer.resources import child_python_path
 from vit_explorer.train import load_history
 
 TINY = ["--no-augment", "--image-size", "16", "--embed-dim", "32", "--depth", "2", "--heads", "4",
         "--train-size", "64", "--test-size", "40", "--batch-size", "16", "--device", "cpu"]
-REPO = Path(__file__).resolve().parent.parent
 
 
 def test_train_then_evaluate(tmp_path, capsys):
@@ -132,8 +131,7 @@ def _free_port() -> int:
 
 @pytest.mark.parametrize("flexi", [[], ["--patch-sizes", "2,4,8"]], ids=["plain", "flexivit"])
 def test_data_parallel_under_torchrun(tmp_path, flexi):
-    path = os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))  # the suite's packages too
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": child_python_path()}
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
         f"--master_port={_free_port()}", "-m", "vit_explorer", "train", "--epochs", "2",

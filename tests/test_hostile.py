@@ -25,6 +25,7 @@ import torch
 from safetensors.torch import save_file
 
 import vit_explorer as vx
+from vit_explorer.resources import child_python_path
 from vit_explorer.weights import CONFIG_KEY
 
 from helpers import randomize
@@ -429,9 +430,7 @@ def outcomes(tmp_path_factory):
     cases = _corpus(root)
     listing = root / "cases.json"
     listing.write_text(json.dumps([[name, str(path)] for name, (path, _) in cases.items()]))
-    repository = Path(__file__).resolve().parent.parent
-    # The repository first, then whatever else the suite's own interpreter finds its packages by.
-    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(repository), os.environ.get("PYTHONPATH"))))}
+    environment = {**os.environ, "PYTHONPATH": child_python_path()}
     child = subprocess.Popen(
         [sys.executable, "-c", CHILD, str(listing)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment, cwd=root,

@@ -49,6 +49,7 @@ from .image_set import NormOutliers
 from .model import ViT
 from .patch_sizes import PlannedSize, held_out_accuracy, held_out_set, predictions
 from .priority import run_below_the_servers
+from .resources import child_python_path
 from .runs import ordinal
 from .test_time_registers import SEARCH_PASSES, RegisterNeurons, find_register_neurons
 from .training_run import process_identity
@@ -445,14 +446,12 @@ class JobBoard:
                 running += 1
 
     def _spawn(self, key: str) -> subprocess.Popen:
-        package_root = str(Path(__file__).resolve().parent.parent)
-        path = os.pathsep.join(filter(None, (package_root, os.environ.get("PYTHONPATH"))))
         threads = str(self.limits.threads)
         process = subprocess.Popen(
             [sys.executable, "-c", "import sys; from vit_explorer.jobs import _work; _work(sys.argv[1])",
              str(self._files(key)["folder"])],
             # OpenMP's pool is sized when torch loads: capped before it does.
-            env={**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads},
+            env={**os.environ, "PYTHONPATH": child_python_path(), "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads},
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             start_new_session=True,  # neither a Ctrl-C meant for the server nor its end reaches the job
         )

@@ -23,6 +23,14 @@ def shipped_weights() -> Path:
     return app_root() / "weights" / "vit_shapes.safetensors"
 
 
+def child_python_path() -> str:
+    """PYTHONPATH for a Python this package starts (a run, a job, a test's child): the folder
+    holding this package first, then what this interpreter was given, so that the child imports
+    the same code and finds the same packages."""
+    package_root = str(Path(__file__).resolve().parent.parent)
+    return os.pathsep.join(filter(None, (package_root, os.environ.get("PYTHONPATH"))))
+
+
 def default_runs_dir() -> Path:
     """Where runs trained in the app write their checkpoints and events: VIT_EXPLORER_RUNS_DIR,
     else runs/app beside the package (one folder for every server of this checkout)."""

@@ -27,6 +27,7 @@ import torch
 from .admission import limit_memory, memory_status
 from .config import TrainConfig
 from .priority import run_below_the_servers
+from .resources import child_python_path
 from .train import (
     DoneEvent, EpochEvent, Event, SnapshotEvent, StepEvent, TrainingError, check_run_name, checkpoint_paths,
     resolve_device, saved_history, saved_run, train,
@@ -338,12 +339,10 @@ class TrainingRun:
         spec = json.dumps({
             "config": self.config.to_json(), "threads": self._threads, "memory_limit": self._memory_limit,
         })
-        package_root = str(Path(__file__).resolve().parent.parent)
-        path = os.pathsep.join(filter(None, (package_root, os.environ.get("PYTHONPATH"))))
         return subprocess.Popen(
             [sys.executable, "-c", "import sys; from vit_explorer.training_run import _train_in_child;"
              " _train_in_child(sys.argv[1])", spec],
-            env={**os.environ, "PYTHONPATH": path}, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONPATH": child_python_path()}, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
             start_new_session=True,  # neither a Ctrl-C meant for the server nor its end reaches the run
         )
 
