@@ -116,6 +116,18 @@ def time_steps(step, steps: int, device: torch.device) -> float:
     return (time.perf_counter() - start) / steps
 
 
+def interleaved(steps_by_name: dict, rounds: int, steps: int, device: torch.device, warm_up: int) -> dict[str, float]:
+    """Median seconds per training step of each of ``steps_by_name``, after ``warm_up`` steps
+    (allocator, kernels, optimizer state, compilation), timed in interleaved rounds."""
+    for step in steps_by_name.values():
+        time_steps(step, warm_up, device)
+    timings: dict[str, list[float]] = {name: [] for name in steps_by_name}
+    for _ in range(rounds):
+        for name, step in steps_by_name.items():
+            timings[name].append(time_steps(step, steps, device))
+    return {name: statistics.median(values) for name, values in timings.items()}
+
+
 def compare(batch_size: int, rounds: int, steps: int, device: torch.device) -> dict[str, float]:
     """Median seconds per training step of each model, measured in interleaved rounds."""
     torch.manual_seed(0)
@@ -123,13 +135,7 @@ def compare(batch_size: int, rounds: int, steps: int, device: torch.device) -> d
     labels = torch.randint(0, CONFIG.num_classes, (batch_size,), device=device)
     models = {"vit_explorer": vx.ViT(CONFIG), "timm": timm_vit(CONFIG), "per-head modules": HeadwiseViT(CONFIG)}
     steps_by_name = {name: make_step(model.to(device).train(), images, labels) for name, model in models.items()}
-    for step in steps_by_name.values():  # warm-up: allocator, kernels, optimizer state
-        time_steps(step, 3, device)
-    timings: dict[str, list[float]] = {name: [] for name in models}
-    for _ in range(rounds):
-        for name, step in steps_by_name.items():
-            timings[name].append(time_steps(step, steps, device))
-    return {name: statistics.median(values) for name, values in timings.items()}
+    return interleaved(steps_by_name, rounds, steps, device, warm_up=3)
 
 
 def cuda_vit_ti(batch_size: int = 1024, rounds: int = 5, steps: int = 10) -> dict[str, float]:
@@ -142,17 +148,12 @@ def cuda_vit_ti(batch_size: int = 1024, rounds: int = 5, steps: int = 10) -> dic
     images = torch.randn(batch_size, 3, 32, 32, device=device)
     labels = torch.randint(0, 10, (batch_size,), device=device)
     models = {"vit_explorer": vx.ViT(config), "timm": timm_vit(config)}
-    step_by_name = {
+    steps_by_name = {
         name: make_step(torch.compile(model.to(device).train()), images, labels, bf16=True)
         for name, model in models.items()
     }
-    for step in step_by_name.values():
-        time_steps(step, 5, device)  # compile and warm up
-    timings: dict[str, list[float]] = {name: [] for name in models}
-    for _ in range(rounds):
-        for name, step in step_by_name.items():
-            timings[name].append(time_steps(step, steps, device))
-    return {name: batch_size / statistics.median(values) for name, values in timings.items()}
+    seconds = interleaved(steps_by_name, rounds, steps, device, warm_up=5)
+    return {name: batch_size / value for name, value in seconds.items()}
 
 
 def main() -> None:

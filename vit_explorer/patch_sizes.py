@@ -31,7 +31,8 @@ class PlannedSize:
 
 def median_forward(model: ViT, x: torch.Tensor, passes: int, warm_up: bool = True) -> tuple[torch.Tensor, float]:
     """(class scores or features of the first image, milliseconds): a warm-up pass (allocations,
-    first-call work), then the median of ``passes`` timed passes."""
+    first-call work), then the median of ``passes`` timed passes; ``x`` runs where the model is."""
+    x = x.to(next(model.parameters()).device)
     times = []
     with torch.no_grad():
         output = model(x) if warm_up else None

@@ -350,11 +350,12 @@ def plant_register_neuron(
     at[:, captured.num_prefix_tokens :] = fire.flatten(1).cpu()
     firing, others = inputs[at].double(), inputs[~at].double()
     axis = _separating_axis(firing, others)
-    projections = torch.cat([firing @ axis, others @ axis])
-    low, high = float((firing @ axis).min()), float((others @ axis).max())
+    along_firing, along_others = firing @ axis, others @ axis
+    low, high = float(along_firing.min()), float(along_others.max())
+    spread = max(float(along_firing.max()), high) - min(low, float(along_others.min()))  # of every token
     # Tokens the same but for rounding (patches alike, no positions) are no two groups: a gap of a
     # few ulps would make a unit of enormous gain that fires on rounding noise.
-    if low - high <= MIN_SEPARATION * float(projections.max() - projections.min()):
+    if low - high <= MIN_SEPARATION * spread:
         raise ValueError(f"One unit of layer {layer} cannot tell those patches from the other tokens.")
     gain = peak / ((low - high) / 2)
     if direction is None:

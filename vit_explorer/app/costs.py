@@ -231,7 +231,7 @@ def forward_seconds(selection: Selection) -> float:
     native = replace(selection, patch_size=model.config.patch_size, model=model)
     key = (selection.model_key, selection.config.img_size, "forward seconds")
     return memo(key, lambda: native.capture_seconds() or patch_sizes.median_forward(
-        model, selection.model_input().to(next(model.parameters()).device), TIMED_PASSES, warm_up=False
+        model, selection.model_input(), TIMED_PASSES, warm_up=False
     )[1] / 1000)
 
 
