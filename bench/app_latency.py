@@ -64,7 +64,7 @@ from streamlit.runtime.scriptrunner.script_cache import ScriptCache
 from streamlit.testing.v1 import AppTest, app_test, local_script_runner
 
 import vit_explorer as vx
-from vit_explorer import test_time_registers
+from vit_explorer.analysis import test_time_registers
 from vit_explorer.app import images, memo, models, session, uploads
 
 APP = str(Path(__file__).resolve().parent.parent / "app.py")

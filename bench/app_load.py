@@ -30,8 +30,8 @@ import torch
 
 import vit_explorer as vx
 from bench.browser import CHROMIUM_LAUNCH, ERROR_ELEMENTS, STATUS_WIDGET, log_tail, serve_app
-from vit_explorer.data import SHAPE_CLASSES, shapes_sample
-from vit_explorer.train import DEFAULT_WEIGHTS
+from vit_explorer.data.datasets import SHAPE_CLASSES, shapes_sample
+from vit_explorer.training.train import DEFAULT_WEIGHTS
 
 # Text that is drawn once a page's main content is: the last figure or sentence it shows.
 CONTENT = {

@@ -33,7 +33,7 @@ $python -c "import torch, torchvision, timm, transformers, streamlit; print('tor
 'streamlit', streamlit.__version__, 'cuda', torch.cuda.is_available())"
 
 step cuda_tests 150 $python -m pytest -q -p no:cacheprovider -rs \
-    tests/test_analysis.py tests/test_data.py tests/test_inspect.py tests/test_train.py tests/test_weights.py -k cuda
+    tests/analysis/test_analysis.py tests/data/test_data.py tests/cli/test_inspect.py tests/training/test_train.py tests/weights/test_weights.py -k cuda
 step inference 60 $python -m bench.inference --device cuda --rounds 30
 step train 120 $python -m bench.train --device cuda --batch-size 512 --rounds 15
 # The app's pages on the GPU, beside the whole suite (its model on the GPU too: app.models.DEVICE);
@@ -42,6 +42,6 @@ step app_latency 200 $python -m bench.app_latency --device cuda --rounds 1 &
 # Each worker at 2 threads (pytest-xdist is on the GPU image): with 12 workers of 16 threads each on
 # 16 cores, two app tests' training runs (at nice 15) did not finish in time, likely starved.
 OMP_NUM_THREADS=2 step suite 420 $python -m pytest -v -p no:cacheprovider -n 8 --timeout 200 --tb=short -rfE \
-    --ignore tests/test_browser.py --ignore tests/test_replicas.py --ignore tests/test_class_load.py \
-    --ignore tests/test_app_load.py --ignore tests/test_server_cpu.py --junitxml "$out/suite.xml"
+    --ignore tests/app/test_browser.py --ignore tests/serving/test_replicas.py --ignore tests/serving/test_class_load.py \
+    --ignore tests/serving/test_app_load.py --ignore tests/serving/test_server_cpu.py --junitxml "$out/suite.xml"
 wait

@@ -19,8 +19,8 @@ import timm
 import torch
 
 import vit_explorer as vx
-from vit_explorer.catalogue import CATALOGUE
-from vit_explorer.model import from_timm_eva
+from vit_explorer.weights.catalogue import CATALOGUE
+from vit_explorer.model.vit import from_timm_eva
 
 _PLAIN = dict(image_size=224, patch_size=16, num_classes=1000)
 # name -> (timm model, its arguments, our config's fields); random weights, timm's copied into ours

@@ -63,7 +63,7 @@ SLIDERS = ("Attention", "Inside a layer")  # pages whose "Layer" slider the --vi
 
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of process ``pid`` so far, all its threads (not its children).
-    (bench.class_load has the like; importing it would patch the standard library for gevent.)"""
+    (bench.class_run has the like; importing it would patch the standard library for gevent.)"""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 

@@ -54,3 +54,17 @@ def small_run_config(tmp_path, epochs: int, **changes) -> vx.TrainConfig:
         warmup_steps=2, device="cpu", out_dir=str(tmp_path), log_every=1, snapshot_every=3,
     )
     return vx.TrainConfig(**{**base, **changes})
+
+
+def counting_blocks(monkeypatch, model: vx.ViT) -> list[int]:
+    """The layers of ``model`` whose block runs from now on (Block.forward, counted)."""
+    ran = []
+    original = vx.model.vit.Block.forward
+    layer_of = {id(block): layer for layer, block in enumerate(model.blocks)}
+
+    def counting(block, x, rope=None):
+        ran.append(layer_of[id(block)])
+        return original(block, x, rope)
+
+    monkeypatch.setattr(vx.model.vit.Block, "forward", counting)
+    return ran

@@ -1,4 +1,4 @@
-"""The package's shape: its modules import one another in one direction only."""
+"""The package's shape: a folder per layer, imports running down the layers only, and no import cycle."""
 
 from __future__ import annotations
 
@@ -8,6 +8,10 @@ from pathlib import Path
 import vit_explorer
 
 PACKAGE = Path(vit_explorer.__file__).parent
+# The layers from the bottom up (ARCHITECTURE.md): a module imports from its own layer and those below.
+LAYERS = ("model", "data", "weights", "analysis", "training", "serving", "figures", "app", "cli")
+# Modules of the package's root that belong to no layer: anything may import them, they import nothing.
+SHARED = ("vit_explorer.resources",)
 
 
 def _module_name(path: Path) -> str:
@@ -62,7 +66,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_the_import_graph_is_read():
     graph = _import_graph()
-    assert "vit_explorer.model" in graph["vit_explorer.capture"]
+    assert "vit_explorer.model.vit" in graph["vit_explorer.model.capture"]
     assert "vit_explorer.weights.checks" in graph["vit_explorer.weights.infer"]
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
 
@@ -70,3 +74,40 @@ def test_the_import_graph_is_read():
 def test_no_module_of_the_package_imports_itself_back():
     cycle = _cycle(_import_graph())
     assert cycle is None, f"import cycle: {' -> '.join(cycle)}"
+
+
+def _layer(module: str) -> int | None:
+    """The rank of ``module``'s layer in LAYERS; None for the package itself (its public API) and
+    its entry point, which sit above everything."""
+    parts = module.split(".")
+    if len(parts) == 1 or parts[1] == "__main__":
+        return None
+    return LAYERS.index(parts[1])
+
+
+def test_every_folder_and_root_module_is_a_known_layer():
+    entries = {path.stem for path in PACKAGE.iterdir() if path.suffix == ".py" or (path / "__init__.py").exists()}
+    assert entries - {"__init__", "__main__"} == set(LAYERS) | {name.rpartition(".")[2] for name in SHARED}
+
+
+def _upward(graph: dict[str, set[str]]) -> list[str]:
+    """Every import of ``graph`` that runs up the layers (or into the package's public API)."""
+    return [
+        f"{module} -> {imported}"
+        for module, imports in sorted(graph.items()) if module not in SHARED and _layer(module) is not None
+        for imported in sorted(imports)
+        if imported not in SHARED and (_layer(imported) is None or _layer(imported) > _layer(module))
+    ]
+
+
+def test_an_import_running_up_the_layers_is_caught():
+    graph = {"vit_explorer.model.vit": {"vit_explorer.analysis.rollout", "vit_explorer.resources"},
+             "vit_explorer.analysis.rollout": {"vit_explorer.model.vit", "vit_explorer"}}
+    assert _upward(graph) == ["vit_explorer.analysis.rollout -> vit_explorer",
+                              "vit_explorer.model.vit -> vit_explorer.analysis.rollout"]
+
+
+def test_imports_run_down_the_layers():
+    graph = _import_graph()
+    assert not _upward(graph), f"imports running up the layers: {_upward(graph)}"
+    assert all(not graph[module] for module in SHARED), "a shared root module imports the package"

@@ -3,7 +3,8 @@ positional, a sink on the prefix tokens or on high-norm patches, or following th
 the rules beside the grid, and a clicked head's maps on every picture."""
 import streamlit as st
 
-from vit_explorer import figures, head_types
+from vit_explorer import figures
+from vit_explorer.analysis import head_types
 from vit_explorer.app import costs, images, jobs, session
 from vit_explorer.app.selection import ImageSet
 

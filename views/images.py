@@ -3,9 +3,9 @@ one forward pass kept for the next set (DINOv2's foreground PCA, DINOv3's, corre
 tokens)."""
 import streamlit as st
 
-from vit_explorer import dense_pca as dense
+from vit_explorer.analysis import dense_pca as dense
 from vit_explorer import figures
-from vit_explorer import image_set as sets
+from vit_explorer.analysis import image_set as sets
 from vit_explorer.app import costs, images, jobs, session
 from vit_explorer.app.selection import ImageSet
 

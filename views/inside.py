@@ -5,8 +5,9 @@ import math
 import streamlit as st
 import torch
 
-from vit_explorer import figures, rope
-from vit_explorer import internals as inside
+from vit_explorer import figures
+from vit_explorer.model import rope
+from vit_explorer.model import internals as inside
 from vit_explorer.app import session
 
 selection = session.selection()

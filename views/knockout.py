@@ -2,7 +2,8 @@
 the importance sweep of every head alone."""
 import streamlit as st
 
-from vit_explorer import ablation, analysis, figures
+from vit_explorer import analysis, figures
+from vit_explorer.model import ablation
 from vit_explorer.app import jobs, models, session
 
 selection = session.selection()

@@ -5,11 +5,14 @@ import math
 
 import streamlit as st
 
-from vit_explorer import ablation, analysis, answers, figures, rope
+from vit_explorer import analysis, figures
+from vit_explorer.model import ablation
+from vit_explorer.analysis import answers
+from vit_explorer.model import rope
 from vit_explorer.app import jobs, lesson, models, session
 from vit_explorer.app.memo import memo
 from vit_explorer.app.selection import prediction_caveats, uniform_attention_caveat
-from vit_explorer.internals import activation_name
+from vit_explorer.model.internals import activation_name
 
 selection = session.selection()
 config = selection.config

@@ -2,8 +2,8 @@
 import streamlit as st
 
 from vit_explorer import analysis, figures
-from vit_explorer import dense_pca as dense
-from vit_explorer import image_set as sets
+from vit_explorer.analysis import dense_pca as dense
+from vit_explorer.analysis import image_set as sets
 from vit_explorer.app import costs, jobs, models, session
 from vit_explorer.app.memo import memo
 

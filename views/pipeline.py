@@ -1,10 +1,11 @@
 """Pipeline: the chosen image through the whole ViT, one step at a time, with the tensor shapes."""
 import streamlit as st
 
-from vit_explorer import analysis, figures, rope
+from vit_explorer import analysis, figures
+from vit_explorer.model import rope
 from vit_explorer.app import models, session
 from vit_explorer.app.selection import prediction_caveats, uniform_attention_caveat
-from vit_explorer.internals import activation_name
+from vit_explorer.model.internals import activation_name
 
 selection = session.selection()
 config = selection.config

@@ -5,10 +5,10 @@ import streamlit as st
 import torch
 
 from vit_explorer import analysis, figures
-from vit_explorer import image_set as sets
-from vit_explorer import test_time_registers as registers
+from vit_explorer.analysis import image_set as sets
+from vit_explorer.analysis import test_time_registers as registers
 from vit_explorer.app import costs, jobs, models, session
-from vit_explorer.capture import layer_attentions
+from vit_explorer.model.capture import layer_attentions
 
 selection = session.selection()
 config = selection.config

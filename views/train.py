@@ -4,14 +4,14 @@ from pathlib import Path
 import streamlit as st
 
 from vit_explorer import analysis, figures
-from vit_explorer.admission import RunRefused
+from vit_explorer.training.admission import RunRefused
 from vit_explorer.app import models, runs, session
 from vit_explorer.app.memo import memo
-from vit_explorer.config import POSITIONS, PRESETS, TrainConfig, ViTConfig, parse_patch_sizes
-from vit_explorer.data import SHAPE_CLASSES, native_image_size
-from vit_explorer.runs import ordinal
-from vit_explorer.evaluation import accuracy_by_image_size, scaled_image_sizes
-from vit_explorer.train import model_config
+from vit_explorer.model.config import POSITIONS, PRESETS, TrainConfig, ViTConfig, parse_patch_sizes
+from vit_explorer.data.datasets import SHAPE_CLASSES, native_image_size
+from vit_explorer.training.runs import ordinal
+from vit_explorer.training.evaluation import accuracy_by_image_size, scaled_image_sizes
+from vit_explorer.training.train import model_config
 from vit_explorer.weights import load_model
 
 DATASETS = {

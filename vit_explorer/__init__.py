@@ -8,17 +8,17 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from . import analysis, figures
-from .ablation import HeadSweep, KnockOut, head_sweep, sweep_cost
-from .capture import Capture, capture, layer_attention, layer_attentions, layer_internals
-from .config import PRESETS, TrainConfig, ViTConfig
-from .data import SHAPE_CLASSES, DatasetError, load_dataset, shapes_sample
-from .head_types import HeadTypes, classify_heads
-from .images import InvalidImageError, load_image, preprocess
-from .internals import LayerInternals
-from .model import ViT
-from .test_time_registers import RegisterNeurons, TestTimeRegister, find_register_neurons, register_capture
-from .train import DEFAULT_WEIGHTS, DoneEvent, EpochEvent, SnapshotEvent, StepEvent, TrainingError
-from .training_run import TrainingRun
+from .analysis.head_types import HeadTypes, classify_heads
+from .analysis.test_time_registers import RegisterNeurons, TestTimeRegister, find_register_neurons, register_capture
+from .data.datasets import SHAPE_CLASSES, DatasetError, load_dataset, shapes_sample
+from .data.images import InvalidImageError, load_image, preprocess
+from .model.ablation import HeadSweep, KnockOut, head_sweep, sweep_cost
+from .model.capture import Capture, capture, layer_attention, layer_attentions, layer_internals
+from .model.config import PRESETS, TrainConfig, ViTConfig
+from .model.internals import LayerInternals
+from .model.vit import ViT
+from .training.run import TrainingRun
+from .training.train import DEFAULT_WEIGHTS, DoneEvent, EpochEvent, SnapshotEvent, StepEvent, TrainingError
 from .weights import CheckpointError, load_model, load_pretrained, resize_model, save_model
 
 __all__ = [

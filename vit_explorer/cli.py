@@ -10,7 +10,7 @@ from typing import Any
 
 def _patch_sizes(text: str) -> tuple[int, ...] | None:
     """--patch-sizes 4,8,16 -> (4, 8, 16); argparse shows a bad list as a usage error."""
-    from .config import parse_patch_sizes
+    from .model.config import parse_patch_sizes
 
     try:
         return parse_patch_sizes(text)
@@ -19,7 +19,7 @@ def _patch_sizes(text: str) -> tuple[int, ...] | None:
 
 
 def _add_train(subparsers) -> None:
-    from .config import POSITIONS, PRESETS, TrainConfig
+    from .model.config import POSITIONS, PRESETS, TrainConfig
 
     defaults = TrainConfig()
     parser = subparsers.add_parser(
@@ -67,9 +67,9 @@ def _add_train(subparsers) -> None:
 
 
 def _train_config(args: argparse.Namespace):
-    from .config import PRESETS, TrainConfig, ViTConfig
-    from .data import check_dataset_name, native_image_size
-    from .train import check_run_name
+    from .data.datasets import check_dataset_name, native_image_size
+    from .model.config import PRESETS, TrainConfig, ViTConfig
+    from .training.train import check_run_name
 
     check_dataset_name(args.dataset)
     if args.name:
@@ -103,7 +103,7 @@ def _run_train(args: argparse.Namespace) -> int:
 
     from tqdm import tqdm
 
-    from .train import DoneEvent, EpochEvent, StepEvent, model_config, train
+    from .training.train import DoneEvent, EpochEvent, StepEvent, model_config, train
 
     config = _train_config(args)
     model_config(config)  # patch sizes that do not tile the images fail here, in one sentence
@@ -176,7 +176,7 @@ def _add_evaluate(subparsers) -> None:
 
 
 def _run_evaluate(args: argparse.Namespace) -> int:
-    from .evaluation import evaluate_checkpoint
+    from .training.evaluation import evaluate_checkpoint
 
     if args.batch_size < 1 or (args.test_size is not None and args.test_size < 1):
         raise ValueError("--batch-size and --test-size must be at least 1")
@@ -198,7 +198,7 @@ def _run_evaluate(args: argparse.Namespace) -> int:
 
 
 def _add_inspect(subparsers) -> None:
-    from .train import DEFAULT_WEIGHTS
+    from .training.train import DEFAULT_WEIGHTS
 
     parser = subparsers.add_parser(
         "inspect", help="write attention figures for an image",
@@ -245,9 +245,9 @@ def _run_inspect(args: argparse.Namespace) -> int:
     need it), draw, and write the figures and, with --tensors, capture.npz."""
     import torch
 
-    from .capture import capture
-    from .head_types import classify_heads
-    from .images import load_image, preprocess
+    from .analysis.head_types import classify_heads
+    from .data.images import load_image, preprocess
+    from .model.capture import capture
     from .weights import load_model
 
     model = load_model(args.weights).to(_inspect_device(args.device))
@@ -325,7 +325,7 @@ class _InspectedLayers:
         import torch
 
         from . import analysis
-        from .capture import layer_attentions
+        from .model.capture import layer_attentions
 
         distances, entropies, kept = [], [], {}
         config = model.config
@@ -349,7 +349,7 @@ class _InspectedLayers:
 def _inspect_figures(model, x, captured, streamed: _InspectedLayers, layer: int, inside, args: argparse.Namespace):
     """(figures by file name, the arrays capture.npz would add, the line to print)."""
     from . import analysis, figures
-    from .internals import activation_name
+    from .model.internals import activation_name
 
     config = model.config
     prefix = captured.num_prefix_tokens
@@ -436,7 +436,7 @@ def _write_inspected(figs: dict, out: Path, image_format: str) -> list[Path]:
 
 def _head_types_figure(types):
     from . import figures
-    from .head_types import LABELS, MEASURES
+    from .analysis.head_types import LABELS, MEASURES
 
     return figures.head_types_grid(
         types.labels, {column: getattr(types, name) for name, column in MEASURES}, LABELS,
@@ -557,7 +557,7 @@ def _add_serve(subparsers) -> None:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    from . import serve
+    from .serving import replicas as serve
 
     if args.print_nginx_config:
         ports = list(args.replica_ports or range(8502, 8502 + args.replicas))

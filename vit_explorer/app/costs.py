@@ -9,12 +9,12 @@ from dataclasses import replace
 import streamlit as st
 from PIL import Image
 
-from .. import patch_sizes
-from ..admission import environment_number
-from ..data import SHAPE_CLASSES, ImageDataset
-from ..images import preprocess
-from ..model import ViT
-from ..patch_sizes import PlannedSize, Progress
+from ..analysis import patch_sizes
+from ..analysis.patch_sizes import PlannedSize, Progress
+from ..data.datasets import SHAPE_CLASSES, ImageDataset
+from ..data.images import preprocess
+from ..model.vit import ViT
+from ..training.admission import environment_number
 from . import models
 from .images import SHAPE_SAMPLES
 from .memo import memo, shared_results
@@ -127,7 +127,7 @@ def patch_size_comparison_cost(config, held_out: bool = False, timed: bool = Tru
 def predictions_by_patch_size(
     model: ViT, image: Image.Image, progress: Progress | None = None, forward_ms: dict[int, float] | None = None
 ) -> list[dict]:
-    """:func:`vit_explorer.patch_sizes.predictions` of ``image`` on the comparison's plan: per
+    """:func:`vit_explorer.analysis.patch_sizes.predictions` of ``image`` on the comparison's plan: per
     allowed patch size, grid, tokens, the forward time (or ``forward_ms``'s, measured before for
     this model and input size: then each size runs once, untimed) and the top-1 prediction."""
     x = preprocess(image, model.config)

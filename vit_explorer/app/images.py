@@ -10,8 +10,8 @@ import streamlit as st
 from PIL import Image
 
 from .. import resources
-from ..data import SHAPE_CLASSES, shapes_sample
-from ..images import load_image
+from ..data.datasets import SHAPE_CLASSES, shapes_sample
+from ..data.images import load_image
 from . import uploads
 from .memo import memo
 

@@ -1,4 +1,4 @@
-"""A view's heavy computation as a job (vit_explorer.jobs): asked for with a button, followed live
+"""A view's heavy computation as a job (vit_explorer.serving.jobs): asked for with a button, followed live
 (place in the queue, a progress bar, Cancel), its results shared with everybody through ``memo``
 under the keys the inline computation uses: the head sweep (the Knock-out page's, the Lesson's
 question, which asks for it at once), what the Compare page draws of model B, the Several images
@@ -13,11 +13,11 @@ from pathlib import Path
 import streamlit as st
 import torch
 
-from ..ablation import HeadSweep, sweep_cost
-from ..capture import Capture
-from ..head_types import HeadTypes
-from ..jobs import JobBoard, JobRefused, JobSpec, JobStatus
-from ..test_time_registers import RegisterNeurons
+from ..analysis.head_types import HeadTypes
+from ..analysis.test_time_registers import RegisterNeurons
+from ..model.ablation import HeadSweep, sweep_cost
+from ..model.capture import Capture
+from ..serving.jobs import JobBoard, JobRefused, JobSpec, JobStatus
 from . import costs, models, runs
 from .images import SHAPE_SAMPLES
 from .memo import memo, shared_results
@@ -111,7 +111,7 @@ def register_neurons(selection: Selection, layer: int, k: float, last: int | Non
 
 
 def patch_size_job(selection: Selection, label: str) -> list[dict] | None:
-    """:func:`costs.compare_patch_sizes` as a job (vit_explorer.jobs' "patch sizes", on the plan made
+    """:func:`costs.compare_patch_sizes` as a job (vit_explorer.serving.jobs' "patch sizes", on the plan made
     here), for a model whose comparison is heavy: its rows and held-out accuracy go into memo under
     the keys the comparison in the server uses. The rows once they are there (for anybody), else
     None, with the button ``label`` to ask for them or how the job goes drawn in their place."""

@@ -11,7 +11,7 @@ import plotly.graph_objects as go
 import plotly.io as pio
 import streamlit as st
 
-from ..cache import ByteBoundedCache, nbytes
+from ..serving.cache import ByteBoundedCache, nbytes
 
 # Captures, analyses and figures shared by all sessions (one view holds at most models.MAX_VIEW_BYTES).
 CACHE_BYTES = int(float(os.environ.get("VIT_EXPLORER_CACHE_MB") or 2048) * 2**20)

@@ -3,7 +3,7 @@ sizes they allow, the picker's options and titles, and whether a catalogue model
 (downloaded, or its host answers) and its download under a progress bar.
 
 Model keys: ``"default"`` (the shipped shapes model), ``"pretrained:<name>"`` (a catalogue
-entry, vit_explorer.catalogue) and ``"file:<path>"`` (an uploaded checkpoint or a run trained in
+entry, vit_explorer.weights.catalogue) and ``"file:<path>"`` (an uploaded checkpoint or a run trained in
 the app).
 """
 from __future__ import annotations
@@ -17,9 +17,10 @@ from pathlib import Path
 import streamlit as st
 import torch
 
-from .. import catalogue, train
-from ..cache import ByteBoundedCache, nbytes
-from ..model import ViT
+from ..model.vit import ViT
+from ..serving.cache import ByteBoundedCache, nbytes
+from ..training import train
+from ..weights import catalogue
 from ..weights import load_model, load_pretrained, resize_model
 from . import runs
 from .memo import with_spinner

@@ -7,9 +7,9 @@ import secrets
 import streamlit as st
 
 from .. import resources
-from ..config import TrainConfig
-from ..runs import RunManager
-from ..training_run import TrainingRun
+from ..model.config import TrainConfig
+from ..training.run import TrainingRun
+from ..training.runs import RunManager
 
 OWNER_PARAM = "owner"  # the address parameter that keeps a person's owner token
 # Where runs trained in the app write their checkpoints.

@@ -13,20 +13,20 @@ import streamlit as st
 import torch
 from PIL import Image
 
-from ..ablation import HeadSweep, KnockOut, head_sweep
+from ..model.ablation import HeadSweep, KnockOut, head_sweep
 from ..analysis import (
     attribution, display_image, entropy_evenness, head_distances, head_entropies, logit_lens, near_chance, near_uniform,
     query_map, streamed_query_maps, streamed_rollout,
 )
-from ..capture import Capture, capture, layer_attention, layer_attentions, layer_internals
-from ..data import SHAPE_CLASSES
-from ..dense_pca import image_features
-from ..head_types import HeadTypes, classify_heads_from_tokens
-from ..image_set import MAX_IMAGES, MIN_IMAGES, first_component, last_layer_features, layer_keys
-from ..images import preprocess
-from ..internals import LayerInternals
-from ..model import ViT
-from ..test_time_registers import RegisterNeurons, TestTimeRegister, find_register_neurons, register_capture
+from ..analysis.dense_pca import image_features
+from ..analysis.head_types import HeadTypes, classify_heads_from_tokens
+from ..analysis.image_set import MAX_IMAGES, MIN_IMAGES, first_component, last_layer_features, layer_keys
+from ..analysis.test_time_registers import RegisterNeurons, TestTimeRegister, find_register_neurons, register_capture
+from ..data.datasets import SHAPE_CLASSES
+from ..data.images import preprocess
+from ..model.capture import Capture, capture, layer_attention, layer_attentions, layer_internals
+from ..model.internals import LayerInternals
+from ..model.vit import ViT
 from . import models
 from .images import photo_names, resolve_image
 from .memo import memo, shared_results
@@ -186,7 +186,7 @@ class Selection:
 
     def internals(self, layer: int, token: int) -> LayerInternals:
         """Every step of encoder layer ``layer`` for query ``token`` of this image
-        (vit_explorer.internals), from the captured tokens entering the layer: this layer's q, k, v
+        (vit_explorer.model.internals), from the captured tokens entering the layer: this layer's q, k, v
         projection and the rest of the block for that one token, so that another layer or query
         costs a fifth of a block (at patch 8 the whole block was most of a view) and another head
         nothing."""
@@ -255,7 +255,7 @@ class Selection:
         )
 
     def head_sweep(self, mode: str) -> HeadSweep:
-        """Every head knocked out alone on this image (vit_explorer.ablation.head_sweep), with a
+        """Every head knocked out alone on this image (vit_explorer.model.ablation.head_sweep), with a
         progress bar while it runs, once for everybody: for a model whose sweep is quick (else
         app.jobs.head_sweep, under the same key)."""
         key = (*self.key, "head sweep", mode)

@@ -10,7 +10,7 @@ from typing import Any
 
 import streamlit as st
 
-from .. import catalogue
+from ..weights import catalogue
 from . import images, models, runs, uploads
 from .selection import Selection
 

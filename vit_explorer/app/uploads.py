@@ -16,9 +16,9 @@ import streamlit as st
 from streamlit.runtime.memory_uploaded_file_manager import MemoryUploadedFileManager
 from streamlit.runtime.scriptrunner import get_script_run_ctx
 
-from .. import catalogue
-from ..cache import trim_to_quota
-from ..images import load_image
+from ..data.images import load_image
+from ..serving.cache import trim_to_quota
+from ..weights import catalogue
 from . import models
 
 

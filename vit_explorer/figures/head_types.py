@@ -1,4 +1,4 @@
-"""Head types: every head's label as a layer x head grid (vit_explorer.head_types), and one head's
+"""Head types: every head's label as a layer x head grid (vit_explorer.analysis.head_types), and one head's
 maps on each image of the set."""
 from __future__ import annotations
 

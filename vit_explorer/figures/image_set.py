@@ -100,7 +100,7 @@ def _shrunk(image: np.ndarray, side: int = PHOTO_SIDE) -> np.ndarray:
 
 
 def dense_pca_grid(images: Sequence, colours: Sequence, labels: Sequence[str], detail: str) -> go.Figure:
-    """DINOv3's picture (vit_explorer.dense_pca): each image (H, W, 3) beside its patches'
+    """DINOv3's picture (vit_explorer.analysis.dense_pca): each image (H, W, 3) beside its patches'
     colours (gh, gw, 3) in [0, 1], background black, drawn one cell per patch over the picture;
     several images in columns, pictures above their colours. Each image keeps its own size and
     grid. ``detail``: what the title adds (the input size, the foreground rule)."""

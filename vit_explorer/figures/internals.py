@@ -147,7 +147,7 @@ def token_values_on_grid(
 
 def softmax_scale_figure(sweep: Mapping[str, Sequence[float]], chosen: float, title: str) -> go.Figure:
     """Entropy and largest weight of one attention row against the softmax scale, as multiples
-    of the model's 1/sqrt(hd) (``sweep`` from vit_explorer.internals.scale_sweep); the chosen
+    of the model's 1/sqrt(hd) (``sweep`` from vit_explorer.model.internals.scale_sweep); the chosen
     multiple and the model's own (1) are marked."""
     factors = list(sweep["factor"])
     # Powers of two: plotly's own log ticks (2, 5, 1, 2, 5) read as nonsense on a range this narrow.
@@ -190,7 +190,7 @@ def softmax_scale_figure(sweep: Mapping[str, Sequence[float]], chosen: float, ti
 
 
 def head_sources_figure(sources: Sequence[Mapping], labels: Sequence[str], title: str) -> go.Figure:
-    """The keys that make most of a head's output (vit_explorer.internals.head_output_sources):
+    """The keys that make most of a head's output (vit_explorer.model.internals.head_output_sources):
     each one's attention weight beside its share of the output."""
     names = [labels[source["token"]] for source in sources]
     return figure(
@@ -243,11 +243,11 @@ def inside_layer_figures(
     query_patch: int | None = None, activation: str = "the activation",
 ) -> dict[str, go.Figure]:
     """The "Inside a layer" page's figures for one head and query token, by step, from a
-    vit_explorer.internals.LayerInternals (image 0): what the page shows and ``inspect --head
+    vit_explorer.model.internals.LayerInternals (image 0): what the page shows and ``inspect --head
     --query`` writes; ``steps`` holds ``token``'s rows. ``labels`` name the N tokens (figures.token_labels); ``query_patch`` is
     outlined on the image; ``activation`` names the MLP's nonlinearity. With rotary positions the
     query's strips are its q and k before and after the rotation."""
-    from .. import internals as inside  # the per-token analyses the page shows
+    from ..model import internals as inside  # the per-token analyses the page shows  # the per-token analyses the page shows
 
     name, layer, prefix = labels[token], steps.layer, len(labels) - grid_size[0] * grid_size[1]
     where, dim, heads = f"layer {layer}, head {head}", steps.input.shape[-1], steps.num_heads
@@ -308,9 +308,9 @@ def softmax_scale_figures(
     query_patch: int | None = None,
 ) -> dict[str, go.Figure]:
     """The scale control's figures: the entropy and largest weight of the query's softmax at
-    multiple of 1/sqrt(hd) from 1/8 to 8 (vit_explorer.internals.SWEEP_FACTORS), and its attention at
+    multiple of 1/sqrt(hd) from 1/8 to 8 (vit_explorer.model.internals.SWEEP_FACTORS), and its attention at
     ``factor`` times the model's scale; the model and its recorded numbers are not changed."""
-    from .. import internals as inside
+    from ..model import internals as inside
 
     name, where = labels[token], f"layer {steps.layer}, head {head}"
     prefix = len(labels) - grid_size[0] * grid_size[1]

@@ -31,8 +31,8 @@ def _turns(period: float) -> str:
 
 
 def rotation_angles_figure(angles, grid_size: tuple[int, int], pairs: Sequence, title: str) -> go.Figure:
-    """Each patch's rotation angle (``angles``: (gh * gw, hd/2) radians, vit_explorer.rope.angles)
-    for the channel ``pairs`` chosen (vit_explorer.rope.AnglePair: index, channels, axis, period),
+    """Each patch's rotation angle (``angles``: (gh * gw, hd/2) radians, vit_explorer.model.rope.angles)
+    for the channel ``pairs`` chosen (vit_explorer.model.rope.AnglePair: index, channels, axis, period),
     one small grid per pair, on a cyclic colour scale (degrees modulo a full turn): pairs that turn
     with the row in the first row of panels, those that turn with the column in the second."""
     angles = _float_array(angles)
@@ -76,7 +76,7 @@ def offset_scores_figure(
     maps, query_positions: Sequence[int], grid_size: tuple[int, int], title: str, own_position: int | None = None,
 ) -> go.Figure:
     """One query's scores against the same key content at every patch (``maps``: (panels, gh * gw),
-    vit_explorer.rope.offset_scores), the query at ``query_positions`` (outlined; ``own_position``
+    vit_explorer.model.rope.offset_scores), the query at ``query_positions`` (outlined; ``own_position``
     is named the query's own patch), side by side on one colour scale centred on 0; hovering a
     patch gives its offset from the query."""
     maps = _float_array(maps)

@@ -11,7 +11,7 @@ from ._base import MARGIN, _on_axes, _subplots, _title, figure
 def _epoch_steps(history: Mapping) -> list[float]:
     """x position (a step) of each epoch summary: where that epoch ended.
 
-    Epochs (1-based, as ``vit_explorer.train`` counts them) have equal step counts, so epoch e of
+    Epochs (1-based, as ``vit_explorer.training.train`` counts them) have equal step counts, so epoch e of
     E ends at step e * total_steps / E; without step records, the epoch number itself.
     """
     steps = history.get("steps", [])

@@ -27,9 +27,9 @@ from pathlib import Path
 
 import torch
 
-from ..config import ViTConfig
-from ..model import ViT, from_timm_eva
-from . import from_eva, from_huggingface, from_timm, from_torchvision
+from ..model.config import ViTConfig
+from ..model.vit import ViT, from_timm_eva
+from . import catalogue, from_eva, from_huggingface, from_timm, from_torchvision
 from .build import build
 from .checks import CheckpointError, read_tensors
 from .from_torchvision import TORCHVISION_VITS
@@ -123,14 +123,12 @@ def _model_from_state(
 
 
 def load_pretrained(name: str = "vit_b_16", progress=None) -> ViT:
-    """A pretrained model of the catalogue (vit_explorer.catalogue.CATALOGUE) or torchvision ViT.
+    """A pretrained model of the catalogue (vit_explorer.weights.catalogue.CATALOGUE) or torchvision ViT.
 
     Downloaded on first use into the cache (~/.cache/vit_explorer/models, or torchvision's for
     its ViTs) and checked; ``progress(done_bytes, total_bytes or None)`` follows a download.
     Offline, or given a wrong file, it raises a CheckpointError that says so in one sentence.
     """
-    from .. import catalogue
-
     if name in TORCHVISION_VITS:
         converted, known = from_torchvision.read_pretrained(name, progress)
         return _model_from_state(converted, known, {}, name)

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from ..config import ViTConfig, _brief
-from ..model import ViT
+from ..model.config import ViTConfig, _brief
+from ..model.vit import ViT
 from .checks import CheckpointError
 
 

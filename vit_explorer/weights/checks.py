@@ -23,7 +23,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
-from ..config import _brief
+from ..model.config import _brief
 
 # Bounds on what one uploaded checkpoint can make the server hold or do. The largest published
 # ViTs fit well inside them (ViT-22B: 48 blocks, ~800 tensors; ViT-H/14: 2.5 GB).

@@ -24,9 +24,9 @@ import re
 
 import torch
 
-from ..config import IMAGENET_MEAN, IMAGENET_STD, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
-from ..model import from_timm_eva
-from ..rope import RopeSpec, _frequencies
+from ..model.config import IMAGENET_MEAN, IMAGENET_STD, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
+from ..model.rope import RopeSpec, _frequencies
+from ..model.vit import from_timm_eva
 from .checks import CheckpointError
 
 # Keys only an Eva (timm) or Meta's DINOv3 has: LayerScale's gamma_1, q/v biases, EVA-02's

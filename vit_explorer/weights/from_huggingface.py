@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import _brief, _is_number
+from ..model.config import _brief, _is_number
 from .checks import MAX_TENSORS, CheckpointError, folder_file, read_json, read_tensors
 from .from_eva import DINOV3
 

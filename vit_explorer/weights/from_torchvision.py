@@ -8,7 +8,8 @@ import re
 
 import torch
 
-from ..config import IMAGENET_MEAN, IMAGENET_STD
+from ..model.config import IMAGENET_MEAN, IMAGENET_STD
+from . import catalogue
 from .checks import CheckpointError
 
 TORCHVISION_VITS = ("vit_b_16", "vit_b_32", "vit_l_16", "vit_l_32", "vit_h_14")
@@ -51,8 +52,6 @@ def convert(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], di
 def read_pretrained(name: str, progress=None) -> tuple[dict[str, torch.Tensor], dict]:
     """(our state dict, config fields) of torchvision's ImageNet-pretrained ViT ``name``."""
     import torchvision.models
-
-    from .. import catalogue
 
     weights = torchvision.models.get_model_weights(name).DEFAULT
     try:

@@ -15,7 +15,7 @@ import re
 
 import torch
 
-from ..config import ViTConfig, _brief
+from ..model.config import ViTConfig, _brief
 from .checks import MAX_BLOCKS, MAX_REGISTERS, CheckpointError
 
 # Every ViT we build has these; a state dict without them is not one. Each tuple: one of its keys

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from safetensors.torch import save as safetensors_bytes
 
-from ..config import ViTConfig
-from ..model import ViT
+from ..model.config import ViTConfig
+from ..model.vit import ViT
 from .checks import CheckpointError, looks_like_safetensors, safetensors_header
 
 CONFIG_KEY = "vit_explorer.config"  # safetensors metadata entry that marks a project checkpoint

@@ -1,6 +1,6 @@
 """Resizing a model to another patch size (FlexiViT's PI-resize of the patch kernel) and/or image
 size (position embeddings resampled; rotary positions need nothing: their angles follow the
-grid of each pass); the numerics live in vit_explorer.model, which the
+grid of each pass); the numerics live in vit_explorer.model.vit, which the
 forward at ``patch_size=`` shares."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from einops import rearrange
 
-from ..model import ViT, resample_patch_embed, resample_pos_embed, resize_matrix
+from ..model.vit import ViT, resample_patch_embed, resample_pos_embed, resize_matrix
 from .build import adopt
 
 

@@ -1,0 +1,3 @@
+"""What goes into a model: one image (images.py: any upload -> RGB -> a normalised input) and
+datasets (datasets.py: the built-in shapes, torchvision's datasets, a folder of class folders, and
+the loader that batches and augments them on the device)."""

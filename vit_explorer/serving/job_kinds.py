@@ -1,0 +1,255 @@
+"""What each kind of job computes (``KINDS``): its forward passes and memory, estimated from the
+model's config and the job's settings before it is admitted, the computation a worker runs, and
+how a server decodes the arrays the worker wrote.
+
+    head sweep         every head knocked out alone (the Knock-out page, the Lesson)
+    views              a model's capture of one image, its rollout, one layer's attention (Compare)
+    tokens             several images' tokens in one batch (Several images)
+    head types         the head types over several images, and the tokens of those no page read
+    register neurons   the register neurons over this image and the bundled photos (Registers)
+    patch sizes        every patch size side by side, on the plan the server made (Patches)
+
+A new kind is a compute and a decode function here and an entry in ``KINDS``; the board
+(vit_explorer.serving.jobs) queues and runs it like the others.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..analysis import streamed_rollout
+from ..analysis.head_types import HeadTypes, attention_share, classify_heads_from_tokens, held_floats
+from ..analysis.image_set import NormOutliers
+from ..analysis.patch_sizes import PlannedSize, held_out_accuracy, held_out_set, predictions
+from ..analysis.test_time_registers import SEARCH_PASSES, RegisterNeurons, find_register_neurons
+from ..model.ablation import SWEEP_BATCH, HeadSweep, head_sweep, sweep_cost
+from ..model.capture import Capture, capture, layer_attentions
+from ..model.vit import ViT
+from ..training.admission import inference_memory
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One kind of job: its cost in forward passes and memory, what its worker computes (arrays
+    out, progress reported as a share), and the values those arrays stand for (a tuple: the
+    asker keeps each under a key of its own)."""
+
+    forwards: Callable[[object, dict], float]  # the model's config, the settings -> forward passes
+    memory: Callable[[object, dict], int]  # the model's config, the settings -> peak bytes of the worker
+    compute: Callable[[ViT, torch.Tensor, dict, Callable[[float], None]], dict[str, np.ndarray]]
+    decode: Callable[[dict[str, np.ndarray]], tuple]
+
+
+def _sweep(model: ViT, x: torch.Tensor, settings: dict, progress: Callable[[float], None]) -> dict:
+    sweep = head_sweep(model, x, settings["mode"], progress=progress)
+    return {
+        "values": sweep.values.numpy(), "target": np.array(-1 if sweep.target is None else sweep.target),
+        "mode": np.array(sweep.mode),
+    }
+
+
+def _decoded_sweep(arrays: dict) -> tuple[HeadSweep]:
+    target = int(arrays["target"])
+    return (HeadSweep(
+        values=torch.from_numpy(arrays["values"]), target=None if target < 0 else target, mode=str(arrays["mode"]),
+    ),)
+
+
+CAPTURED_TENSORS = ("logits", "attentions", "tokens", "patches", "patch_embeddings")
+
+
+def _views(model: ViT, x: torch.Tensor, settings: dict, progress: Callable[[float], None]) -> dict:
+    """What a page draws of one image (the Compare page's model B): the capture (tokens, no
+    attention), the rollout through every layer at its default settings, and the attention of
+    layer ``settings["layer"]`` in float16, as app.selection.Selection computes them."""
+    captured = capture(model, x, layers=())
+    depth = model.config.depth
+    progress(1 / (depth + 1))
+    drawn = {}
+
+    def layers():
+        for layer, attention in enumerate(layer_attentions(model, captured)):
+            if layer == settings["layer"]:
+                drawn["attention"] = attention[0].to(torch.float16).numpy()
+            progress((layer + 2) / (depth + 1))
+            yield attention
+
+    rollout = streamed_rollout(layers(), num_prefix_tokens=captured.num_prefix_tokens)
+    arrays = {f"capture.{name}": getattr(captured, name).numpy() for name in CAPTURED_TENSORS}
+    if captured.pool_attentions is not None:
+        arrays["capture.pool_attentions"] = captured.pool_attentions.numpy()
+    return {
+        **arrays, "capture.grid_size": np.array(captured.grid_size), "capture.layers": np.array(captured.layers, int),
+        "capture.num_prefix_tokens": np.array(captured.num_prefix_tokens),
+        "capture.class_token": np.array(captured.class_token), "rollout": rollout.cpu().numpy(), **drawn,
+    }
+
+
+def _decoded_views(arrays: dict) -> tuple[Capture, torch.Tensor, torch.Tensor]:
+    """(the capture, the rollout (1, N, N), the drawn layer's attention (heads, N, N))."""
+    pool = arrays.get("capture.pool_attentions")
+    captured = Capture(
+        **{name: torch.from_numpy(arrays[f"capture.{name}"]) for name in CAPTURED_TENSORS},
+        grid_size=tuple(int(size) for size in arrays["capture.grid_size"]),
+        num_prefix_tokens=int(arrays["capture.num_prefix_tokens"]),
+        layers=tuple(int(layer) for layer in arrays["capture.layers"]),
+        class_token=bool(arrays["capture.class_token"]), pool_attentions=None if pool is None else torch.from_numpy(pool),
+    )
+    return captured, torch.from_numpy(arrays["rollout"]), torch.from_numpy(arrays["attention"])
+
+
+def _tokens(model: ViT, x: torch.Tensor, settings: dict, progress: Callable[[float], None]) -> dict:
+    """Every block's tokens of the images ``x`` (B, C, H, W), in one pass (app.selection.ImageSet's)."""
+    return {"tokens": capture(model, x, layers=()).tokens.numpy()}
+
+
+def _decoded_tokens(arrays: dict) -> tuple[torch.Tensor, ...]:
+    """(depth + 1, N, D) per image, each in storage of its own (kept apart)."""
+    return tuple(torch.from_numpy(tokens.copy()) for tokens in arrays["tokens"])
+
+
+def _head_types(model: ViT, x: torch.Tensor, settings: dict, progress: Callable[[float], None]) -> dict:
+    """Every head's type over the images ``x`` (head_types.classify_heads_from_tokens after one
+    pass that keeps their tokens), and the tokens of the images ``settings["kept"]`` (indices in
+    ``x``), as app.selection.ImageSet keeps them."""
+    passes = x.shape[0]
+    total = passes * (1 + attention_share(model.config))
+    captured = capture(model, x, layers=())
+    progress(passes / total)
+    types = classify_heads_from_tokens(
+        model, captured.tokens, progress=lambda share: progress((passes + share * (total - passes)) / total),
+    )
+    arrays = {f"types.{name}": values for name, values in types.to_arrays().items()}
+    return {"tokens": captured.tokens[settings["kept"]].numpy(), **arrays}
+
+
+def _decoded_head_types(arrays: dict) -> tuple:
+    """(each kept image's tokens (depth + 1, N, D), ..., the head types)."""
+    types = HeadTypes.from_arrays({
+        name.removeprefix("types."): values for name, values in arrays.items() if name.startswith("types.")
+    })
+    return (*_decoded_tokens(arrays), types)
+
+
+def _register_neurons(model: ViT, x: torch.Tensor, settings: dict, progress: Callable[[float], None]) -> dict:
+    """The register neurons over the images ``x`` (B, C, H, W): their capture, then the search
+    (test_time_registers.find_register_neurons), as app.selection.Selection.register_neurons."""
+    neurons = find_register_neurons(model, x, settings["k"], settings["layer"], settings["last"], progress)
+    found = neurons.outliers
+    return {
+        "scores": neurons.scores.numpy(), "norms": found.norms.numpy(), "outliers": found.outliers.numpy(),
+        "statistics": np.array([found.threshold, found.median, found.mad]),
+        "layers": np.array([neurons.layer, neurons.appears_at, neurons.images]),
+    }
+
+
+def _decoded_register_neurons(arrays: dict) -> tuple[RegisterNeurons]:
+    threshold, median, mad = (float(value) for value in arrays["statistics"])
+    layer, appears_at, images = (int(value) for value in arrays["layers"])
+    outliers = NormOutliers(
+        torch.from_numpy(arrays["norms"]), threshold, median, mad, torch.from_numpy(arrays["outliers"]),
+    )
+    return (RegisterNeurons(torch.from_numpy(arrays["scores"]), outliers, layer, appears_at, images),)
+
+
+ROW_FIELDS = ("patch size", "grid", "tokens", "forward ms", "prediction", "probability")
+
+
+def _patch_sizes(model: ViT, x: torch.Tensor, settings: dict, progress: Callable[[float], None]) -> dict:
+    """The Patches page's comparison of every patch size (vit_explorer.analysis.patch_sizes), on the plans the
+    server made: the image's rows (``settings["forward_ms"]``: times measured before, as pairs), then
+    the held-out batch's accuracy where ``settings["held_out"]`` names it (images, start)."""
+    plan = [PlannedSize(*planned) for planned in settings["plan"]]
+    forward_ms = None if settings["forward_ms"] is None else {int(p): ms for p, ms in settings["forward_ms"]}
+    share = settings["image_share"]  # of the whole work, for one progress bar over both parts
+    rows = predictions(model, x, plan, lambda done, text: progress(share * done), forward_ms)
+    arrays = {f"rows.{name}": np.array([row[name] for row in rows]) for name in ROW_FIELDS if name in rows[0]}
+    if settings["held_out"] is not None:
+        held_out_plan = [PlannedSize(*planned) for planned in settings["held_out_plan"]]
+        accuracy = held_out_accuracy(
+            model, held_out_set(model.config, *settings["held_out"]), held_out_plan,
+            lambda done, text: progress(share + (1 - share) * done),
+        )
+        arrays.update({"held_out.patch size": np.array(list(accuracy)), "held_out.accuracy": np.array(list(accuracy.values()))})
+    return arrays
+
+
+def _decoded_patch_sizes(arrays: dict) -> tuple:
+    """(the rows as predictions() returns them,) and the held-out accuracy by patch size where computed."""
+    kinds = {"patch size": int, "grid": str, "tokens": int, "forward ms": float, "prediction": str, "probability": float}
+    names = [name for name in ROW_FIELDS if f"rows.{name}" in arrays]
+    rows = [
+        {name: kinds[name](arrays[f"rows.{name}"][index]) for name in names}
+        for index in range(len(arrays["rows.patch size"]))
+    ]
+    if "held_out.accuracy" not in arrays:
+        return (rows,)
+    return rows, {int(p): float(a) for p, a in zip(arrays["held_out.patch size"], arrays["held_out.accuracy"])}
+
+
+def _patch_sizes_memory(config, settings: dict) -> int:
+    """The largest pass (the held-out batch, else the image, at the finest patch size) and the
+    largest resampled patch kernel, in float32 and float64 while it is resampled."""
+    finest = min(planned[0] for planned in settings["plan"])
+    batch = settings["held_out"][0] if settings["held_out"] is not None else 1
+    largest = max(planned[0] for planned in settings["plan"])
+    kernel = 12 * config.in_chans * config.embed_dim * largest**2
+    return inference_memory(config.replace(patch_size=finest), batch) + kernel
+
+
+def _views_memory(config, settings: dict) -> int:
+    """The capture's tokens kept, a layer's float32 attention and the drawn one's in float16, the
+    rollout's N x N matrices (app.models.view_bytes' count)."""
+    tokens = config.num_tokens
+    return inference_memory(config, 1, kept_floats=(
+        (config.depth + 1) * tokens * config.embed_dim + 2 * config.num_heads * tokens**2 + 8 * tokens**2
+    ))
+
+
+KINDS = {
+    "head sweep": Kind(
+        forwards=lambda config, settings: sweep_cost(config),
+        # SWEEP_BATCH copies of one layer's input at a time, the intact tokens of every layer kept.
+        memory=lambda config, settings: inference_memory(
+            config, SWEEP_BATCH, kept_floats=(config.depth + 1) * config.num_tokens * config.embed_dim,
+        ),
+        compute=_sweep, decode=_decoded_sweep,
+    ),
+    # The pass, then every layer's attention part again for the rollout (less than a pass).
+    "views": Kind(forwards=lambda config, settings: 2.0, memory=_views_memory, compute=_views, decode=_decoded_views),
+    # One pass of settings["images"] images, each one's tokens kept.
+    "tokens": Kind(
+        forwards=lambda config, settings: settings["images"],
+        memory=lambda config, settings: inference_memory(
+            config, settings["images"], kept_floats=settings["images"] * (config.depth + 1) * config.num_tokens * config.embed_dim,
+        ),
+        compute=_tokens, decode=_decoded_tokens,
+    ),
+    # One pass of settings["images"] images, then every layer's attention part again, a few images
+    # at a time, their tokens kept meanwhile.
+    "head types": Kind(
+        forwards=lambda config, settings: settings["images"] * (1 + attention_share(config)),
+        memory=lambda config, settings: inference_memory(config, settings["images"], kept_floats=(
+            settings["images"] * (config.depth + 1) * config.num_tokens * config.embed_dim
+            + held_floats(config, settings["images"])
+        )),
+        compute=_head_types, decode=_decoded_head_types,
+    ),
+    # The pass of settings["images"] images, then the search over them; their tokens and one
+    # layer's MLP activations kept.
+    "register neurons": Kind(
+        forwards=lambda config, settings: settings["images"] * (1 + SEARCH_PASSES),
+        memory=lambda config, settings: inference_memory(config, settings["images"], kept_floats=settings["images"] * (
+            (config.depth + 1) * config.num_tokens * config.embed_dim + config.num_tokens * config.mlp_hidden
+        )),
+        compute=_register_neurons, decode=_decoded_register_neurons,
+    ),
+    # Every patch size side by side (app.costs plans it and counts its forward passes).
+    "patch sizes": Kind(
+        forwards=lambda config, settings: settings["forwards"], memory=_patch_sizes_memory,
+        compute=_patch_sizes, decode=_decoded_patch_sizes,
+    ),
+}
