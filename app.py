@@ -29,6 +29,7 @@ pages = {"Learn": [
     st.Page("views/head_types.py", title="Head types", icon=":material/category:", url_path="heads"),
     st.Page("views/knockout.py", title="Knock-out", icon=":material/block:", url_path="knockout"),
     st.Page("views/registers.py", title="Registers", icon=":material/move_down:", url_path="registers"),
+    st.Page("views/features.py", title="Features", icon=":material/scatter_plot:", url_path="features"),
     st.Page("views/compare.py", title="Compare", icon=":material/compare:"),
 ]}
 page = st.navigation(pages)

@@ -1,14 +1,16 @@
-"""Train: launch a run in the background, watch its curves and attention form, then explore it."""
+"""Train: launch a run in the background (a ViT from scratch, or a sparse autoencoder on a layer of the
+sidebar's model), watch its curves and attention form, then explore it."""
 from pathlib import Path
 
 import streamlit as st
 
 from vit_explorer import analysis, figures
 from vit_explorer.training.admission import RunRefused
-from vit_explorer.app import models, runs, session
+from vit_explorer.app import features, models, runs, session
 from vit_explorer.app.memo import memo
 from vit_explorer.model.config import POSITIONS, PRESETS, TrainConfig, ViTConfig, parse_patch_sizes
 from vit_explorer.data.datasets import SHAPE_CLASSES, native_image_size
+from vit_explorer.features.train import SAETrainConfig
 from vit_explorer.training.runs import ordinal
 from vit_explorer.training.evaluation import accuracy_by_image_size, scaled_image_sizes
 from vit_explorer.training.train import model_config
@@ -113,6 +115,42 @@ if launched:
         except RunRefused as refusal:
             st.error(str(refusal))
 
+SAE_DATASETS = {"shapes": DATASETS["shapes"], "photos": "The bundled photos (4)", **{
+    name: label for name, label in DATASETS.items() if name != "shapes"
+}}
+with st.expander("Or a sparse autoencoder on a layer of the sidebar's model"):
+    sidebar = session.selection()
+    weights = features.model_file(sidebar.model_key)
+    st.write(
+        "A dictionary of the tokens leaving one layer of the model you are exploring, over an image set:"
+        " each token rewritten as a few of thousands of directions (latents), so that the Features page"
+        " can show what the layer represents. Its curves show how much of the tokens it explains, how many"
+        " latents each token uses (L0) and how many never fire (dead)."
+    )
+    if weights is None:
+        st.info("Choose the shipped model, an uploaded checkpoint or a run of yours in the sidebar: a dictionary"
+                " is trained on a model's file.")
+    else:
+        depth, width = sidebar.config.depth, sidebar.config.embed_dim
+        sae_left, sae_right = st.columns(2)
+        sae_layer = sae_left.slider("Layer", 0, depth - 1, depth // 2, help="The layer whose output tokens it reads.")
+        sae_dataset = sae_left.selectbox("Images", list(SAE_DATASETS), format_func=SAE_DATASETS.get, key="sae_dataset")
+        sae_images = sae_left.number_input("How many images", 4, 100_000, 2000, step=500,
+                                           help="The photos are 4; the others as many as asked.")
+        expansion = sae_right.number_input("Latents per token dimension", 1, 64, 16,
+                                           help=f"{width} dimensions x this many latents.")
+        sae_k = sae_right.number_input("Active latents per token (k)", 1, 256, 32)
+        sae_epochs = sae_right.number_input("Passes over the tokens", 1, 50, 2, key="sae_epochs")
+        if st.button("Launch the sparse autoencoder", type="primary"):
+            try:
+                sae_config = SAETrainConfig(
+                    weights=str(weights), layer=sae_layer, dataset=sae_dataset, images=sae_images,
+                    expansion=expansion, k=sae_k, epochs=sae_epochs, log_every=5,
+                )
+                state["watched_run"] = runs.start_run(sae_config)
+            except (ValueError, RunRefused) as error:
+                st.error(f"Cannot train that: {error}")
+
 listed = runs.training_runs()
 if not listed:
     st.info("No runs yet: choose the settings above and launch one.")
@@ -121,13 +159,19 @@ if not listed:
 run_ids = list(listed)
 if state.get("watched_run") not in listed:
     state["watched_run"] = run_ids[-1]
-labels = {
-    run_id: f"{run_id}: {run.config.dataset},"
-    f" {run.config.model if isinstance(run.config.model, str) else 'custom'} model"
-    + (", rotary positions" if run.config.positions == "rotary" else "")
-    + (" (read-only)" if runs.someone_elses_run(run_id) else "")
-    for run_id, run in listed.items()
-}
+
+
+def run_label(run_id: str, run) -> str:
+    config = run.config
+    if isinstance(config, SAETrainConfig):
+        what = f"sparse autoencoder on layer {config.layer} of {Path(config.weights).stem}, {config.dataset}"
+    else:
+        what = (f"{config.dataset}, {config.model if isinstance(config.model, str) else 'custom'} model"
+                + (", rotary positions" if config.positions == "rotary" else ""))
+    return f"{run_id}: {what}" + (" (read-only)" if runs.someone_elses_run(run_id) else "")
+
+
+labels = {run_id: run_label(run_id, run) for run_id, run in listed.items()}
 run_id = st.selectbox("Run", run_ids, key="watched_run", format_func=labels.get)
 shown_status = listed[run_id].status
 live = shown_status in ("pending", "running")
@@ -173,6 +217,26 @@ def accuracy_at_each_size(run_id: str) -> None:
         ))
 
 
+def sae_view(run, steps: list[dict]) -> None:
+    """A sparse autoencoder run: its numbers and curves, then where to look at its latents."""
+    columns = st.columns(4)
+    latest = steps[-1] if steps else None
+    columns[0].metric("Step", f"{latest['step']} / {latest['total_steps']}" if latest else "0")
+    columns[1].metric("Explained variance", f"{latest['explained_variance']:.1%}" if latest else "-")
+    columns[2].metric("L0 (active latents)", f"{latest['l0']:.1f}" if latest else "-")
+    columns[3].metric("Dead latents", f"{latest['dead_share']:.1%}" if latest else "-")
+    st.plotly_chart(memo(
+        ("sae curves", run_id, len(steps), latest["step"] if latest else None),
+        lambda: figures.sae_curves(run.history),
+    ))
+    if run.checkpoint is not None:
+        st.success(
+            f"Written as {Path(run.checkpoint).name}, with the index of each latent's top patches. With"
+            f" {Path(run.config.weights).stem} in the sidebar, the Features page shows it."
+        )
+        st.page_link("views/features.py", label="Open the Features page", icon=":material/scatter_plot:")
+
+
 @st.fragment(run_every=1.0 if live else None)
 def live_view() -> None:
     run = runs.training_runs().get(run_id)
@@ -203,6 +267,9 @@ def live_view() -> None:
 
     history = run.history
     steps, epochs_done = history["steps"], history["epochs"]
+    if isinstance(run.config, SAETrainConfig):
+        sae_view(run, steps)
+        return
     columns = st.columns(4)
     columns[0].metric("Step", f"{steps[-1]['step']} / {steps[-1]['total_steps']}" if steps else "0")
     columns[1].metric("Training loss", f"{steps[-1]['loss']:.3f}" if steps else "-")

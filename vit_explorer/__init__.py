@@ -7,11 +7,13 @@ import os
 # CPU-seconds instead of 0.13-0.2, and a ViT-B/16 pass 2.5x the wall time. An explicit setting wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from . import analysis, figures
+from . import analysis, features, figures
 from .analysis.head_types import HeadTypes, classify_heads
 from .analysis.test_time_registers import RegisterNeurons, TestTimeRegister, find_register_neurons, register_capture
 from .data.datasets import SHAPE_CLASSES, DatasetError, load_dataset, shapes_sample
 from .data.images import InvalidImageError, load_image, preprocess
+from .features.sae import SAEError, SparseAutoencoder, load_sae
+from .features.steering import Steering
 from .model.ablation import HeadSweep, KnockOut, head_sweep, sweep_cost
 from .model.capture import Capture, capture, layer_attention, layer_attentions, layer_internals
 from .model.config import PRESETS, TrainConfig, ViTConfig
@@ -26,6 +28,7 @@ __all__ = [
     "layer_attention", "layer_attentions",
     "KnockOut", "HeadSweep", "head_sweep", "sweep_cost", "HeadTypes", "classify_heads",
     "TestTimeRegister", "RegisterNeurons", "find_register_neurons", "register_capture",
+    "SparseAutoencoder", "SAEError", "load_sae", "Steering",
     "CheckpointError", "load_model", "load_pretrained", "resize_model", "save_model",
     "InvalidImageError", "load_image", "preprocess",
     "PRESETS", "SHAPE_CLASSES", "DatasetError", "load_dataset", "shapes_sample",

@@ -75,7 +75,7 @@ def test_a_plain_run_name_names_the_checkpoint(tmp_path):
 
 
 def test_patch_sizes_are_parsed_and_a_bad_list_is_refused(capsys):
-    from vit_explorer.cli import _patch_sizes
+    from vit_explorer.cli.train import _patch_sizes
 
     assert _patch_sizes("4,8,16") == (4, 8, 16) and _patch_sizes("8, 4,") == (8, 4) and _patch_sizes(" ") is None
     with pytest.raises(SystemExit):

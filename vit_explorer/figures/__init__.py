@@ -15,6 +15,7 @@ from .compare import side_heads_grid, side_point_picker, side_token_pca, side_to
 from .embeddings import (
     embedding_filters_figure, position_similarity_grid, token_matrix, token_norms_figure, token_pca_image,
 )
+from .features import explained_map, latent_bars, latent_gallery, latent_histogram, latent_map
 from .files import FigureExportError, find_browser, write_figures
 from .head_types import LABEL_STYLES, head_maps_grid, head_types_grid
 from .image_set import correspondence_grid, dense_pca_grid, foreground_pca_grid, norm_outliers_grid
@@ -27,7 +28,7 @@ from .patches import image_with_grid, input_image, patch_picker, patch_sequence,
 from .predictions import logit_lens_figure, topk_bar
 from .registers import attention_drawn_figure, norms_by_layer_figure, register_neurons_figure, register_norms_figure
 from .rope import offset_scores_figure, rotation_angles_figure
-from .training import accuracy_by_image_size_figure, training_curves
+from .training import accuracy_by_image_size_figure, sae_curves, training_curves
 
 __all__ = [
     "ATTENTION_SCALE", "SIMILARITY_SCALE", "VALUE_SCALE", "colour_mapped", "image_data_uri", "token_labels",
@@ -36,6 +37,7 @@ __all__ = [
     "side_heads_grid", "side_point_picker", "side_token_pca", "side_topk",
     "embedding_filters_figure", "position_similarity_grid", "token_matrix", "token_norms_figure",
     "token_pca_image",
+    "explained_map", "latent_bars", "latent_gallery", "latent_histogram", "latent_map",
     "FigureExportError", "find_browser", "write_figures",
     "LABEL_STYLES", "head_maps_grid", "head_types_grid",
     "correspondence_grid", "dense_pca_grid", "foreground_pca_grid", "norm_outliers_grid",
@@ -46,5 +48,5 @@ __all__ = [
     "logit_lens_figure", "topk_bar",
     "attention_drawn_figure", "norms_by_layer_figure", "register_neurons_figure", "register_norms_figure",
     "offset_scores_figure", "rotation_angles_figure",
-    "accuracy_by_image_size_figure", "training_curves",
+    "accuracy_by_image_size_figure", "sae_curves", "training_curves",
 ]

@@ -1,4 +1,5 @@
-"""Training: loss, accuracy and learning-rate curves of a run; its accuracy at each input size."""
+"""Training: loss, accuracy and learning-rate curves of a run; its accuracy at each input size; a sparse
+autoencoder run's curves."""
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -87,3 +88,35 @@ def accuracy_by_image_size_figure(series: Mapping[str, Mapping[tuple[int, int], 
         margin={**MARGIN, "l": 60}, legend=dict(orientation="h", y=-0.25), height=360,
     )
     return figure(traces, layout)
+
+
+def sae_curves(history: Mapping | None) -> go.Figure:
+    """A sparse autoencoder run's curves (``TrainingRun.history``'s steps): the share of the tokens'
+    variance it explains and its reconstruction error, the latents active per token (L0) and the
+    share of latents that have stopped firing."""
+    steps = (history or {}).get("steps", [])
+    grid, cells = _subplots(
+        1, 4, ("explained variance", "reconstruction error (MSE)", "L0: active latents per token", "dead latents"),
+        horizontal_spacing=0.07,
+    )
+    x = [record["step"] for record in steps]
+    line = dict(type="scatter", mode="lines", line=dict(color="#4c78a8"), showlegend=False)
+    traces = [
+        _on_axes(dict(x=x, y=[record[name] for record in steps], name=name, **line), cells[1, column])
+        for column, name in enumerate(("explained_variance", "mse", "l0", "dead_share"), start=1)
+    ]
+    for suffix in cells.values():
+        grid[f"xaxis{suffix}"]["title"] = dict(text="step")
+    grid[f"yaxis{cells[1, 1]}"]["range"] = [0, 1]
+    grid[f"yaxis{cells[1, 4]}"].update(range=[0, 1], tickformat=".0%")
+    if steps:
+        latest = steps[-1]
+        title = (
+            f"Sparse autoencoder: step {latest['step']} of {latest['total_steps']}, explains"
+            f" {latest['explained_variance']:.1%} of the variance, L0 {latest['l0']:.1f},"
+            f" {latest['dead_share']:.1%} of the latents dead"
+        )
+    else:
+        title = "Sparse autoencoder curves (nothing logged yet)"
+    grid.update(title=_title(title), margin=MARGIN)
+    return figure(traces, grid)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from einops import rearrange
@@ -62,7 +63,7 @@ def _layer_indices(layers: Sequence[int] | None, depth: int) -> tuple[int, ...]:
 def capture(
     model: ViT, images: torch.Tensor, layers: Sequence[int] | None = None,
     attention_dtype: torch.dtype = torch.float32, internals: int | None = None,
-    knock_out: KnockOut | None = None, intact: Capture | None = None,
+    knock_out: KnockOut | None = None, intact: Capture | None = None, steering: Any = None,
 ) -> Capture:
     """Run ``model`` on normalized ``images`` (B, C, H, W) in eval mode without gradients.
 
@@ -78,12 +79,14 @@ def capture(
     heads and branches from this pass only: everything recorded is the ablated pass's. Under a
     test-time register (``TestTimeRegister.applied``, or ``test_time_registers.register_capture``)
     everything recorded is that pass's, its extra token among the prefix tokens
-    (``Capture.register_token`` says which it is).
+    (``Capture.register_token`` says which it is). ``steering`` (a
+    :class:`vit_explorer.features.steering.Steering`) scales some sparse-autoencoder latents in the
+    tokens leaving its layer, in this pass only; it composes with a knock-out.
 
-    ``intact`` (with ``knock_out``): the capture of the same model and images without it, with the
-    same ``layers`` and ``attention_dtype``. The layers before the first one the knock-out changes
-    run exactly as in that pass, so they are not run again: the pass starts from its tokens
-    entering that layer, and their tokens and attention are its (same numbers, fewer blocks).
+    ``intact`` (with ``knock_out`` or ``steering``): the capture of the same model and images
+    without them, with the same ``layers`` and ``attention_dtype``. The layers before the first one
+    they change run exactly as in that pass, so they are not run again: the pass starts from its
+    tokens entering that layer, and their tokens and attention are its (same numbers, fewer blocks).
     """
     config = model.config
     indices = _layer_indices(layers, config.depth)
@@ -92,12 +95,13 @@ def capture(
         images = images.unsqueeze(0)
     parameter = next(model.parameters())
     images = images.to(parameter.device)
-    start = _resume_layer(intact, knock_out, indices, attention_dtype, images, opened)
+    start = _resume_layer(intact, knock_out, steering, indices, attention_dtype, images, opened)
 
     recorded = tuple(layer for layer in indices if layer >= start)
     recorder = Recorder(model, recorded, tokens=True, attention_dtype=attention_dtype, internals=opened)
     ablating = nullcontext() if knock_out is None else knock_out.applied(model)
-    with torch.no_grad(), eval_mode(model), recording(recorder), ablating:
+    steered = nullcontext() if steering is None else steering.applied()
+    with torch.no_grad(), eval_mode(model), recording(recorder), ablating, steered:
         if start == 0:
             logits = model(images)
         else:
@@ -139,17 +143,22 @@ def capture(
 
 
 def _resume_layer(
-    intact: Capture | None, knock_out: KnockOut | None, indices: tuple[int, ...],
+    intact: Capture | None, knock_out: KnockOut | None, steering: Any, indices: tuple[int, ...],
     attention_dtype: torch.dtype, images: torch.Tensor, opened: int | None,
 ) -> int:
-    """The layer a knocked-out capture starts from given the ``intact`` capture (0: from the image)."""
-    if intact is None or knock_out is None or knock_out.is_empty:
+    """The layer a knocked-out or steered capture starts from given the ``intact`` capture (0: from
+    the image): the first layer either changes (a steered layer's block runs, then is edited)."""
+    knocking = knock_out is not None and not knock_out.is_empty
+    if intact is None or not (knocking or steering is not None):
         return 0
     if intact.layers != indices or intact.attentions.dtype != attention_dtype:
         raise ValueError("the intact capture must record the same layers in the same dtype")
     if intact.tokens.shape[0] != images.shape[0] or intact.patches.shape[0] != images.shape[0]:
         raise ValueError("the intact capture must be of the same images")
-    start = knock_out.first_layer()
+    start = min(
+        knock_out.first_layer() if knocking else intact.tokens.shape[1] - 1,
+        steering.layer if steering is not None else intact.tokens.shape[1] - 1,
+    )
     return start if opened is None else min(start, opened)
 
 

@@ -29,6 +29,10 @@ ACTIVE_KNOCKOUT: ContextVar[Any] = ContextVar("vit_explorer_knockout", default=N
 # vit_explorer.analysis.test_time_registers): one more token after the prefix tokens, and some MLP units'
 # activations moved into it, for that pass only.
 ACTIVE_REGISTER: ContextVar[Any] = ContextVar("vit_explorer_register", default=None)
+# The steering of the forward pass running in this context, if one asked (see
+# vit_explorer.features.steering): the tokens leaving one block edited (some sparse-autoencoder
+# latents scaled) before the next block reads them, for that pass only.
+ACTIVE_STEERING: ContextVar[Any] = ContextVar("vit_explorer_steering", default=None)
 
 
 def active(variable: ContextVar[Any]) -> Any:
@@ -554,9 +558,12 @@ class ViT(nn.Module):
         earlier layers' tokens of an intact pass instead of running them again. ``grid_size``: the
         patch grid the tokens come from (default: the config's), which rotary positions need."""
         recorder = active(ACTIVE_RECORDER)
+        steering = active(ACTIVE_STEERING)
         rope = self.rope_tables(grid_size)
-        for block in self.blocks[start:]:
+        for layer, block in enumerate(self.blocks[start:], start):
             x = block(x, rope)
+            if steering is not None and steering.layer == layer:
+                x = steering.edit(self, x)
             if recorder is not None:
                 recorder.tokens(self, x)
         return self.norm(x)

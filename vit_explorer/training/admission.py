@@ -18,8 +18,11 @@ from pathlib import Path
 import torch
 
 from ..data.datasets import SHAPE_CLASSES
-from ..model.config import TrainConfig
+from ..features.train import CAPTURE_TOKENS, SAETrainConfig
+from ..model.config import TrainConfig, ViTConfig
 from ..model.vit import ViT
+from ..weights import CheckpointError, load_metadata, load_model
+from ..weights.project import saved_config
 from .train import EVAL_BATCH, model_config, resolve_device, smallest_patch_config
 
 GB = 2**30
@@ -96,8 +99,50 @@ def _forward_floats(
     return (block + 2 * batch * heads * tokens**2) * (depth + 1)
 
 
-def estimate_memory(config: TrainConfig) -> MemoryEstimate:
+@functools.lru_cache(maxsize=16)
+def _model_config(path: str, stamp: float) -> ViTConfig:
+    """The config of the model a sparse autoencoder run reads: from our file's header, else (a
+    timm, torchvision or Hugging Face file) from the model loaded once."""
+    try:
+        fields = saved_config(load_metadata(path), Path(path).name)
+    except CheckpointError:
+        fields = None
+    return ViTConfig.from_dict(fields) if fields is not None else load_model(path).config
+
+
+def estimate_sae_memory(config: SAETrainConfig) -> MemoryEstimate:
+    """An upper bound on a sparse autoencoder run's peak memory: the model, the dictionary with
+    its gradients and Adam's two moments, one step's latents, the tokens held at once (at most
+    ``buffer_bytes``) and one capturing pass. RunRefused: no readable model there, or no such layer."""
+    path = config.weights_path
+    try:
+        vit = _model_config(str(path), path.stat().st_mtime)
+    except (CheckpointError, OSError) as error:
+        raise RunRefused(f"The model to read cannot be loaded: {error}") from None
+    if not 0 <= config.layer < vit.depth:
+        raise RunRefused(f"Layer {config.layer} does not exist: the model has layers 0..{vit.depth - 1}.")
+    if config.image_size is not None:
+        vit = vit.replace(image_size=config.image_size)
+    width, dim = config.expansion * vit.embed_dim, vit.embed_dim
+    per_image = vit.num_tokens if config.prefix_tokens else vit.num_patches
+    dictionary = 4 * 4 * (2 * width * dim + width + dim)  # parameters, gradients, two Adam moments
+    # Pre-activations, the kept latents, their gradients and AuxK's residual pass, per token of a step.
+    step = 4 * 6 * config.batch_size * width
+    capture_batch = max(1, CAPTURE_TOKENS // vit.num_tokens)
+    capture = inference_memory(vit, capture_batch) - BASELINE_BYTES - 4 * _parameter_count(vit)
+    tokens = min(config.buffer_bytes, 4 * config.images * per_image * dim)
+    height, width_px = vit.img_size
+    pixels = config.images * vit.in_chans * height * width_px if config.dataset != "shapes" else 0
+    return MemoryEstimate(
+        baseline=BASELINE_BYTES, model=4 * _parameter_count(vit) + dictionary, activations=max(step, capture),
+        data=tokens + pixels,
+    )
+
+
+def estimate_memory(config: TrainConfig | SAETrainConfig) -> MemoryEstimate:
     """An upper bound on ``config``'s peak memory, from the config alone (nothing is allocated)."""
+    if isinstance(config, SAETrainConfig):
+        return estimate_sae_memory(config)
     train_n, test_n, classes = _dataset_sizes(config)
     vit = model_config(config).replace(num_classes=classes, class_names=None)
     height, width = vit.img_size
@@ -188,14 +233,20 @@ def _gb(size: int) -> str:
     return f"{size / GB:.1f} GB"
 
 
-def admit(config: TrainConfig, limits: Limits) -> MemoryEstimate:
+def admit(config: TrainConfig | SAETrainConfig, limits: Limits) -> MemoryEstimate:
     """The run's estimate if it fits; else RunRefused with the estimate, the limit and what to lower."""
     estimate = estimate_memory(config)
-    vit = smallest_patch_config(config)
-    lower = (
-        f"lower the batch size ({config.batch_size}), use a larger patch size (patch {vit.patch_size}"
-        f" gives {vit.num_tokens} tokens per image) or a smaller dim or depth ({vit.embed_dim}, {vit.depth})"
-    )
+    if isinstance(config, SAETrainConfig):
+        lower = (
+            f"lower the latents per dimension ({config.expansion}), the tokens per step ({config.batch_size})"
+            f" or the images ({config.images})"
+        )
+    else:
+        vit = smallest_patch_config(config)
+        lower = (
+            f"lower the batch size ({config.batch_size}), use a larger patch size (patch {vit.patch_size}"
+            f" gives {vit.num_tokens} tokens per image) or a smaller dim or depth ({vit.embed_dim}, {vit.depth})"
+        )
     if estimate.total > limits.memory:
         raise RunRefused(
             f"This run would need about {_gb(estimate.total)} of memory, more than the"

@@ -1,6 +1,8 @@
 """A training run in the background: on a thread, or in a process of its own that any server follows.
 
-``TrainingRun`` runs ``train.train`` and keeps a thread-safe view of its events. A run process
+``TrainingRun`` runs ``train.train`` (a ViT's run, a TrainConfig) or ``features.train.train_sae``
+(a sparse autoencoder's, an SAETrainConfig: the run's ``kind``) and keeps a thread-safe view of
+its events. A run process
 (``_train_in_child``) appends its events to files beside its checkpoint (``run_files``): every
 process on the runs folder can follow them (``TrainingRun.follow``) and ask the run to stop (its
 stop file). The process keeps to the memory admission granted it (``admission.limit_memory``).
@@ -17,13 +19,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from ..features.train import SAEDoneEvent, SAEStepEvent, SAETrainConfig, train_sae
 from ..model.config import TrainConfig
 from ..resources import child_python_path
 from .admission import limit_memory, memory_status
@@ -32,6 +35,28 @@ from .train import (
     DoneEvent, EpochEvent, Event, SnapshotEvent, StepEvent, TrainingError, check_run_name, checkpoint_paths,
     resolve_device, saved_history, saved_run, train,
 )
+
+
+RunConfig = TrainConfig | SAETrainConfig
+KINDS = {"vit": TrainConfig, "sae": SAETrainConfig}  # a run's kind, as its record and its process name it
+# Events-file names of the events that are not a ViT run's snapshot
+EVENT_NAMES = {StepEvent: "step", EpochEvent: "epoch", DoneEvent: "done", SAEStepEvent: "sae_step",
+               SAEDoneEvent: "sae_done"}
+
+
+def run_kind(config: RunConfig) -> str:
+    return "sae" if isinstance(config, SAETrainConfig) else "vit"
+
+
+def run_config(kind: str, data: dict) -> RunConfig:
+    """A run's config from its record or spec; ValueError for an unknown kind or field."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown kind of run {kind!r}")
+    return KINDS[kind].from_dict(data)
+
+
+def _events(config: RunConfig, stop) -> Iterator[Event]:
+    return train_sae(config, stop=stop) if isinstance(config, SAETrainConfig) else train(config, stop=stop)
 
 
 def readable_error(error: BaseException) -> str:
@@ -88,7 +113,7 @@ def _oom_kills() -> int | None:
 FOLLOW_SECONDS = 0.25  # how often a run's events file and its process are looked at
 
 
-def run_files(config: TrainConfig) -> dict[str, Path]:
+def run_files(config: RunConfig) -> dict[str, Path]:
     """A run's shared files beside its checkpoint, which any process on the runs folder can
     follow: its events (JSON lines appended by the run), its latest attention snapshot (replaced
     whole) and the stop request anyone may leave."""
@@ -100,7 +125,7 @@ def run_files(config: TrainConfig) -> dict[str, Path]:
     }
 
 
-def has_ended(config: TrainConfig) -> bool:
+def has_ended(config: RunConfig) -> bool:
     """Whether a run's events file ends with its "end" line (its last few hundred bytes)."""
     try:
         with open(run_files(config)["events"], "rb") as file:
@@ -113,7 +138,7 @@ def has_ended(config: TrainConfig) -> bool:
 class EventLog:
     """Writes a run's events to its files (see run_files): one whole line per event, flushed."""
 
-    def __init__(self, config: TrainConfig):
+    def __init__(self, config: RunConfig):
         self.files = run_files(config)
         self._file = open(self.files["events"], "a", encoding="utf-8")  # noqa: SIM115 (closed in close)
 
@@ -135,8 +160,7 @@ class EventLog:
             os.replace(temporary, path)  # a reader loads the old snapshot or the new, never half of one
             self._append({"event": "snapshot", "step": event.step})
         else:
-            kind = {StepEvent: "step", EpochEvent: "epoch", DoneEvent: "done"}[type(event)]
-            self._append({"event": kind, **asdict(event)})
+            self._append({"event": EVENT_NAMES[type(event)], **asdict(event)})
 
     def end(self, error: str | None, peak_rss: int | None) -> None:
         """The last line: why the run failed (None: it did not) and its process's peak memory."""
@@ -189,7 +213,7 @@ def _decoded(record: dict, snapshot: Path) -> Event | None:
             by_patch = record.get("test_accuracy_by_patch_size")
             if by_patch is not None:
                 record["test_accuracy_by_patch_size"] = {int(patch): value for patch, value in by_patch.items()}
-        return {"step": StepEvent, "epoch": EpochEvent, "done": DoneEvent}[kind](**record)
+        return {name: event for event, name in EVENT_NAMES.items()}[kind](**record)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
@@ -213,7 +237,7 @@ def _train_in_child(spec_json: str) -> None:
     spec = json.loads(spec_json)
     run_below_the_servers()
     torch.set_num_threads(spec["threads"])
-    config = TrainConfig.from_json(spec["config"])
+    config = run_config(spec["kind"], json.loads(spec["config"]))
     memory_limit = spec["memory_limit"]
     log = EventLog(config)
     stop = run_files(config)["stop"]
@@ -221,7 +245,7 @@ def _train_in_child(spec_json: str) -> None:
     try:
         if memory_limit is not None and resolve_device(config.device).type == "cpu":
             limit_memory(memory_limit)
-        for event in train(config, stop=_StopRequest(stop)):
+        for event in _events(config, _StopRequest(stop)):
             log.write(event)
     except BaseException as failure:  # whoever follows the run reads why; the process then ends normally
         error = readable_error(failure)
@@ -254,7 +278,7 @@ class TrainingRun:
     """
 
     def __init__(
-        self, config: TrainConfig, *, process: bool = False, threads: int = 1,
+        self, config: RunConfig, *, process: bool = False, threads: int = 1,
         memory_limit: int | None = None, on_end: Callable[[], None] | None = None, publish: bool = False,
     ):
         self.config = config
@@ -275,10 +299,10 @@ class TrainingRun:
         self._steps: list[dict] = []
         self._epochs: list[dict] = []
         self._latest_snapshot: SnapshotEvent | None = None
-        self._done: DoneEvent | None = None
+        self._done: DoneEvent | SAEDoneEvent | None = None
         self._progress = 0.0
         self._pace_from: tuple[float, float] | None = None  # (time, progress) at the first step
-        if config.resume:
+        if isinstance(config, TrainConfig) and config.resume:
             with contextlib.suppress(TrainingError, OSError):
                 self._steps, self._epochs = saved_history(checkpoint_paths(config)["checkpoint"])
 
@@ -337,7 +361,8 @@ class TrainingRun:
         files["events"].write_bytes(b"")  # a run of the same name before: its events are not this one's
         files["stop"].unlink(missing_ok=True)
         spec = json.dumps({
-            "config": self.config.to_json(), "threads": self._threads, "memory_limit": self._memory_limit,
+            "kind": run_kind(self.config), "config": self.config.to_json(), "threads": self._threads,
+            "memory_limit": self._memory_limit,
         })
         return subprocess.Popen(
             [sys.executable, "-c", "import sys; from vit_explorer.training.run import _train_in_child;"
@@ -378,7 +403,7 @@ class TrainingRun:
 
     def _record(self, event: Event) -> None:
         with self._lock:
-            if isinstance(event, StepEvent):
+            if isinstance(event, (StepEvent, SAEStepEvent)):
                 self._steps.append(asdict(event))
                 self._progress = event.step / event.total_steps
                 if self._pace_from is None:
@@ -408,7 +433,7 @@ class TrainingRun:
             if self._publish:
                 run_files(self.config)["events"].parent.mkdir(parents=True, exist_ok=True)
                 log = EventLog(self.config)
-            for event in train(self.config, stop=self._stop):
+            for event in _events(self.config, self._stop):
                 self._record(event)
                 if log is not None:
                     log.write(event)
@@ -538,11 +563,21 @@ class TrainingRun:
 
     @property
     def checkpoint(self) -> str | None:
-        """The checkpoint's path once the run has written its final one."""
+        """The checkpoint's path once the run has written its final one (a sparse autoencoder's
+        dictionary)."""
         with self._lock:
+            if isinstance(self._done, SAEDoneEvent):
+                return self._done.path
             return self._done.checkpoint if self._done is not None else None
 
     @property
     def test_accuracy(self) -> float | None:
+        """A ViT run's test accuracy once it has ended (None for a sparse autoencoder's)."""
         with self._lock:
-            return self._done.test_accuracy if self._done is not None else None
+            return self._done.test_accuracy if isinstance(self._done, DoneEvent) else None
+
+    @property
+    def metrics(self) -> dict | None:
+        """A sparse autoencoder run's final metrics once it has ended (explained variance, L0, ...)."""
+        with self._lock:
+            return self._done.metrics if isinstance(self._done, SAEDoneEvent) else None

@@ -22,9 +22,8 @@ import threading
 import time
 from pathlib import Path
 
-from ..model.config import TrainConfig
 from .admission import Limits, RunRefused, admit
-from .run import TrainingRun, has_ended, process_identity, run_files
+from .run import RunConfig, TrainingRun, has_ended, process_identity, run_config, run_files, run_kind
 from .train import TrainingError
 
 MAX_LISTED_RUNS = 50  # ended runs kept in the list (their files stay in the runs folder)
@@ -109,7 +108,7 @@ class RunManager:
     def _read_record(self, path: Path) -> dict | None:
         try:
             record = json.loads(path.read_text())
-            record["config"] = TrainConfig.from_dict(record["config"])
+            record["config"] = run_config(record.get("kind", "vit"), record["config"])
             owner, number = record["owner"], record["number"]
             if not (isinstance(owner, str) and isinstance(number, int)):
                 raise ValueError("owner or number of the wrong type")
@@ -202,7 +201,7 @@ class RunManager:
 
     # --- runs ---------------------------------------------------------------------------------
 
-    def launch(self, config: TrainConfig, owner: str) -> str:
+    def launch(self, config: RunConfig, owner: str) -> str:
         """Admit ``config`` and start it, or queue it; its id. RunRefused says why not."""
         estimate = admit(config, self.limits)
         with self._folder_lock():
@@ -215,11 +214,13 @@ class RunManager:
                 )
             number = max(self._seen, default=0) + 1
             run_id = f"run {number}"
-            name = f"app_{config.dataset.split(':')[0]}_{time.strftime('%Y%m%d-%H%M%S')}_{number}"
+            prefix = "app" if run_kind(config) == "vit" else "sae"
+            name = f"{prefix}_{config.dataset.split(':')[0]}_{time.strftime('%Y%m%d-%H%M%S')}_{number}"
             config = config.replace(out_dir=str(self.runs_dir), name=name)
             record = self.runs_dir / f"{name}{RECORD_SUFFIX}"
             self._write_record(record, {
-                "number": number, "owner": owner, "config": config.to_dict(), "estimate": estimate.total,
+                "number": number, "owner": owner, "kind": run_kind(config), "config": config.to_dict(),
+                "estimate": estimate.total,
                 "launched": time.time(), "pid": None, "started": None,
             })
             self._seen.add(number)
@@ -329,7 +330,8 @@ def stop_every_run(runs_dir: str | Path, timeout: float) -> int:
         for path in runs_dir.glob(f"*{RECORD_SUFFIX}"):
             try:
                 record = json.loads(path.read_text())
-                pid, started, files = record["pid"], record["started"], run_files(TrainConfig.from_dict(record["config"]))
+                config = run_config(record.get("kind", "vit"), record["config"])
+                pid, started, files = record["pid"], record["started"], run_files(config)
             except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
                 continue  # not a record this server can act on
             if pid is None:

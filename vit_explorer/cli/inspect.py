@@ -1,4 +1,5 @@
-"""Command line: vit-explorer (or python -m vit_explorer) train | evaluate | inspect | app | serve."""
+"""python -m vit_explorer inspect: a ViT on one image, its attention figures, tensors and head types
+written to a folder."""
 from __future__ import annotations
 
 import argparse
@@ -8,197 +9,8 @@ from pathlib import Path
 from typing import Any
 
 
-def _patch_sizes(text: str) -> tuple[int, ...] | None:
-    """--patch-sizes 4,8,16 -> (4, 8, 16); argparse shows a bad list as a usage error."""
-    from .model.config import parse_patch_sizes
-
-    try:
-        return parse_patch_sizes(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-
-
-def _add_train(subparsers) -> None:
-    from .model.config import POSITIONS, PRESETS, TrainConfig
-
-    defaults = TrainConfig()
-    parser = subparsers.add_parser(
-        "train", help="train a ViT and write a checkpoint",
-        description="Train a ViT and write DIR/<name>.safetensors with a .json history beside it."
-        " Under `torchrun --nproc_per_node=N` it trains data-parallel. Ctrl-C stops after the"
-        " current step and still writes the checkpoint (continue with --resume).",
-    )
-    parser.add_argument("--dataset", default=defaults.dataset,
-                        help="shapes (built in), cifar10, mnist, fashionmnist, or folder:PATH"
-                        " (a folder of class sub-folders); default shapes")
-    parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model size (default tiny)")
-    for flag, help_text in (
-        ("--patch-size", "patch size in pixels"), ("--embed-dim", "token width"),
-        ("--depth", "number of blocks"), ("--heads", "attention heads"),
-        ("--image-size", "image size (default: the dataset's)"),
-    ):
-        parser.add_argument(flag, type=int, help=f"{help_text}; overrides the preset")
-    parser.add_argument("--mlp-ratio", type=float, help="MLP width / token width; overrides the preset")
-    parser.add_argument("--patch-sizes", type=_patch_sizes, metavar="P,P,...",
-                        help="FlexiViT: train each step at a patch size drawn from these (e.g. 4,8,16),"
-                        " resizing the --patch-size weights on the fly, so that one model works at all")
-    parser.add_argument("--positions", default=defaults.positions, choices=POSITIONS,
-                        help="learned: position embeddings, resampled for another image size; rotary:"
-                        " DINOv3's rotary positions, which follow any grid (default learned)")
-    parser.add_argument("--epochs", type=int, default=defaults.epochs)
-    parser.add_argument("--batch-size", type=int, default=defaults.batch_size, help="per process")
-    parser.add_argument("--lr", type=float, default=defaults.lr, help="peak learning rate")
-    parser.add_argument("--weight-decay", type=float, default=defaults.weight_decay)
-    parser.add_argument("--warmup-steps", type=int, default=defaults.warmup_steps)
-    parser.add_argument("--label-smoothing", type=float, default=defaults.label_smoothing)
-    parser.add_argument("--no-augment", action="store_true", help="no random crops and flips")
-    parser.add_argument("--train-size", type=int, help="training images (default: shapes 16000, others all)")
-    parser.add_argument("--test-size", type=int, help="test images (default: shapes 2000, others all)")
-    parser.add_argument("--seed", type=int, default=defaults.seed)
-    parser.add_argument("--device", default="auto", help="auto (cuda, then mps, then cpu), cpu, cuda, mps")
-    parser.add_argument("--precision", default="auto", choices=("auto", "bf16", "fp32"),
-                        help="auto: bf16 autocast on CUDA, fp32 elsewhere")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the model")
-    parser.add_argument("--data-root", help="where datasets are downloaded (default ~/.cache/vit_explorer/data)")
-    parser.add_argument("--out", default=defaults.out_dir, help="folder for the checkpoint (default runs)")
-    parser.add_argument("--name", help="checkpoint file name without extension (default vit_<dataset>)")
-    parser.add_argument("--resume", action="store_true", help="continue the interrupted run in --out")
-    parser.set_defaults(run=_run_train)
-
-
-def _train_config(args: argparse.Namespace):
-    from .data.datasets import check_dataset_name, native_image_size
-    from .model.config import PRESETS, TrainConfig, ViTConfig
-    from .training.train import check_run_name
-
-    check_dataset_name(args.dataset)
-    if args.name:
-        check_run_name(args.name)  # before any work: its files must stay in --out
-    overrides = {
-        field: value for field, value in (
-            ("patch_size", args.patch_size), ("embed_dim", args.embed_dim), ("depth", args.depth),
-            ("num_heads", args.heads), ("mlp_ratio", args.mlp_ratio),
-        ) if value is not None
-    }
-    model = args.preset
-    if overrides:
-        # Classes and normalization are placeholders here; training takes them from the data.
-        image_size = args.image_size or native_image_size(args.dataset)
-        model = ViTConfig(image_size=image_size, **{**PRESETS[args.preset], **overrides})
-    return TrainConfig(
-        dataset=args.dataset, model=model, image_size=args.image_size, epochs=args.epochs,
-        batch_size=args.batch_size, lr=args.lr, weight_decay=args.weight_decay,
-        warmup_steps=args.warmup_steps, label_smoothing=args.label_smoothing, seed=args.seed,
-        device=args.device, precision=args.precision, compile=args.compile,
-        augment=not args.no_augment, data_root=args.data_root, out_dir=args.out, name=args.name,
-        train_size=args.train_size, test_size=args.test_size, resume=args.resume,
-        patch_sizes=args.patch_sizes, positions=args.positions,
-    )
-
-
-def _run_train(args: argparse.Namespace) -> int:
-    import os
-    import signal
-    import threading
-
-    from tqdm import tqdm
-
-    from .training.train import DoneEvent, EpochEvent, StepEvent, model_config, train
-
-    config = _train_config(args)
-    model_config(config)  # patch sizes that do not tile the images fail here, in one sentence
-    show = int(os.environ.get("RANK", "0")) == 0  # under torchrun only rank 0 reports
-    stop = threading.Event()
-    previous = signal.getsignal(signal.SIGINT)
-    if threading.current_thread() is threading.main_thread():
-        # The first Ctrl-C ends training after the current step, checkpoint included; a
-        # second one interrupts at once.
-        signal.signal(signal.SIGINT, lambda signum, frame: (stop.set(), signal.signal(signal.SIGINT, previous)))
-    bar = None  # one progress bar per epoch; the first opens at the first reported step
-    try:
-        for event in train(config, stop=stop):
-            if not show:
-                continue
-            if isinstance(event, StepEvent):
-                steps_per_epoch = event.total_steps // config.epochs
-                done = event.step - (event.epoch - 1) * steps_per_epoch
-                if bar is None:
-                    bar = tqdm(total=steps_per_epoch, initial=done, unit="step",
-                               desc=f"epoch {event.epoch}/{config.epochs}")
-                bar.update(done - bar.n)
-                bar.set_postfix(loss=f"{event.loss:.3f}", acc=f"{event.accuracy:.3f}",
-                                img_s=f"{event.images_per_s:.0f}")
-            elif isinstance(event, EpochEvent):
-                bar.close()
-                bar = None
-                if event.epoch < event.epochs:
-                    bar = tqdm(total=steps_per_epoch, unit="step", desc=f"epoch {event.epoch + 1}/{event.epochs}")
-                tqdm.write(
-                    f"epoch {event.epoch}/{event.epochs}: train loss {event.train_loss:.4f},"
-                    f" train accuracy {event.train_accuracy:.4f}, test loss {event.test_loss:.4f},"
-                    f" test accuracy {event.test_accuracy:.4f} ({event.seconds:.1f} s)"
-                )
-            elif isinstance(event, DoneEvent):
-                how = "stopped early" if event.stopped else "trained"
-                tqdm.write(f"{how} in {event.seconds:.1f} s: test accuracy {event.test_accuracy:.4f},"
-                      f" checkpoint {event.checkpoint}")
-                for patch, accuracy in (event.test_accuracy_by_patch_size or {}).items():
-                    tqdm.write(f"  at patch {patch}: test accuracy {accuracy:.4f}")
-    finally:
-        if bar is not None:
-            bar.close()
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGINT, previous)
-    return 0
-
-
-def _add_evaluate(subparsers) -> None:
-    parser = subparsers.add_parser(
-        "evaluate", help="print a checkpoint's test accuracy",
-        description="Evaluate a checkpoint on a dataset's test split; the last line is `accuracy: X`.",
-    )
-    parser.add_argument("--weights", required=True, help="checkpoint file (.safetensors)")
-    parser.add_argument("--dataset", default="shapes",
-                        help="shapes, cifar10, mnist, fashionmnist, or folder:PATH; default shapes")
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, mps")
-    parser.add_argument("--data-root", help="where datasets are downloaded (default ~/.cache/vit_explorer/data)")
-    parser.add_argument("--test-size", type=int, help="evaluate on the first N test images (default all;"
-                        " shapes: 2000 freshly rendered)")
-    parser.add_argument("--batch-size", type=int, default=500)
-    parser.add_argument("--patch-size", type=int,
-                        help="evaluate at this patch size, the weights resized to it (FlexiViT PI-resize);"
-                        " default the model's own")
-    parser.add_argument("--image-size", type=int,
-                        help="evaluate at this image size (learned position embeddings resampled, rotary"
-                        " positions as they are; shapes renders its test images at that size, other datasets'"
-                        " are resized); default the model's own")
-    parser.set_defaults(run=_run_evaluate)
-
-
-def _run_evaluate(args: argparse.Namespace) -> int:
-    from .training.evaluation import evaluate_checkpoint
-
-    if args.batch_size < 1 or (args.test_size is not None and args.test_size < 1):
-        raise ValueError("--batch-size and --test-size must be at least 1")
-    for flag, value in (("--patch-size", args.patch_size), ("--image-size", args.image_size)):
-        if value is not None and value < 1:
-            raise ValueError(f"{flag} must be at least 1, not {value}")
-    accuracy, count, config = evaluate_checkpoint(
-        args.weights, args.dataset, device=args.device, data_root=args.data_root,
-        test_size=args.test_size, batch_size=args.batch_size, patch_size=args.patch_size,
-        image_size=args.image_size,
-    )
-    (height, width), (grid_h, grid_w) = config.img_size, config.grid_size
-    print(
-        f"{Path(args.weights).name} at {height}x{width} px, patch {config.patch_size} ({grid_h}x{grid_w} grid),"
-        f" on the {args.dataset} test split ({count} images)"
-    )
-    print(f"accuracy: {accuracy:.4f}")
-    return 0
-
-
-def _add_inspect(subparsers) -> None:
-    from .training.train import DEFAULT_WEIGHTS
+def add_inspect(subparsers) -> None:
+    from ..training.train import DEFAULT_WEIGHTS
 
     parser = subparsers.add_parser(
         "inspect", help="write attention figures for an image",
@@ -245,10 +57,10 @@ def _run_inspect(args: argparse.Namespace) -> int:
     need it), draw, and write the figures and, with --tensors, capture.npz."""
     import torch
 
-    from .analysis.head_types import classify_heads
-    from .data.images import load_image, preprocess
-    from .model.capture import capture
-    from .weights import load_model
+    from ..analysis.head_types import classify_heads
+    from ..data.images import load_image, preprocess
+    from ..model.capture import capture
+    from ..weights import load_model
 
     model = load_model(args.weights).to(_inspect_device(args.device))
     config = model.config
@@ -324,8 +136,8 @@ class _InspectedLayers:
     def of(cls, model, captured, args: argparse.Namespace, keep: set[int]) -> _InspectedLayers:
         import torch
 
-        from . import analysis
-        from .model.capture import layer_attentions
+        from .. import analysis
+        from ..model.capture import layer_attentions
 
         distances, entropies, kept = [], [], {}
         config = model.config
@@ -348,8 +160,8 @@ class _InspectedLayers:
 
 def _inspect_figures(model, x, captured, streamed: _InspectedLayers, layer: int, inside, args: argparse.Namespace):
     """(figures by file name, the arrays capture.npz would add, the line to print)."""
-    from . import analysis, figures
-    from .model.internals import activation_name
+    from .. import analysis, figures
+    from ..model.internals import activation_name
 
     config = model.config
     prefix = captured.num_prefix_tokens
@@ -420,7 +232,7 @@ def _inspect_figures(model, x, captured, streamed: _InspectedLayers, layer: int,
 
 def _write_inspected(figs: dict, out: Path, image_format: str) -> list[Path]:
     """The figures written to ``out`` as PNG, or as HTML without a browser or when export fails."""
-    from . import figures
+    from .. import figures
 
     out.mkdir(parents=True, exist_ok=True)
     if image_format == "png" and figures.find_browser() is None:
@@ -435,8 +247,8 @@ def _write_inspected(figs: dict, out: Path, image_format: str) -> list[Path]:
 
 
 def _head_types_figure(types):
-    from . import figures
-    from .analysis.head_types import LABELS, MEASURES
+    from .. import figures
+    from ..analysis.head_types import LABELS, MEASURES
 
     return figures.head_types_grid(
         types.labels, {column: getattr(types, name) for name, column in MEASURES}, LABELS,
@@ -501,96 +313,3 @@ def _inside_choice(args: argparse.Namespace, config) -> tuple[int, int, int | No
         )
     return head, config.num_prefix_tokens + int(query), int(query)
 
-
-def _add_app(subparsers) -> None:
-    parser = subparsers.add_parser(
-        "app", help="start the Streamlit app",
-        description="Start the explorer app (streamlit run app.py); further arguments go to"
-        " streamlit, e.g. `vit-explorer app --server.port 8502`.",
-    )
-    parser.set_defaults(run=_run_app)
-
-
-def _run_app(args: argparse.Namespace) -> int:
-    import os
-
-    from . import resources
-
-    script = resources.app_script()
-    if not script.is_file():
-        raise FileNotFoundError(f"the app is not installed: {script} is missing")
-    command = [sys.executable, "-m", "streamlit", "run", str(script), *args.streamlit_args]
-    # Become the streamlit process (no child left behind when this one is stopped); in the app's
-    # folder, so that streamlit reads its .streamlit/config.toml.
-    os.chdir(script.parent)
-    os.execve(sys.executable, command, dict(os.environ))
-
-
-def _ports(text: str) -> list[int]:
-    """--replica-ports 8502,8503 -> [8502, 8503]; argparse shows a bad list as a usage error."""
-    try:
-        ports = [int(part) for part in text.split(",")]
-    except ValueError:
-        ports = []
-    if not ports or not all(0 < port < 65536 for port in ports):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a list of ports, like 8502,8503")
-    return ports
-
-
-def _add_serve(subparsers) -> None:
-    parser = subparsers.add_parser(
-        "serve", help="serve the app from several processes behind nginx",
-        description="Start N app servers (replicas) on loopback and nginx in front of them, with"
-        " sticky sessions and websockets; print the proxy's address; Ctrl-C stops everything."
-        " The replicas share the runs and uploads folders. Needs nginx (apt-get install nginx).",
-    )
-    parser.add_argument("--replicas", type=int, default=2, help="app servers (default 2; about one per core)")
-    parser.add_argument("--port", type=int, default=8501, help="the proxy's port (default 8501)")
-    parser.add_argument("--host", default="127.0.0.1", help="the proxy's address (default 127.0.0.1; 0.0.0.0 for a class)")
-    parser.add_argument("--replica-ports", type=_ports, default=None, metavar="P1,P2,...",
-                        help="the replicas' loopback ports (default: free ones)")
-    parser.add_argument("--runs-dir", default=None, help="runs folder shared by the replicas (VIT_EXPLORER_RUNS_DIR)")
-    parser.add_argument("--uploads-dir", default=None, help="uploads folder shared by the replicas (VIT_EXPLORER_UPLOADS_DIR)")
-    parser.add_argument("--print-nginx-config", action="store_true",
-                        help="print the nginx.conf for these replica ports and exit (to run nginx by hand)")
-    parser.set_defaults(run=_run_serve)
-
-
-def _run_serve(args: argparse.Namespace) -> int:
-    from .serving import replicas as serve
-
-    if args.print_nginx_config:
-        ports = list(args.replica_ports or range(8502, 8502 + args.replicas))
-        print(serve.nginx_config(ports, listen=f"{args.host}:{args.port}"), end="")
-        return 0
-    return serve.serve(
-        args.replicas, port=args.port, host=args.host, runs_dir=args.runs_dir, uploads_dir=args.uploads_dir,
-        replica_ports=args.replica_ports,
-    )
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="vit-explorer",
-        description="Train, evaluate and inspect Vision Transformers, or start the explorer app"
-        " (also runs as python -m vit_explorer).",
-    )
-    subparsers = parser.add_subparsers(dest="command", required=True)
-    _add_train(subparsers)
-    _add_evaluate(subparsers)
-    _add_inspect(subparsers)
-    _add_app(subparsers)
-    _add_serve(subparsers)
-    args, extra = parser.parse_known_args(argv)
-    if extra and args.command != "app":
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    args.streamlit_args = extra
-    try:
-        return args.run(args)
-    except (ValueError, OSError) as error:
-        # Bad input (a missing file, an unreadable image or checkpoint) is one clear sentence.
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130

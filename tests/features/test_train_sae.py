@@ -1,0 +1,165 @@
+"""An SAE run end to end on a tiny model and a few shapes: its events, its files, its card, and an
+index that agrees with encoding every token by brute force; in chunks when the tokens do not fit."""
+import math
+import re
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+import vit_explorer as vx
+from vit_explorer.features import train as sae_training
+from vit_explorer.features.index import load_index
+from vit_explorer.features.sae import load_sae
+from vit_explorer.features.tokens import ImageSource, layer_tokens, model_input
+from vit_explorer.features.train import SAEDoneEvent, SAEStepEvent, SAETrainConfig, model_identity, train_sae
+
+from helpers import randomize, tiny_config
+
+IMAGES, PATCHES, WIDTH = 64, 16, 32  # tiny_config: 16 x 16 images, patch 4, embed_dim 32
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory):
+    path = tmp_path_factory.mktemp("model") / "tiny.safetensors"
+    vx.save_model(randomize(vx.ViT(tiny_config(depth=3))), path)
+    return path
+
+
+def run_config(weights, out_dir, **changes) -> SAETrainConfig:
+    base = dict(weights=str(weights), layer=1, images=IMAGES, epochs=1, batch_size=128, expansion=4, k=4,
+                device="cpu", out_dir=str(out_dir), log_every=3, index_top=5)
+    return SAETrainConfig(**{**base, **changes})
+
+
+def all_tokens(model, layer: int) -> torch.Tensor:
+    """(IMAGES * PATCHES, D) every training token, image by image."""
+    images = ImageSource("shapes", IMAGES, 16).images(torch.arange(IMAGES))
+    return layer_tokens(model, model_input(model, images), layer).flatten(0, 1)
+
+
+def test_a_run_writes_a_dictionary_and_an_index_that_agree_with_brute_force(weights, tmp_path):
+    events = list(train_sae(run_config(weights, tmp_path)))
+    *steps, done = events
+    total = math.ceil(IMAGES * PATCHES / 128)
+    assert all(isinstance(event, SAEStepEvent) for event in steps) and isinstance(done, SAEDoneEvent)
+    assert [event.step for event in steps] == [3, 6, total] and {event.total_steps for event in steps} == {total}
+    assert all(0 < event.explained_variance < 1 and event.l0 <= 4 and event.mse > 0 for event in steps)
+    assert done.path == str(tmp_path / "sae_tiny_layer1.safetensors") and not done.stopped
+    assert done.index_path == str(tmp_path / "sae_tiny_layer1.index.npz")
+    assert sorted(path.name for path in tmp_path.iterdir()) == [
+        "sae_tiny_layer1.index.npz", "sae_tiny_layer1.safetensors",
+    ]
+
+    model = vx.load_model(weights)
+    sae, card = load_sae(done.path, model, layer=1)
+    assert not sae.training and sae.config.width == 4 * WIDTH and sae.config.k == 4
+    assert card["metrics"] == done.metrics and set(done.metrics) == {"explained_variance", "mse", "l0", "dead_share"}
+    assert card["model"] == model_identity(weights) and card["layer"] == 1 and card["depth"] == 3
+    assert ImageSource.from_dict(card["images"]) == ImageSource("shapes", IMAGES, (16, 16))
+    assert SAETrainConfig.from_dict(card["settings"]) == run_config(weights, tmp_path)
+    tokens = all_tokens(model, 1)
+    assert np.allclose(card["mean"], tokens.mean(0).numpy(), atol=1e-4)  # every training token's mean
+
+    index = load_index(done.index_path)
+    latents = sae.encode(tokens).detach()  # (IMAGES * PATCHES, F) by brute force
+    assert index.tokens_seen == IMAGES * PATCHES and index.grid_size == (4, 4) and index.num_prefix_tokens == 0
+    assert np.allclose(index.frequency, (latents > 0).double().mean(0).numpy())
+    assert np.array_equal(index.histogram.sum(1), (latents > 0).sum(0).numpy())
+    assert np.allclose(index.maxima, latents.max(0).values.numpy(), atol=1e-5)
+    fired = (latents > 0).sum(0)
+    checked = [int(fired.argmax()), int(fired.argmin()), *range(0, sae.config.width, 17)]
+    for latent in checked:
+        values, rows = latents[:, latent].topk(5)
+        expected = [
+            (int(row) // PATCHES, int(row) % PATCHES, float(value)) for value, row in zip(values, rows) if value > 0
+        ]
+        got = index.top(latent)
+        assert [(image, patch) for image, patch, _ in got] == [(image, patch) for image, patch, _ in expected]
+        assert np.allclose([value for *_, value in got], [value for *_, value in expected], atol=1e-5)
+        if len(expected) < 5:
+            assert (index.images[latent, len(expected):] == -1).all()
+        nonzero = latents[:, latent][latents[:, latent] > 0].numpy()
+        if len(nonzero):  # a value near a bin's edge may be counted in the neighbouring bin
+            histogram, _ = np.histogram(nonzero, bins=20, range=(0, nonzero.max()))
+            assert np.abs(index.histogram[latent] - histogram).sum() <= 0.05 * len(nonzero) + 2
+
+
+def test_a_run_in_chunks_captures_at_most_a_chunk_and_indexes_every_image(weights, tmp_path, monkeypatch):
+    captured = []
+    capture = sae_training.source_tokens
+
+    def recording(model, source, indices, *args, **kwargs):
+        captured.append(indices.clone())
+        return capture(model, source, indices, *args, **kwargs)
+
+    monkeypatch.setattr(sae_training, "source_tokens", recording)
+    chunk = 10  # images whose tokens fit the buffer
+    events = list(train_sae(run_config(weights, tmp_path, epochs=2, buffer_bytes=chunk * PATCHES * WIDTH * 4)))
+    *steps, done = events
+    assert max(len(indices) for indices in captured) == chunk
+    assert len(captured) == 2 * math.ceil(IMAGES / chunk)  # every chunk again each epoch
+    first, second = torch.cat(captured[: len(captured) // 2]), torch.cat(captured[len(captured) // 2:])
+    assert sorted(first.tolist()) == sorted(second.tolist()) == list(range(IMAGES))
+    assert not torch.equal(first, second)  # a new order every epoch
+    per_epoch = 6 * math.ceil(chunk * PATCHES / 128) + math.ceil(4 * PATCHES / 128)
+    assert steps[-1].step == steps[-1].total_steps == 2 * per_epoch
+    assert steps[-1].explained_variance > steps[0].explained_variance
+    index = load_index(done.index_path)
+    assert index.tokens_seen == IMAGES * PATCHES and set(index.images[index.images >= 0].tolist()) <= set(range(IMAGES))
+
+    held = []
+    monkeypatch.setattr(sae_training, "source_tokens", lambda *args, **kw: held.append(1) or capture(*args, **kw))
+    list(train_sae(run_config(weights, tmp_path, epochs=3, name="held")))
+    assert len(held) == 1  # all of them fit: captured once for three epochs
+
+
+def test_a_stopped_run_still_writes_both_files(weights, tmp_path):
+    stop = threading.Event()
+    stop.set()
+    events = list(train_sae(run_config(weights, tmp_path, prefix_tokens=True, name="stopped"), stop=stop))
+    assert [type(event) for event in events] == [SAEStepEvent, SAEDoneEvent]
+    assert events[0].step == 1 and events[1].stopped
+    _, card = load_sae(events[1].path)
+    assert card["stopped"] and card["prefix_tokens"]
+    index = load_index(events[1].index_path)
+    assert index.num_prefix_tokens == 1 and index.tokens_seen == IMAGES * (PATCHES + 1)
+
+
+def test_a_given_model_is_used_as_it_is(weights, tmp_path):
+    model = vx.load_model(weights)
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    done = list(train_sae(run_config(weights, tmp_path, layer=2, images=8), model=model))[-1]
+    assert load_sae(done.path, model, layer=2)[1]["layer"] == 2
+    assert not model.training and all(torch.equal(before[name], tensor) for name, tensor in model.state_dict().items())
+
+
+def test_a_layer_the_model_lacks_is_refused(weights, tmp_path):
+    with pytest.raises(ValueError, match=r"^layer 3 does not exist; the model has layers 0..2$"):
+        next(train_sae(run_config(weights, tmp_path, layer=3)))
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(layer=-1), "layer must be a whole number of at least 0, not -1"),
+    (dict(dataset="imagenet"), "unknown image set 'imagenet'"),
+    (dict(images=0), "images must be a whole number of at least 1, not 0"),
+    (dict(k=1.5), "k must be a whole number of at least 1, not 1.5"),
+    (dict(lr=float("nan")), "lr must be a positive number, not nan"),
+    (dict(lr=0), "lr must be a positive number, not 0"),
+    (dict(device="tpu"), "device must be auto, cpu, cuda or mps, not 'tpu'"),
+    (dict(name="../x"), "the run name '../x' must be a plain file name"),
+    (dict(prefix_tokens="yes"), "prefix_tokens must be true or false, not 'yes'"),
+    (dict(image_size=0), "image_size must be a whole number of at least 1, not 0"),
+])
+def test_bad_settings_are_one_sentence(changes, message):
+    with pytest.raises(ValueError, match="^" + re.escape(message)):
+        SAETrainConfig(**{"weights": "default", "layer": 0, **changes})
+
+
+def test_settings_round_trip_and_name_the_run():
+    config = SAETrainConfig(weights="default", layer=3, image_size=32)
+    assert SAETrainConfig.from_json(config.to_json()) == config
+    assert config.run_name == "sae_vit_shapes_layer3" and config.replace(name="mine").run_name == "mine"
+    assert config.weights_path == vx.DEFAULT_WEIGHTS

@@ -1,0 +1,149 @@
+"""Features: what a layer represents, through a sparse autoencoder trained on its tokens: a patch's
+latents, a latent's map and its top patches over the training images, and the model run again
+with one latent steered."""
+import streamlit as st
+
+from vit_explorer import analysis, figures
+from vit_explorer.app import features, models, session
+from vit_explorer.features.sae import SAEError
+from vit_explorer.model import ablation
+
+selection = session.selection()
+config = selection.config
+image = selection.display_image()
+state = st.session_state
+
+st.title("Features")
+st.write(
+    "Attention says where a token looks; a sparse autoencoder (SAE) says what a token *holds*. Trained on"
+    " the tokens leaving one layer over many images, it rewrites each token as a few directions out of"
+    " thousands (its latents), each ideally one thing the model represents. Click a patch to see its"
+    " latents, a latent to see where it fires and what it fired on while training, and steer it to see"
+    " what the model does without it."
+)
+
+choices = features.choices(selection)
+if not choices:
+    st.info(
+        "No dictionary fits this model yet. Train one with `python -m vit_explorer sae --weights FILE --layer L`"
+        " (it writes it into the runs folder, where this page finds it), or pick the shipped shapes model,"
+        " which comes with one."
+    )
+    st.stop()
+label = st.selectbox(
+    "Dictionary", list(choices), help="The SAEs trained on this model's tokens: shipped beside it, or trained since.",
+    **session.keep("features_dictionary", next(iter(choices)), lambda value: value in choices),
+)
+try:
+    chosen = features.dictionary(choices[label], selection)
+except SAEError as error:
+    st.error(str(error))
+    st.stop()
+layer, card, sae_config = chosen.layer, chosen.card, chosen.sae.config
+metrics = card.get("metrics", {})
+trained_on = card.get("images", {})
+st.caption(
+    f"Layer {layer}'s output tokens ({'every token' if chosen.prefix_tokens else 'the patch tokens'}),"
+    f" {sae_config.width:,} latents, {sae_config.k} active per token; trained on"
+    f" {trained_on.get('count', '?'):,} {trained_on.get('dataset', '')} images: it explains"
+    f" {100 * metrics.get('explained_variance', float('nan')):.1f}% of their tokens' variance,"
+    f" {metrics.get('l0', float('nan')):.1f} latents fire per token, {100 * metrics.get('dead_share', float('nan')):.1f}%"
+    " of the latents never fired."
+)
+
+view = features.image_features(selection, chosen)
+st.subheader("How much of this image it explains")
+st.write(
+    f"On this image the dictionary explains **{100 * view.explained_overall:.1f}%** of the variance of the"
+    f" tokens it reads (on its training images: {100 * metrics.get('explained_variance', float('nan')):.1f}%)."
+    " Where a patch is blue, the latents describe it badly: do not read much into them there."
+)
+st.plotly_chart(selection.memo("sae explained map", str(chosen.path), compute=lambda: figures.explained_map(
+    image, view.explained, f"Share of each patch's token the dictionary explains (layer {layer})",
+)))
+
+st.subheader("A patch and its latents")
+grid = selection.capture().grid_size
+patches = grid[0] * grid[1]
+patch = state.get("features_patch", patches // 2 + grid[1] // 2)
+patch = patch if 0 <= patch < patches else 0
+picker_column, bars_column = st.columns(2)
+with picker_column:
+    st.plotly_chart(
+        selection.memo("features picker", patch, compute=lambda: figures.patch_picker(image, grid, patch)),
+        key="features_patch_click", on_select=session.patch_picked("features_patch_click", "features_patch"),
+        selection_mode="points",
+    )
+latents, values = view.top(patch)
+strongest = view.strongest()
+default_latent = latents[0] if latents else (strongest[0] if strongest else 0)
+with bars_column:
+    if latents:
+        st.plotly_chart(figures.latent_bars(values, latents, f"Patch {patch}'s strongest latents", state.get("features_latent")))
+    else:
+        st.info(f"No latent fires on patch {patch}: the dictionary writes it as its bias alone.")
+
+latent = st.number_input(
+    "Latent", 0, sae_config.width - 1, step=1,
+    help="Any latent of the dictionary; the page starts on the clicked patch's strongest.",
+    **session.keep("features_latent", default_latent, lambda value: 0 <= value < sae_config.width),
+)
+st.subheader(f"Latent {latent}")
+map_column, gallery_column = st.columns(2)
+with map_column:
+    st.plotly_chart(selection.memo("latent map", str(chosen.path), latent, patch, compute=lambda: figures.latent_map(
+        image, view.latent_map(latent, grid), f"Latent {latent} on this image", query_patch=patch,
+    )))
+with gallery_column:
+    if chosen.index is None:
+        st.info("This dictionary has no index beside it, so its top patches are not known.")
+    else:
+        pictures, top_patches, top_values = features.gallery(chosen, latent)
+        st.plotly_chart(figures.latent_gallery(
+            pictures, top_patches, top_values, tuple(chosen.index.grid_size),
+            f"Latent {latent}'s top patches over its training images",
+        ))
+if chosen.index is not None:
+    st.plotly_chart(figures.latent_histogram(
+        chosen.index.histogram[latent], float(chosen.index.maxima[latent]), float(chosen.index.frequency[latent]),
+        f"Latent {latent}'s activations",
+    ))
+
+st.subheader(f"Steer latent {latent}")
+st.write(
+    f"Scale what latent {latent} adds to every token leaving layer {layer} (its activation times its"
+    " direction), in this pass only: 0 removes it, 2 doubles it. What the dictionary does not explain stays"
+    " in the tokens, and the shared model is never changed."
+)
+factor = st.slider(
+    "Factor", 0.0, 5.0, step=0.25, help="0 removes the latent; 1 leaves the pass as it was; more amplifies it.",
+    **session.keep("features_factor", 0.0, lambda value: 0.0 <= value <= 5.0),
+)
+intact = selection.capture()
+steered = features.steered_capture(selection, chosen, latent, factor)
+what = f"latent {latent} x {factor:g}"
+if config.num_classes == 0:
+    cosine = ablation.pooled_cosine(intact.logits[0], steered.logits[0])
+    st.metric("Cosine between the pooled features, intact and steered", f"{cosine:.6f}")
+    st.caption(f"{models.NO_CLASSIFIER.format(what='A class prediction')} 1: the steering left it pointing the same way.")
+else:
+    st.plotly_chart(selection.memo("steered top-k", str(chosen.path), latent, factor, compute=lambda: figures.knockout_topk(
+        intact.logits[0].softmax(-1), steered.logits[0].softmax(-1), selection.class_names(), what=what, changed="steered",
+    )))
+if layer + 1 < config.depth:
+    shown = layer + 1
+    prefix = intact.num_prefix_tokens
+    query = "class token" if config.class_token else "mean over the patch queries"
+    intact_grid, steered_grid = selection.memo(
+        "steered head grids", str(chosen.path), latent, factor, compute=lambda: figures.intact_and_knocked_heads(
+            image, analysis.query_map(selection.attention(shown), grid, prefix, class_token=config.class_token),
+            analysis.query_map(
+                features.steered_attention(selection, chosen, latent, factor, shown), grid, prefix,
+                class_token=config.class_token,
+            ),
+            layer=shown, query=query, what=what,
+        ),
+    )
+    st.caption(f"Layer {shown}, the first to read the steered tokens: its attention with the latent steered, then intact.")
+    st.plotly_chart(steered_grid)
+    st.plotly_chart(intact_grid)

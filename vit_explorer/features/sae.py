@@ -1,0 +1,196 @@
+"""A sparse autoencoder (SAE) over one layer's tokens: TopK activation (Gao et al. 2024), as saev and
+overcomplete train them for ViTs.
+
+The tokens ``x`` (D) of one layer are rescaled by the dictionary's ``input_scale`` (so that their
+mean squared norm is D whatever the model), centred by the decoder bias, encoded into ``width``
+latents of which the ``k`` largest positive ones are kept, and decoded as a sum of unit-norm
+directions (the rows of ``W_dec``) plus the bias. Plain PyTorch rather than a library: the module
+is 40 lines, its encode/decode must run inside our own forward pass (steering, per call) and in a
+worker without the library's training stack, and its file is ours to check before anything is
+allocated (see ARCHITECTURE.md, Features).
+
+Saved as one safetensors file: the tensors, and in its metadata the dictionary's config and its
+card (the model it was trained on, the layer, the image set, the settings, the final metrics).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..model.config import _JsonConfig, _brief, _check_whole
+
+SAE_KEY = "vit_explorer.sae"  # the metadata entry that marks one of our SAE files
+CARD_KEY = "vit_explorer.sae_card"
+# A file may claim any size: what a dictionary may hold is bounded before anything is allocated.
+MAX_LATENTS = 2**20
+MAX_WIDTH_BYTES = 2**31  # encoder and decoder together, float32
+
+
+class SAEError(ValueError):
+    """An SAE that cannot be used here (another model's, a broken file); ``str()`` is one sentence."""
+
+
+@dataclass(frozen=True)
+class SAEConfig(_JsonConfig):
+    """The shape of a dictionary: the tokens' width ``d_model``, its ``width`` latents, ``k`` active."""
+
+    d_model: int
+    width: int
+    k: int = 32
+
+    def __post_init__(self) -> None:
+        _check_whole("d_model", self.d_model, 1)
+        _check_whole("width", self.width, 1)
+        _check_whole("k", self.k, 1)
+        if self.width > MAX_LATENTS or 2 * 4 * self.width * self.d_model > MAX_WIDTH_BYTES:
+            raise SAEError(
+                f"a dictionary of {self.width:,} latents over {self.d_model:,} dimensions is larger than this"
+                f" server allows ({MAX_LATENTS:,} latents, {MAX_WIDTH_BYTES / 2**30:.0f} GB)"
+            )
+        if self.k > self.width:
+            raise SAEError(f"k ({self.k}) must be at most the number of latents ({self.width})")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def top_k(pre: torch.Tensor, k: int) -> torch.Tensor:
+    """(..., F) -> the same with all but each row's ``k`` largest positive values set to 0."""
+    values, indices = pre.topk(k, dim=-1)
+    return torch.zeros_like(pre).scatter_(-1, indices, values.clamp(min=0))
+
+
+class SparseAutoencoder(nn.Module):
+    def __init__(self, config: SAEConfig):
+        super().__init__()
+        self.config = config
+        d, f = config.d_model, config.width
+        self.W_enc = nn.Parameter(torch.empty(d, f))
+        self.b_enc = nn.Parameter(torch.zeros(f))
+        self.W_dec = nn.Parameter(torch.empty(f, d))
+        self.b_dec = nn.Parameter(torch.zeros(d))
+        # tokens * input_scale have a mean squared norm of d_model (set from the data before training)
+        self.register_buffer("input_scale", torch.ones(()))
+        nn.init.kaiming_uniform_(self.W_dec)
+        with torch.no_grad():
+            self.W_dec.div_(self.W_dec.norm(dim=1, keepdim=True))
+            self.W_enc.copy_(self.W_dec.T)  # encoder starts as the decoder's transpose (Gao et al.)
+
+    def pre_activations(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., D) tokens -> (..., F) every latent's value before TopK."""
+        return (x * self.input_scale - self.b_dec) @ self.W_enc + self.b_enc
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., D) tokens -> (..., F) latents, ``k`` nonzero per token."""
+        return top_k(self.pre_activations(x), self.config.k)
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """(..., F) latents -> (..., D) tokens, in the tokens' own scale."""
+        return (latents @ self.W_dec + self.b_dec) / self.input_scale
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        latents = self.encode(x)
+        return self.decode(latents), latents
+
+    def directions(self) -> torch.Tensor:
+        """(F, D) each latent's unit direction in the tokens' space (what it adds per unit)."""
+        return self.W_dec / self.input_scale
+
+    @torch.no_grad()
+    def normalise_decoder(self) -> None:
+        """Rows of W_dec back to unit norm (the encoder's scale absorbs the change)."""
+        norms = self.W_dec.norm(dim=1, keepdim=True).clamp(min=1e-12)
+        self.W_dec.div_(norms)
+        self.W_enc.mul_(norms.T)
+        self.b_enc.mul_(norms[:, 0])
+
+
+def explained_variance(x: torch.Tensor, reconstruction: torch.Tensor) -> torch.Tensor:
+    """1 - |x - x_hat|^2 / |x - mean x|^2 over tokens (..., D): the share of the tokens' variance
+    the dictionary explains."""
+    residual = (x - reconstruction).pow(2).sum()
+    total = (x - x.mean(dim=0, keepdim=True)).pow(2).sum().clamp(min=1e-12)
+    return 1 - residual / total
+
+
+def per_token_explained(x: torch.Tensor, reconstruction: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
+    """(N,) for tokens (N, D): 1 - |x - x_hat|^2 / |x - mean|^2 per token, ``mean`` the training
+    tokens' mean: how much of this token the dictionary explains."""
+    residual = (x - reconstruction).pow(2).sum(-1)
+    total = (x - mean).pow(2).sum(-1).clamp(min=1e-12)
+    return 1 - residual / total
+
+
+def save_sae(sae: SparseAutoencoder, path: str | Path, card: dict) -> None:
+    from safetensors.torch import save_file
+
+    tensors = {name: tensor.detach().cpu().contiguous() for name, tensor in sae.state_dict().items()}
+    metadata = {SAE_KEY: sae.config.to_json(), CARD_KEY: json.dumps(card)}
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path), metadata=metadata)
+
+
+def read_card(path: str | Path) -> tuple[SAEConfig, dict]:
+    """(config, card) of an SAE file, from its header alone: nothing is allocated for what it claims."""
+    from safetensors import SafetensorError, safe_open
+
+    from ..weights.checks import CheckpointError, safetensors_header
+
+    try:
+        metadata = safetensors_header(Path(path))  # a bounded header of a valid file: its metadata
+        with safe_open(str(path), framework="pt") as file:
+            shapes = {name: file.get_slice(name).get_shape() for name in file.keys()}
+    except (CheckpointError, SafetensorError, OSError) as error:
+        raise SAEError(f"this is not a readable SAE file: {error}") from None
+    if SAE_KEY not in metadata:
+        raise SAEError("this file is not a sparse autoencoder saved by vit_explorer")
+    try:
+        config = SAEConfig.from_json(metadata[SAE_KEY])
+        card = json.loads(metadata.get(CARD_KEY, "{}"))
+    except SAEError:
+        raise  # a dictionary larger than allowed: its own sentence
+    except (ValueError, TypeError) as error:
+        raise SAEError(f"this SAE file's settings are unreadable: {_brief(str(error))}") from None
+    if not isinstance(card, dict):
+        raise SAEError("this SAE file's card is unreadable")
+    expected = {"W_enc": [config.d_model, config.width], "W_dec": [config.width, config.d_model],
+                "b_enc": [config.width], "b_dec": [config.d_model], "input_scale": []}
+    if shapes != expected:
+        raise SAEError("this SAE file's tensors do not match the dictionary it describes")
+    return config, card
+
+
+def load_sae(path: str | Path, model=None, layer: int | None = None) -> tuple[SparseAutoencoder, dict]:
+    """(the SAE in eval mode on the CPU, its card) from an SAE file. Checked from its header before
+    anything is allocated: with ``model`` (a ViT) its tokens' width and its layer must be the
+    model's, with ``layer`` the card's layer must be that one; else an SAEError sentence."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    config, card = read_card(path)
+    trained_on = card.get("layer")
+    if model is not None:
+        if config.d_model != model.config.embed_dim:
+            raise SAEError(
+                f"this dictionary reads {config.d_model}-wide tokens and the model's are"
+                f" {model.config.embed_dim}-wide: it was trained on another model"
+            )
+        depth = model.config.depth
+        if isinstance(trained_on, bool) or not isinstance(trained_on, int) or not 0 <= trained_on < depth:
+            raise SAEError(
+                f"this dictionary reads layer {_brief(trained_on)}, which the model (layers 0..{depth - 1}) does not"
+                " have: it was trained on another model"
+            )
+    if layer is not None and trained_on != layer:
+        raise SAEError(f"this dictionary reads layer {_brief(trained_on)}, not layer {layer}")
+    sae = SparseAutoencoder(config)
+    try:
+        sae.load_state_dict(load_file(str(path)))
+    except (SafetensorError, RuntimeError, OSError) as error:
+        raise SAEError(f"this SAE file's tensors are unreadable: {_brief(str(error))}") from None
+    return sae.eval(), card

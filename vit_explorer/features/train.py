@@ -1,0 +1,405 @@
+"""An SAE run: a TopK sparse autoencoder trained on the tokens leaving one layer of a ViT over an
+image set, as a generator of events (``train_sae``), like training.train's loop.
+
+The tokens are captured where the model is, by running the blocks up to the layer only
+(tokens.layer_tokens). When every image's tokens fit ``buffer_bytes`` they are captured once and
+shuffled every epoch; otherwise each epoch captures chunks of images that fit, in a new order, and
+trains on each chunk in turn, so the whole set is never held. The step (``SAETrainer.step``):
+Adam on the MSE of the scaled tokens plus the AuxK loss of Gao et al. 2024 (the dead latents'
+top ``d_model // 2`` pre-activations reconstruct the residual, weight 1/32), then the decoder's
+rows back to unit norm. A latent is dead when it has fired on none of the last
+``min(DEAD_AFTER_TOKENS, one epoch's tokens)`` training tokens; ``dead_share`` reports their share.
+
+Under torchrun (WORLD_SIZE > 1: gloo on the CPU, nccl on CUDA) each rank captures an equal share of
+the images (the remainder of a division by the ranks is left out of training, not of the index),
+gradients are averaged by one all-reduce per step, and rank 0 writes the index of the latents'
+top patches and the dictionary with its card (the index first, so that whoever finds the
+dictionary finds its index). Every rank yields the events.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import os
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from .. import resources
+from ..model.config import _brief, _check_whole, _is_number, _JsonConfig
+from ..model.vit import ViT
+from ..weights import load_model, resize_model
+from .index import build_index, save_index
+from .sae import SAEConfig, SAEError, SparseAutoencoder, save_sae, top_k
+from .tokens import ImageSource, check_source_name, source_tokens, tokens_per_image
+
+DEAD_AFTER_TOKENS = 10_000_000  # Gao et al.'s window; shorter runs use one epoch's tokens
+AUXK_COEFFICIENT = 1 / 32
+CAPTURE_TOKENS = 2**14  # tokens per capturing forward pass (and per index pass)
+DEVICES = ("auto", "cpu", "cuda", "mps")
+
+
+@dataclass(frozen=True)
+class SAETrainConfig(_JsonConfig):
+    """One SAE run: the model and layer, the images, the dictionary's shape, the optimisation."""
+
+    weights: str  # a checkpoint load_model reads, or "default": the shipped model
+    layer: int  # the block whose output tokens it reads (0-based)
+    dataset: str = "shapes"  # tokens.SOURCE_NAMES
+    images: int = 2000
+    image_size: int | None = None  # None: the model's
+    prefix_tokens: bool = False  # read the class token and registers too
+    expansion: int = 16  # latents = expansion * embed_dim
+    k: int = 32  # active latents per token
+    epochs: int = 2
+    batch_size: int = 1024  # tokens per step (over all ranks)
+    lr: float = 4e-4
+    seed: int = 0
+    device: str = "auto"  # "auto": cuda, then mps, then cpu
+    out_dir: str = "runs"
+    name: str | None = None  # file stem; None: sae_<model stem>_layer<L>
+    buffer_bytes: int = 512 * 2**20  # training tokens held at once (per rank)
+    log_every: int = 10  # steps between SAEStepEvents
+    index_top: int = 16  # top tokens kept per latent in the index
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.weights, str) or not self.weights:
+            raise ValueError(f"weights must be a checkpoint path or 'default', not {_brief(self.weights)}")
+        _check_whole("layer", self.layer, 0)
+        if not isinstance(self.dataset, str):
+            raise ValueError(f"dataset must be the name of an image set, not {_brief(self.dataset)}")
+        check_source_name(self.dataset)
+        for name in ("images", "expansion", "k", "epochs", "batch_size", "buffer_bytes", "log_every", "index_top"):
+            _check_whole(name, getattr(self, name), 1)
+        _check_whole("seed", self.seed, 0)
+        if self.image_size is not None:
+            _check_whole("image_size", self.image_size, 1)
+        if not isinstance(self.prefix_tokens, bool):
+            raise ValueError(f"prefix_tokens must be true or false, not {_brief(self.prefix_tokens)}")
+        if not (_is_number(self.lr) and self.lr > 0):
+            raise ValueError(f"lr must be a positive number, not {_brief(self.lr)}")
+        if not isinstance(self.device, str) or self.device.split(":")[0] not in DEVICES:
+            raise ValueError(f"device must be auto, cpu, cuda or mps, not {_brief(self.device)}")
+        if not isinstance(self.out_dir, str) or not self.out_dir:
+            raise ValueError(f"out_dir must be a folder, not {_brief(self.out_dir)}")
+        if self.name is not None and (
+            not isinstance(self.name, str) or self.name in ("", ".", "..") or any(c in self.name for c in "/\\\0")
+        ):
+            raise ValueError(
+                f"the run name {_brief(self.name)} must be a plain file name, without /, \\ or .."
+                " (its files go in the output folder)"
+            )
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @property
+    def weights_path(self) -> Path:
+        return resources.shipped_weights() if self.weights == "default" else Path(self.weights).expanduser()
+
+    @property
+    def run_name(self) -> str:
+        return self.name or f"sae_{self.weights_path.stem}_layer{self.layer}"
+
+    def paths(self) -> dict[str, Path]:
+        """Where the run writes: the dictionary (with its card) and its index."""
+        folder = Path(self.out_dir).expanduser()
+        return {"dictionary": folder / f"{self.run_name}.safetensors", "index": folder / f"{self.run_name}.index.npz"}
+
+
+@dataclass
+class SAEStepEvent:
+    step: int  # optimizer steps done, 1..total_steps
+    total_steps: int
+    epoch: int  # 1..epochs
+    mse: float  # mean squared error per token dimension, in the tokens' own scale, since the last event
+    explained_variance: float  # 1 - residual / variance of those tokens
+    l0: float  # active latents per token
+    dead_share: float  # share of latents that have not fired for the dead window
+
+
+@dataclass
+class SAEDoneEvent:
+    path: str  # the dictionary
+    index_path: str
+    metrics: dict  # explained_variance, mse, l0, dead_share over the last epoch's tokens
+    seconds: float
+    stopped: bool = False  # stopped early: the files hold the dictionary so far
+
+
+def model_identity(weights: str | os.PathLike) -> dict:
+    """{"name", "path", "digest"} of a model's checkpoint: the digest (SHA-256 of its bytes, 16 hex
+    digits; a folder's files in name order) names the same model wherever the file lies."""
+    path = Path(weights)
+    digest = hashlib.sha256()
+    files = sorted(item for item in path.rglob("*") if item.is_file()) if path.is_dir() else [path]
+    for file in files:
+        if path.is_dir():
+            digest.update(str(file.relative_to(path)).encode() + b"\0")
+        with open(file, "rb") as handle:
+            for block in iter(lambda: handle.read(2**22), b""):
+                digest.update(block)
+    return {"name": path.stem if path.is_file() else path.name, "path": str(path), "digest": digest.hexdigest()[:16]}
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        return torch.device("mps" if torch.backends.mps.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SAEError("device cuda was asked for but no CUDA GPU is available; use device cpu")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise SAEError("device mps was asked for but is not available; use device cpu")
+    return device
+
+
+def _distributed_setup(device_name: str) -> tuple[int, int, torch.device, bool]:
+    """(rank, world, device, whether we started the process group) under torchrun, as training's."""
+    device = _resolve_device(device_name)
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return 0, 1, device, False
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return dist.get_rank(), dist.get_world_size(), device, started
+
+
+@torch.no_grad()
+def initialise(sae: SparseAutoencoder, tokens: torch.Tensor, world: int = 1) -> None:
+    """Set ``input_scale`` so that the tokens (N, D) scaled have a mean squared norm of D, and the
+    decoder bias to their scaled mean (over every rank's tokens under torchrun)."""
+    sums = torch.cat([tokens.pow(2).sum().view(1), tokens.sum(0), tokens.new_tensor([tokens.shape[0]])])
+    if world > 1:
+        dist.all_reduce(sums)
+    count = sums[-1]
+    scale = torch.sqrt(tokens.shape[1] / (sums[0] / count).clamp(min=1e-12))
+    sae.input_scale.copy_(scale)
+    sae.b_dec.copy_(sums[1:-1] / count * scale)
+
+
+class SAETrainer:
+    """The optimisation of one dictionary (already initialised): Adam, the TopK reconstruction plus
+    AuxK loss, unit decoder rows, and how long each latent has gone without firing."""
+
+    def __init__(self, sae: SparseAutoencoder, lr: float, dead_after_tokens: int = DEAD_AFTER_TOKENS, world: int = 1):
+        self.sae, self.world, self.dead_after = sae, world, dead_after_tokens
+        self.optimizer = torch.optim.Adam(sae.parameters(), lr=lr)
+        device = sae.W_dec.device
+        self.since_fired = torch.zeros(sae.config.width, dtype=torch.int64, device=device)  # tokens
+        # Sums for the metrics are taken around this point near the tokens' mean (their scaled
+        # mean at initialisation), so that the variance does not cancel out in floating point.
+        self.reference = sae.b_dec.detach().clone()
+        self.stats_dtype = torch.float32 if device.type == "mps" else torch.float64
+
+    def dead(self) -> torch.Tensor:
+        """(F,) bool: the latents that have not fired for the dead window."""
+        return self.since_fired >= self.dead_after
+
+    def step(self, tokens: torch.Tensor, stop: bool = False) -> tuple[torch.Tensor, bool]:
+        """One optimizer step on tokens (B, D); under torchrun every rank steps together. Returns the
+        step's sums (what ``metrics`` reads) and whether any rank asked to stop."""
+        sae, dead = self.sae, self.dead()
+        target = tokens * sae.input_scale  # (B, D) scaled
+        pre = sae.pre_activations(tokens)  # (B, F)
+        latents = top_k(pre, sae.config.k)
+        error = latents @ sae.W_dec + sae.b_dec - target  # (B, D)
+        loss = error.pow(2).mean()
+        if dead.any():
+            loss = loss + AUXK_COEFFICIENT * self._auxk(pre, dead, -error.detach())
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        fired = (latents > 0).sum(0)  # (F,)
+        if self.world > 1:
+            fired, stop = self._all_reduce(fired, stop)
+        self.optimizer.step()
+        sae.normalise_decoder()
+        self.since_fired += tokens.shape[0] * self.world
+        self.since_fired[fired > 0] = 0
+        with torch.no_grad():
+            centred = (target - self.reference).to(self.stats_dtype)  # (B, D)
+            sums = torch.stack([
+                centred.new_tensor(tokens.shape[0]), error.pow(2).sum().to(self.stats_dtype),
+                centred.pow(2).sum(), (latents > 0).sum().to(self.stats_dtype),
+            ])
+            return torch.cat([sums, centred.sum(0)]), stop
+
+    def _auxk(self, pre: torch.Tensor, dead: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """The dead latents' top ``d_model // 2`` pre-activations reconstruct what the live ones
+        missed (normalised MSE): a gradient that brings dead latents back (Gao et al. 2024)."""
+        k_aux = min(self.sae.config.d_model // 2, int(dead.sum()))
+        auxiliary = top_k(pre.masked_fill(~dead, -math.inf), k_aux) @ self.sae.W_dec  # (B, D)
+        return (auxiliary - residual).pow(2).sum() / residual.pow(2).sum().clamp(min=1e-12)
+
+    def _all_reduce(self, fired: torch.Tensor, stop: bool) -> tuple[torch.Tensor, bool]:
+        """One all-reduce per step: the gradients (averaged), which latents fired and the stop flag."""
+        parameters = [parameter for parameter in self.sae.parameters() if parameter.grad is not None]
+        flat = torch.cat([parameter.grad.flatten() for parameter in parameters]
+                         + [fired.float(), fired.new_tensor([float(stop)], dtype=torch.float32)])
+        dist.all_reduce(flat)
+        offset = 0
+        for parameter in parameters:
+            parameter.grad.copy_(flat[offset : offset + parameter.numel()].view_as(parameter) / self.world)
+            offset += parameter.numel()
+        return flat[offset:-1], bool(flat[-1] > 0)
+
+    def metrics(self, sums: torch.Tensor) -> dict[str, float]:
+        """explained_variance, mse (per token dimension, in the tokens' scale), l0 and dead_share of
+        summed step results (count, squared error, squared distance to the reference, active
+        latents, then the (D,) distance to the reference)."""
+        count, error, spread, active = sums[:4].tolist()
+        variance = spread - float(sums[4:].pow(2).sum()) / max(count, 1)
+        scale = float(self.sae.input_scale)
+        return {
+            "explained_variance": 1 - error / variance if variance > 0 else float("nan"),
+            "mse": error / max(count * self.sae.config.d_model, 1) / scale**2,
+            "l0": active / max(count, 1),
+            "dead_share": float(self.dead().float().mean()),
+        }
+
+    def mean(self, sums: torch.Tensor) -> torch.Tensor:
+        """(D,) the mean of the tokens summed in ``sums``, in their own scale."""
+        return (self.reference + sums[4:].to(self.reference.dtype) / sums[0].clamp(min=1)) / self.sae.input_scale
+
+
+def fit(
+    sae: SparseAutoencoder, batches: Iterable[torch.Tensor], lr: float = 4e-4,
+    dead_after_tokens: int = DEAD_AFTER_TOKENS,
+) -> SAETrainer:
+    """Train an initialised ``sae`` (see ``initialise``) on token batches (B, D), one step each, as
+    ``train_sae`` does on a layer's tokens."""
+    trainer = SAETrainer(sae, lr, dead_after_tokens)
+    for tokens in batches:
+        trainer.step(tokens)
+    return trainer
+
+
+def _generator(*parts: int) -> torch.Generator:
+    return torch.Generator().manual_seed(hash(parts) & 0x7FFF_FFFF_FFFF_FFFF)
+
+
+def _model(config: SAETrainConfig, model: ViT | None, device: torch.device) -> ViT:
+    """The model the run reads: the given one (never moved or changed: it may be shared) or the
+    checkpoint's on ``device``, at ``config.image_size`` if one is asked."""
+    size = config.image_size
+    if model is None:
+        return load_model(config.weights_path, **({} if size is None else {"image_size": size})).to(device)
+    if size is not None and model.config.img_size != (size, size):
+        return resize_model(model, image_size=size, share_weights=True)
+    return model
+
+
+def train_sae(
+    config: SAETrainConfig, stop: threading.Event | None = None, model: ViT | None = None
+) -> Iterator[SAEStepEvent | SAEDoneEvent]:
+    """Train as ``config`` says, yielding an SAEStepEvent every ``log_every`` steps (and at each
+    epoch's end) and finally an SAEDoneEvent, with the dictionary and its index on disk. Setting
+    ``stop`` ends training after the current step; both files are still written. ``model``: the
+    ViT of ``config.weights`` already loaded (the card still names the file)."""
+    started = time.perf_counter()
+    rank, world, device, own_group = _distributed_setup(config.device)
+    try:
+        yield from _train(config, stop or threading.Event(), model, rank, world, device, started)
+    finally:
+        if own_group:
+            dist.destroy_process_group()
+
+
+def _train(config, stop, model, rank, world, device, started) -> Iterator[SAEStepEvent | SAEDoneEvent]:
+    model = _model(config, model, device)
+    depth, width = model.config.depth, model.config.embed_dim
+    if config.layer >= depth:
+        raise SAEError(f"layer {config.layer} does not exist; the model has layers 0..{depth - 1}")
+    source = ImageSource(config.dataset, config.images, model.config.img_size, config.seed)
+    if len(source) < world:
+        raise SAEError(f"{len(source)} images cannot be shared by {world} processes")
+    shard = source.shard(rank, world)[: len(source) // world]  # equal shares: every rank steps together
+    per_image = tokens_per_image(model, config.prefix_tokens)
+    chunk_images = max(1, config.buffer_bytes // (per_image * width * 4))
+    local_batch = max(1, config.batch_size // world)
+    steps_per_epoch = sum(math.ceil(len(chunk) * per_image / local_batch) for chunk in shard.split(chunk_images))
+    total_steps = steps_per_epoch * config.epochs
+    capture_images = max(1, CAPTURE_TOKENS // model.config.num_tokens)
+
+    def capture(indices: torch.Tensor) -> torch.Tensor:
+        return source_tokens(model, source, indices, config.layer, config.prefix_tokens, capture_images, device)
+
+    with torch.random.fork_rng(devices=[]):  # the same initial dictionary on every rank; others' RNG untouched
+        torch.manual_seed(config.seed)
+        sae = SparseAutoencoder(SAEConfig(width, config.expansion * width, config.k)).to(device)
+    trainer, held, step, stopped = None, None, 0, False
+    first_epoch = last_epoch = None
+    for epoch in range(config.epochs):
+        order = shard[torch.randperm(len(shard), generator=_generator(config.seed, rank, epoch))]
+        epoch_sums = interval = None
+        for number, chunk in enumerate(order.split(chunk_images)):
+            # One chunk holds the whole share: captured once, reshuffled every epoch.
+            tokens = held if held is not None else capture(chunk)  # (chunk * P, D)
+            if chunk_images >= len(shard):
+                held = tokens
+            if trainer is None:
+                initialise(sae, tokens, world)
+                trainer = SAETrainer(sae, config.lr, min(DEAD_AFTER_TOKENS, len(shard) * per_image * world), world)
+            shuffle = torch.randperm(tokens.shape[0], generator=_generator(config.seed, rank, epoch, number))
+            for rows in shuffle.to(device).split(local_batch):
+                sums, stopped = trainer.step(tokens[rows], stop.is_set())
+                interval = sums if interval is None else interval + sums
+                step += 1
+                if step % config.log_every == 0 or step % steps_per_epoch == 0 or stopped:
+                    if world > 1:
+                        dist.all_reduce(interval)
+                    epoch_sums = interval if epoch_sums is None else epoch_sums + interval
+                    yield _step_event(trainer, interval, step, total_steps, epoch)
+                    interval = None
+                if stopped:
+                    break
+            if stopped:
+                break
+        first_epoch = epoch_sums if first_epoch is None else first_epoch
+        last_epoch = epoch_sums
+        if stopped:
+            break
+    yield _finish(config, model, sae, trainer, source, first_epoch, last_epoch, stopped, capture_images,
+                  rank, world, started)
+
+
+def _step_event(trainer: SAETrainer, interval: torch.Tensor, step: int, total_steps: int, epoch: int) -> SAEStepEvent:
+    metrics = trainer.metrics(interval)
+    if not math.isfinite(metrics["mse"]):
+        raise SAEError(f"the reconstruction error became {metrics['mse']} at step {step}; lower the learning rate")
+    return SAEStepEvent(step=step, total_steps=total_steps, epoch=epoch + 1, **metrics)
+
+
+def _finish(config, model, sae, trainer, source, first_epoch, last_epoch, stopped, capture_images,
+            rank, world, started) -> SAEDoneEvent:
+    """The index (every rank indexes its share), then the dictionary and its card (rank 0)."""
+    paths = config.paths()
+    sae.eval()
+    metrics = trainer.metrics(last_epoch)
+    index = build_index(sae, model, source, config.layer, config.prefix_tokens, capture_images,
+                        top=config.index_top, rank=rank, world=world)
+    if rank == 0:
+        save_index(index, paths["index"])
+        card = {
+            "model": model_identity(config.weights_path), "embed_dim": model.config.embed_dim,
+            "depth": model.config.depth, "layer": config.layer, "prefix_tokens": config.prefix_tokens,
+            "images": source.to_dict(), "settings": config.to_dict(), "metrics": metrics,
+            "mean": trainer.mean(first_epoch).tolist(), "stopped": stopped,
+        }
+        temporary = paths["dictionary"].with_name(f".{paths['dictionary'].name}.tmp")
+        save_sae(sae, temporary, card)
+        os.replace(temporary, paths["dictionary"])
+    if world > 1:
+        dist.barrier()  # the files exist before any rank reports them
+    return SAEDoneEvent(path=str(paths["dictionary"]), index_path=str(paths["index"]), metrics=metrics,
+                        seconds=time.perf_counter() - started, stopped=stopped)
