@@ -62,6 +62,21 @@ st.plotly_chart(selection.memo("sae explained map", str(chosen.path), compute=la
     image, view.explained, f"Share of each patch's token the dictionary explains (layer {layer})",
 )))
 
+
+
+def patch_clicked() -> None:
+    """A new patch: its own strongest latent is shown next, not the one chosen for the last patch."""
+    session.patch_picked("features_patch_click", "features_patch")()
+    for key in ("features_latent", session.kept_key("features_latent")):
+        state.pop(key, None)
+
+
+def latent_clicked() -> None:
+    points = state["features_bars_click"].selection.points
+    if points:
+        session.set_kept("features_latent", int(points[0]["customdata"]))
+
+
 st.subheader("A patch and its latents")
 grid = selection.capture().grid_size
 patches = grid[0] * grid[1]
@@ -71,7 +86,7 @@ picker_column, bars_column = st.columns(2)
 with picker_column:
     st.plotly_chart(
         selection.memo("features picker", patch, compute=lambda: figures.patch_picker(image, grid, patch)),
-        key="features_patch_click", on_select=session.patch_picked("features_patch_click", "features_patch"),
+        key="features_patch_click", on_select=patch_clicked,
         selection_mode="points",
     )
 latents, values = view.top(patch)
@@ -79,7 +94,10 @@ strongest = view.strongest()
 default_latent = latents[0] if latents else (strongest[0] if strongest else 0)
 with bars_column:
     if latents:
-        st.plotly_chart(figures.latent_bars(values, latents, f"Patch {patch}'s strongest latents", state.get("features_latent")))
+        st.plotly_chart(
+            figures.latent_bars(values, latents, f"Patch {patch}'s strongest latents (click one)", state.get("features_latent")),
+            key="features_bars_click", on_select=latent_clicked, selection_mode="points",
+        )
     else:
         st.info(f"No latent fires on patch {patch}: the dictionary writes it as its bias alone.")
 
@@ -119,15 +137,21 @@ factor = st.slider(
     "Factor", 0.0, 5.0, step=0.25, help="0 removes the latent; 1 leaves the pass as it was; more amplifies it.",
     **session.keep("features_factor", 0.0, lambda value: 0.0 <= value <= 5.0),
 )
+knock_out = session.kept_knock_out(config)
+if knock_out is not None and not st.toggle(
+    f"Together with the knock-out chosen on the Knock-out page ({knock_out.describe()})", value=False,
+    help="Steering and knock-outs compose: the same pass without those heads or branches.",
+):
+    knock_out = None
 intact = selection.capture()
-steered = features.steered_capture(selection, chosen, latent, factor)
-what = f"latent {latent} x {factor:g}"
+steered = features.steered_capture(selection, chosen, latent, factor, knock_out)
+what = f"latent {latent} x {factor:g}" + ("" if knock_out is None else f" and {knock_out.describe()}")
 if config.num_classes == 0:
     cosine = ablation.pooled_cosine(intact.logits[0], steered.logits[0])
     st.metric("Cosine between the pooled features, intact and steered", f"{cosine:.6f}")
     st.caption(f"{models.NO_CLASSIFIER.format(what='A class prediction')} 1: the steering left it pointing the same way.")
 else:
-    st.plotly_chart(selection.memo("steered top-k", str(chosen.path), latent, factor, compute=lambda: figures.knockout_topk(
+    st.plotly_chart(selection.memo("steered top-k", str(chosen.path), latent, factor, knock_out, compute=lambda: figures.knockout_topk(
         intact.logits[0].softmax(-1), steered.logits[0].softmax(-1), selection.class_names(), what=what, changed="steered",
     )))
 if layer + 1 < config.depth:
@@ -135,10 +159,10 @@ if layer + 1 < config.depth:
     prefix = intact.num_prefix_tokens
     query = "class token" if config.class_token else "mean over the patch queries"
     intact_grid, steered_grid = selection.memo(
-        "steered head grids", str(chosen.path), latent, factor, compute=lambda: figures.intact_and_knocked_heads(
+        "steered head grids", str(chosen.path), latent, factor, knock_out, compute=lambda: figures.intact_and_knocked_heads(
             image, analysis.query_map(selection.attention(shown), grid, prefix, class_token=config.class_token),
             analysis.query_map(
-                features.steered_attention(selection, chosen, latent, factor, shown), grid, prefix,
+                features.steered_attention(selection, chosen, latent, factor, shown, knock_out), grid, prefix,
                 class_token=config.class_token,
             ),
             layer=shown, query=query, what=what,

@@ -120,7 +120,7 @@ SAE_DATASETS = {"shapes": DATASETS["shapes"], "photos": "The bundled photos (4)"
 }}
 with st.expander("Or a sparse autoencoder on a layer of the sidebar's model"):
     sidebar = session.selection()
-    weights = features.model_file(sidebar.model_key)
+    weights = features.run_weights(sidebar.model_key)
     st.write(
         "A dictionary of the tokens leaving one layer of the model you are exploring, over an image set:"
         " each token rewritten as a few of thousands of directions (latents), so that the Features page"
@@ -128,8 +128,8 @@ with st.expander("Or a sparse autoencoder on a layer of the sidebar's model"):
         " latents each token uses (L0) and how many never fire (dead)."
     )
     if weights is None:
-        st.info("Choose the shipped model, an uploaded checkpoint or a run of yours in the sidebar: a dictionary"
-                " is trained on a model's file.")
+        st.info("This model is not downloaded yet: a dictionary is trained on a model's file. Open it on any"
+                " page first, or choose the shipped model, an upload or a run of yours.")
     else:
         depth, width = sidebar.config.depth, sidebar.config.embed_dim
         sae_left, sae_right = st.columns(2)
@@ -144,7 +144,7 @@ with st.expander("Or a sparse autoencoder on a layer of the sidebar's model"):
         if st.button("Launch the sparse autoencoder", type="primary"):
             try:
                 sae_config = SAETrainConfig(
-                    weights=str(weights), layer=sae_layer, dataset=sae_dataset, images=sae_images,
+                    weights=weights, layer=sae_layer, dataset=sae_dataset, images=sae_images,
                     expansion=expansion, k=sae_k, epochs=sae_epochs, log_every=5,
                 )
                 state["watched_run"] = runs.start_run(sae_config)
@@ -164,7 +164,7 @@ if state.get("watched_run") not in listed:
 def run_label(run_id: str, run) -> str:
     config = run.config
     if isinstance(config, SAETrainConfig):
-        what = f"sparse autoencoder on layer {config.layer} of {Path(config.weights).stem}, {config.dataset}"
+        what = f"sparse autoencoder on layer {config.layer} of {config.weights_path.stem}, {config.dataset}"
     else:
         what = (f"{config.dataset}, {config.model if isinstance(config.model, str) else 'custom'} model"
                 + (", rotary positions" if config.positions == "rotary" else ""))
@@ -232,7 +232,7 @@ def sae_view(run, steps: list[dict]) -> None:
     if run.checkpoint is not None:
         st.success(
             f"Written as {Path(run.checkpoint).name}, with the index of each latent's top patches. With"
-            f" {Path(run.config.weights).stem} in the sidebar, the Features page shows it."
+            f" {run.config.weights_path.stem} in the sidebar, the Features page shows it."
         )
         st.page_link("views/features.py", label="Open the Features page", icon=":material/scatter_plot:")
 

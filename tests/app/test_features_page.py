@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import vit_explorer as vx
-from vit_explorer.app import images, models, runs
+from vit_explorer.app import images, models, runs, session
 from vit_explorer.data.datasets import shapes_sample
 from vit_explorer.features.sae import load_sae
 from vit_explorer.features.steering import Steering
@@ -60,7 +60,7 @@ def test_the_page_shows_the_dictionarys_own_numbers_on_this_image(dictionary):
     with torch.no_grad():
         encoded = sae.encode(cap.tokens[0, LAYER + 1, cap.num_prefix_tokens + patch])
     values, latents = encoded.topk(int((encoded > 0).sum()))
-    (bars,) = [chart for chart in charts(app).items() if chart[0] == f"Patch {patch}'s strongest latents"]
+    (bars,) = [chart for chart in charts(app).items() if chart[0] == f"Patch {patch}'s strongest latents (click one)"]
     trace = bars[1][0]
     assert trace["customdata"] == latents.tolist()
     np.testing.assert_allclose(decoded(trace["x"]), values.numpy(), rtol=1e-4, atol=1e-5)
@@ -125,3 +125,27 @@ def test_the_shipped_dictionary_fits_the_shipped_model_and_explains_most_of_its_
     assert card["layer"] == 2 and card["metrics"]["explained_variance"] > 0.9
     assert path.with_suffix(".index.npz").is_file()
     assert np.isfinite(np.asarray(card["mean"])).all()
+
+
+def test_steering_composes_with_the_knock_out_page_s_knock_out(dictionary):
+    app = open_app(PAGE)
+    assert not app.toggle  # nothing knocked out: nothing to compose with
+    app.session_state[session.kept_key(session.knockout_heads_key(0))] = [1]
+    app.run()
+    (together,) = app.toggle
+    assert "layer 0 head" in together.label
+    together.set_value(True).run()
+    assert not app.exception and errors(app) == []
+    latent = widget(app.number_input, "Latent").value
+    assert title_matching(app, f"^Top-\\d with latent {latent} x 0 and layer 0 head")
+    # The same pass as the knock-out and the steering asked of capture at once, from the image.
+    model = models.base_model(models.DEFAULT_MODEL)
+    sae, _ = load_sae(dictionary.paths()["dictionary"], model)
+    image, _ = shapes_sample(int(images.DEFAULT_IMAGE.removeprefix("shapes:")), model.config.img_size)
+    x = vx.preprocess(image, model.config)
+    knock_out = vx.KnockOut(heads={0: (1,)})
+    both = vx.capture(model, x, knock_out=knock_out, steering=Steering(sae, LAYER, {latent: 0.0}))
+    resumed = vx.capture(model, x, knock_out=knock_out, steering=Steering(sae, LAYER, {latent: 0.0}),
+                         intact=vx.capture(model, x))
+    torch.testing.assert_close(resumed.logits, both.logits)
+    assert not torch.allclose(both.logits, vx.capture(model, x, steering=Steering(sae, LAYER, {latent: 0.0})).logits)

@@ -163,3 +163,19 @@ def test_settings_round_trip_and_name_the_run():
     assert SAETrainConfig.from_json(config.to_json()) == config
     assert config.run_name == "sae_vit_shapes_layer3" and config.replace(name="mine").run_name == "mine"
     assert config.weights_path == vx.DEFAULT_WEIGHTS
+
+
+def test_a_catalogue_model_is_named_and_admitted_from_its_entry_without_a_download():
+    from vit_explorer.training.admission import Limits, RunRefused, admit
+    from vit_explorer.weights import catalogue
+
+    config = SAETrainConfig(weights="pretrained:dino_vits16", layer=8, images=1000, device="cpu")
+    assert config.pretrained == "dino_vits16" and config.weights_path == catalogue.cached_path("dino_vits16")
+    assert config.run_name == "sae_dino_vits16_layer8"
+    estimate = admit(config, Limits(max_runs=1, queue_size=1, memory=64 * 2**30, threads=1))
+    # ViT-S/16: 384 dimensions, 6,144 latents; 1,000 images x 196 patches of 384 floats held at once
+    assert estimate.data >= 1000 * 196 * 384 * 4 and estimate.model > 16 * 2 * 384 * 6144
+    with pytest.raises(RunRefused, match="Layer 12 does not exist: the model has layers 0..11"):
+        admit(config.replace(layer=12), Limits(max_runs=1, queue_size=1, memory=64 * 2**30, threads=1))
+    with pytest.raises(ValueError, match="is not a model of the catalogue"):
+        SAETrainConfig(weights="pretrained:no_such_model", layer=0)

@@ -17,11 +17,13 @@ import numpy as np
 import torch
 
 from .. import resources
+from ..weights import catalogue
 from ..features.index import LatentIndex, load_index
 from ..features.sae import SAEError, SparseAutoencoder, load_sae, per_token_explained, read_card
 from ..features.steering import Steering
 from ..features.tokens import ImageSource
 from ..features.train import model_identity
+from ..model.ablation import KnockOut
 from ..model.capture import Capture, capture, layer_attention
 from . import models, runs
 from .memo import memo
@@ -71,12 +73,22 @@ def _card(path: Path, stamp: float) -> dict | None:
 
 
 def model_file(model_key: str) -> Path | None:
-    """The file the app loaded this model from (None: not a file of the app's)."""
+    """The file the app loaded this model from (None: a catalogue model not downloaded)."""
     if model_key == models.DEFAULT_MODEL:
         return models.default_weights()
     if model_key.startswith("file:"):
         return Path(model_key.removeprefix("file:"))
-    return None
+    name = model_key.removeprefix("pretrained:")
+    return catalogue.cached_path(name) if catalogue.is_downloaded(name) else None
+
+
+def run_weights(model_key: str) -> str | None:
+    """What an SAE run is told to read for this model (features.train.SAETrainConfig.weights): its
+    file, or a catalogue model by name (its file needs the catalogue's settings); None: not here."""
+    if model_key.startswith("pretrained:"):
+        return model_key if model_file(model_key) is not None else None
+    path = model_file(model_key)
+    return None if path is None else str(path)
 
 
 def _identity(model_key: str) -> dict | None:
@@ -194,24 +206,28 @@ def gallery(chosen: Dictionary, latent: int) -> tuple[list[np.ndarray], list[int
     return memo(("sae gallery", str(chosen.path), latent), compute, spinner="Finding its top patches ...")
 
 
-def steered_capture(selection: Selection, chosen: Dictionary, latent: int, factor: float) -> Capture:
-    """The page's pass with ``latent`` scaled by ``factor`` at the dictionary's layer, resumed from
-    the intact capture at that layer (the layers before it are the intact pass's): at most one
-    pass. The shared model and every other session are untouched."""
+def steered_capture(
+    selection: Selection, chosen: Dictionary, latent: int, factor: float, knock_out: KnockOut | None = None,
+) -> Capture:
+    """The page's pass with ``latent`` scaled by ``factor`` at the dictionary's layer (and
+    ``knock_out``'s heads and branches removed, when given), resumed from the intact capture at the
+    first layer they change: at most one pass. The shared model and every other session are untouched."""
     intact = selection.capture()
     steering = Steering(chosen.sae, chosen.layer, {latent: factor}, chosen.prefix_tokens)
     return selection.memo(
-        "steered capture", str(chosen.path), latent, factor, spinner="Running the model with it steered ...",
+        "steered capture", str(chosen.path), latent, factor, knock_out, spinner="Running the model with it steered ...",
         compute=lambda: capture(
             selection.model, selection.model_input(), layers=intact.layers, attention_dtype=intact.attentions.dtype,
-            steering=steering, intact=intact,
+            knock_out=knock_out, steering=steering, intact=intact,
         ),
     )
 
 
-def steered_attention(selection: Selection, chosen: Dictionary, latent: int, factor: float, layer: int) -> torch.Tensor:
+def steered_attention(
+    selection: Selection, chosen: Dictionary, latent: int, factor: float, layer: int, knock_out: KnockOut | None = None,
+) -> torch.Tensor:
     """(heads, N, N) ``layer``'s attention in the steered pass, from the steered tokens entering it."""
-    steered = steered_capture(selection, chosen, latent, factor)
-    return selection.memo("steered attention", str(chosen.path), latent, factor, layer, compute=lambda: layer_attention(
+    steered = steered_capture(selection, chosen, latent, factor, knock_out)
+    return selection.memo("steered attention", str(chosen.path), latent, factor, layer, knock_out, compute=lambda: layer_attention(
         selection.model, steered.tokens[:, layer], layer, steered.grid_size, torch.float16,
     )[0])

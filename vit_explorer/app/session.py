@@ -10,6 +10,7 @@ from typing import Any
 
 import streamlit as st
 
+from ..model.ablation import MODES, KnockOut
 from ..weights import catalogue
 from . import images, models, runs, uploads
 from .selection import Selection
@@ -202,6 +203,18 @@ def open_page(page: str, **kept: Any) -> None:
 def knockout_heads_key(layer: int) -> str:
     """The Knock-out page's kept widget of the heads knocked out in ``layer``."""
     return f"knockout_heads_{layer}"
+
+
+def kept_knock_out(config) -> KnockOut | None:
+    """The knock-out this person chose on the Knock-out page, for another page to compose with; None
+    when nothing is knocked out or it does not fit this model."""
+    layers = range(config.depth)
+    chosen = KnockOut(
+        heads={layer: kept(knockout_heads_key(layer), []) for layer in layers},
+        attention=kept("knockout_attention", []), mlp=kept("knockout_mlp", []),
+        mode=kept("knockout_mode", "zero", lambda mode: mode in MODES),
+    )
+    return None if chosen.is_empty or chosen.problem(config) else chosen
 
 
 # --- a second model beside the sidebar's (the Compare page) ------------------------------------

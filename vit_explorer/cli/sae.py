@@ -19,8 +19,8 @@ def add_sae(subparsers) -> None:
         " Ctrl-C stops after the current step and still writes both files.",
     )
     parser.add_argument("--weights", default="default",
-                        help="checkpoint: ours, timm, torchvision or a Hugging Face folder (default: the shipped"
-                        " shapes model)")
+                        help="checkpoint: ours, timm, torchvision or a Hugging Face folder, or pretrained:NAME (a"
+                        " catalogue model, downloaded once); default: the shipped shapes model")
     parser.add_argument("--layer", type=int, required=True, help="the layer whose output tokens it reads (0-based)")
     parser.add_argument("--dataset", default=defaults.dataset,
                         help="shapes, photos (the bundled photos), cifar10, mnist, fashionmnist, or folder:PATH")

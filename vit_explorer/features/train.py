@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from .. import resources
 from ..model.config import _brief, _check_whole, _is_number, _JsonConfig
 from ..model.vit import ViT
-from ..weights import load_model, resize_model
+from ..weights import TORCHVISION_VITS, catalogue, load_model, load_pretrained, resize_model
 from .index import build_index, save_index
 from .sae import SAEConfig, SAEError, SparseAutoencoder, save_sae
 from .tokens import ImageSource, check_source_name, source_tokens, tokens_per_image
@@ -44,13 +44,14 @@ DEAD_AFTER_TOKENS = 10_000_000  # Gao et al.'s window; shorter runs use one epoc
 AUXK_COEFFICIENT = 1 / 32
 CAPTURE_TOKENS = 2**14  # tokens per capturing forward pass (and per index pass)
 DEVICES = ("auto", "cpu", "cuda", "mps")
+PRETRAINED = "pretrained:"  # weights naming a catalogue model, as the app's model keys do
 
 
 @dataclass(frozen=True)
 class SAETrainConfig(_JsonConfig):
     """One SAE run: the model and layer, the images, the dictionary's shape, the optimisation."""
 
-    weights: str  # a checkpoint load_model reads, or "default": the shipped model
+    weights: str  # a checkpoint load_model reads, "default" (the shipped model) or "pretrained:NAME" (the catalogue's)
     layer: int  # the block whose output tokens it reads (0-based)
     dataset: str = "shapes"  # tokens.SOURCE_NAMES
     images: int = 2000
@@ -72,6 +73,8 @@ class SAETrainConfig(_JsonConfig):
     def __post_init__(self) -> None:
         if not isinstance(self.weights, str) or not self.weights:
             raise ValueError(f"weights must be a checkpoint path or 'default', not {_brief(self.weights)}")
+        if self.pretrained is not None and self.pretrained not in (*catalogue.CATALOGUE, *TORCHVISION_VITS):
+            raise ValueError(f"{_brief(self.pretrained)} is not a model of the catalogue")
         _check_whole("layer", self.layer, 0)
         if not isinstance(self.dataset, str):
             raise ValueError(f"dataset must be the name of an image set, not {_brief(self.dataset)}")
@@ -101,7 +104,15 @@ class SAETrainConfig(_JsonConfig):
         return dataclasses.asdict(self)
 
     @property
+    def pretrained(self) -> str | None:
+        """The catalogue name of a "pretrained:NAME" model, else None."""
+        return self.weights.removeprefix(PRETRAINED) if self.weights.startswith(PRETRAINED) else None
+
+    @property
     def weights_path(self) -> Path:
+        """The model's file: a catalogue model's where it was downloaded."""
+        if self.pretrained is not None:
+            return catalogue.cached_path(self.pretrained)
         return resources.shipped_weights() if self.weights == "default" else Path(self.weights).expanduser()
 
     @property
@@ -299,6 +310,8 @@ def _model(config: SAETrainConfig, model: ViT | None, device: torch.device) -> V
     """The model the run reads: the given one (never moved or changed: it may be shared) or the
     checkpoint's on ``device``, at ``config.image_size`` if one is asked."""
     size = config.image_size
+    if model is None and config.pretrained is not None:  # downloaded once, checked, with its publisher's settings
+        model = load_pretrained(config.pretrained).to(device)
     if model is None:
         return load_model(config.weights_path, **({} if size is None else {"image_size": size})).to(device)
     if size is not None and model.config.img_size != (size, size):

@@ -21,7 +21,7 @@ from ..data.datasets import SHAPE_CLASSES
 from ..features.train import CAPTURE_TOKENS, SAETrainConfig
 from ..model.config import TrainConfig, ViTConfig
 from ..model.vit import ViT
-from ..weights import CheckpointError, load_metadata, load_model
+from ..weights import CheckpointError, catalogue, load_metadata, load_model
 from ..weights.project import saved_config
 from .train import EVAL_BATCH, model_config, resolve_device, smallest_patch_config
 
@@ -116,7 +116,10 @@ def estimate_sae_memory(config: SAETrainConfig) -> MemoryEstimate:
     ``buffer_bytes``) and one capturing pass. RunRefused: no readable model there, or no such layer."""
     path = config.weights_path
     try:
-        vit = _model_config(str(path), path.stat().st_mtime)
+        if config.pretrained in catalogue.CATALOGUE:  # its file is the publisher's: the entry knows the model
+            vit = catalogue.entry(config.pretrained).vit_config()
+        else:
+            vit = _model_config(str(path), path.stat().st_mtime)
     except (CheckpointError, OSError) as error:
         raise RunRefused(f"The model to read cannot be loaded: {error}") from None
     if not 0 <= config.layer < vit.depth:
