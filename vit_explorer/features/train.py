@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from .. import resources
 from ..model.config import _brief, _check_whole, _is_number, _JsonConfig
+from ..model.devices import distributed_setup
 from ..model.vit import ViT
 from ..weights import TORCHVISION_VITS, catalogue, load_model, load_pretrained, resize_model
 from .index import build_index, save_index
@@ -158,33 +159,6 @@ def model_identity(weights: str | os.PathLike) -> dict:
             for block in iter(lambda: handle.read(2**22), b""):
                 digest.update(block)
     return {"name": path.stem if path.is_file() else path.name, "path": str(path), "digest": digest.hexdigest()[:16]}
-
-
-def _resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda")
-        return torch.device("mps" if torch.backends.mps.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SAEError("device cuda was asked for but no CUDA GPU is available; use device cpu")
-    if device.type == "mps" and not torch.backends.mps.is_available():
-        raise SAEError("device mps was asked for but is not available; use device cpu")
-    return device
-
-
-def _distributed_setup(device_name: str) -> tuple[int, int, torch.device, bool]:
-    """(rank, world, device, whether we started the process group) under torchrun, as training's."""
-    device = _resolve_device(device_name)
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        return 0, 1, device, False
-    if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-    started = not dist.is_initialized()
-    if started:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return dist.get_rank(), dist.get_world_size(), device, started
 
 
 @torch.no_grad()
@@ -327,7 +301,7 @@ def train_sae(
     ``stop`` ends training after the current step; both files are still written. ``model``: the
     ViT of ``config.weights`` already loaded (the card still names the file)."""
     started = time.perf_counter()
-    rank, world, device, own_group = _distributed_setup(config.device)
+    rank, world, device, own_group = distributed_setup(config.device)
     try:
         yield from _train(config, stop or threading.Event(), model, rank, world, device, started)
     finally:

@@ -20,10 +20,11 @@ import torch
 from ..data.datasets import SHAPE_CLASSES
 from ..features.train import CAPTURE_TOKENS, SAETrainConfig
 from ..model.config import TrainConfig, ViTConfig
+from ..model.devices import resolve_device
 from ..model.vit import ViT
 from ..weights import CheckpointError, catalogue, load_metadata, load_model
 from ..weights.project import saved_config
-from .train import EVAL_BATCH, model_config, resolve_device, smallest_patch_config
+from .train import EVAL_BATCH, model_config, smallest_patch_config
 
 GB = 2**30
 # A training process after importing torch and this package: 519 MB resident (VmHWM),

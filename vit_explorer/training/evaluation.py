@@ -8,9 +8,10 @@ from pathlib import Path
 
 from ..data.datasets import DEFAULT_DATA_ROOT, DeviceLoader, load_dataset
 from ..model.config import ViTConfig
+from ..model.devices import resolve_device
 from ..model.vit import ViT
 from ..weights import load_model, resize_model
-from .train import EVAL_BATCH, TrainingError, evaluate, resolve_device
+from .train import EVAL_BATCH, TrainingError, evaluate
 
 
 def at_image_size(model: ViT, image_size: int | tuple[int, int]) -> ViT:

@@ -28,12 +28,13 @@ import torch
 
 from ..features.train import SAEDoneEvent, SAEStepEvent, SAETrainConfig, train_sae
 from ..model.config import TrainConfig
+from ..model.devices import resolve_device
 from ..resources import child_python_path
 from .admission import limit_memory, memory_status
 from .priority import run_below_the_servers
 from .train import (
     DoneEvent, EpochEvent, Event, SnapshotEvent, StepEvent, TrainingError, check_run_name, checkpoint_paths,
-    resolve_device, saved_history, saved_run, train,
+    saved_history, saved_run, train,
 )
 
 

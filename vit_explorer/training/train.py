@@ -29,6 +29,7 @@ from torch import nn
 from .. import resources
 from ..model.capture import capture
 from ..model.config import PRESETS, TrainConfig, ViTConfig
+from ..model.devices import distributed_setup
 from ..data.datasets import (
     DEFAULT_DATA_ROOT, DeviceLoader, ImageDataset, load_dataset, native_image_size, shapes_dataset,
 )
@@ -91,22 +92,6 @@ class DoneEvent:
 
 
 Event = StepEvent | EpochEvent | SnapshotEvent | DoneEvent
-
-
-def resolve_device(name: str = "auto") -> torch.device:
-    """"auto" picks cuda, then mps, then cpu; an explicit device must exist."""
-    if name == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda")
-        if torch.backends.mps.is_available():
-            return torch.device("mps")
-        return torch.device("cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise TrainingError("device cuda was asked for but no CUDA GPU is available; use --device cpu")
-    if device.type == "mps" and not torch.backends.mps.is_available():
-        raise TrainingError("device mps was asked for but is not available; use --device cpu")
-    return device
 
 
 def check_run_name(name: str) -> str:
@@ -181,21 +166,6 @@ def _parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
         plain = parameter.ndim < 2 or name.endswith(("pos_embed", "cls_token", "reg_token"))
         (no_decay if plain else decay).append(parameter)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
-def _distributed_setup(device_name: str) -> tuple[int, int, torch.device, bool]:
-    """(rank, world_size, device, whether we started the process group) under torchrun."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size == 1:
-        return 0, 1, resolve_device(device_name), False
-    device = resolve_device(device_name)
-    if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-    started = not dist.is_initialized()
-    if started:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return dist.get_rank(), dist.get_world_size(), device, started
 
 
 def _write_json(path: Path, data: dict) -> None:
@@ -329,7 +299,7 @@ def train(config: TrainConfig, stop: threading.Event | None = None) -> Iterator[
     state next to it) is still written, so that ``config.replace(resume=True)`` continues.
     """
     started_at = time.perf_counter()
-    rank, world_size, device, own_group = _distributed_setup(config.device)
+    rank, world_size, device, own_group = distributed_setup(config.device)
     try:
         yield from _train(config, stop or threading.Event(), rank, world_size, device, started_at)
     finally:
