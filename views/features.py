@@ -58,7 +58,7 @@ st.write(
     f" tokens it reads (on its training images: {100 * metrics.get('explained_variance', float('nan')):.1f}%)."
     " Where a patch is blue, the latents describe it badly: do not read much into them there."
 )
-st.plotly_chart(selection.memo("sae explained map", str(chosen.path), compute=lambda: figures.explained_map(
+st.plotly_chart(selection.memo("sae explained map", chosen.key, compute=lambda: figures.explained_map(
     image, view.explained, f"Share of each patch's token the dictionary explains (layer {layer})",
 )))
 
@@ -109,7 +109,7 @@ latent = st.number_input(
 st.subheader(f"Latent {latent}")
 map_column, gallery_column = st.columns(2)
 with map_column:
-    st.plotly_chart(selection.memo("latent map", str(chosen.path), latent, patch, compute=lambda: figures.latent_map(
+    st.plotly_chart(selection.memo("latent map", chosen.key, latent, patch, compute=lambda: figures.latent_map(
         image, view.latent_map(latent, grid), f"Latent {latent} on this image", query_patch=patch,
     )))
 with gallery_column:
@@ -151,7 +151,7 @@ if config.num_classes == 0:
     st.metric("Cosine between the pooled features, intact and steered", f"{cosine:.6f}")
     st.caption(f"{models.NO_CLASSIFIER.format(what='A class prediction')} 1: the steering left it pointing the same way.")
 else:
-    st.plotly_chart(selection.memo("steered top-k", str(chosen.path), latent, factor, knock_out, compute=lambda: figures.knockout_topk(
+    st.plotly_chart(selection.memo("steered top-k", chosen.key, latent, factor, knock_out, compute=lambda: figures.knockout_topk(
         intact.logits[0].softmax(-1), steered.logits[0].softmax(-1), selection.class_names(), what=what, changed="steered",
     )))
 if layer + 1 < config.depth:
@@ -159,7 +159,7 @@ if layer + 1 < config.depth:
     prefix = intact.num_prefix_tokens
     query = "class token" if config.class_token else "mean over the patch queries"
     intact_grid, steered_grid = selection.memo(
-        "steered head grids", str(chosen.path), latent, factor, knock_out, compute=lambda: figures.intact_and_knocked_heads(
+        "steered head grids", chosen.key, latent, factor, knock_out, compute=lambda: figures.intact_and_knocked_heads(
             image, analysis.query_map(selection.attention(shown), grid, prefix, class_token=config.class_token),
             analysis.query_map(
                 features.steered_attention(selection, chosen, latent, factor, shown, knock_out), grid, prefix,

@@ -37,9 +37,15 @@ class Dictionary:
     """One SAE file, loaded: the dictionary, its card and its index (None: no index beside it)."""
 
     path: Path
+    stamp: float  # the file's modification time: a run of the same name writes a new dictionary
     sae: SparseAutoencoder
     card: dict
     index: LatentIndex | None
+
+    @property
+    def key(self) -> tuple[str, float]:
+        """What the results computed from this dictionary are cached under."""
+        return str(self.path), self.stamp
 
     @property
     def layer(self) -> int:
@@ -48,14 +54,6 @@ class Dictionary:
     @property
     def prefix_tokens(self) -> bool:
         return bool(self.card.get("prefix_tokens", False))
-
-    def label(self) -> str:
-        config, metrics = self.sae.config, self.card.get("metrics", {})
-        explained = metrics.get("explained_variance")
-        return (
-            f"{self.path.stem}: layer {self.layer}, {config.width:,} latents, k = {config.k}"
-            + ("" if explained is None else f", explains {100 * explained:.0f}% of its training tokens")
-        )
 
 
 def _folders() -> list[Path]:
@@ -107,10 +105,13 @@ def choices(selection: Selection) -> dict[str, Path]:
     found = []
     for folder in _folders():
         for path in folder.glob("*.safetensors") if folder.is_dir() else ():
-            card = _card(path, path.stat().st_mtime)
-            if card is not None and card.get("model", {}).get("digest") == identity["digest"] \
-                    and 0 <= int(card.get("layer", -1)) < selection.config.depth:
-                found.append((path.stat().st_mtime, path, card))
+            stamp = path.stat().st_mtime
+            card = _card(path, stamp)
+            layer = None if card is None else card.get("layer")
+            model = None if card is None else card.get("model")
+            if isinstance(model, dict) and model.get("digest") == identity["digest"] \
+                    and type(layer) is int and 0 <= layer < selection.config.depth:
+                found.append((stamp, path, card))
     found.sort(key=lambda item: -item[0])
     return {_choice_label(path, card): path for _, path, card in found}
 
@@ -129,7 +130,7 @@ def dictionary(path: Path, selection: Selection) -> Dictionary:
     def load() -> Dictionary:
         sae, card = load_sae(path, selection.base_model)
         index_path = path.with_suffix(".index.npz")
-        return Dictionary(path, sae, card, load_index(index_path) if index_path.exists() else None)
+        return Dictionary(path, stamp, sae, card, load_index(index_path) if index_path.exists() else None)
 
     return memo(("sae", str(path), stamp, selection.model_key), load, spinner="Loading the dictionary ...")
 
@@ -185,7 +186,7 @@ def image_features(selection: Selection, chosen: Dictionary) -> ImageFeatures:
         patches = explained[cap.num_prefix_tokens:] if chosen.prefix_tokens else explained
         return ImageFeatures(indices, values, patches.reshape(cap.grid_size).numpy(), float(total))
 
-    return selection.memo("sae features", str(chosen.path), compute=compute)
+    return selection.memo("sae features", chosen.key, compute=compute)
 
 
 def gallery(chosen: Dictionary, latent: int) -> tuple[list[np.ndarray], list[int], list[float]]:
@@ -203,7 +204,7 @@ def gallery(chosen: Dictionary, latent: int) -> tuple[list[np.ndarray], list[int
         return ([picture.permute(1, 2, 0).numpy() for picture in pictures],
                 [patch for _, patch, _ in top], [value for _, _, value in top])
 
-    return memo(("sae gallery", str(chosen.path), latent), compute, spinner="Finding its top patches ...")
+    return memo(("sae gallery", chosen.key, latent), compute, spinner="Finding its top patches ...")
 
 
 def steered_capture(
@@ -215,7 +216,7 @@ def steered_capture(
     intact = selection.capture()
     steering = Steering(chosen.sae, chosen.layer, {latent: factor}, chosen.prefix_tokens)
     return selection.memo(
-        "steered capture", str(chosen.path), latent, factor, knock_out, spinner="Running the model with it steered ...",
+        "steered capture", chosen.key, latent, factor, knock_out, spinner="Running the model with it steered ...",
         compute=lambda: capture(
             selection.model, selection.model_input(), layers=intact.layers, attention_dtype=intact.attentions.dtype,
             knock_out=knock_out, steering=steering, intact=intact,
@@ -228,6 +229,6 @@ def steered_attention(
 ) -> torch.Tensor:
     """(heads, N, N) ``layer``'s attention in the steered pass, from the steered tokens entering it."""
     steered = steered_capture(selection, chosen, latent, factor, knock_out)
-    return selection.memo("steered attention", str(chosen.path), latent, factor, layer, knock_out, compute=lambda: layer_attention(
+    return selection.memo("steered attention", chosen.key, latent, factor, layer, knock_out, compute=lambda: layer_attention(
         selection.model, steered.tokens[:, layer], layer, steered.grid_size, torch.float16,
     )[0])
