@@ -38,15 +38,6 @@ class Steering:
             if not factor == factor or abs(factor) > 1e3:  # NaN or absurd
                 raise SAEError(f"a latent's factor must be a number between -1000 and 1000, not {factor}")
 
-    def check(self, model: ViT) -> None:
-        if not 0 <= self.layer < model.config.depth:
-            raise SAEError(f"layer {self.layer} does not exist; the model has layers 0..{model.config.depth - 1}")
-        if self.sae.config.d_model != model.config.embed_dim:
-            raise SAEError(
-                f"this dictionary reads {self.sae.config.d_model}-wide tokens and the model's are"
-                f" {model.config.embed_dim}-wide: it was trained on another model"
-            )
-
     @contextlib.contextmanager
     def applied(self) -> Iterator[None]:
         """Steer the passes run inside this block, on this thread only."""
