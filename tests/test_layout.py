@@ -9,7 +9,7 @@ import vit_explorer
 
 PACKAGE = Path(vit_explorer.__file__).parent
 # The layers from the bottom up (ARCHITECTURE.md): a module imports from its own layer and those below.
-LAYERS = ("model", "data", "weights", "analysis", "features", "training", "serving", "figures", "app", "cli")
+LAYERS = ("model", "data", "weights", "analysis", "features", "text", "training", "serving", "figures", "app", "cli")
 # Modules of the package's root that belong to no layer: anything may import them, they import nothing.
 SHARED = ("vit_explorer.resources",)
 

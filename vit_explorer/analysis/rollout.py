@@ -3,7 +3,7 @@ a time, and the class-specific attribution (Chefer et al. 2021)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from einops import rearrange
@@ -124,13 +124,16 @@ def _target_indices(logits: torch.Tensor, target: int | Sequence[int] | torch.Te
 
 
 def attribution(
-    model: ViT, x: torch.Tensor, target: int | Sequence[int] | torch.Tensor | None = None
+    model: ViT, x: torch.Tensor, target: int | Sequence[int] | torch.Tensor | None = None,
+    score: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Class-specific relevance of each patch (Chefer, Gur & Wolf 2021, "Generic attention-model
     explainability"): R = I, then for every layer R <- R + mean_h(clamp(dA * A, min=0)) @ R,
     where dA is the gradient of the target logit with respect to that layer's attention A.
 
     ``target``: class index (one for all images or one per image); default the predicted class.
+    ``score`` instead: a function of the model's output (B, out) -> (B,) whose gradient is followed,
+    e.g. an image's similarity with a text (vit_explorer.text.maps).
     Returns (B, gh, gw): the class token's row of R over the patches, or without a class token
     the mean of the patch rows. The model's mode, parameters and their gradients are untouched.
     """
@@ -144,8 +147,10 @@ def attribution(
         model, range(config.depth), keep_graph=True
     ) as attentions:
         logits = model(x)  # (B, num_classes)
-        target_index = _target_indices(logits.detach(), target)
-        chosen = logits.gather(1, target_index[:, None]).sum()
+        if score is None:
+            chosen = logits.gather(1, _target_indices(logits.detach(), target)[:, None]).sum()
+        else:
+            chosen = score(logits).sum()
         layers = [attentions[index] for index in range(config.depth)]
         gradients = torch.autograd.grad(chosen, layers)
 

@@ -1,0 +1,118 @@
+"""CLIP- and SigLIP-shaped models with both towers, for the tests: open_clip's own models with
+random weights written as open_clip publishes them (open_clip_config.json, open_clip_model.
+safetensors and, for SigLIP, a small SentencePiece-style tokenizer made here)."""
+import json
+import math
+from pathlib import Path
+
+import open_clip
+import torch
+from safetensors.torch import save_file
+
+from vit_explorer.model.config import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
+
+CORPUS = [
+    "a photo of a cat", "a photo of a dog", "a rocket in the sky", "a red square", "a blue circle",
+    "the small triangle", "art of the bird", "a bad photo of the car", "itap of a tench", "a photo of a fish",
+]
+# A small ViT-B-16-like CLIP and SigLIP for the app's tests (the B/16 ones for parity).
+SMALL_CLIP = {
+    "embed_dim": 32, "quick_gelu": True,
+    "vision_cfg": {"image_size": 32, "layers": 2, "width": 64, "patch_size": 8, "head_width": 32},
+    "text_cfg": {"context_length": 16, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 2},
+}
+
+
+def randomize(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Weights of a trained model's scale (0.02 matrices, norms near 1): a B/16's 12 layers stay
+    finite, and no zero-initialised tensor hides an error."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            noise = torch.randn(parameter.shape, generator=generator)
+            if name.endswith("logit_scale"):
+                parameter.fill_(math.log(30.0))
+            elif name.endswith("logit_bias"):
+                parameter.fill_(-5.0)
+            elif parameter.ndim == 1 and "norm" in name or name.split(".")[-2:-1] in (["ln_1"], ["ln_2"], ["ln_pre"], ["ln_post"], ["ln_final"]):
+                parameter.copy_(1 + 0.1 * noise if name.endswith("weight") else 0.05 * noise)
+            else:
+                parameter.copy_(0.02 * noise if parameter.ndim > 1 else 0.05 * noise)
+            if name.endswith(("class_embedding", "positional_embedding", "pos_embed", "latent")):
+                parameter.mul_(10)
+    return model.eval()
+
+
+def make_tokenizer(folder: Path, vocab_size: int = 120) -> None:
+    """A Unigram (SentencePiece's model) tokenizer trained on a few prompts, saved as the fast
+    tokenizer a SigLIP folder ships: tokenizer.json and tokenizer_config.json."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+
+    tokenizer = Tokenizer(models.Unigram())
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    trainer = trainers.UnigramTrainer(vocab_size=vocab_size, special_tokens=["<pad>", "</s>", "<unk>"], unk_token="<unk>")
+    tokenizer.train_from_iterator(CORPUS * 20, trainer)
+    tokenizer.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "pad_token": "<pad>", "eos_token": "</s>",
+        "unk_token": "<unk>", "model_max_length": 64,
+    }))
+
+
+def open_clip_folder(folder: Path, model_cfg: dict | str, seed: int = 0, preprocess_cfg: dict | None = None):
+    """open_clip's model of ``model_cfg`` (a config or the name of one of open_clip's) with random
+    weights, written into ``folder`` as its publisher would; returns the open_clip model."""
+    if isinstance(model_cfg, str):
+        model_cfg = open_clip.get_model_config(model_cfg)
+    model_cfg = json.loads(json.dumps(model_cfg))
+    folder.mkdir(parents=True, exist_ok=True)
+    if model_cfg["text_cfg"].get("hf_tokenizer_name"):
+        make_tokenizer(folder)
+    arguments = {key: value for key, value in model_cfg.items() if key != "custom_text"}
+    model = open_clip.CustomTextCLIP(**arguments) if model_cfg.get("custom_text") else open_clip.CLIP(**arguments)
+    randomize(model, seed)
+    state = {key: value.detach().clone().contiguous() for key, value in model.state_dict().items()}
+    save_file(state, str(folder / "open_clip_model.safetensors"))
+    preprocess_cfg = preprocess_cfg or {"mean": list(OPENAI_CLIP_MEAN), "std": list(OPENAI_CLIP_STD)}
+    (folder / "open_clip_config.json").write_text(json.dumps({"model_cfg": model_cfg, "preprocess_cfg": preprocess_cfg}))
+    return model
+
+
+def open_clip_tokenizer(folder: Path):
+    """open_clip's own tokenizer of a folder, as its users get it."""
+    return open_clip.get_tokenizer(f"local-dir:{folder}")
+
+
+SMALL_SIGLIP_TEXT = {
+    "context_length": 16, "vocab_size": 120, "hf_tokenizer_name": "timm/ViT-B-16-SigLIP",
+    "tokenizer_kwargs": {"clean": "canonicalize"}, "width": 32, "heads": 2, "layers": 2,
+    "no_causal_mask": True, "proj_bias": True, "pool_type": "last", "norm_kwargs": {"eps": 1e-6},
+}
+
+
+def siglip_folder(folder: Path, image_size: int = 32, patch_size: int = 8, seed: int = 0) -> Path:
+    """A small SigLIP-shaped model (an attention-pool image tower as a timm trunk, a bidirectional
+    text tower read at its last token, a SentencePiece-style tokenizer) as open_clip writes one."""
+    import vit_explorer as vx
+
+    folder.mkdir(parents=True, exist_ok=True)
+    make_tokenizer(folder)
+    image = randomize(vx.ViT(vx.ViTConfig(
+        image_size=image_size, patch_size=patch_size, embed_dim=32, depth=2, num_heads=2, num_classes=0,
+        class_token=False, global_pool="map", act_layer="gelu",
+    )), seed)
+    text = randomize(open_clip.model._build_text_tower(32, SMALL_SIGLIP_TEXT), seed + 1)
+    state = {f"visual.trunk.{key}": value for key, value in image.state_dict().items()}
+    state |= {f"text.{key}": value for key, value in text.state_dict().items()}
+    state |= {"logit_scale": torch.tensor([math.log(10.0)]), "logit_bias": torch.tensor([-2.0])}
+    save_file({key: value.detach().clone().contiguous() for key, value in state.items()}, str(folder / "open_clip_model.safetensors"))
+    model_cfg = {
+        "embed_dim": 32, "custom_text": True, "init_logit_bias": -10,
+        "vision_cfg": {"image_size": image_size, "timm_model_name": "vit_base_patch16_siglip_224", "timm_pool": "map", "timm_proj": "none"},
+        "text_cfg": SMALL_SIGLIP_TEXT,
+    }
+    (folder / "open_clip_config.json").write_text(json.dumps({
+        "model_cfg": model_cfg, "preprocess_cfg": {"mean": [0.5] * 3, "std": [0.5] * 3},
+    }))
+    return folder

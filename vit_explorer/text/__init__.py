@@ -1,0 +1,12 @@
+"""What the model says in words: CLIP's and SigLIP's text towers beside our image tower.
+
+    tokenizers.py   CLIP's BPE (inside open_clip) or a folder's Hugging Face tokenizer, checked
+    towers.py       ImageTextModel: both towers, the image and text embeddings, the score
+    files.py        both towers from an open_clip folder, checked before anything is allocated
+    zero_shot.py    a prediction in words: ImageNet's classes with templates, or typed labels
+    maps.py         where each text is: dense similarity, relevance, each patch's best prompt
+"""
+from .files import is_image_text_folder, load_image_text_model
+from .towers import ImageTextModel, LabelError, parse_labels
+
+__all__ = ["ImageTextModel", "LabelError", "is_image_text_folder", "load_image_text_model", "parse_labels"]

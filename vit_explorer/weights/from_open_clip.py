@@ -1,0 +1,123 @@
+"""open_clip's files: a CLIP or SigLIP model's both towers in one state dict, beside its config.
+
+A folder as open_clip publishes it on the Hub (and writes with ``push_to_hf_hub``):
+``open_clip_config.json`` ({"model_cfg": ..., "preprocess_cfg": ...}), ``open_clip_model.safetensors``
+(``visual.*``, the text tower's tensors, ``logit_scale`` and SigLIP's ``logit_bias``) and, for a
+tokenizer other than CLIP's BPE (which ships inside open_clip), the Hugging Face tokenizer files.
+
+The image tower comes in two layouts: OpenAI's (``visual.conv1``, ``visual.transformer.resblocks``;
+open_clip's own VisionTransformer, CLIP) or a timm trunk (``visual.trunk.*``, timm's names, which
+are ours; SigLIP). Here it is renamed to our ViT's names, and its projection into the shared
+embedding space (CLIP's ``visual.proj``) is set apart: the ViT stays headless, so that every page
+treats it as the image tower it is, and the words (vit_explorer.text) apply the projection.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+
+from .checks import CheckpointError
+
+CONFIG_FILE = "open_clip_config.json"
+WEIGHTS_FILE = "open_clip_model.safetensors"
+MAX_CONFIG_BYTES = 1 << 20
+
+# OpenAI's layout of the image tower, under "visual.", to our names.
+_OPENAI_NAMES = [
+    (r"^conv1\.", "patch_embed.proj."),
+    (r"^ln_pre\.", "norm_pre."),
+    (r"^ln_post\.", "norm."),
+    (r"^transformer\.resblocks\.(\d+)\.ln_1\.", r"blocks.\1.norm1."),
+    (r"^transformer\.resblocks\.(\d+)\.ln_2\.", r"blocks.\1.norm2."),
+    (r"^transformer\.resblocks\.(\d+)\.attn\.in_proj_weight$", r"blocks.\1.attn.qkv.weight"),
+    (r"^transformer\.resblocks\.(\d+)\.attn\.in_proj_bias$", r"blocks.\1.attn.qkv.bias"),
+    (r"^transformer\.resblocks\.(\d+)\.attn\.out_proj\.", r"blocks.\1.attn.proj."),
+    (r"^transformer\.resblocks\.(\d+)\.mlp\.c_fc\.", r"blocks.\1.mlp.fc1."),
+    (r"^transformer\.resblocks\.(\d+)\.mlp\.c_proj\.", r"blocks.\1.mlp.fc2."),
+    (r"^transformer\.resblocks\.(\d+)\.ls_1\.gamma$", r"blocks.\1.ls1.gamma"),
+    (r"^transformer\.resblocks\.(\d+)\.ls_2\.gamma$", r"blocks.\1.ls2.gamma"),
+]
+
+
+def is_folder(path: Path) -> bool:
+    return path.is_dir() and (path / CONFIG_FILE).is_file()
+
+
+def read_config(folder: Path) -> dict:
+    """The folder's open_clip_config.json: {"model_cfg": {...}, "preprocess_cfg": {...}}."""
+    path = folder / CONFIG_FILE
+    try:
+        if path.stat().st_size > MAX_CONFIG_BYTES:
+            raise CheckpointError(f"{folder.name}'s {CONFIG_FILE} is over {MAX_CONFIG_BYTES >> 10} KB, which no config is")
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        raise CheckpointError(f"{folder.name}'s {CONFIG_FILE} is not a JSON file") from None
+    model_cfg = config.get("model_cfg") if isinstance(config, dict) else None
+    if not isinstance(model_cfg, dict) or not isinstance(model_cfg.get("text_cfg"), dict) \
+            or not isinstance(model_cfg.get("vision_cfg"), dict):
+        raise CheckpointError(f"{folder.name}'s {CONFIG_FILE} has no model_cfg with a text_cfg and a vision_cfg")
+    return config
+
+
+def is_openai_layout(state: dict[str, torch.Tensor]) -> bool:
+    return "visual.conv1.weight" in state
+
+
+def image_tower(state: dict[str, torch.Tensor], name: str) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+    """(our ViT's state dict, the projection into the shared space as (embed_dim, width) or None)
+    of an open_clip state dict's image tower."""
+    if is_openai_layout(state):
+        return _openai_tower(state)
+    trunk = {key.removeprefix("visual.trunk."): value for key, value in state.items() if key.startswith("visual.trunk.")}
+    if not trunk:
+        raise CheckpointError(f"{name} has no image tower we can read (neither visual.conv1 nor visual.trunk)")
+    heads = sorted(key for key in state if key.startswith("visual.head."))
+    if heads and heads != ["visual.head.proj.weight"]:
+        raise CheckpointError(f"{name}'s image tower ends in a head we do not read ({', '.join(heads[:3])})")
+    projection = state.get("visual.head.proj.weight")  # a Linear's (embed_dim, width)
+    return trunk, projection
+
+
+def _openai_tower(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+    converted: dict[str, torch.Tensor] = {}
+    for key, value in state.items():
+        if not key.startswith("visual."):
+            continue
+        key = key.removeprefix("visual.")
+        if key == "class_embedding":
+            converted["cls_token"] = value.reshape(1, 1, -1)
+        elif key == "positional_embedding":
+            converted["pos_embed"] = value.unsqueeze(0)
+        elif key != "proj":
+            for pattern, replacement in _OPENAI_NAMES:
+                key, count = re.subn(pattern, replacement, key)
+                if count:
+                    break
+            converted[key] = value
+    projection = state.get("visual.proj")  # (width, embed_dim), applied as x @ proj
+    return converted, None if projection is None else projection.t()
+
+
+def text_tower(state: dict[str, torch.Tensor], custom_text: bool) -> dict[str, torch.Tensor]:
+    """The text tower's tensors under open_clip TextTransformer's names: a CustomTextCLIP's
+    (SigLIP) are under "text.", a CLIP's are the top-level ones that are not the image tower's."""
+    if custom_text:
+        return {key.removeprefix("text."): value for key, value in state.items() if key.startswith("text.")}
+    return {
+        key: value for key, value in state.items()
+        if not key.startswith("visual.") and key not in ("logit_scale", "logit_bias")
+    }
+
+
+def normalization(config: dict) -> dict:
+    """The mean and std the publisher wrote in preprocess_cfg (ViTConfig fields), if it did."""
+    preprocess = config.get("preprocess_cfg") or {}
+    fields = {}
+    for key in ("mean", "std"):
+        value = preprocess.get(key) if isinstance(preprocess, dict) else None
+        if isinstance(value, (list, tuple)) and len(value) == 3 and all(isinstance(v, (int, float)) for v in value):
+            fields[key] = tuple(float(v) for v in value)
+    return fields if len(fields) == 2 else {}
