@@ -17,9 +17,8 @@ import torch
 
 from ..model.vit import ViT
 from ..weights import from_open_clip
-from ..weights.build import build
+from ..weights import load_model
 from ..weights.checks import CheckpointError, read_tensors
-from ..weights.infer import infer_config
 from .tokenizers import clip_tokenizer, folder_tokenizer
 from .towers import ImageTextModel
 
@@ -40,7 +39,7 @@ def load_image_text_model(folder: str | Path, image: ViT | None = None) -> Image
     model_cfg = config["model_cfg"]
     state, _ = read_tensors(folder / from_open_clip.WEIGHTS_FILE)
     if image is None:
-        image = image_tower(state, config, folder.name)
+        image = load_model(folder)
     _, projection = from_open_clip.image_tower(state, folder.name)
     text, text_cfg = _text_tower(state, model_cfg, folder.name)
     image_dim = image.config.embed_dim if projection is None else projection.shape[0]
@@ -69,19 +68,6 @@ def load_image_text_model(folder: str | Path, image: ViT | None = None) -> Image
         logit_scale=_scalar(state, "logit_scale", folder.name, exp=True),
         logit_bias=_scalar(state, "logit_bias", folder.name) if sigmoid else 0.0,
     )
-
-
-def image_tower(state: dict[str, torch.Tensor], config: dict, name: str) -> ViT:
-    """The folder's image tower as our headless ViT, with the publisher's normalisation."""
-    tower, _ = from_open_clip.image_tower(state, name)
-    model_cfg = config["model_cfg"]
-    known = {**from_open_clip.normalization(config)}
-    if from_open_clip.is_openai_layout(state):
-        known["act_layer"] = "quick_gelu" if model_cfg.get("quick_gelu") else "gelu"
-    # open_clip's timm trunks run timm's activation: the exact GELU for SigLIP's ViTs.
-    known["num_classes"] = 0
-    config_fields = infer_config(tower, known, {}, name)
-    return build(tower, config_fields, name)
 
 
 def _text_tower(state: dict[str, torch.Tensor], model_cfg: dict, name: str) -> tuple[torch.nn.Module, dict]:

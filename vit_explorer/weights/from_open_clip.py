@@ -112,6 +112,17 @@ def text_tower(state: dict[str, torch.Tensor], custom_text: bool) -> dict[str, t
     }
 
 
+def convert(state: dict[str, torch.Tensor], config: dict, name: str) -> tuple[dict[str, torch.Tensor], dict]:
+    """(our headless ViT's state dict, the config fields the shapes cannot tell) of an open_clip
+    model's image tower."""
+    tower, _ = image_tower(state, name)
+    known = {"num_classes": 0, **normalization(config)}
+    if is_openai_layout(state):
+        known["act_layer"] = "quick_gelu" if config["model_cfg"].get("quick_gelu") else "gelu"
+    # A timm trunk runs timm's activation as open_clip builds it: the exact GELU for SigLIP's ViTs.
+    return tower, known
+
+
 def normalization(config: dict) -> dict:
     """The mean and std the publisher wrote in preprocess_cfg (ViTConfig fields), if it did."""
     preprocess = config.get("preprocess_cfg") or {}
@@ -120,4 +131,6 @@ def normalization(config: dict) -> dict:
         value = preprocess.get(key) if isinstance(preprocess, dict) else None
         if isinstance(value, (list, tuple)) and len(value) == 3 and all(isinstance(v, (int, float)) for v in value):
             fields[key] = tuple(float(v) for v in value)
-    return fields if len(fields) == 2 else {}
+    if len(fields) != 2:
+        return {}
+    return {**fields, "normalization_source": f"publisher: {CONFIG_FILE}"}
