@@ -72,11 +72,16 @@ class ImageTextModel:
         return projection.out_features if isinstance(projection, nn.Linear) else projection.shape[1]
 
     def project_image(self, pooled: torch.Tensor) -> torch.Tensor:
-        """(B, D) pooled image tokens (a headless capture's logits) -> (B, E), unit length."""
+        """(..., D) pooled image tokens (a headless capture's logits) -> (..., E), unit length."""
+        return F.normalize(self.project_image_linear(pooled), dim=-1)
+
+    def project_image_linear(self, pooled: torch.Tensor) -> torch.Tensor:
+        """(..., D) -> (..., E): into the shared space, not yet made unit length (a sum of parts
+        projects to the sum of their projections)."""
         pooled = pooled.float()
-        if self.image_projection is not None:
-            pooled = pooled @ self.image_projection.t().to(pooled.device)
-        return F.normalize(pooled, dim=-1)
+        if self.image_projection is None:
+            return pooled
+        return pooled @ self.image_projection.t().to(pooled.device)
 
     def tokenize(self, texts: list[str]) -> torch.Tensor:
         return self.tokenizer(texts, context_length=self.context_length)
