@@ -5,6 +5,8 @@
     files.py        both towers from an open_clip folder, checked before anything is allocated
     zero_shot.py    a prediction in words: ImageNet's classes with templates, or typed labels
     maps.py         where each text is: dense similarity, relevance, each patch's best prompt
+    heads.py        heads in words (TextSpan): what each late head writes, in descriptions
+    descriptions.py the pool of short descriptions heads are described from
 """
 from .files import is_image_text_folder, load_image_text_model
 from .towers import ImageTextModel, LabelError, parse_labels
