@@ -29,6 +29,9 @@ from .predictions import logit_lens_figure, topk_bar
 from .registers import attention_drawn_figure, norms_by_layer_figure, register_neurons_figure, register_norms_figure
 from .rope import offset_scores_figure, rotation_angles_figure
 from .training import accuracy_by_image_size_figure, sae_curves, training_curves
+from .words import (
+    PROMPT_SCALES, best_prompt_map, prompt_over_images, relevance_overlay, similarity_grid, zero_shot_bar,
+)
 
 __all__ = [
     "ATTENTION_SCALE", "SIMILARITY_SCALE", "VALUE_SCALE", "colour_mapped", "image_data_uri", "token_labels",
@@ -49,4 +52,5 @@ __all__ = [
     "attention_drawn_figure", "norms_by_layer_figure", "register_neurons_figure", "register_norms_figure",
     "offset_scores_figure", "rotation_angles_figure",
     "accuracy_by_image_size_figure", "sae_curves", "training_curves",
+    "PROMPT_SCALES", "best_prompt_map", "prompt_over_images", "relevance_overlay", "similarity_grid", "zero_shot_bar",
 ]
