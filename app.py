@@ -130,6 +130,16 @@ with st.sidebar:
             st.caption(f"{models.describe(selection.config)}{resized}.")
             st.caption(f"{models.parameter_count(selection.model):,} parameters.")
             native = models.base_model(state["model_key"]).config
+            assumed = models.assumed_normalization(native)
+            if assumed:
+                st.caption(assumed)
+                if native.normalization_name and native.in_chans == 3:
+                    st.selectbox(
+                        "Normalisation", list(models.NORMALIZATIONS),
+                        help="The mean and std the pixels are normalised with before the model reads them"
+                        " (for you only: the model is shared, unchanged).",
+                        **session.keep(session.NORMALIZATION_WIDGET, native.normalization_name, lambda name: name in models.NORMALIZATIONS),
+                    )
             # One label whatever the size (the caption above gives it): a new label would be a new
             # expander, drawn closed after every edit.
             with st.expander("Input size"):

@@ -236,7 +236,7 @@ def forward_seconds(selection: Selection) -> float:
 
 
 def held_out_key(selection: Selection) -> tuple:
-    return (selection.model_key, "held-out accuracy by patch size")
+    return (selection.model_id, "held-out accuracy by patch size")
 
 
 def forward_ms_key(selection: Selection) -> tuple:
@@ -244,7 +244,7 @@ def forward_ms_key(selection: Selection) -> tuple:
 
 
 def rows_key(selection: Selection) -> tuple:
-    return (selection.model_key, selection.config.img_size, selection.image_key, "predictions by patch size")
+    return (selection.model_id, selection.config.img_size, selection.image_key, "predictions by patch size")
 
 
 def compare_patch_sizes(selection: Selection, run: bool = True) -> list[dict] | None:

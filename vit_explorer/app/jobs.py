@@ -33,11 +33,16 @@ def job_board() -> JobBoard:
     return JobBoard(Path(os.environ.get("VIT_EXPLORER_JOBS_DIR") or runs.RUNS_DIR / "jobs"))
 
 
-def _model_source(model_key: str) -> dict:
-    kind, _, reference = model_key.partition(":")
+def _model_source(selection: Selection) -> dict:
+    """The selection's model as a job names it; with the mean and std a person chose, if any."""
+    kind, _, reference = selection.model_key.partition(":")
     if kind == models.DEFAULT_MODEL:
-        return {"path": str(models.default_weights())}
-    return {"pretrained": reference} if kind == "pretrained" else {"path": reference}
+        source = {"path": str(models.default_weights())}
+    else:
+        source = {"pretrained": reference} if kind == "pretrained" else {"path": reference}
+    if selection.normalization is not None:
+        source.update(mean=list(selection.config.mean), std=list(selection.config.std))
+    return source
 
 
 def sweep(selection: Selection, mode: str, ask: bool = False) -> HeadSweep | None:
@@ -138,7 +143,7 @@ def job_spec(selection: Selection, kind: str, identity: str | None = None, **set
     """``kind`` on ``selection``'s model at its sizes, for its image unless ``identity`` says what
     the input is."""
     return JobSpec(
-        kind, _model_source(selection.model_key), selection.patch_size, selection.config.img_size,
+        kind, _model_source(selection), selection.patch_size, selection.config.img_size,
         selection.image_key if identity is None else identity, settings,
     )
 

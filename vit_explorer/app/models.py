@@ -17,11 +17,13 @@ from pathlib import Path
 import streamlit as st
 import torch
 
+from ..model.config import NORMALIZATIONS
 from ..model.vit import ViT
 from ..serving.cache import ByteBoundedCache, nbytes
 from ..training import train
 from ..weights import catalogue
 from ..weights import load_model, load_pretrained, resize_model
+from ..weights.normalization import renormalized
 from . import runs
 from .memo import with_spinner
 
@@ -77,9 +79,20 @@ def base_model(model_key: str) -> ViT:
     return shared_models().get_or_compute(("base", model_key), lambda: with_spinner("Loading the model ...", load))
 
 
-def model_at(model_key: str, patch_size: int, image_size: tuple[int, int]) -> ViT:
+def model_at(model_key: str, patch_size: int, image_size: tuple[int, int], normalization: str | None = None) -> ViT:
     """The model resized to ``patch_size`` (FlexiViT PI-resize) and ``image_size`` (position
-    embeddings resampled); the base model itself at its own sizes."""
+    embeddings resampled); the base model itself at its own sizes. ``normalization``: a name of
+    NORMALIZATIONS a person chose for a model whose own was assumed (:func:`normalization_choice`):
+    the same model, its tensors shared, whose config says that mean and std."""
+    if normalization is not None:
+        resized = model_at(model_key, patch_size, image_size)
+        mean, std = NORMALIZATIONS[normalization]
+        chosen = shared_models().get_or_compute(
+            ("normalized", model_key, patch_size, tuple(image_size), normalization),
+            lambda: renormalized(resized, mean, std), size=lambda chosen: 0,  # the resized model's tensors
+        )
+        model_at(model_key, patch_size, image_size)  # touched last: kept while the copy lives
+        return chosen
     model = base_model(model_key)
     image_size = tuple(image_size)
     if patch_size == model.config.patch_size and image_size == model.config.img_size:
@@ -96,6 +109,22 @@ def model_at(model_key: str, patch_size: int, image_size: tuple[int, int]) -> Vi
     # base is never the least recently used of the two, so it is not evicted while they live.
     base_model(model_key)
     return resized
+
+
+def normalization_choice(config, chosen: str | None) -> str | None:
+    """The normalisation a session reads a model with: ``chosen`` (a NORMALIZATIONS name) where the
+    model's own was assumed and the person chose another, else None (the model's own)."""
+    if not config.normalization_assumed or chosen not in NORMALIZATIONS or config.in_chans != 3:
+        return None
+    return None if chosen == config.normalization_name else chosen
+
+
+def assumed_normalization(config) -> str | None:
+    """The sidebar's sentence for a model whose normalisation nothing told; None for any other."""
+    if not config.normalization_assumed:
+        return None
+    name = config.normalization_name or f"mean {config.mean}, std {config.std}"
+    return f"Normalisation assumed: {name}, timm's default for a ViT of this shape; nothing in the checkpoint says which."
 
 
 def _own_bytes(resized: ViT, base: ViT) -> int:

@@ -42,19 +42,28 @@ class Selection:
     image_key: str  # includes the render size for shapes
     model: ViT
     image: Image.Image  # the picture as given, before resizing
+    # A normalisation this person chose (models.normalization_choice) for a model whose own was
+    # assumed: ``model`` says it, and every key says so (model_id), so no other session's results mix.
+    normalization: str | None = None
 
     @property
     def config(self):
         return self.model.config
 
     @property
-    def base_model(self) -> ViT:
-        """The model at its own patch size (and at the chosen input size)."""
-        return models.model_at(self.model_key, models.base_model(self.model_key).config.patch_size, self.config.img_size)
+    def model_id(self) -> str | tuple[str, str]:
+        """What the results are keyed by: the model key, with the normalisation chosen if any."""
+        return self.model_key if self.normalization is None else (self.model_key, self.normalization)
 
     @property
-    def key(self) -> tuple[str, int, tuple[int, int], str]:
-        return (self.model_key, self.patch_size, self.config.img_size, self.image_key)
+    def base_model(self) -> ViT:
+        """The model at its own patch size (and at the chosen input size)."""
+        own_patch = models.base_model(self.model_key).config.patch_size
+        return models.model_at(self.model_key, own_patch, self.config.img_size, self.normalization)
+
+    @property
+    def key(self) -> tuple[str | tuple[str, str], int, tuple[int, int], str]:
+        return (self.model_id, self.patch_size, self.config.img_size, self.image_key)
 
     def memo(self, *key, compute: Callable[[], T], spinner: str | None = None) -> T:
         """``compute()`` once per (this model, patch size and image, ``key``) for everybody."""
@@ -168,8 +177,8 @@ class Selection:
         """(features, picture) of ``image`` read by this model at ``size`` (dense_pca.image_features:
         DINOv3's PCA at 768 px high), once for everybody and for every page that shows it."""
         return memo(
-            (self.model_key, self.patch_size, size, image_key, "dense features"),
-            lambda: image_features(models.model_at(self.model_key, self.patch_size, size), image),
+            (self.model_id, self.patch_size, size, image_key, "dense features"),
+            lambda: image_features(models.model_at(self.model_key, self.patch_size, size, self.normalization), image),
             spinner=f"Reading the picture at {size[0]}x{size[1]} px ...",
         )
 
@@ -284,7 +293,7 @@ class ImageSet:
     @property
     def key(self) -> tuple:
         selection = self.selection
-        return (selection.model_key, selection.patch_size, selection.config.img_size, "image set", self.image_keys)
+        return (selection.model_id, selection.patch_size, selection.config.img_size, "image set", self.image_keys)
 
     @classmethod
     def of(cls, selection: Selection, image_keys: Sequence[str]) -> ImageSet:
@@ -351,7 +360,7 @@ class ImageSet:
     def tokens_key(self, index: int) -> tuple:
         """The memo key of image ``index``'s tokens (by model, sizes and image: any set shares them)."""
         selection = self.selection
-        return (selection.model_key, selection.patch_size, selection.config.img_size, "set image tokens", self.image_keys[index])
+        return (selection.model_id, selection.patch_size, selection.config.img_size, "set image tokens", self.image_keys[index])
 
     def unread(self) -> list[int]:
         """The images :meth:`image_tokens` would run (the sidebar's aside: its capture is every

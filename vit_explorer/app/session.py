@@ -109,9 +109,22 @@ def selection() -> Selection:
         state["image_notice"] = "Your uploaded image was removed to make room for newer uploads; upload it again."
     size = image_size()
     patch = patch_size(size)
-    model = models.model_at(state["model_key"], patch, size)
+    normalization = normalization_choice(state["model_key"])
+    model = models.model_at(state["model_key"], patch, size, normalization)
     image_key, image = images.resolve_image(state["image_key"], model.config.img_size)
-    return Selection(state["model_key"], patch, image_key, model, image)
+    return Selection(state["model_key"], patch, image_key, model, image, normalization)
+
+
+NORMALIZATION_WIDGET = "normalization"  # the sidebar's choice for a model whose normalisation was assumed
+
+
+def normalization_choice(model_key: str) -> str | None:
+    """The normalisation this person chose in the sidebar for ``model_key``, the session's model,
+    whose own was assumed; None: its own (models.normalization_choice). Kept like a page widget's
+    value, so that choosing another model forgets it."""
+    if model_key != st.session_state["model_key"]:
+        return None
+    return models.normalization_choice(models.base_model(model_key).config, kept(NORMALIZATION_WIDGET, None))
 
 
 def image_size() -> tuple[int, int]:
@@ -234,13 +247,15 @@ def compared_selection(
     model_key: str, patch_size: int | None = None, image_size: tuple[int, int] | None = None
 ) -> Selection:
     """Model B of the Compare page on the session's image: ``model_key`` at ``patch_size`` and
-    ``image_size`` (None: the model's own), preprocessed for its own size, mean and std.
+    ``image_size`` (None: the model's own), preprocessed for its own size, mean and std (the
+    sidebar's model: with the normalisation chosen there).
 
     Loaded and resized through the shared model cache, so B counts against the models' byte
     budget like any other model; raises ValueError or OSError when it cannot be loaded.
     """
     config = models.base_model(model_key).config
     patch_size = patch_size or config.patch_size
-    model = models.model_at(model_key, patch_size, image_size or config.img_size)
+    normalization = normalization_choice(model_key)  # the sidebar's model read as the sidebar reads it
+    model = models.model_at(model_key, patch_size, image_size or config.img_size, normalization)
     image_key, image = images.resolve_image(st.session_state["image_key"], model.config.img_size)
-    return Selection(model_key, patch_size, image_key, model, image)
+    return Selection(model_key, patch_size, image_key, model, image, normalization)

@@ -12,6 +12,15 @@ IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+INCEPTION_MEAN = (0.5, 0.5, 0.5)  # timm's IMAGENET_INCEPTION_*: Google's ViTs, SigLIP, timm's default
+INCEPTION_STD = (0.5, 0.5, 0.5)
+# The normalisations a person may choose for a model whose own is not known (the app's sidebar):
+# name -> (mean, std) of three channels.
+NORMALIZATIONS = {
+    "ImageNet": (IMAGENET_MEAN, IMAGENET_STD),
+    "OpenAI CLIP": (OPENAI_CLIP_MEAN, OPENAI_CLIP_STD),
+    "0.5 (Inception, SigLIP)": (INCEPTION_MEAN, INCEPTION_STD),
+}
 ACTIVATIONS = ("gelu", "gelu_tanh", "quick_gelu")  # the MLP activations ViTConfig.act_layer names
 # Rotary position embeddings ViTConfig.rope_type names (timm's rope_type): DINOv3's, and EVA-02's
 # ("cat": timm's RotaryEmbeddingCat); the temperature each uses unless told otherwise.
@@ -103,6 +112,11 @@ class ViTConfig(_JsonConfig):
     drop_path_rate: float = 0.0
     mean: tuple[float, ...] = (0.5, 0.5, 0.5)  # normalization the model's inputs must be given
     std: tuple[float, ...] = (0.5, 0.5, 0.5)
+    # Where mean and std came from: "given" (whoever made the config: our files, a caller),
+    # "publisher[: where]" (the publisher's config beside the weights), "structure: <family>" (told
+    # unambiguously by the tensors, weights/normalization.py) or "assumed" (nothing tells: timm's
+    # default for such a ViT; the app says so and lets the person choose: "chosen").
+    normalization_source: str = "given"
     # Positions. abs_pos_embed: the learned pos_embed added to the tokens (timm Eva's use_abs_pos_emb;
     # DINOv3 has none). rope_type: rotary positions on the patch tokens' queries and keys, None,
     # "dinov3" (centred coordinates in [-1, 1] per axis, rotate-half layout) or "cat" (EVA-02: patch
@@ -225,7 +239,7 @@ class ViTConfig(_JsonConfig):
                 raise ValueError(f"{name} must be in [0, 1), not {_brief(getattr(self, name))}")
         if self.class_names is not None and not isinstance(self.class_names, (list, tuple)):
             raise ValueError(f"class_names must be a list of names, not {_brief(self.class_names)}")
-        for name in ("global_pool", "act_layer", "rope_grid_indexing", "rope_periods_dtype"):
+        for name in ("global_pool", "act_layer", "rope_grid_indexing", "rope_periods_dtype", "normalization_source"):
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"{name} must be a string, not {_brief(getattr(self, name))}")
 
@@ -276,11 +290,31 @@ class ViTConfig(_JsonConfig):
         return float(self.rope_temperature or ROPE_TEMPERATURES[self.rope_type])
 
     @property
+    def normalization_assumed(self) -> bool:
+        """Whether nothing told this model's mean and std (normalization_source "assumed")."""
+        return self.normalization_source == "assumed"
+
+    @property
+    def normalization_name(self) -> str | None:
+        """The NORMALIZATIONS name of this model's mean and std; None for any other."""
+        return normalization_name(self.mean, self.std)
+
+    @property
     def use_fc_norm(self) -> bool:
         return self.global_pool == "mean" if self.fc_norm is None else self.fc_norm
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def normalization_name(mean, std) -> str | None:
+    """The NORMALIZATIONS name of this mean and std (to a float32's precision); None for any other."""
+    for name, (known_mean, known_std) in NORMALIZATIONS.items():
+        if len(mean) == len(known_mean) and len(std) == len(known_std) and all(
+            math.isclose(a, b, rel_tol=1e-6) for a, b in zip((*mean, *std), (*known_mean, *known_std))
+        ):
+            return name
+    return None
 
 
 # Model sizes by name; image size, classes and normalization come from the dataset.

@@ -66,7 +66,7 @@ class Cancelled(Exception):
 @dataclass(frozen=True)
 class JobSpec:
     kind: str  # a key of KINDS
-    model: dict  # {"path": checkpoint file} or {"pretrained": catalogue name}
+    model: dict  # {"path": checkpoint file} or {"pretrained": catalogue name}, + "mean", "std" if chosen
     patch_size: int
     image_size: tuple[int, int]
     identity: str  # what the input is (an image key): with the rest, what makes two asks the same
@@ -346,10 +346,13 @@ class JobBoard:
 
 def _load(spec: dict) -> ViT:
     from ..weights import load_model, load_pretrained, resize_model
+    from ..weights.normalization import renormalized
 
     model = load_pretrained(spec["model"]["pretrained"]) if "pretrained" in spec["model"] else load_model(
         spec["model"]["path"]
     )
+    if "mean" in spec["model"]:  # a normalisation the person chose for a model whose own was assumed
+        model = renormalized(model, spec["model"]["mean"], spec["model"]["std"])
     image_size = tuple(spec["image_size"])
     if (spec["patch_size"], image_size) != (model.config.patch_size, model.config.img_size):
         model = resize_model(model, patch_size=spec["patch_size"], image_size=image_size)

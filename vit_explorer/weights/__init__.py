@@ -12,6 +12,7 @@ is read.
                          each source's state dict renamed to ours, with what the shapes cannot tell
     from_eva.py          timm's Eva family (DINOv3, EVA-02) and Meta's DINOv3 files: rotary positions
     infer.py             the ViTConfig from the tensors (where a family is recognised by its keys)
+    normalization.py     the mean and std: the publisher's, the structure's, or assumed (and said)
     build.py             the tensors checked against that config, then the model built
     resize.py            resize_model: another patch size and/or image size
 
@@ -53,6 +54,8 @@ def load_model(path: str | os.PathLike, **overrides) -> ViT:
     EVA-02 (Eva) files and Meta's DINOv3 files are recognised from their keys. Whatever the
     weights do not reveal (num_heads defaults to embed_dim // 64) and any other ViTConfig field
     can be given as a keyword; a different ``image_size``/``patch_size`` resamples the model.
+    The mean and std are the publisher's, else the structure's, else assumed; the config's
+    ``normalization_source`` says which (weights/normalization.py).
     """
     path = Path(path)
     if path.is_dir():

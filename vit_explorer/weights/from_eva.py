@@ -45,10 +45,13 @@ _META_RENAMES = [
 ]
 DINOV3 = dict(
     rope_type="dinov3", abs_pos_embed=False, layer_norm_eps=1e-5, rope_periods_dtype="bfloat16",
-    image_size=224, mean=IMAGENET_MEAN, std=IMAGENET_STD,
+    image_size=224, mean=IMAGENET_MEAN, std=IMAGENET_STD, normalization_source="structure: DINOv3 (rotary positions)",
 )
-EVA02 = dict(rope_type="cat", ref_feat_shape=(16, 16), layer_norm_eps=1e-6, mean=OPENAI_CLIP_MEAN, std=OPENAI_CLIP_STD)
-EVA = dict(layer_norm_eps=1e-6, mean=OPENAI_CLIP_MEAN, std=OPENAI_CLIP_STD)
+EVA02 = dict(
+    rope_type="cat", ref_feat_shape=(16, 16), layer_norm_eps=1e-6, mean=OPENAI_CLIP_MEAN, std=OPENAI_CLIP_STD,
+    normalization_source="structure: EVA-02 (rotary positions, SwiGLU)",
+)
+EVA = dict(layer_norm_eps=1e-6, mean=OPENAI_CLIP_MEAN, std=OPENAI_CLIP_STD, normalization_source="structure: Eva (EVA-01)")
 
 
 def recognises(state: dict[str, torch.Tensor]) -> bool:

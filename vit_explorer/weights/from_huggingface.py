@@ -278,6 +278,8 @@ def _settings(hf_config: dict, converted: dict[str, torch.Tensor]) -> dict:
         if theirs in hf_config:
             value = _hf_setting(hf_config, theirs)
             known[ours] = tuple(value) if isinstance(value, list) else value
+    if "mean" in known or "std" in known:
+        known["normalization_source"] = "publisher: Hugging Face's preprocessor config"
     labels = _hf_setting(hf_config, "id2label", {}) or {}
     num_classes = converted["head.weight"].shape[0] if "head.weight" in converted else 0
     names = [labels.get(str(index)) for index in range(num_classes)]

@@ -16,8 +16,8 @@ _FOLDER_ARGS = ("num_heads", "depth", "embed_dim")
 
 
 def convert(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict]:
-    """(our state dict, config fields the shapes cannot tell): nothing to rename or add; timm's
-    mean/std 0.5 (augreg) is our default."""
+    """(our state dict, config fields the shapes cannot tell): nothing to rename or add; the mean
+    and std are what the structure tells, else timm's default (normalization.py)."""
     return dict(state), {}
 
 
@@ -37,6 +37,7 @@ def convert_folder(
     arguments, pretrained = timm_config.get("model_args"), timm_config.get("pretrained_cfg")
     if isinstance(arguments, dict):
         known.update({field: arguments[field] for field in _FOLDER_ARGS if field in arguments})
-    if isinstance(pretrained, dict):
+    if isinstance(pretrained, dict) and ("mean" in pretrained or "std" in pretrained):
         known.update({field: pretrained[field] for field in ("mean", "std") if field in pretrained})
+        known["normalization_source"] = "publisher: timm's pretrained_cfg"
     return converted, known

@@ -3,7 +3,8 @@ say, the facts a format's reader knows (``known``) and the caller's overrides, c
 the tensors before any model is built.
 
 _architecture is where a family is recognised from its keys (a class token or not, registers, a
-MAP head, LayerScale, CLIP's pre-norm, Eva's separate q/k/v and SwiGLU MLPs, ...); _with_positions
+MAP head, LayerScale, CLIP's pre-norm, Eva's separate q/k/v and SwiGLU MLPs, ...; the mean and
+std they tell, normalization.py); _with_positions
 finds the image size from the position embeddings (a model with rotary positions only, DINOv3, has
 none: its reader says so with ``rope_type``). A family with other modules or positions extends these.
 """
@@ -17,6 +18,7 @@ import torch
 
 from ..model.config import ViTConfig, _brief
 from .checks import MAX_BLOCKS, MAX_REGISTERS, CheckpointError
+from .normalization import from_structure
 
 # Every ViT we build has these; a state dict without them is not one. Each tuple: one of its keys
 # (a fused qkv or EVA-02's separate projections; a plain or packed fc1, or SwiGLU's gate fc1_g).
@@ -43,9 +45,19 @@ def infer_config(
         **known,
         **requested,
         "patch_size": state["patch_embed.proj.weight"].shape[-1],  # other sizes: resize_model
+        "normalization_source": _normalization_source(tensors, known, requested),
     }
     layout_given = "no_embed_class" in known or "no_embed_class" in requested
     return _with_positions(fields, num_prefix, state, layout_given, name)
+
+
+def _normalization_source(tensors: dict, known: dict, requested: dict) -> str:
+    """Where the config's mean and std come from: the caller ("given"), else the reader (the
+    publisher's, unless it says otherwise), else the structure (normalization.from_structure)."""
+    for given, default in ((requested, "given"), (known, "publisher")):
+        if "normalization_source" in given or "mean" in given or "std" in given:
+            return given.get("normalization_source", default)
+    return tensors["normalization_source"]
 
 
 def _check_shapes(state: dict[str, torch.Tensor], name: str) -> None:
@@ -108,8 +120,7 @@ def _architecture(state: dict[str, torch.Tensor], name: str) -> dict:
         "init_values": 1.0 if "blocks.0.ls1.gamma" in state else None,
         "num_classes": state["head.weight"].shape[0] if "head.weight" in state else 0,
         "abs_pos_embed": "pos_embed" in state,
-        "mean": (0.5,) * in_chans,
-        "std": (0.5,) * in_chans,
+        **from_structure(state),  # mean, std and where they came from, unless a reader or the caller knows
     }
 
 

@@ -3,6 +3,7 @@ names included) and any string entries the writer added (how the model was train
 
 from __future__ import annotations
 
+import json
 import os
 import uuid
 from pathlib import Path
@@ -35,7 +36,7 @@ def save_model(model: ViT, path: str | os.PathLike, metadata: dict[str, str] | N
     tensors = {
         name: value.detach().cpu().contiguous() for name, value in model.state_dict().items()
     }
-    header = {"format": "pt", CONFIG_KEY: model.config.to_json(), **extra}
+    header = {"format": "pt", CONFIG_KEY: _config_json(model.config), **extra}
 
     path = Path(path)
     data = safetensors_bytes(tensors, metadata=header)
@@ -51,6 +52,16 @@ def save_model(model: ViT, path: str | os.PathLike, metadata: dict[str, str] | N
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise
+
+
+def _config_json(config: ViTConfig) -> str:
+    """The config as the file keeps it: normalization_source only where it is not "given" (the
+    default, which the files written before it existed mean), so that those files' readers
+    read ours too."""
+    fields = config.to_dict()
+    if fields["normalization_source"] == "given":
+        del fields["normalization_source"]
+    return json.dumps(fields)
 
 
 def load_metadata(path: str | os.PathLike) -> dict[str, str]:
