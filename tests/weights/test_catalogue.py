@@ -5,9 +5,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import http.server
+import json
+import math
 import os
 import socket
 import subprocess
+import struct
 import sys
 import threading
 import time
@@ -21,10 +24,12 @@ import vit_explorer as vx
 from vit_explorer.weights import catalogue
 
 from helpers import randomize
+from textmodels import SMALL_CLIP, SMALL_SIGLIP_TEXT, open_clip_folder, siglip_folder
+from vit_explorer.model.config import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 
 
 @pytest.mark.parametrize("name", [name for name, entry in catalogue.CATALOGUE.items()
-                                  if entry.source.startswith("timm/")])
+                                  if entry.source.startswith("timm/") and entry.open_clip is None])
 def test_each_entry_has_the_shapes_of_timms_model(name):
     entry = catalogue.CATALOGUE[name]
     with torch.device("meta"):
@@ -43,6 +48,78 @@ def test_each_entry_has_the_shapes_of_timms_model(name):
     assert entry.licence == licences[reference.pretrained_cfg["license"]]
     assert entry.card.endswith(f" Licence: {entry.licence}.")
     assert catalogue.url(name) == f"https://huggingface.co/{entry.source}/resolve/main/model.safetensors"
+
+
+# The catalogue's CLIP and SigLIPs -> (open_clip's model name, its pretrained tag, the timm model of the image tower).
+OPEN_CLIP_ENTRIES = {
+    "clip_vitb16": ("ViT-B-16", "openai", "vit_base_patch16_clip_224.openai"),
+    "siglip_vitb16": ("ViT-B-16-SigLIP", "webli", "vit_base_patch16_siglip_224.webli"),
+    "siglip2_vitb16": ("ViT-B-16-SigLIP2", "webli", "vit_base_patch16_siglip_224.v2_webli"),
+}
+
+
+def sparse_safetensors(path, shapes: dict[str, tuple[int, ...]]) -> None:
+    """A float32 safetensors file of these shapes whose data is a hole: the size of the real one
+    (its header checks out), nothing written."""
+    header, offset = {}, 0
+    for key, shape in shapes.items():
+        size = 4 * math.prod(shape)
+        header[key] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    encoded = json.dumps(header).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    with open(path, "wb") as file:
+        file.write(struct.pack("<Q", len(encoded)) + encoded)
+        file.truncate(8 + len(encoded) + offset)
+
+
+def test_the_open_clip_entries_are_open_clips_models():
+    import open_clip
+
+    assert {name for name, entry in catalogue.CATALOGUE.items() if entry.open_clip is not None} == set(OPEN_CLIP_ENTRIES)
+    for name, (model_name, tag, _) in OPEN_CLIP_ENTRIES.items():
+        entry = catalogue.CATALOGUE[name]
+        pretrained = open_clip.get_pretrained_cfg(model_name, tag)
+        # The repository open_clip loads these weights from, with its normalisation and activation.
+        assert pretrained["hf_hub"] == f"{entry.source}/"
+        assert entry.config.get("mean", (0.5,) * 3) == pytest.approx(pretrained["mean"])
+        assert entry.config.get("std", (0.5,) * 3) == pytest.approx(pretrained["std"])
+        model_cfg = entry.open_clip_config()
+        assert bool(model_cfg.get("quick_gelu")) == pretrained.get("quick_gelu", False)
+        assert {key: value for key, value in model_cfg.items() if key != "quick_gelu"} == open_clip.get_model_config(model_name)
+        assert entry.tokenizer == bool(model_cfg["text_cfg"].get("hf_tokenizer_name"))
+        assert entry.files[0] == "open_clip_config.json" and entry.files[-1] == "open_clip_model.safetensors"
+        assert ("tokenizer.json" in entry.files) == entry.tokenizer
+        assert catalogue.url(name) == f"https://huggingface.co/{entry.source}/resolve/main/open_clip_model.safetensors"
+        assert catalogue.text_folder(name) == catalogue.cached_path(name)
+        assert entry.card.endswith(f" Licence: {entry.licence}.") and "text tower comes with it" in entry.card
+    assert catalogue.text_folder("dino_vits16") is None and catalogue.text_folder("vit_b_16") is None
+
+
+@pytest.mark.parametrize("name", list(OPEN_CLIP_ENTRIES))
+def test_each_open_clip_entry_is_the_file_open_clip_writes(name, tmp_path):
+    """open_clip's own model of the entry's config, both towers, as the file its repository holds
+    (a sparse file of the real size): it passes the check, and its size is the entry's."""
+    import open_clip
+
+    entry = catalogue.CATALOGUE[name]
+    model_cfg = entry.open_clip_config()
+    arguments = {key: value for key, value in model_cfg.items() if key != "custom_text"}
+    with torch.device("meta"):
+        model = (open_clip.CustomTextCLIP if model_cfg.get("custom_text") else open_clip.CLIP)(**arguments)
+        image_tower = timm.create_model(OPEN_CLIP_ENTRIES[name][2], pretrained=False, num_classes=0)
+    shapes = {key: tuple(value.shape) for key, value in model.state_dict().items()}
+    assert entry.size_bytes == 4 * sum(math.prod(shape) for shape in shapes.values())
+    assert entry.size_bytes == 4 * catalogue.open_clip_shapes(name).numel
+    # The image tower is the one timm publishes alone, as the entry's ViT has it.
+    assert catalogue.expected_shapes(name) == {key: tuple(value.shape) for key, value in image_tower.state_dict().items()}
+    path = tmp_path / "open_clip_model.safetensors"
+    sparse_safetensors(path, shapes)
+    assert path.stat().st_size > entry.size_bytes and path.stat().st_blocks * 512 < 2**20
+    catalogue.check_open_clip_weights(name, path)
+    config = tmp_path / "open_clip_config.json"
+    config.write_text(json.dumps({"model_cfg": model_cfg, "preprocess_cfg": {}}))
+    catalogue.check_open_clip_config(name, config)
 
 
 def test_the_torchvision_file_names_are_torchvisions_own():
@@ -193,6 +270,220 @@ def test_missing_file_and_offline_are_one_sentence(hub, monkeypatch):
     assert message.startswith(f"could not download Tiny CLIP from http://127.0.0.1:{port}/")
     assert "(no internet?)" in message and "\n" not in message
     assert "Errno" not in message and message.endswith(f"; {catalogue.HUB_URL_VARIABLE} can name a mirror")
+
+
+# ------------------------------------------------------------- open_clip downloads (both towers)
+
+SMALL_SIGLIP = {
+    "embed_dim": 32, "custom_text": True, "init_logit_bias": -10,
+    "vision_cfg": {"image_size": 32, "timm_model_name": "vit_base_patch16_siglip_224", "timm_pool": "map", "timm_proj": "none"},
+    "text_cfg": SMALL_SIGLIP_TEXT,
+}
+OPEN_CLIP_LAYOUTS = {
+    # Small models of the CLIP and SigLIP entries' layouts (tests/textmodels.py writes their folders).
+    "tiny_openclip_clip": catalogue.CatalogueEntry(
+        "Tiny open_clip CLIP", "timm/tiny_openclip_clip", 4 * 1_723_777, "nothing", "random",
+        config=dict(image_size=32, patch_size=8, num_classes=0, pre_norm=True, patch_bias=False,
+                    act_layer="quick_gelu", layer_norm_eps=1e-5, embed_dim=64, depth=2, num_heads=2,
+                    mean=OPENAI_CLIP_MEAN, std=OPENAI_CLIP_STD),
+        open_clip=SMALL_CLIP,
+    ),
+    "tiny_openclip_siglip": catalogue.CatalogueEntry(
+        "Tiny open_clip SigLIP", "timm/tiny_openclip_siglip", 4 * 75_714, "nothing", "random",
+        config=dict(catalogue._SIGLIP_B, image_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2),
+        open_clip=SMALL_SIGLIP, tokenizer=True,
+    ),
+}
+
+
+@pytest.fixture
+def open_clip_hub(hub, monkeypatch):
+    for name, entry in OPEN_CLIP_LAYOUTS.items():
+        monkeypatch.setitem(catalogue.CATALOGUE, name, entry)
+    return hub
+
+
+def publish_open_clip(root, name: str, seed: int = 0):
+    """The entry's open_clip folder with random weights, where the Hub would have it."""
+    folder = root / OPEN_CLIP_LAYOUTS[name].source / "resolve" / "main"
+    if name == "tiny_openclip_clip":
+        open_clip_folder(folder, SMALL_CLIP, seed=seed)
+    else:
+        siglip_folder(folder, seed=seed)
+    return folder
+
+
+def served_bytes(folder) -> int:
+    return sum(path.stat().st_size for path in folder.iterdir())
+
+
+def nothing_kept(name: str) -> bool:
+    """Neither the entry's folder nor any temporary file or folder is in the cache."""
+    cache = catalogue.cache_dir()
+    return not catalogue.is_downloaded(name) and (not cache.exists() or list(cache.iterdir()) == [])
+
+
+@pytest.mark.parametrize("name", list(OPEN_CLIP_LAYOUTS))
+def test_an_open_clip_entry_downloads_both_towers_and_its_tokenizer(open_clip_hub, name):
+    from vit_explorer.text import load_image_text_model
+
+    root, server = open_clip_hub
+    entry = catalogue.CATALOGUE[name]
+    assert entry.size_bytes == 4 * catalogue.open_clip_shapes(name).numel
+    served = publish_open_clip(root, name)
+    assert (served / "open_clip_model.safetensors").stat().st_size > entry.size_bytes
+    assert not catalogue.is_downloaded(name)
+    seen = []
+    model = vx.load_pretrained(name, progress=lambda done, total: seen.append((done, total)))
+    # One progress over every file, its total all of them once the weights' size is known.
+    total = served_bytes(served)
+    assert seen[-1] == (total, total)
+    assert [done for done, _ in seen] == sorted(done for done, _ in seen)
+    assert {total for _, total in seen} - {None} == {total}
+    folder = catalogue.text_folder(name)
+    assert folder == catalogue.cached_path(name) == catalogue.cache_dir() / name
+    assert sorted(path.name for path in folder.iterdir()) == sorted(entry.files)
+    assert [path.name for path in catalogue.cache_dir().iterdir()] == [name]  # no temporary file left
+    # The image tower as the catalogue says (its activation, normalisation), from the folder's weights.
+    assert model.config == entry.vit_config()
+    reference = vx.load_model(served)
+    assert model.state_dict().keys() == reference.state_dict().keys()
+    for key, value in reference.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value), key
+    # The text tower beside it, read with the app's shared image tower.
+    words = load_image_text_model(folder, image=model)
+    assert words.image is model
+    labels = ["a photo of a cat", "a red square"]
+    torch.testing.assert_close(words.embed_texts(labels), load_image_text_model(served).embed_texts(labels))
+    # Downloaded: no server needed any more.
+    server.shutdown()
+    assert catalogue.is_downloaded(name)
+    assert vx.load_pretrained(name).config == model.config
+
+
+def test_the_optional_tokenizer_file_comes_when_the_server_has_it(open_clip_hub):
+    root, _ = open_clip_hub
+    served = publish_open_clip(root, "tiny_openclip_siglip")
+    (served / "special_tokens_map.json").write_text(json.dumps({"eos_token": "</s>", "pad_token": "<pad>"}))
+    folder = catalogue.download("tiny_openclip_siglip")
+    assert (folder / "special_tokens_map.json").read_bytes() == (served / "special_tokens_map.json").read_bytes()
+
+
+def test_a_folder_missing_a_file_is_not_downloaded_and_is_completed(open_clip_hub):
+    root, _ = open_clip_hub
+    publish_open_clip(root, "tiny_openclip_siglip")
+    folder = catalogue.download("tiny_openclip_siglip")
+    (folder / "tokenizer.json").unlink()
+    assert not catalogue.is_downloaded("tiny_openclip_siglip")
+    catalogue.download("tiny_openclip_siglip")
+    assert catalogue.is_downloaded("tiny_openclip_siglip")
+
+
+def test_a_text_tower_of_another_shape_is_refused_and_nothing_kept(open_clip_hub, tmp_path):
+    root, _ = open_clip_hub
+    served = publish_open_clip(root, "tiny_openclip_clip")
+    other = json.loads(json.dumps(SMALL_CLIP))
+    other["text_cfg"]["layers"] = 3
+    open_clip_folder(tmp_path / "other", other)
+    (served / "open_clip_model.safetensors").write_bytes((tmp_path / "other" / "open_clip_model.safetensors").read_bytes())
+    expected = (
+        r"^the downloaded tiny_openclip_clip file is not the expected model"
+        r" \(text tower unexpected: transformer\.resblocks\.2\."
+    )
+    with pytest.raises(vx.CheckpointError, match=expected) as refused:
+        vx.load_pretrained("tiny_openclip_clip")
+    assert "\n" not in str(refused.value)
+    assert nothing_kept("tiny_openclip_clip")
+
+
+def test_an_image_tower_of_another_shape_is_refused(open_clip_hub):
+    root, _ = open_clip_hub
+    publish_open_clip(root, "tiny_openclip_clip")
+    changed = dict(OPEN_CLIP_LAYOUTS["tiny_openclip_clip"].config, depth=3)
+    catalogue.CATALOGUE["tiny_openclip_clip"] = dataclasses.replace(OPEN_CLIP_LAYOUTS["tiny_openclip_clip"], config=changed)
+    with pytest.raises(catalogue.DownloadError, match=r"\(image tower missing: blocks\.2\."):
+        catalogue.download("tiny_openclip_clip")
+    assert nothing_kept("tiny_openclip_clip")
+
+
+@pytest.mark.parametrize("change, expected", [
+    ({"quick_gelu": False}, "describes another text tower than Tiny open_clip CLIP's"),
+    ({"text_cfg": {"width": 48}}, "describes another text tower than Tiny open_clip CLIP's"),
+    ({"text_cfg": {"hf_model_name": "bert-base-uncased"}}, "describes another text tower than Tiny open_clip CLIP's"),
+    ({"text_cfg": {"not_a_setting": 1}}, "describes another text tower than Tiny open_clip CLIP's"),
+    ({"model_cfg": None}, "has no model_cfg with a text_cfg and a vision_cfg"),
+    ("not json", "is not JSON"),
+])
+def test_a_config_that_is_not_the_entrys_is_refused(open_clip_hub, change, expected):
+    root, _ = open_clip_hub
+    served = publish_open_clip(root, "tiny_openclip_clip")
+    path = served / "open_clip_config.json"
+    if isinstance(change, str):
+        path.write_text("{" + change)
+    else:
+        config = json.loads(path.read_text())
+        if "model_cfg" in change:
+            config["model_cfg"] = None
+        for key, value in change.items():
+            if key == "text_cfg":
+                config["model_cfg"]["text_cfg"].update(value)
+            elif key != "model_cfg":
+                config["model_cfg"][key] = value
+        path.write_text(json.dumps(config))
+    with pytest.raises(catalogue.DownloadError) as refused:
+        catalogue.download("tiny_openclip_clip")
+    assert str(refused.value) == f"the downloaded tiny_openclip_clip open_clip_config.json {expected}"
+    assert nothing_kept("tiny_openclip_clip")
+
+
+@pytest.mark.parametrize("missing", ["tokenizer.json", "tokenizer_config.json"])
+def test_a_missing_tokenizer_file_is_one_sentence(open_clip_hub, missing):
+    root, server = open_clip_hub
+    served = publish_open_clip(root, "tiny_openclip_siglip")
+    (served / missing).unlink()
+    with pytest.raises(vx.CheckpointError) as refused:
+        vx.load_pretrained("tiny_openclip_siglip")
+    port = server.server_address[1]
+    assert str(refused.value) == (
+        f"could not download Tiny open_clip SigLIP: http://127.0.0.1:{port}/timm/tiny_openclip_siglip/resolve/main/{missing}"
+        " answered 404 File not found"
+    )
+    assert nothing_kept("tiny_openclip_siglip")
+
+
+def test_a_tokenizer_that_is_not_one_is_refused(open_clip_hub):
+    root, _ = open_clip_hub
+    served = publish_open_clip(root, "tiny_openclip_siglip")
+    (served / "tokenizer.json").write_text(json.dumps(["not", "a", "tokenizer"]))
+    with pytest.raises(catalogue.DownloadError, match=r"^the downloaded tiny_openclip_siglip tokenizer\.json is not a tokenizer's tokenizer\.json$"):
+        catalogue.download("tiny_openclip_siglip")
+    assert nothing_kept("tiny_openclip_siglip")
+
+
+def test_the_apps_download_shows_one_bar_over_every_file(open_clip_hub, monkeypatch):
+    from vit_explorer.app import models
+
+    root, _ = open_clip_hub
+    publish_open_clip(root, "tiny_openclip_siglip")
+    bars = []
+
+    class Bar:
+        def __init__(self, value, text):
+            self.values = [value]
+            bars.append(self)
+
+        def progress(self, value, text):
+            self.values.append(value)
+
+        def empty(self):
+            self.values.append("emptied")
+
+    monkeypatch.setattr(models.st, "progress", lambda value, text: Bar(value, text))
+    models.download_with_progress("tiny_openclip_siglip")
+    (bar,) = bars
+    values = bar.values[:-1]
+    assert values == sorted(values) and values[-1] == 1.0 and bar.values[-1] == "emptied"
+    assert catalogue.is_downloaded("tiny_openclip_siglip")
 
 
 # ----------------------------------------------------------------------------- hostile mirrors

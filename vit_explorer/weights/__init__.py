@@ -10,6 +10,7 @@ is read.
     project.py           our own format: weights + config (+ class names, metadata) in one file
     from_timm.py, from_torchvision.py, from_huggingface.py
                          each source's state dict renamed to ours, with what the shapes cannot tell
+    from_open_clip.py    open_clip's folders (CLIP, SigLIP): the image tower of both, its projection apart
     from_eva.py          timm's Eva family (DINOv3, EVA-02) and Meta's DINOv3 files: rotary positions
     infer.py             the ViTConfig from the tensors (where a family is recognised by its keys)
     normalization.py     the mean and std: the publisher's, the structure's, or assumed (and said)
@@ -30,7 +31,7 @@ import torch
 
 from ..model.config import ViTConfig
 from ..model.vit import ViT, from_timm_eva
-from . import catalogue, from_eva, from_huggingface, from_timm, from_torchvision
+from . import catalogue, from_eva, from_huggingface, from_open_clip, from_timm, from_torchvision
 from .build import build
 from .checks import CheckpointError, read_tensors
 from .from_torchvision import TORCHVISION_VITS
@@ -58,6 +59,10 @@ def load_model(path: str | os.PathLike, **overrides) -> ViT:
     ``normalization_source`` says which (weights/normalization.py).
     """
     path = Path(path)
+    if from_open_clip.is_folder(path):  # a CLIP or SigLIP: its image tower (vit_explorer.text reads both)
+        state, _ = read_tensors(path / from_open_clip.WEIGHTS_FILE)
+        converted, known = from_open_clip.convert(state, from_open_clip.read_config(path), path.name)
+        return _model_from_state(converted, known, overrides, path.name)
     if path.is_dir():
         if not os.path.lexists(path / "config.json"):
             raise CheckpointError(
@@ -145,6 +150,9 @@ def load_pretrained(name: str = "vit_b_16", progress=None) -> ViT:
         path = catalogue.download(name, progress)
     except catalogue.DownloadError as error:
         raise CheckpointError(str(error)) from None
+    if entry.open_clip is not None:  # both towers' file: our ViT is the image tower, headless
+        state, _ = from_open_clip.image_tower(from_open_clip.read_image_tensors(path / from_open_clip.WEIGHTS_FILE), name)
+        return build(state, entry.vit_config(), name)
     state, _ = read_tensors(path)
     for key in entry.drop_keys:
         state.pop(key, None)

@@ -101,6 +101,18 @@ def _openai_tower(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tenso
     return converted, None if projection is None else projection.t()
 
 
+def read_image_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """The image tower's tensors ("visual.*") of a weights file checked before (the catalogue's
+    download), without reading the text tower's."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as file:
+            return {key: file.get_tensor(key) for key in file.keys() if key.startswith("visual.")}
+    except (OSError, SafetensorError) as error:
+        raise CheckpointError(f"{path.parent.name}'s {path.name} could not be read ({error})") from None
+
+
 def text_tower(state: dict[str, torch.Tensor], custom_text: bool) -> dict[str, torch.Tensor]:
     """The text tower's tensors under open_clip TextTransformer's names: a CustomTextCLIP's
     (SigLIP) are under "text.", a CLIP's are the top-level ones that are not the image tower's."""
