@@ -49,8 +49,9 @@ def _on_image_picked() -> None:
 def _checkpoint_uploader() -> None:
     """The checkpoint uploader; a handled upload is released and the run starts again."""
     files = st.file_uploader(
-        "Checkpoint: this project's .safetensors, a timm or torchvision state dict, or a"
-        " Hugging Face ViT (config.json plus its weights)",
+        "Checkpoint: this project's .safetensors, a timm or torchvision state dict, a"
+        " Hugging Face ViT (config.json plus its weights), or a CLIP or SigLIP as open_clip"
+        " saves it (open_clip_config.json, open_clip_model.safetensors and its tokenizer's files)",
         type=["safetensors", "pth", "pt", "bin", "json"],
         accept_multiple_files=True,
         key=uploads.upload_key("checkpoint_upload"),

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import save_file
 from streamlit.runtime.scriptrunner import get_script_run_ctx
 from apptest import PHOTO, errors, open_app, tiny_default, tiny_model, uploader  # noqa: F401 (tiny_default: autouse)
+from textmodels import SMALL_CLIP, open_clip_folder, siglip_folder
 
 import vit_explorer as vx
 from vit_explorer.app import images, models, uploads
@@ -159,6 +160,63 @@ def test_a_handled_upload_leaves_no_bytes_in_the_server(monkeypatch, kind):
     assert uploader(app, widget_key).value in (None, [])  # the uploader starts empty
 
 
+# --- open_clip folders (both towers) ------------------------------------------------------------
+
+
+def folder_files(folder: Path) -> list[tuple[str, bytes, str]]:
+    return [(path.name, path.read_bytes(), "application/octet-stream") for path in sorted(folder.iterdir())]
+
+
+def open_clip_upload(tmp_path: Path, kind: str) -> Path:
+    """A small CLIP's or SigLIP's open_clip folder (SigLIP's with its tokenizer's files)."""
+    if kind == "clip":
+        open_clip_folder(tmp_path / "clip", SMALL_CLIP)
+        return tmp_path / "clip"
+    folder = siglip_folder(tmp_path / "siglip")
+    (folder / "special_tokens_map.json").write_text(json.dumps({"eos_token": "</s>", "pad_token": "<pad>"}))
+    return folder
+
+
+@pytest.mark.parametrize("kind", ["clip", "siglip"])
+def test_an_open_clip_folder_is_kept_as_a_folder_and_selected_with_both_towers(tmp_path, kind):
+    from vit_explorer.text import load_image_text_model
+
+    folder = open_clip_upload(tmp_path, kind)
+    app = open_app("views/attention.py")
+    uploader(app, "checkpoint_upload").set_value(folder_files(folder)).run()
+    assert not app.exception and errors(app) == []
+    model_key = app.session_state["model_key"]
+    kept = Path(model_key.removeprefix("file:"))
+    assert model_key.startswith("file:") and kept.parent == uploads.UPLOADS_DIR and kept.is_dir()
+    assert contents(kept) == contents(folder)
+    names = ", ".join(path.name for path in sorted(folder.iterdir()))
+    assert app.session_state["uploaded_models"][model_key] == f"Uploaded: {names}"
+    assert models.base_model(model_key).config.num_classes == 0  # the image tower, headless
+    words = load_image_text_model(kept, image=models.base_model(model_key))
+    assert words.scoring == ("softmax" if kind == "clip" else "sigmoid")
+
+
+@pytest.mark.parametrize("kind, expected", [
+    ("open_clip folder whose tokenizer is not one", "Could not load that model: the upload's tokenizer.json is not a tokenizer we can read"),
+    ("open_clip folder whose text tower does not fit", "Could not load that model: the upload's text tower does not fit its text_cfg (missing: transformer.resblocks.2."),
+    ("open_clip folder without its weights", "An open_clip model needs its open_clip_model.safetensors beside its open_clip_config.json."),
+    ("open_clip folder with another file", "An open_clip model's upload takes open_clip_config.json, open_clip_model.safetensors and its"
+                                           " tokenizer's files (tokenizer.json, tokenizer_config.json, special_tokens_map.json), not pytorch_model.bin."),
+])
+def test_a_bad_open_clip_folder_says_what_is_wrong(tmp_path, kind, expected):
+    app = open_app()
+    uploader(app, "checkpoint_upload").set_value(bad_upload(kind, tmp_path)).run()
+    (error,) = errors(app)
+    assert error.startswith(expected), error
+    assert app.session_state["model_key"] == "default"
+    assert not uploads.UPLOADS_DIR.exists() or list(uploads.UPLOADS_DIR.iterdir()) == []
+
+
+def test_the_checkpoint_uploader_names_open_clip_folders():
+    app = open_app()
+    assert "open_clip_config.json" in uploader(app, "checkpoint_upload").label
+
+
 # --- bad uploads ----------------------------------------------------------------------------------
 
 
@@ -166,12 +224,36 @@ def test_a_handled_upload_leaves_no_bytes_in_the_server(monkeypatch, kind):
 BAD_UPLOADS = {
     "not a ViT": "checkpoint_upload",
     "hostile Hugging Face folder": "checkpoint_upload",
+    "open_clip folder whose tokenizer is not one": "checkpoint_upload",
+    "open_clip folder whose text tower does not fit": "checkpoint_upload",
+    "open_clip folder without its weights": "checkpoint_upload",
+    "open_clip folder with another file": "checkpoint_upload",
     "not an image": "image_upload",
     "oversize image": "image_upload",
 }
 
 
+def bad_open_clip_upload(kind: str, tmp_path: Path) -> list[tuple[str, bytes, str]]:
+    if kind == "open_clip folder whose tokenizer is not one":
+        folder = open_clip_upload(tmp_path / "bad", "siglip")
+        (folder / "tokenizer.json").write_text(json.dumps({"model": {"type": "Nonsense"}}))
+    elif kind == "open_clip folder whose text tower does not fit":
+        folder = open_clip_upload(tmp_path / "bad", "clip")
+        config = json.loads((folder / "open_clip_config.json").read_text())
+        config["model_cfg"]["text_cfg"]["layers"] = 3  # the weights have 2
+        (folder / "open_clip_config.json").write_text(json.dumps(config))
+    else:
+        folder = open_clip_upload(tmp_path / "bad", "clip")
+        if kind == "open_clip folder without its weights":
+            (folder / "open_clip_model.safetensors").unlink()
+        else:
+            (folder / "pytorch_model.bin").write_bytes(b"\0" * 100)
+    return folder_files(folder)
+
+
 def bad_upload(kind: str, tmp_path: Path) -> list[tuple[str, bytes, str]]:
+    if kind.startswith("open_clip folder"):
+        return bad_open_clip_upload(kind, tmp_path)
     tensors = tmp_path / "tensors.safetensors"
     save_file({"foo.weight": torch.zeros(2000)}, tensors)
     return {

@@ -18,7 +18,8 @@ from streamlit.runtime.scriptrunner import get_script_run_ctx
 
 from ..data.images import load_image
 from ..serving.cache import trim_to_quota
-from ..weights import catalogue
+from ..text import load_image_text_model
+from ..weights import catalogue, from_open_clip
 from . import models
 
 
@@ -113,29 +114,47 @@ def release_upload(widget_key: str, files: Sequence) -> None:
     st.rerun()
 
 
+# An open_clip folder's files (CLIP, SigLIP: both towers, weights/from_open_clip.py), the
+# tokenizer's optional: CLIP's ships inside open_clip.
+OPEN_CLIP_FILES = (from_open_clip.CONFIG_FILE, from_open_clip.WEIGHTS_FILE)
+OPEN_CLIP_TOKENIZER_FILES = (*catalogue.TOKENIZER_FILES, *catalogue.OPTIONAL_TOKENIZER_FILES)
+
+
 def add_checkpoint_upload(files: Sequence) -> str | None:
-    """Store an uploaded checkpoint (one file, or a Hugging Face folder's files), check that it
-    loads, and select it.
+    """Store an uploaded checkpoint (one file, a Hugging Face folder's files, or an open_clip
+    folder's: both towers of a CLIP or SigLIP, with its tokenizer), check that it loads (an
+    open_clip folder's text tower and tokenizer too), and select it.
 
     Returns None on success, else one sentence saying why the model stays as it was; a refused
     upload leaves nothing on disk.
     """
     names = [file.name for file in files]
-    if "config.json" not in names and len(files) > 1:
+    open_clip = from_open_clip.CONFIG_FILE in names
+    if "config.json" not in names and not open_clip and len(files) > 1:
         return (
-            "Upload one checkpoint file, or a Hugging Face model's config.json together with"
-            " its weights."
+            "Upload one checkpoint file, a Hugging Face model's config.json together with its"
+            f" weights, or an open_clip model's {' and '.join(OPEN_CLIP_FILES)} (with its tokenizer's files)."
         )
     plain = all(name not in ("", ".", "..") and Path(name).name == name for name in names)
     if not plain or len(set(names)) < len(names):
         return "Upload files with plain, distinct names."  # a name with a path could write elsewhere
+    if open_clip:
+        if from_open_clip.WEIGHTS_FILE not in names:
+            return f"An open_clip model needs its {from_open_clip.WEIGHTS_FILE} beside its {from_open_clip.CONFIG_FILE}."
+        others = [name for name in names if name not in (*OPEN_CLIP_FILES, *OPEN_CLIP_TOKENIZER_FILES)]
+        if others:
+            return (
+                f"An open_clip model's upload takes {', '.join(OPEN_CLIP_FILES)} and its tokenizer's files"
+                f" ({', '.join(OPEN_CLIP_TOKENIZER_FILES)}), not {', '.join(others[:3])}."
+            )
     digest = _upload_digest(files)
-    # A Hugging Face ViT is its folder: config.json beside its weights.
-    target = UPLOADS_DIR / digest if "config.json" in names else UPLOADS_DIR / digest / names[0]
+    # A Hugging Face ViT is its folder: config.json beside its weights; an open_clip model too.
+    folder = "config.json" in names or open_clip
+    target = UPLOADS_DIR / digest if folder else UPLOADS_DIR / digest / names[0]
     model_key = f"file:{target}"
     error = _store_upload(
         digest, {file.name: file.getvalue() for file in files},
-        check=lambda: _loading_problem(model_key, names),
+        check=lambda: _loading_problem(model_key, names, text=open_clip),
     )
     if error:
         return error
@@ -145,11 +164,17 @@ def add_checkpoint_upload(files: Sequence) -> str | None:
     return error
 
 
-def _loading_problem(model_key: str, names: Sequence[str]) -> str | None:
-    """Why an uploaded checkpoint does not load (loaded, it stays in the shared models); or None."""
+def _loading_problem(model_key: str, names: Sequence[str], text: bool = False) -> str | None:
+    """Why an uploaded checkpoint does not load (loaded, it stays in the shared models); or None.
+    ``text``: an open_clip folder, whose text tower and tokenizer must load too (beside the
+    shared image tower; the Words glue loads them again when a page asks)."""
     try:
-        models.base_model(model_key)
+        image = models.base_model(model_key)
+        if text:
+            load_image_text_model(model_key.removeprefix("file:"), image=image)
     except (ValueError, OSError) as error:
+        if text:  # the loaders name a folder by its name: here the upload's digest, which says nothing
+            return f"Could not load that model: {str(error).replace(Path(model_key).name, 'the upload')}."
         return f"Could not load that model: {error}."
     except Exception:  # a hostile file may break a loader anywhere: the page must not break with it
         return f"Could not load {', '.join(names)}: it is not a checkpoint this app can read."
