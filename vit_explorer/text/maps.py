@@ -25,24 +25,44 @@ from .towers import ImageTextModel
 @torch.no_grad()
 def patch_embeddings(model: ImageTextModel, captured: Capture) -> torch.Tensor:
     """(B, gh * gw, E) unit embeddings of the patches in the space the texts share."""
+    return last_block_embeddings(model, captured.tokens[:, -2:], captured.num_prefix_tokens)
+
+
+@torch.no_grad()
+def last_block_embeddings(model: ImageTextModel, tokens: torch.Tensor, num_prefix_tokens: int) -> torch.Tensor:
+    """:func:`patch_embeddings` from the (B, 2, N, D) tokens entering and leaving the last block
+    (a capture's last two, or several images' read together: app.selection.ImageSet)."""
     vit = model.image
     device = next(vit.parameters()).device
-    prefix = captured.num_prefix_tokens
+    prefix = num_prefix_tokens
     if vit.attn_pool is not None:
         pool = vit.attn_pool
-        patches = vit.norm(captured.tokens[:, -1, prefix:].to(device))
+        patches = vit.norm(tokens[:, -1, prefix:].to(device))
         values = pool.kv(patches).chunk(2, dim=-1)[1]  # (B, P, D): the pool's values, every head
         out = pool.proj(values)
         pooled = out + pool.mlp(pool.norm(out))
     elif vit.config.global_pool == "cls" and vit.config.class_token:
         block = vit.blocks[-1]
-        entering = captured.tokens[:, -2].to(device)  # (B, N, D): the last block's input
+        entering = tokens[:, -2].to(device)  # (B, N, D): the last block's input
         values = block.attn._qkv(block.norm1(entering))[2]  # (B, nh, N, hd)
         out = block.ls1(block.attn.proj(block.attn.norm(rearrange(values, "b nh n hd -> b n (nh hd)"))))
         pooled = vit.fc_norm(vit.norm(out[:, prefix:]))
     else:  # mean pooling: the pooled token is the patches' mean, so each patch is a share of it
-        pooled = vit.fc_norm(vit.norm(captured.tokens[:, -1, prefix:].to(device)))
+        pooled = vit.fc_norm(vit.norm(tokens[:, -1, prefix:].to(device)))
     return model.project_image(pooled).cpu()
+
+
+def dense_path(model: ImageTextModel, detail: bool = False) -> str:
+    """How :func:`patch_embeddings` carries the patches into the texts' space, in a few words (a
+    title's), or with ``detail`` which steps (a caption's)."""
+    vit = model.image
+    if vit.attn_pool is not None:
+        name, steps = "the attention pool's value path", "the pool's value and output projections and its MLP"
+    elif vit.config.global_pool == "cls" and vit.config.class_token:
+        name, steps = "MaskCLIP's value path", "the last block's value projection, the final norm and the projection"
+    else:
+        name, steps = "the mean pool's path", "the final norm, as the mean pooling reads every patch"
+    return f"{name} (each patch through {steps})" if detail else name
 
 
 def similarity_maps(patches: torch.Tensor, texts: torch.Tensor, grid_size: tuple[int, int]) -> torch.Tensor:
