@@ -16,7 +16,8 @@ def add_inspect(subparsers) -> None:
         "inspect", help="write attention figures for an image",
         description="Run a ViT on one image and write its attention figures (PNG, or HTML when"
         " no Chrome/Chromium is found) to a folder, the captured tensors (capture.npz) when"
-        " asked with --tensors, and every head's type when asked with --head-types.",
+        " asked with --tensors, every head's type when asked with --head-types, and for a CLIP or SigLIP"
+        " folder the prediction in words and where each text is when asked with --text.",
     )
     parser.add_argument("image", help="image file (PNG, JPEG, WebP, ...)")
     parser.add_argument("--weights", default=str(DEFAULT_WEIGHTS),
@@ -49,7 +50,15 @@ def add_inspect(subparsers) -> None:
                         " sink, content) over the image and these more images, if any (positional heads"
                         " need two or more): head_types.json, head_types.csv and the grid figure; the more"
                         " images cost one pass each, and every layer's attention is computed again")
+    parser.add_argument("--text", nargs="*", metavar="TEXT",
+                        help="for a CLIP or SigLIP model folder (open_clip's, both towers): the prediction in words"
+                        " over these texts (each read as 'a photo of TEXT.'), each text's dense similarity map, the"
+                        " relevance map of its score and each patch's best text (the best"
+                        f" {MAX_MAPPED_TEXTS} texts' maps); --tensors adds their arrays")
     parser.set_defaults(run=_run_inspect)
+
+
+MAX_MAPPED_TEXTS = 12  # texts whose maps are drawn (each relevance map costs about three forward passes)
 
 
 def _run_inspect(args: argparse.Namespace) -> int:
@@ -62,6 +71,7 @@ def _run_inspect(args: argparse.Namespace) -> int:
     from ..model.capture import capture
     from ..weights import load_model
 
+    texts = None if args.text is None else _inspect_texts(args.text, args.weights)  # refused before any load
     model = load_model(args.weights).to(_inspect_device(args.device))
     config = model.config
     x = preprocess(load_image(args.image), config)  # (1, C, H, W)
@@ -76,6 +86,13 @@ def _run_inspect(args: argparse.Namespace) -> int:
     captured = capture(model, x, layers=(), internals=None if inside is None else layer)
     streamed = _InspectedLayers.of(model, captured, args, keep={layer, *(saved_layers or ())})
     figs, arrays, summary = _inspect_figures(model, x, captured, streamed, layer, inside, args)
+    if texts is not None:
+        word_figures, word_arrays, said = _inspect_words(model, args.weights, x, captured, texts)
+        figs.update(word_figures)
+        arrays.update(word_arrays)
+        summary = f"{summary}; {said}"
+    elif _has_text_tower(args.weights):
+        summary = f"{summary}; this model has a text tower: --text \"a cat\" \"a dog\" predicts in words and maps each text"
     types = None
     if args.head_types is not None:
         types = classify_heads(model, [captured] + ([capture(model, torch.cat(more), layers=())] if more else []))
@@ -228,6 +245,63 @@ def _inspect_figures(model, x, captured, streamed: _InspectedLayers, layer: int,
     arrays["attribution"] = relevance[None].numpy()
     top = analysis.top_k(captured.logits[0], class_names, k=1)[0]
     return figs, arrays, f"predicted {top[0]} ({top[1]:.1%})"
+
+
+def _has_text_tower(weights: str) -> bool:
+    from ..text import is_image_text_folder
+
+    return is_image_text_folder(weights)
+
+
+def _inspect_texts(given: list[str], weights: str) -> list[str]:
+    """The texts of --text, each stripped and kept once, checked (one sentence for none, too many
+    or too long), for a model folder that has a text tower (else one sentence)."""
+    from ..text.towers import check_labels
+
+    texts = list(dict.fromkeys(text.strip() for text in given if text.strip()))
+    check_labels(texts)
+    if not _has_text_tower(weights):
+        raise ValueError(
+            f"--text needs a model with a text tower (a CLIP or SigLIP folder as open_clip writes it, with"
+            f" open_clip_config.json beside its weights); {Path(weights).name} is an image model only"
+        )
+    return texts
+
+
+def _inspect_words(model, folder: str, x, captured, texts: list[str]):
+    """(figures, arrays for capture.npz, the line to print) of the texts: the prediction over them,
+    each one's dense similarity map, the relevance of its score (the best MAX_MAPPED_TEXTS) and
+    each patch's best text."""
+    import numpy as np
+
+    from .. import analysis, figures
+    from ..text import load_image_text_model
+    from ..text import maps, zero_shot
+
+    both = load_image_text_model(folder, image=model)
+    embedded = both.embed_texts(zero_shot.label_prompts(texts))  # (T, E)
+    predicted = zero_shot.predict(both, captured.logits, tuple(texts), embedded)
+    similarities = maps.similarity_maps(maps.patch_embeddings(both, captured), embedded, captured.grid_size)[0]
+    mapped = predicted.scores.argsort(descending=True)[:MAX_MAPPED_TEXTS].tolist()  # the best first
+    names = [texts[index] for index in mapped]
+    relevances = {index: maps.relevance(both, x, embedded[index])[0] for index in mapped}  # (gh, gw) each
+    image = analysis.display_image(x, model.config)
+    how = maps.dense_path(both)
+    figs = {
+        "words_top5": figures.zero_shot_bar(predicted.scores, texts, predicted.scoring, k=5),
+        "words_similarity": figures.similarity_grid(image, similarities[mapped], names, how),
+        **{f"words_relevance_{index + 1}": figures.relevance_overlay(image, relevances[index], texts[index])
+           for index in mapped},
+    }
+    if len(mapped) > 1:
+        figs["words_best_text"] = figures.best_prompt_map(image, similarities[mapped], names)
+    arrays = dict(
+        text_scores=predicted.scores.numpy(), text_similarity=similarities.numpy(),
+        text_relevance=np.stack([relevances[index].numpy() for index in mapped]), text_mapped=np.array(mapped),
+    )
+    (best, score), = predicted.top(1)
+    shown = "" if len(mapped) == len(texts) else f", maps of the best {len(mapped)}"
+    return figs, arrays, f"in words ({predicted.scoring} over {len(texts)} texts{shown}): {best} ({score:.1%})"
 
 
 def _write_inspected(figs: dict, out: Path, image_format: str) -> list[Path]:
