@@ -116,3 +116,61 @@ def siglip_folder(folder: Path, image_size: int = 32, patch_size: int = 8, seed:
         "model_cfg": model_cfg, "preprocess_cfg": {"mean": [0.5] * 3, "std": [0.5] * 3},
     }))
     return folder
+
+
+# Hugging Face transformers' CLIPModel and SiglipModel, ViT-B/16-shaped (the text towers too).
+HF_B16_VISION = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12, "num_attention_heads": 12,
+                 "patch_size": 16, "image_size": 224}
+HF_SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2}
+
+
+def no_init_weights():
+    """transformers' own switch that skips its initialisation (seconds for a B/16)."""
+    from transformers.initialization import no_init_weights
+
+    return no_init_weights()
+
+
+def clip_tokenizer_files(folder: Path) -> None:
+    """transformers' CLIPTokenizer made from open_clip's byte-pair vocabulary (OpenAI's), saved
+    as a CLIP folder ships it: tokenizer.json and tokenizer_config.json."""
+    import transformers
+    from open_clip.tokenizer import SimpleTokenizer
+
+    bpe = SimpleTokenizer()
+    special = {"<start_of_text>": "<|startoftext|>", "<end_of_text>": "<|endoftext|>"}
+    vocab = {special.get(token, token): index for token, index in bpe.encoder.items()}
+    merges = [pair for pair, _ in sorted(bpe.bpe_ranks.items(), key=lambda item: item[1])]
+    transformers.CLIPTokenizer(vocab=vocab, merges=merges).save_pretrained(str(folder))
+
+
+def hf_clip_folder(folder: Path, text: dict | None = None, vision: dict | None = None, projection_dim: int = 512,
+                   seed: int = 0, tokenizer: bool = True):
+    """transformers' CLIPModel (B/16 by default: text 512 wide, 12 layers) with random weights at a
+    trained scale, saved with save_pretrained, CLIP's tokenizer beside it; returns the model."""
+    import transformers
+
+    text = {"hidden_size": 512, "intermediate_size": 2048, "num_hidden_layers": 12, "num_attention_heads": 8} | (text or {})
+    config = transformers.CLIPConfig(text_config=text, vision_config=vision or HF_B16_VISION, projection_dim=projection_dim)
+    with no_init_weights():  # randomize sets every parameter
+        model = transformers.CLIPModel(config)
+    randomize(model, seed)
+    model.save_pretrained(str(folder))
+    if tokenizer:
+        clip_tokenizer_files(folder)
+    return model
+
+
+def hf_siglip_folder(folder: Path, text: dict | None = None, vision: dict | None = None, seed: int = 0):
+    """transformers' SiglipModel (B/16 by default) with random weights at a trained scale, saved
+    with save_pretrained, a small SentencePiece-style tokenizer beside it; returns the model."""
+    import transformers
+
+    text = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12, "num_attention_heads": 12} | (text or {})
+    config = transformers.SiglipConfig(text_config=text, vision_config=vision or HF_B16_VISION)
+    with no_init_weights():  # randomize sets every parameter
+        model = transformers.SiglipModel(config)
+    randomize(model, seed)
+    model.save_pretrained(str(folder))
+    make_tokenizer(folder)
+    return model

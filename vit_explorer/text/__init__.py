@@ -2,7 +2,8 @@
 
     tokenizers.py   CLIP's BPE (inside open_clip) or a folder's Hugging Face tokenizer, checked
     towers.py       ImageTextModel: both towers, the image and text embeddings, the score
-    files.py        both towers from an open_clip folder, checked before anything is allocated
+    files.py        both towers from an open_clip folder or a Hugging Face CLIP / SigLIP folder,
+                    checked before anything is allocated
     zero_shot.py    a prediction in words: ImageNet's classes with templates, or typed labels
     maps.py         where each text is: dense similarity, relevance, each patch's best prompt
     heads.py        heads in words (TextSpan): what each late head writes, in descriptions

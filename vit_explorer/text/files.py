@@ -1,11 +1,13 @@
-"""A CLIP or SigLIP model's both towers from the folder its publisher ships (open_clip's layout:
-vit_explorer.weights.from_open_clip), checked before anything is allocated.
+"""A CLIP or SigLIP model's both towers from the folder its publisher ships, checked before
+anything is allocated: open_clip's layout (vit_explorer.weights.from_open_clip) or a Hugging Face
+transformers CLIPModel / SiglipModel folder (vit_explorer.weights.from_huggingface_text).
 
-The image tower is read as every checkpoint is (renamed to ours, its config inferred from the
-shapes, the publisher's normalisation from preprocess_cfg); the text tower is open_clip's own
-TextTransformer made from the folder's text_cfg, first on the meta device, so that a config that
-claims more than the file holds, or a text tower whose embedding does not meet the image's, is
-a sentence and costs nothing.
+The image tower is read as every checkpoint is (``load_model``: renamed to ours, its config
+inferred from the shapes, the publisher's normalisation); the text tower is open_clip's own
+TextTransformer made from the folder's text_cfg (a Hugging Face config.json's text_config
+translated into one), first on the meta device, so that a config that claims more than the
+file holds, or a text tower whose embedding does not meet the image's, is a sentence and costs
+nothing.
 """
 from __future__ import annotations
 
@@ -16,62 +18,98 @@ from pathlib import Path
 import torch
 
 from ..model.vit import ViT
-from ..weights import from_open_clip
+from ..weights import from_huggingface, from_huggingface_text, from_open_clip
 from ..weights import load_model
 from ..weights.checks import CheckpointError, read_tensors
-from .tokenizers import clip_tokenizer, folder_tokenizer
+from .tokenizers import TOKENIZER_FILE, clip_tokenizer, folder_tokenizer
 from .towers import ImageTextModel
 
 MAX_CONTEXT_LENGTH = 512
+CLIP_VOCAB_SIZE = 49408  # OpenAI's byte-pair vocabulary, which open_clip ships
 
 
 def is_image_text_folder(path: str | Path) -> bool:
-    return from_open_clip.is_folder(Path(path))
+    """An open_clip folder, or a Hugging Face CLIP or SigLIP folder with both towers."""
+    path = Path(path)
+    return from_open_clip.is_folder(path) or from_huggingface_text.is_folder(path)
 
 
 def load_image_text_model(folder: str | Path, image: ViT | None = None) -> ImageTextModel:
-    """Both towers of the open_clip folder ``folder``; ``image``: its image tower when the caller
-    has it already (the app's shared model), else read from the folder."""
+    """Both towers of the open_clip or Hugging Face folder ``folder``; ``image``: its image tower
+    when the caller has it already (the app's shared model), else read from the folder."""
     folder = Path(folder)
-    if not from_open_clip.is_folder(folder):
-        raise CheckpointError(f"{folder.name} is not an open_clip model folder (no {from_open_clip.CONFIG_FILE})")
+    if from_open_clip.is_folder(folder):
+        return _from_open_clip(folder, image)
+    if from_huggingface_text.is_folder(folder):
+        return _from_huggingface(folder, image)
+    raise CheckpointError(
+        f"{folder.name} is neither an open_clip model folder (no {from_open_clip.CONFIG_FILE}) nor a"
+        " Hugging Face CLIP or SigLIP folder (a config.json of model_type clip or siglip)"
+    )
+
+
+def _from_open_clip(folder: Path, image: ViT | None) -> ImageTextModel:
     config = from_open_clip.read_config(folder)
     model_cfg = config["model_cfg"]
     state, _ = read_tensors(folder / from_open_clip.WEIGHTS_FILE)
     if image is None:
         image = load_model(folder)
     _, projection = from_open_clip.image_tower(state, folder.name)
-    text, text_cfg = _text_tower(state, model_cfg, folder.name)
+    text_cfg = _open_clip_text_cfg(model_cfg, folder.name)
+    weights = from_open_clip.text_tower(state, bool(model_cfg.get("custom_text")))
+    text = _text_tower(weights, text_cfg, model_cfg.get("embed_dim"), bool(model_cfg.get("quick_gelu")), folder.name)
+    if text_cfg.get("hf_tokenizer_name"):
+        tokenizer = folder_tokenizer(folder, text_cfg["context_length"], text_cfg)
+    else:
+        tokenizer = clip_tokenizer(text_cfg["context_length"])
+    return _image_text_model(folder.name, state, image, projection, text, tokenizer, text_cfg["context_length"])
+
+
+def _from_huggingface(folder: Path, image: ViT | None) -> ImageTextModel:
+    hf_config = from_huggingface.read_config(folder, folder.name)
+    text_cfg, embed_dim, quick_gelu = from_huggingface_text.text_settings(hf_config, folder.name)
+    state = from_huggingface.read_weights(folder)
+    if image is None:
+        image = load_model(folder)
+    projection = from_huggingface_text.image_projection(state, folder.name)
+    text = _text_tower(from_huggingface_text.text_tower(state, folder.name), text_cfg, embed_dim, quick_gelu, folder.name)
+    context_length = text_cfg["context_length"]
+    if not (folder / TOKENIZER_FILE).exists() and hf_config["model_type"] == "clip" \
+            and text_cfg["vocab_size"] == CLIP_VOCAB_SIZE:
+        # A CLIP folder with only the slow tokenizer's files: the same byte-pair encoding.
+        tokenizer = clip_tokenizer(context_length)
+    else:
+        tokenizer = folder_tokenizer(folder, context_length, text_cfg)
+    return _image_text_model(folder.name, state, image, projection, text, tokenizer, context_length)
+
+
+def _image_text_model(name, state, image, projection, text, tokenizer, context_length) -> ImageTextModel:
+    """Both towers, checked to meet in one space, with the folder's score."""
     image_dim = image.config.embed_dim if projection is None else projection.shape[0]
     if projection is not None and projection.shape[1] != image.config.embed_dim:
         raise CheckpointError(
-            f"{folder.name}'s image projection takes {projection.shape[1]} numbers, but its image tower gives {image.config.embed_dim}"
+            f"{name}'s image projection takes {projection.shape[1]} numbers, but its image tower gives {image.config.embed_dim}"
         )
     text_dim = text.text_projection.out_features if isinstance(text.text_projection, torch.nn.Linear) else text.text_projection.shape[1]
     if text_dim != image_dim:
         raise CheckpointError(
-            f"{folder.name}'s text tower does not fit its image tower: it embeds texts in {text_dim} numbers, images in {image_dim}"
+            f"{name}'s text tower does not fit its image tower: it embeds texts in {text_dim} numbers, images in {image_dim}"
         )
-    context_length = int(text_cfg["context_length"])
-    if text_cfg.get("hf_tokenizer_name"):
-        tokenizer = folder_tokenizer(folder, context_length, text_cfg)
-    else:
-        tokenizer = clip_tokenizer(context_length)
     sigmoid = "logit_bias" in state
     return ImageTextModel(
         image=image,
         image_projection=None if projection is None else projection.float().contiguous(),
         text=text,
         tokenizer=tokenizer,
-        context_length=context_length,
+        context_length=int(context_length),
         scoring="sigmoid" if sigmoid else "softmax",
-        logit_scale=_scalar(state, "logit_scale", folder.name, exp=True),
-        logit_bias=_scalar(state, "logit_bias", folder.name) if sigmoid else 0.0,
+        logit_scale=_scalar(state, "logit_scale", name, exp=True),
+        logit_bias=_scalar(state, "logit_bias", name) if sigmoid else 0.0,
     )
 
 
-def _text_tower(state: dict[str, torch.Tensor], model_cfg: dict, name: str) -> tuple[torch.nn.Module, dict]:
-    from open_clip.model import CLIPTextCfg, _build_text_tower  # open_clip's own factory
+def _open_clip_text_cfg(model_cfg: dict, name: str) -> dict:
+    from open_clip.model import CLIPTextCfg
 
     text_cfg = dict(model_cfg["text_cfg"])
     if text_cfg.get("hf_model_name"):
@@ -83,9 +121,16 @@ def _text_tower(state: dict[str, torch.Tensor], model_cfg: dict, name: str) -> t
     context_length = text_cfg.setdefault("context_length", 77)
     if not isinstance(context_length, int) or not 1 < context_length <= MAX_CONTEXT_LENGTH:
         raise CheckpointError(f"{name}'s text context length {context_length!r} is not one we read (2 to {MAX_CONTEXT_LENGTH})")
-    weights = from_open_clip.text_tower(state, bool(model_cfg.get("custom_text")))
-    embed_dim = model_cfg.get("embed_dim")
-    quick_gelu = bool(model_cfg.get("quick_gelu"))
+    return text_cfg
+
+
+def _text_tower(
+    weights: dict[str, torch.Tensor], text_cfg: dict, embed_dim, quick_gelu: bool, name: str
+) -> torch.nn.Module:
+    """open_clip's TextTransformer of ``text_cfg`` holding ``weights``: made on the meta device
+    and compared with them first, so that a config claiming more than the file holds costs nothing."""
+    from open_clip.model import _build_text_tower  # open_clip's own factory
+
     try:
         with torch.device("meta"):
             skeleton = _build_text_tower(embed_dim, text_cfg, quick_gelu=quick_gelu)
@@ -105,7 +150,7 @@ def _text_tower(state: dict[str, torch.Tensor], model_cfg: dict, name: str) -> t
         raise CheckpointError(f"{name}'s text tower does not fit its text_cfg ({detail})")
     text = _build_text_tower(embed_dim, text_cfg, quick_gelu=quick_gelu)
     text.load_state_dict({key: value.float() for key, value in weights.items()})
-    return text.eval().requires_grad_(False), text_cfg
+    return text.eval().requires_grad_(False)
 
 
 def _scalar(state: dict[str, torch.Tensor], key: str, name: str, exp: bool = False) -> float:
