@@ -406,8 +406,23 @@ def test_an_image_tower_of_another_shape_is_refused(open_clip_hub):
     assert nothing_kept("tiny_openclip_clip")
 
 
+def test_the_text_tower_is_made_as_the_entry_knows_it_whatever_the_hubs_config_leaves_out(open_clip_hub):
+    from open_clip.transformer import QuickGELU
+
+    from vit_explorer.text import load_image_text_model
+
+    root, _ = open_clip_hub
+    served = publish_open_clip(root, "tiny_openclip_clip")
+    config = json.loads((served / "open_clip_config.json").read_text())
+    del config["model_cfg"]["quick_gelu"]  # a hub config without OpenAI's activation flag
+    (served / "open_clip_config.json").write_text(json.dumps(config))
+    folder = catalogue.download("tiny_openclip_clip")
+    assert json.loads((folder / "open_clip_config.json").read_text())["model_cfg"]["quick_gelu"] is True
+    text = load_image_text_model(folder).text
+    assert any(isinstance(module, QuickGELU) for module in text.modules())
+
+
 @pytest.mark.parametrize("change, expected", [
-    ({"quick_gelu": False}, "describes another text tower than Tiny open_clip CLIP's"),
     ({"text_cfg": {"width": 48}}, "describes another text tower than Tiny open_clip CLIP's"),
     ({"text_cfg": {"hf_model_name": "bert-base-uncased"}}, "describes another text tower than Tiny open_clip CLIP's"),
     ({"text_cfg": {"not_a_setting": 1}}, "describes another text tower than Tiny open_clip CLIP's"),

@@ -511,7 +511,6 @@ def _same_text_tower(found: dict, expected: dict) -> bool:
     sizes = ("context_length", "vocab_size", "width", "heads", "layers", "mlp_ratio")
     if any(getattr(text, size) != getattr(wanted, size) for size in sizes) or text.hf_model_name \
             or found.get("embed_dim") != expected["embed_dim"] \
-            or bool(found.get("quick_gelu")) != bool(expected.get("quick_gelu")) \
             or bool(found.get("custom_text")) != bool(expected.get("custom_text")) \
             or bool(text.hf_tokenizer_name) != bool(wanted.hf_tokenizer_name):
         return False
@@ -539,6 +538,10 @@ def check_open_clip_config(name: str, path: Path) -> None:
         raise DownloadError(f"{what} has no model_cfg with a text_cfg and a vision_cfg")
     if not _same_text_tower(model_cfg, entry(name).open_clip_config()):
         raise DownloadError(f"{what} describes another text tower than {entry(name).title}'s")
+    # The text tower is then made as the entry knows it was trained: a hub config that leaves out
+    # an activation flag (OpenAI's QuickGELU) must not change the tower silently.
+    config["model_cfg"] = entry(name).open_clip_config()
+    path.write_text(json.dumps(config), encoding="utf-8")
 
 
 def check_tokenizer_file(name: str, file_name: str, path: Path) -> None:
