@@ -132,9 +132,10 @@ def apply_rope(
     x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor], rotate_half: bool, num_prefix_tokens: int
 ) -> torch.Tensor:
     """(B, nh, N, hd) queries or keys -> the same with every patch token rotated by its angles
-    (``tables`` from :func:`rope_tables`); the ``num_prefix_tokens`` first tokens are left as they
+    (``tables`` from :func:`rope_tables`, or some of their rows: (P, hd) each, or (B, 1, P, hd)
+    with each image's own patches); the ``num_prefix_tokens`` first tokens are left as they
     are. The rotation is done in float32 at least and returned in x's dtype, as timm does."""
-    sin, cos = tables  # (P, hd) each
+    sin, cos = tables  # (P, hd) or (B, 1, P, hd) each
     prefix, patches = x[:, :, :num_prefix_tokens], x[:, :, num_prefix_tokens:]
     turned = patches * cos + _turn_quarter(patches, rotate_half) * sin
     return torch.cat([prefix, turned.to(x.dtype)], dim=2)

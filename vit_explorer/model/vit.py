@@ -235,7 +235,7 @@ class Attention(nn.Module):
             raise ValueError(
                 "this model rotates its patch tokens' queries and keys: pass rope=model.rope_tables(grid_size)"
             )
-        return apply_rope(x, rope, self.rotate_half, x.shape[2] - rope[0].shape[0])
+        return apply_rope(x, rope, self.rotate_half, x.shape[2] - rope[0].shape[-2])
 
     def keys(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """(B, N, D) normed tokens -> (B, nh, N, hd): this layer's keys as ``forward`` computes them
@@ -551,15 +551,19 @@ class ViT(nn.Module):
         return self.forward_blocks(x, grid_size=self.grid_size(patch_size))
 
     def forward_blocks(
-        self, x: torch.Tensor, start: int = 0, grid_size: tuple[int, int] | None = None
+        self, x: torch.Tensor, start: int = 0, grid_size: tuple[int, int] | None = None,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """(B, N, D) tokens entering block ``start`` -> tokens after the final norm: the rest of
         the pass from there, so that a knock-out or a sweep starting at layer ``start`` reuses the
         earlier layers' tokens of an intact pass instead of running them again. ``grid_size``: the
-        patch grid the tokens come from (default: the config's), which rotary positions need."""
+        patch grid the tokens come from (default: the config's), which rotary positions need.
+        ``rope``: the rotary (sin, cos) rows of the patch tokens in ``x`` instead of the whole
+        grid's, for a pass over some of the patches only (vit_explorer.analysis.faithfulness drops
+        patch tokens): (K, hd) each, or (B, 1, K, hd) with each image's own patches."""
         recorder = active(ACTIVE_RECORDER)
         steering = active(ACTIVE_STEERING)
-        rope = self.rope_tables(grid_size)
+        rope = self.rope_tables(grid_size) if rope is None else rope
         for layer, block in enumerate(self.blocks[start:], start):
             x = block(x, rope)
             if steering is not None and steering.layer == layer:
