@@ -17,6 +17,8 @@ say otherwise.
     test_time_registers.py  registers added at test time (find_register_neurons, register_capture)
     patch_sizes.py          the same weights at every patch size: rows and held-out accuracy
     answers.py              the Lesson's questions answered from the model's numbers
+    faithfulness.py         is this map true? deletion and insertion curves of any maps
+    probe.py                a probe a person labels: a logistic regression segmenting every patch
 
 The functions of the first six are importable from the package itself (``analysis.rollout``'s
 ``attention_rollout`` as ``vit_explorer.analysis.attention_rollout``), as they were when this was
