@@ -161,15 +161,22 @@ def hf_clip_folder(folder: Path, text: dict | None = None, vision: dict | None =
     return model
 
 
-def hf_siglip_folder(folder: Path, text: dict | None = None, vision: dict | None = None, seed: int = 0):
-    """transformers' SiglipModel (B/16 by default) with random weights at a trained scale, saved
-    with save_pretrained, a small SentencePiece-style tokenizer beside it; returns the model."""
+def hf_siglip_folder(folder: Path, text: dict | None = None, vision: dict | None = None, seed: int = 0,
+                     version: int = 1):
+    """transformers' SiglipModel (B/16 by default; ``version`` 2: Siglip2Model, NaFlex, its B/16
+    at 256 patches) with random weights at a trained scale, saved with save_pretrained, a small
+    SentencePiece-style tokenizer beside it; returns the model."""
     import transformers
 
     text = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12, "num_attention_heads": 12} | (text or {})
-    config = transformers.SiglipConfig(text_config=text, vision_config=vision or HF_B16_VISION)
+    if version == 2:
+        vision = vision or {**HF_B16_VISION, "image_size": None, "num_patches": 256}
+        vision = {key: value for key, value in vision.items() if key != "image_size"}
+        config = transformers.Siglip2Config(text_config=text, vision_config=vision)
+    else:
+        config = transformers.SiglipConfig(text_config=text, vision_config=vision or HF_B16_VISION)
     with no_init_weights():  # randomize sets every parameter
-        model = transformers.SiglipModel(config)
+        model = (transformers.Siglip2Model if version == 2 else transformers.SiglipModel)(config)
     randomize(model, seed)
     model.save_pretrained(str(folder))
     make_tokenizer(folder)

@@ -197,6 +197,26 @@ def test_huggingface_clip_tower_of_the_whole_model(tmp_path):
     torch.testing.assert_close(model.forward_features(x)[:, 0], expected, atol=1e-5, rtol=1e-5)
 
 
+def test_huggingface_siglip2_naflex_tower_at_its_grid(tmp_path):
+    """SigLIP 2's NaFlex tower (flattened patches through a Linear, its positions resized to each
+    image's grid) is our ViT at its own square grid: 16 positions, 4 x 4 patches of 8."""
+    import transformers as T
+    from transformers.models.siglip2.image_processing_siglip2 import convert_image_to_patches
+
+    settings = {key: value for key, value in HF_TINY.items() if key != "image_size"}
+    reference = randomize(T.Siglip2VisionModel(T.Siglip2VisionConfig(**settings, intermediate_size=128, num_patches=16)))
+    reference.save_pretrained(tmp_path)
+    model = vx.load_model(tmp_path)
+    assert model.config.grid_size == (4, 4) and model.config.global_pool == "map"
+    x = _images()
+    patches = torch.stack([convert_image_to_patches(image, 8) for image in x])  # (B, 16, 8 * 8 * 3)
+    expected = reference(
+        pixel_values=patches, pixel_attention_mask=torch.ones(2, 16, dtype=torch.long),
+        spatial_shapes=torch.tensor([[4, 4]] * 2),
+    ).pooler_output
+    torch.testing.assert_close(model(x), expected, atol=1e-5, rtol=1e-5)
+
+
 def test_pool_rollout_through_identity_layers_is_the_probe_map(tmp_path):
     model = load_from_timm(timm_reference("vit_base_patch16_siglip_224", num_classes=0), tmp_path / "s.safetensors")
     cap = vx.capture(model, _images(1))

@@ -21,8 +21,19 @@ SMALL_VISION = {**HF_SMALL, "patch_size": 16, "image_size": 32}
 def _reference(model, images: torch.Tensor, tokens: torch.Tensor):
     """transformers' own unit image and text embeddings and logits_per_image, from one pass of
     the model (its forward normalises get_image_features' and get_text_features' outputs)."""
+    inputs = {"input_ids": tokens, "pixel_values": images}
+    if isinstance(model, transformers.Siglip2Model):  # NaFlex: flattened patches, each image's grid
+        from transformers.models.siglip2.image_processing_siglip2 import convert_image_to_patches
+
+        patch = model.config.vision_config.patch_size
+        grid = (images.shape[-2] // patch, images.shape[-1] // patch)
+        patches = torch.stack([convert_image_to_patches(image, patch) for image in images])
+        inputs |= {
+            "pixel_values": patches, "pixel_attention_mask": torch.ones(patches.shape[:2], dtype=torch.long),
+            "spatial_shapes": torch.tensor([grid] * len(images)),
+        }
     with torch.no_grad():
-        out = model(input_ids=tokens, pixel_values=images)
+        out = model(**inputs)
     return out.image_embeds, out.text_embeds, out.logits_per_image
 
 
@@ -33,13 +44,21 @@ def _ours(ours, images: torch.Tensor, tokens: torch.Tensor):
     return image, text, ours.logits(image, text)
 
 
-@pytest.mark.parametrize("kind", ["clip", "siglip"])
+@pytest.mark.parametrize("kind", ["clip", "siglip", "siglip2"])
 def test_both_towers_match_transformers(tmp_path, kind):
     folder = tmp_path / kind
-    reference = (hf_clip_folder if kind == "clip" else hf_siglip_folder)(folder)
+    if kind == "clip":
+        reference = hf_clip_folder(folder)
+    elif kind == "siglip":
+        reference = hf_siglip_folder(folder)
+    else:  # SigLIP 2's image tower at B/16; its text tower is SigLIP's, checked above at B/16
+        reference = hf_siglip_folder(folder, {"num_hidden_layers": 2}, version=2)
     assert is_image_text_folder(folder)
     ours = load_image_text_model(folder)
-    images = torch.randn(2, 3, 224, 224, generator=torch.Generator().manual_seed(1))
+    grid = ours.image.config.grid_size  # SigLIP 2 (NaFlex): its 256 positions, a square of 16 x 16
+    assert grid == ((16, 16) if kind == "siglip2" else (14, 14))
+    size = [side * ours.image.config.patch_size for side in grid]
+    images = torch.randn(2, 3, *size, generator=torch.Generator().manual_seed(1))
     tokens = ours.tokenize(LABELS)  # the folder's tokenizer.json, padded as transformers pads
     assert tokens.shape == (len(LABELS), 77 if kind == "clip" else 64)
     expected, found = _reference(reference, images, tokens), _ours(ours, images, tokens)
@@ -73,7 +92,10 @@ def test_clip_from_before_the_end_token_fix_pools_where_transformers_does(tmp_pa
 
 
 def test_text_defaults_are_transformers_own():
-    for kind, config in (("clip", transformers.CLIPTextConfig()), ("siglip", transformers.SiglipTextConfig())):
+    for kind, config in (
+        ("clip", transformers.CLIPTextConfig()), ("siglip", transformers.SiglipTextConfig()),
+        ("siglip2", transformers.Siglip2TextConfig()),
+    ):
         for key, value in from_huggingface_text._DEFAULTS[kind].items():
             assert getattr(config, key) == value, (kind, key)
     assert transformers.CLIPConfig().projection_dim == from_huggingface_text.CLIP_PROJECTION_DIM

@@ -44,7 +44,7 @@ def load_image_text_model(folder: str | Path, image: ViT | None = None) -> Image
         return _from_huggingface(folder, image)
     raise CheckpointError(
         f"{folder.name} is neither an open_clip model folder (no {from_open_clip.CONFIG_FILE}) nor a"
-        " Hugging Face CLIP or SigLIP folder (a config.json of model_type clip or siglip)"
+        " Hugging Face CLIP or SigLIP folder (a config.json of model_type clip, siglip or siglip2)"
     )
 
 

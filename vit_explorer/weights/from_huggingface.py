@@ -1,7 +1,10 @@
 """Hugging Face transformers ViTs: a model folder (config.json, preprocessor_config.json, weights
 in one file or shards) or a weights file beside its config.json. ViT, DeiT, DINOv2 (with
-registers), DINOv3 (rotary positions, gated MLP) and the image towers of CLIP and SigLIP are
-converted to our names.
+registers), DINOv3 (rotary positions, gated MLP) and the image towers of CLIP, SigLIP and
+SigLIP 2 are converted to our names. SigLIP 2's own model type (NaFlex) embeds flattened patches
+of any aspect ratio with a Linear and resizes its square grid of positions to each image's; at
+that grid (a square image of sqrt(num_patches) patches a side) it is our ViT with that Linear
+as the patch convolution, and another size resamples the grid as any of ours.
 
 A folder is untrusted like any upload: each config.json setting read is checked (_HF_SETTINGS)
 and every file the folder names must lie inside it (checks.folder_file). Another model type is
@@ -28,7 +31,7 @@ HF_SHARD_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.jso
 # Hugging Face model types we convert; the full CLIP / SigLIP models contribute their image tower.
 HF_MODEL_TYPES = (
     "vit", "deit", "dinov2", "dinov2_with_registers", "dinov3_vit",
-    "clip", "clip_vision_model", "siglip", "siglip_vision_model",
+    "clip", "clip_vision_model", "siglip", "siglip_vision_model", "siglip2", "siglip2_vision_model",
 )
 HF_ACTIVATIONS = {"gelu": "gelu", "quick_gelu": "quick_gelu", "gelu_pytorch_tanh": "gelu_tanh"}
 # Names of the BERT-style encoders (ViT, DeiT, DINOv2); files keep the transformers 4 names,
@@ -120,7 +123,7 @@ def _convert(
         known.update(_settings(hf_config, converted))
         return converted, known
     tower = model_type.startswith(("clip", "siglip"))
-    if model_type in ("clip", "siglip"):  # the whole model: its settings for the image tower
+    if model_type in ("clip", "siglip", "siglip2"):  # the whole model: its settings for the image tower
         hf_config = {**hf_config, **_hf_setting(hf_config, "vision_config", {})}
         state = {
             key.removeprefix("vision_model."): value
@@ -142,6 +145,8 @@ def _convert(
             converted["cls_token"] = converted.pop("embeddings.class_embedding")[None, None]
         if "embeddings.position_embedding.weight" in converted:
             converted["pos_embed"] = converted.pop("embeddings.position_embedding.weight")[None]
+        if model_type.startswith("siglip2"):
+            _siglip2_patches(converted, hf_config)
     if model_type == "dinov2_with_registers" and "cls_token" in converted and "pos_embed" in converted:
         _fold_class_position(converted)
         known["no_embed_class"] = True
@@ -256,6 +261,17 @@ def _merge_qkv(separate: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.
     return merged
 
 
+def _siglip2_patches(converted: dict[str, torch.Tensor], hf_config: dict) -> None:
+    """SigLIP 2 (NaFlex) embeds each patch flattened as (row, column, channel) with a Linear:
+    the same numbers as our (channel, row, column) convolution."""
+    weight = converted.get("patch_embed.proj.weight")
+    patch = _hf_setting(hf_config, "patch_size", 16)
+    if weight is None or weight.dim() != 2 or weight.shape[1] % (patch * patch):
+        raise CheckpointError(f"SigLIP 2's patch embedding does not take patches of {patch} x {patch} pixels")
+    channels = weight.shape[1] // (patch * patch)
+    converted["patch_embed.proj.weight"] = weight.reshape(-1, patch, patch, channels).permute(0, 3, 1, 2).contiguous()
+
+
 def _fold_class_position(converted: dict[str, torch.Tensor]) -> None:
     """Registers get no position embedding but the class token does: fold the class token's
     into the token itself, as timm's DINOv2 layout (no_embed_class) does."""
@@ -309,6 +325,7 @@ _HF_SETTINGS = {
     "hidden_size": (_whole, "a positive whole number"),
     "intermediate_size": (_whole, "a positive whole number"),
     "num_register_tokens": (lambda value: value == 0 or _whole(value), "a whole number"),
+    "patch_size": (_whole, "a positive whole number"),
     "rope_theta": (lambda value: _is_number(value) and value > 0, "a positive number"),
     "use_gated_mlp": (lambda value: isinstance(value, bool), "true or false"),
     "image_size": (

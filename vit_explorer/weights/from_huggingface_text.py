@@ -1,9 +1,9 @@
-"""Hugging Face transformers' CLIP and SigLIP models with both towers (CLIPModel, SiglipModel):
-the text tower's tensors under open_clip TextTransformer's names, the open_clip text_cfg that
-its config.json describes, the image projection, the logit scale and bias.
+"""Hugging Face transformers' CLIP and SigLIP models with both towers (CLIPModel, SiglipModel,
+Siglip2Model): the text tower's tensors under open_clip TextTransformer's names, the open_clip
+text_cfg that its config.json describes, the image projection, the logit scale and bias.
 
-A folder saved by ``save_pretrained`` (config.json with ``model_type`` "clip" or "siglip",
-model.safetensors or shards, the tokenizer's files). Its image tower is read by
+A folder saved by ``save_pretrained`` (config.json with ``model_type`` "clip", "siglip" or
+"siglip2", model.safetensors or shards, the tokenizer's files). Its image tower is read by
 from_huggingface (``load_model``); here is the rest, which vit_explorer.text builds with
 open_clip's own text transformer. The two are the same computation:
 
@@ -15,9 +15,9 @@ open_clip's own text transformer. The two are the same computation:
              projection; the image tower's attention pool is already in the shared space
 
 Each setting read from config.json is checked, and an absent one is transformers' default
-(_DEFAULTS, which a test compares with transformers' config classes). SigLIP 2's own model
-type ("siglip2", NaFlex: patches of any aspect ratio) is not read; its fixed-resolution
-checkpoints are published as "siglip" and load here.
+(_DEFAULTS, which a test compares with transformers' config classes). SigLIP 2's text tower is
+SigLIP's (its fixed-resolution checkpoints are published as "siglip"); the NaFlex ones ("siglip2")
+differ in the image tower only (from_huggingface).
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ import torch
 from ..model.config import _brief, _is_number
 from .checks import CheckpointError, folder_file, read_json
 
-MODEL_TYPES = ("clip", "siglip")
+MODEL_TYPES = ("clip", "siglip", "siglip2")
 # transformers' CLIPTextConfig / SiglipTextConfig defaults, for a config.json that omits one.
 _DEFAULTS = {
     "clip": {
@@ -44,6 +44,7 @@ _DEFAULTS = {
         "layer_norm_eps": 1e-6,
     },
 }
+_DEFAULTS["siglip2"] = _DEFAULTS["siglip"]
 CLIP_PROJECTION_DIM = 512  # CLIPConfig's default projection_dim
 # transformers' activation -> (open_clip's quick_gelu flag, its act_kwargs)
 _ACTIVATIONS = {"quick_gelu": (True, None), "gelu": (False, None), "gelu_pytorch_tanh": (False, {"approximate": "tanh"})}
@@ -63,8 +64,8 @@ _RENAMES = [
 
 
 def model_type(folder: Path) -> str | None:
-    """"clip" or "siglip" when ``folder`` holds such a Hugging Face model with both towers; no
-    error for anything else (a folder of another model, an unreadable config.json)."""
+    """"clip", "siglip" or "siglip2" when ``folder`` holds such a Hugging Face model with both
+    towers; no error for anything else (a folder of another model, an unreadable config.json)."""
     if not folder.is_dir() or not os.path.lexists(folder / "config.json"):
         return None
     try:
