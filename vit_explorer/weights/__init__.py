@@ -11,6 +11,9 @@ is read.
     from_timm.py, from_torchvision.py, from_huggingface.py
                          each source's state dict renamed to ours, with what the shapes cannot tell
     from_open_clip.py    open_clip's folders (CLIP, SigLIP): the image tower of both, its projection apart
+    from_huggingface_text.py
+                         a Hugging Face CLIP / SigLIP folder's text tower under open_clip's names,
+                         its text_cfg from config.json, the image projection (vit_explorer.text)
     from_eva.py          timm's Eva family (DINOv3, EVA-02) and Meta's DINOv3 files: rotary positions
     infer.py             the ViTConfig from the tensors (where a family is recognised by its keys)
     normalization.py     the mean and std: the publisher's, the structure's, or assumed (and said)
