@@ -7,7 +7,7 @@ without this script, that is without the sidebar and the session state it sets u
 """
 import streamlit as st
 
-from vit_explorer.app import images, lesson, models, runs, session, uploads
+from vit_explorer.app import images, lesson, models, runs, session, uploads, words
 from vit_explorer.app.selection import unreadable_photo_reason
 
 st.set_page_config(page_title="ViT Explorer", page_icon=":material/grid_view:", layout="wide")
@@ -130,6 +130,7 @@ with st.sidebar:
             )
             st.caption(f"{models.describe(selection.config)}{resized}.")
             st.caption(f"{models.parameter_count(selection.model):,} parameters.")
+            words.labels_box(state["model_key"])  # a model with a text tower: what to choose between
             native = models.base_model(state["model_key"]).config
             assumed = models.assumed_normalization(native)
             if assumed:

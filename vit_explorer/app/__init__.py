@@ -6,7 +6,8 @@ session), runs (training runs and their owners), models (the shared models, the 
 the catalogue), uploads (the private uploads folder), images (the pictures to explore),
 selection (``Selection``, ``ImageSet``), features (the Features page's dictionaries), costs
 (forward costs, the patch-size comparison), jobs (heavy computations as jobs beside the server), session (session state, the address, kept widget values,
-the current ``Selection``), lesson (the Lesson's step, the learner's answers, the teacher's link).
+the current ``Selection``), lesson (the Lesson's step, the learner's answers, the teacher's link),
+words (a prediction in words for a model with a text tower: the session's labels, their embeddings).
 
 Importing the package imports every module, then freezes what the imports made (below).
 """
@@ -22,7 +23,7 @@ import plotly.io as pio
 from PIL import Image
 
 from .. import figures  # noqa: F401 (frozen below with plotly)
-from . import costs, features, images, jobs, lesson, memo, models, runs, selection, session, uploads  # noqa: F401 (frozen below)
+from . import costs, features, images, jobs, lesson, memo, models, runs, selection, session, uploads, words  # noqa: F401 (frozen below)
 
 
 def _import_what_runs_import_lazily() -> None:

@@ -8,6 +8,8 @@ how a server decodes the arrays the worker wrote.
     head types         the head types over several images, and the tokens of those no page read
     register neurons   the register neurons over this image and the bundled photos (Registers)
     patch sizes        every patch size side by side, on the plan the server made (Patches)
+    class embeddings   a CLIP or SigLIP model's ImageNet class embeddings, written beside it
+                       (app/words.py: the prediction in words)
 
 A new kind is a compute and a decode function here and an entry in ``KINDS``; the board
 (vit_explorer.serving.jobs) queues and runs it like the others.
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -28,6 +31,8 @@ from ..analysis.test_time_registers import SEARCH_PASSES, RegisterNeurons, find_
 from ..model.ablation import SWEEP_BATCH, HeadSweep, head_sweep, sweep_cost
 from ..model.capture import Capture, capture, layer_attentions
 from ..model.vit import ViT
+from ..text import load_image_text_model, zero_shot
+from ..text.towers import TEXT_BATCH
 from ..training.admission import inference_memory
 
 
@@ -209,6 +214,29 @@ def _views_memory(config, settings: dict) -> int:
     ))
 
 
+def _class_embeddings(model: ViT, x: torch.Tensor, settings: dict, progress: Callable[[float], None]) -> dict:
+    """ImageNet's class embeddings of the open_clip folder ``settings["folder"]`` (its text tower
+    beside ``model``, its image tower: text.zero_shot.class_embeddings, open_clip's templates),
+    written to ``settings["path"]`` whole, where every server reads them from then on."""
+    both = load_image_text_model(settings["folder"], image=model)
+    both.text.to(next(model.parameters()).device)
+    classes, templates = zero_shot.imagenet_classes(), zero_shot.imagenet_templates()
+    embeddings = zero_shot.class_embeddings(both, classes, templates, lambda done, total: progress(done / total))
+    zero_shot.save_class_embeddings(Path(settings["path"]), embeddings, classes, templates)
+    return {"embeddings": embeddings.numpy()}
+
+
+def _class_embeddings_memory(config, settings: dict) -> int:
+    """The image tower, the folder's weights file read whole while the text tower is made from it,
+    the text tower twice (built, then its weights loaded as float32), its tokenizer, one batch of
+    prompts through a block (its q, k, v, MLP and scores) and the embeddings kept."""
+    context, width, heads = settings["context_length"], settings["width"], settings["heads"]
+    block = TEXT_BATCH * context * (12 * width + 2 * heads * context)
+    return inference_memory(config, 1) + settings["file_bytes"] + 4 * settings["tokenizer_bytes"] + 4 * (
+        2 * settings["text_parameters"] + block + settings["prompts"] * settings["embed_dim"]
+    )
+
+
 KINDS = {
     "head sweep": Kind(
         forwards=lambda config, settings: sweep_cost(config),
@@ -251,5 +279,10 @@ KINDS = {
     "patch sizes": Kind(
         forwards=lambda config, settings: settings["forwards"], memory=_patch_sizes_memory,
         compute=_patch_sizes, decode=_decoded_patch_sizes,
+    ),
+    # settings["prompts"] prompts through the text tower (app.words counts them in image passes).
+    "class embeddings": Kind(
+        forwards=lambda config, settings: settings["forwards"], memory=_class_embeddings_memory,
+        compute=_class_embeddings, decode=lambda arrays: (torch.from_numpy(arrays["embeddings"]),),
     ),
 }
