@@ -2,7 +2,7 @@
 import streamlit as st
 
 from vit_explorer import analysis, figures
-from vit_explorer.app import costs, jobs, models, session
+from vit_explorer.app import costs, jobs, models, session, words
 from vit_explorer.app.selection import Selection, prediction_caveats
 
 selection = session.selection()  # model A: the sidebar's
@@ -82,8 +82,22 @@ for column, (side, chosen) in zip(st.columns(2), sides.items()):
     column.caption(f"{models.describe(chosen.config)}.")
 
 st.subheader("Predictions")
+waiting = set()  # models whose ImageNet class embeddings are being computed: their button is drawn once
 for column, (side, chosen) in zip(st.columns(2), sides.items()):
     with column:
+        if chosen.config.num_classes == 0 and words.words_model(chosen.model_key) is not None:
+            said = None if chosen.model_key in waiting else words.prediction(chosen)
+            if said is None:
+                waiting.add(chosen.model_key)
+                continue
+            for caveat in words.caveats(chosen, said):
+                st.warning(caveat)
+            labels_id = words.labels_id(words.session_labels())
+            st.plotly_chart(chosen.memo("compare words top-5", side, labels_id, compute=lambda: figures.side_topk(
+                said.scores, said.labels, side,
+            )), key=f"compare_top5_{side}")
+            st.caption(words.about(chosen.model_key))
+            continue
         if chosen.config.num_classes == 0:
             st.info(models.NO_CLASSIFIER.format(what=f"{side}'s prediction"))
             continue

@@ -4,7 +4,7 @@ import streamlit as st
 
 from vit_explorer import analysis, figures
 from vit_explorer.model import ablation
-from vit_explorer.app import jobs, models, session
+from vit_explorer.app import jobs, models, session, words
 
 selection = session.selection()
 config = selection.config
@@ -85,10 +85,22 @@ else:
             intact.logits[0], knocked.logits[0]
         ))
         st.metric("Cosine between the pooled features, intact and knocked out", f"{cosine:.6f}")
-        st.caption(
-            f"{models.NO_CLASSIFIER.format(what='A class prediction')} The pooled feature is what this model"
-            " outputs: 1 means the knock-out left it pointing the same way."
-        )
+        in_words = words.words_model(selection.model_key)
+        if in_words is None:
+            st.caption(
+                f"{models.NO_CLASSIFIER.format(what='A class prediction')} The pooled feature is what this model"
+                " outputs: 1 means the knock-out left it pointing the same way."
+            )
+        else:
+            st.caption("The pooled feature is what this model outputs: 1 means the knock-out left it pointing the same way.")
+            said = words.prediction(selection)
+            if said is not None:
+                knocked_said = words.prediction(selection, knock_out)
+                labels_id = words.labels_id(words.session_labels())
+                st.plotly_chart(selection.memo("words knock-out top-k", labels_id, knock_out, compute=lambda: (
+                    figures.knockout_topk(said.scores, knocked_said.scores, said.labels, what=what)
+                )))
+                st.caption(words.about(selection.model_key))
     else:
         names = selection.class_names()
         st.plotly_chart(selection.memo("knock-out top-k", knock_out, compute=lambda: figures.knockout_topk(

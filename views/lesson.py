@@ -9,7 +9,7 @@ from vit_explorer import analysis, figures
 from vit_explorer.model import ablation
 from vit_explorer.analysis import answers
 from vit_explorer.model import rope
-from vit_explorer.app import jobs, lesson, models, session
+from vit_explorer.app import jobs, lesson, models, session, words
 from vit_explorer.app.memo import memo
 from vit_explorer.app.selection import prediction_caveats, uniform_attention_caveat
 from vit_explorer.model.internals import activation_name
@@ -24,6 +24,7 @@ grid_h, grid_w = result.grid_size
 patches, prefix, tokens = grid_h * grid_w, result.num_prefix_tokens, result.num_tokens
 headless = config.num_classes == 0
 probabilities = None if headless else result.logits[0].softmax(-1)
+in_words = words.words_model(selection.model_key) if headless else None  # CLIP, SigLIP: a prediction in words
 last, middle = depth - 1, depth // 2
 labels = figures.token_labels(tokens, prefix, config.class_token, config.dist_token)
 
@@ -64,6 +65,21 @@ def head_maps(layer: int):
 def ask_again_button(question: str) -> None:
     st.button("Ask me again", key=f"again_{question}", on_click=lesson.ask_again, args=(question, selection),
               icon=":material/replay:")
+
+
+def predicted(knock_out=None):
+    """(scores (C,), their names, the key of a knock-out figure of them) of what the model says:
+    its classifier's probabilities, or for a model with a text tower its prediction in words over
+    the sidebar's labels (with ``knock_out``: of the pass without it); None for a headless model,
+    or while ImageNet's class embeddings are computed (their button or progress drawn instead)."""
+    if not headless:
+        scores = probabilities if knock_out is None else selection.knock_out_capture(knock_out).logits[0].softmax(-1)
+        return scores, names, ("knock-out top-k",)
+    if in_words is None:
+        return None
+    said = words.prediction(selection, knock_out)
+    labels = words.session_labels()
+    return None if said is None else (said.scores, said.labels, ("words knock-out top-k", words.labels_id(labels)))
 
 
 # --- the steps -----------------------------------------------------------------------------------
@@ -325,37 +341,44 @@ def mlp() -> None:
     figs = inside_figures(middle, 0)
     st.plotly_chart(figs["mlp_units"])
     st.plotly_chart(figs["mlp_residual"])
-    if headless:
-        st.info(models.NO_CLASSIFIER.format(what="This step's question (will the prediction survive without the MLP?)"))
+    said = predicted()
+    if said is None:
+        if not in_words:  # in words: the class embeddings' button or progress is drawn instead
+            st.info(models.NO_CLASSIFIER.format(what="This step's question (will the prediction survive without the MLP?)"))
     else:
-        top = int(probabilities.argmax())
-        (share,) = answers.percents(float(probabilities[top]))
+        intact_scores, said_names, figure_key = said
+        top = int(intact_scores.argmax())
+        (share,) = answers.percents(float(intact_scores[top]))
         st.markdown(
-            f"**Before you look:** the model says '{names[top]}' ({share}). Remove layer"
+            f"**Before you look:** the model says '{said_names[top]}' ({share}). Remove layer"
             f" {middle}'s MLP (its hidden units set to zero, so the layer adds only its bias): will it still say"
-            f" '{names[top]}'?"
+            f" '{said_names[top]}'?"
         )
         guess = st.radio(
             "Your answer", ["yes", "no"], index=None, horizontal=True,
-            format_func={"yes": f"yes, still '{names[top]}'", "no": "no, another class wins"}.get,
+            format_func={
+                "yes": f"yes, still '{said_names[top]}'", "no": f"no, another {'label' if in_words else 'class'} wins",
+            }.get,
             **lesson.answer_widget("mlp", selection),
         )
         if guess is not None:
             knock_out = ablation.KnockOut(mlp=(middle,))
-            knocked = selection.knock_out_capture(knock_out).logits[0].softmax(-1)
-            survives = answers.prediction_survives(probabilities, knocked)
+            knocked = predicted(knock_out)[0]
+            survives = answers.prediction_survives(intact_scores, knocked)
             winner = int(knocked.argmax())
-            intact, without = answers.percents(float(probabilities[top]), float(knocked[top]))
+            intact, without = answers.percents(float(intact_scores[top]), float(knocked[top]))
             st.write(
                 f"**{'Right' if (guess == 'yes') == survives else 'Not this time'}.** "
-                + (f"It survives: still '{names[top]}', with {without} instead of {intact}." if survives else
-                   f"It does not: '{names[top]}' falls from {intact} to {without}, and '{names[winner]}' wins with"
+                + (f"It survives: still '{said_names[top]}', with {without} instead of {intact}." if survives else
+                   f"It does not: '{said_names[top]}' falls from {intact} to {without}, and '{said_names[winner]}' wins with"
                    f" {float(knocked[winner]):.1%}.")
                 + " The layers after it read a residual stream that lacks only this one MLP's share."
             )
-            st.plotly_chart(selection.memo("knock-out top-k", knock_out, compute=lambda: figures.knockout_topk(
-                probabilities, knocked, names, what=knock_out.describe(),
+            st.plotly_chart(selection.memo(*figure_key, knock_out, compute=lambda: figures.knockout_topk(
+                intact_scores, knocked, said_names, what=knock_out.describe(),
             )))
+            if in_words:
+                st.caption(words.about(selection.model_key))
             ask_again_button("mlp")
     lesson.explore_button("views/inside.py", "Inside a layer", layer=middle, query=query)
 
@@ -391,7 +414,23 @@ def layers() -> None:
 
 def prediction() -> None:
     pooled = models.pooled_output(config)
-    if headless:
+    if in_words:
+        st.write(
+            f"At the end the model keeps one vector, {pooled}, normalised, and carries it into the"
+            f" {in_words.embed_dim} numbers its text tower writes a sentence as. It has no list of classes: each"
+            " label goes through the text tower, and the image's cosine with each label is its score."
+        )
+        st.caption(words.about(selection.model_key))
+        said = words.prediction(selection)
+        if said is not None:
+            (best, score), *_ = said.top(1)
+            st.write(f"For your image it says **{best}**, with {answers.percents(score)[0]}.")
+            for caveat in words.caveats(selection, said):
+                st.warning(caveat)
+            st.plotly_chart(selection.memo("words top-5 figure", words.labels_id(words.session_labels()), compute=lambda: (
+                figures.zero_shot_bar(said.scores, said.labels, said.scoring, k=5)
+            )))
+    elif headless:
         st.write(
             f"At the end the model keeps one vector, {pooled}, normalised: {dim} numbers that describe the image."
             " Such features are compared between images (the Several images page) or read by a classifier trained"
@@ -460,6 +499,13 @@ def experiment() -> None:
             result.logits[0], knocked.logits[0]
         ))
         st.metric("Cosine between the pooled features, intact and knocked out", f"{cosine:.6f}")
+        said = predicted()
+        if said is not None:  # in words: what the model says without that head
+            intact_scores, said_names, figure_key = said
+            st.plotly_chart(selection.memo(*figure_key, knock_out, compute=lambda: figures.knockout_topk(
+                intact_scores, predicted(knock_out)[0], said_names, what=knock_out.describe(),
+            )))
+            st.caption(words.about(selection.model_key))
     else:
         after = knocked.logits[0].softmax(-1)
         winner = int(after.argmax())

@@ -3,7 +3,7 @@ import streamlit as st
 
 from vit_explorer import analysis, figures
 from vit_explorer.model import rope
-from vit_explorer.app import models, session
+from vit_explorer.app import models, session, words
 from vit_explorer.app.selection import prediction_caveats, uniform_attention_caveat
 from vit_explorer.model.internals import activation_name
 
@@ -20,6 +20,7 @@ patches, tokens = grid_h * grid_w, result.num_tokens
 prefix = config.num_prefix_tokens
 given_width, given_height = selection.image.size
 headless = config.num_classes == 0
+in_words = words.words_model(selection.model_key) if headless else None  # CLIP, SigLIP: its text tower
 rotary = config.rope_type is not None
 added = config.abs_pos_embed
 head_dim, gated = config.head_dim, config.swiglu_mlp
@@ -50,8 +51,10 @@ steps = [
     ("Add position embeddings" if added else "Positions: nothing added (rotations in attention)"
      if rotary else "Positions: none", f"({tokens}, {dim})"),
     (f"{config.depth} encoder layers", f"({tokens}, {dim}); attention ({config.num_heads}, {tokens}, {tokens}) each"),
-    ("Pool and norm: the image's feature vector", f"({dim},)")
+    ("Pool, norm and projection: the image among the texts", f"({dim},) -> ({in_words.embed_dim},)")
+    if in_words else ("Pool and norm: the image's feature vector", f"({dim},)")
     if headless else ("Pool, norm and classification head", f"({dim},) -> ({config.num_classes},)"),
+    ("Top-5 prediction in words", "5 labels") if in_words else
     ("Top-5 prediction", "none: no classifier" if headless else "5 classes"),
 ]
 st.dataframe(
@@ -203,7 +206,27 @@ else:
     st.plotly_chart(selection.memo("logit lens", compute=lambda: figures.logit_lens_figure(selection.logit_lens(), names)))
 
 pooled = models.pooled_output(config)
-if headless:
+if in_words:
+    st.subheader("8. Pool, norm and projection: the image among the texts")
+    st.write(
+        f"The model keeps one vector, {pooled}, normalised, and carries it into the {in_words.embed_dim}"
+        " numbers its text tower writes a sentence as: it was trained so that a picture and a caption of it"
+        " land close together. So it has no list of classes; it scores any words you give it: each label"
+        " goes through the text tower, and the image's cosine with each is its score."
+    )
+    st.code(f"({tokens}, {dim}) -> ({dim},) -> ({in_words.embed_dim},); each label -> ({in_words.embed_dim},)")
+    st.subheader("9. Top-5 prediction in words")
+    st.caption(words.about(selection.model_key))
+    predicted = words.prediction(selection)
+    if predicted is not None:
+        (best, score), *_ = predicted.top(1)
+        st.write(f"The model says **{best}** with {score:.1%}.")
+        for caveat in words.caveats(selection, predicted):
+            st.warning(caveat)
+        st.plotly_chart(selection.memo("words top-5 figure", words.labels_id(words.session_labels()), compute=lambda: (
+            figures.zero_shot_bar(predicted.scores, predicted.labels, predicted.scoring, k=5)
+        )))
+elif headless:
     st.subheader("8. Pool and norm: the feature vector")
     st.write(
         f"The model keeps one vector, {pooled}, normalised. It has no classification head: it was"
