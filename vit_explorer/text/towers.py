@@ -94,10 +94,40 @@ class ImageTextModel:
         out = []
         for start in range(0, len(texts), TEXT_BATCH):
             tokens = self.tokenize(texts[start:start + TEXT_BATCH]).to(device)
-            out.append(F.normalize(self.text(tokens).float(), dim=-1).cpu())
+            out.append(F.normalize(self._encode(tokens).float(), dim=-1).cpu())
             if progress is not None:
                 progress(min(start + TEXT_BATCH, len(texts)), len(texts))
         return torch.cat(out)
+
+    def _encode(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(T, context) token ids -> (T, E) text embeddings, as open_clip's TextTransformer computes
+        them. A causal tower (CLIP's) read at an end token is run only up to the last end token of
+        the batch: nothing after it reaches the tokens read, so a short label costs a few tokens'
+        pass, not 77 (the ImageNet job ~7x less); the numbers are the whole pass's (tests/text)."""
+        text = self.text
+        read = self._read_positions(tokens)
+        if read is None:
+            return text(tokens)
+        length = int(read.max()) + 1
+        x = text.token_embedding(tokens[:, :length]) + text.positional_embedding[:length]
+        x = text.ln_final(text.transformer(x, attn_mask=text.attn_mask[:length, :length]))
+        pooled = x[torch.arange(x.shape[0], device=x.device), read]
+        if isinstance(text.text_projection, nn.Linear):
+            return text.text_projection(pooled)
+        return pooled if text.text_projection is None else pooled @ text.text_projection
+
+    def _read_positions(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        """(T,) the position each text's embedding is read at, for a plain causal tower; else None."""
+        text = self.text
+        plain = getattr(text, "attn_mask", None) is not None and getattr(text, "cls_emb", None) is None \
+            and not getattr(text, "use_pad_mask", False)
+        if not plain:
+            return None
+        if text.pool_type == "argmax":
+            return tokens.argmax(dim=-1)
+        if text.pool_type == "eos":
+            return (tokens == text.eos_id).int().argmax(dim=-1)
+        return None
 
     def logits(self, images: torch.Tensor, texts: torch.Tensor) -> torch.Tensor:
         """(B, E) and (T, E) unit embeddings -> (B, T) logits, as the model was trained to score."""
