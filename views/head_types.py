@@ -5,8 +5,10 @@ import streamlit as st
 
 from vit_explorer import figures
 from vit_explorer.analysis import head_types
-from vit_explorer.app import costs, images, jobs, session
+from vit_explorer.app import costs, images, jobs, session, words
 from vit_explorer.app.selection import ImageSet
+from vit_explorer.text import heads as head_words
+from vit_explorer.text.descriptions import DESCRIPTIONS
 
 selection = session.selection()
 config = selection.config
@@ -136,3 +138,30 @@ st.caption(
     f"Layer {layer}, head {head} is **{types.labels[layer][head]}**: {numbers}. Attention on the prefix tokens"
     " (class token, registers) is not on the maps, which show the patches only."
 )
+
+described_model = words.words_model(selection.model_key)
+if described_model is not None:
+    st.subheader("Heads in words")
+    st.write(
+        f"What each head of the last {head_words.LAST_LAYERS} layers writes into the image embedding, described"
+        f" by the texts it varies along over these {count} pictures (TextSpan, Gandelsman et al. 2024): the"
+        f" description along which its writes vary most is chosen, that direction is taken out, and again;"
+        f" the share says how much of the head's variation each explains. The descriptions come from a pool"
+        f" of {len(DESCRIPTIONS)} short phrases shipped with the app. More pictures make the descriptions"
+        " steadier: with a handful they are a hint, not a finding."
+    )
+    problem = head_words.describable(described_model)
+    if problem is not None:
+        st.info(problem)
+    elif st.toggle("Describe the heads in words", key="types_words"):
+        described_layers, descriptions = words.head_descriptions(image_set)
+        st.dataframe(
+            [
+                {"layer": layer, "head": head, **{
+                    f"description {rank + 1}": f"{text} ({share:.0%})" for rank, (text, share) in
+                    enumerate(descriptions[position * heads + head])
+                }}
+                for position, layer in enumerate(described_layers) for head in range(heads)
+            ],
+            hide_index=True,
+        )

@@ -17,7 +17,7 @@ def test_the_heads_writes_and_the_rest_add_up_to_the_image_embedding(tmp_path):
     images = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(0))
     captured = vx.capture(vit, images)
     depth = vit.config.depth
-    contributions = head_contributions(model, captured, list(range(depth)))  # (B, L, nh, E)
+    contributions = head_contributions(model, captured.tokens, captured.grid_size, list(range(depth)))  # (B, L, nh, E)
     assert contributions.shape == (3, depth, vit.config.num_heads, model.embed_dim)
     # Everything else written into the class token: the input, each attention's bias, each MLP.
     with torch.no_grad():
@@ -51,4 +51,5 @@ def test_a_model_that_pools_otherwise_is_a_sentence(tmp_path):
     model = load_image_text_model(siglip_folder(tmp_path / "siglip"))
     assert "attention pool" in describable(model)
     with pytest.raises(AnalysisError, match="pools its tokens another way"):
-        head_contributions(model, vx.capture(model.image, torch.zeros(1, 3, 32, 32)), [1])
+        captured = vx.capture(model.image, torch.zeros(1, 3, 32, 32))
+        head_contributions(model, captured.tokens, captured.grid_size, [1])

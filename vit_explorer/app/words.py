@@ -12,6 +12,7 @@ vit_explorer.text. A page asks :func:`prediction` (under a knock-out too) and sh
   computed once as a job ("class embeddings", serving/job_kinds.py) that writes that file, so
   that every server reads it from then on. Until then a page shows the job's button or progress
   in place of the prediction.
+- :func:`head_descriptions`: the Head types page's heads in words (text/heads.py, TextSpan).
 - Results are keyed by model and labels (a digest of them), never by session: two people with
   different labels never see each other's prediction.
 """
@@ -31,14 +32,15 @@ from ..model.config import ViTConfig
 from ..serving.cache import nbytes
 from ..serving.jobs import JobSpec
 from ..text import ImageTextModel, LabelError, is_image_text_folder, load_image_text_model, parse_labels
-from ..text import zero_shot
+from ..text import heads, zero_shot
+from ..text.descriptions import DESCRIPTIONS
 from ..text.tokenizers import TOKENIZER_FILE
 from ..text.towers import MAX_LABEL_CHARACTERS, MAX_LABELS
 from ..weights import catalogue
 from ..weights import from_open_clip
 from . import costs, jobs, models
 from .memo import memo, shared_results, with_spinner
-from .selection import Selection, prediction_caveats, unreadable_photo_reason
+from .selection import ImageSet, Selection, prediction_caveats, unreadable_photo_reason
 
 # The sidebar's text box, what it last held, the labels in force (a tuple, or None: ImageNet's
 # classes) and why the last labels typed were not taken. Not "kept:" values (session.keep): those
@@ -233,6 +235,12 @@ def label_embeddings(model_key: str, labels: tuple[str, ...] | None) -> torch.Te
     return values[0]
 
 
+def embeddings_kept(model_key: str, labels: tuple[str, ...] | None) -> bool:
+    """Whether :func:`label_embeddings` of ``labels`` returns them without drawing anything (typed
+    labels, or ImageNet's already read): for a part of a page that should stay silent meanwhile."""
+    return labels is not None or shared_results().get(("words", model_key, "imagenet class embeddings")) is not None
+
+
 @dataclass(frozen=True)
 class _Asker:
     """What jobs.as_job reads of who asks: the model's config (the job's input is given: no image)."""
@@ -301,3 +309,25 @@ def caveats(selection: Selection, predicted: zero_shot.Prediction) -> list[str]:
         return prediction_caveats(selection, predicted.scores)
     reason = unreadable_photo_reason(selection)
     return [] if reason is None else [f"Read nothing into this prediction: {reason[0].lower()}{reason[1:]}"]
+
+
+def head_descriptions(image_set: ImageSet) -> tuple[list[int], list[list[tuple[str, float]]]]:
+    """(the layers described, per head of those layers in order: its descriptions with the share
+    of its variance each explains), over ``image_set``, once for everybody (text/heads.py).
+    Asked with a button: the descriptions' embeddings cost about 3 forward passes of a ViT-B/16
+    the first time for a model (then they are memoised with it)."""
+    model_key = image_set.selection.model_key
+    model = words_model(model_key)
+    depth = model.image.config.depth
+    layers = list(range(max(0, depth - heads.LAST_LAYERS), depth))
+
+    def describe() -> list[list[tuple[str, float]]]:
+        texts = memo(
+            ("words", model_key, "description embeddings"), lambda: model.embed_texts(list(DESCRIPTIONS)),
+            spinner=f"Reading the {len(DESCRIPTIONS)} descriptions ...",
+        )
+        tokens = torch.stack(image_set.image_tokens())
+        writes = heads.head_contributions(model, tokens, image_set.selection.config.grid_size, layers)
+        return heads.describe_heads(writes.flatten(1, 2), texts, DESCRIPTIONS)
+
+    return layers, image_set.memo("heads in words", compute=describe, spinner="Describing the heads in words ...")

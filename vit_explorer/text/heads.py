@@ -19,7 +19,6 @@ import torch
 from einops import rearrange
 
 from ..analysis.checks import AnalysisError
-from ..model.capture import Capture
 from .towers import ImageTextModel
 
 LAST_LAYERS = 4  # TextSpan's finding: CLIP's image embedding is written mostly by its last four layers
@@ -38,23 +37,26 @@ def describable(model: ImageTextModel) -> str | None:
 
 
 @torch.no_grad()
-def head_contributions(model: ImageTextModel, captured: Capture, layers: list[int]) -> torch.Tensor:
+def head_contributions(
+    model: ImageTextModel, tokens: torch.Tensor, grid_size: tuple[int, int], layers: list[int]
+) -> torch.Tensor:
     """(B, len(layers), nh, E): what each head of ``layers`` writes into the image embedding of
-    each captured image (directly, through the residual stream, ln_post's centring and scale of
-    that image, and the projection; ln_post's bias and the other writes are left out)."""
+    each image (directly, through the residual stream, ln_post's centring and scale of that image,
+    and the projection; ln_post's bias and the other writes are left out). ``tokens``: (B, depth
+    + 1, N, D), a capture's (entering the first block, then leaving each)."""
     problem = describable(model)
     if problem is not None:
         raise AnalysisError(problem)
     vit = model.image
     device = next(vit.parameters()).device
-    final = captured.tokens[:, -1, 0].to(device)  # (B, D): the class token ln_post reads
+    final = tokens[:, -1, 0].to(device)  # (B, D): the class token ln_post reads
     scale = (final.var(dim=-1, unbiased=False) + vit.norm.eps).rsqrt()  # ln_post's 1 / sigma
-    rope = vit.rope_tables(captured.grid_size)
+    rope = vit.rope_tables(grid_size)
     out = []
     for layer in layers:
         block = vit.blocks[layer]
         attn = block.attn
-        q, k, v = attn._qkv(block.norm1(captured.tokens[:, layer].to(device))).unbind(0)  # (B, nh, N, hd)
+        q, k, v = attn._qkv(block.norm1(tokens[:, layer].to(device))).unbind(0)  # (B, nh, N, hd)
         q, k = attn.rotate(q, rope), attn.rotate(k, rope)
         weights = ((q[:, :, :1] * attn.scale) @ k.transpose(-2, -1)).softmax(dim=-1)  # (B, nh, 1, N)
         heads = (weights @ v)[:, :, 0]  # (B, nh, hd): each head's output at the class token
