@@ -2,8 +2,9 @@
 import streamlit as st
 
 from vit_explorer import analysis, figures
-from vit_explorer.app import costs, models, session
+from vit_explorer.app import costs, models, session, word_maps, words
 from vit_explorer.app.selection import prediction_caveats
+from vit_explorer.text import LabelError
 
 selection = session.selection()
 config = selection.config
@@ -13,6 +14,7 @@ state = st.session_state
 depth, heads = config.depth, config.num_heads
 grid_h, grid_w = result.grid_size
 num_patches, prefix = grid_h * grid_w, result.num_prefix_tokens
+in_words = word_maps.model_for(selection)  # both towers (CLIP, SigLIP), or None
 
 CLASS_QUERY = -1  # the class token
 POOL_QUERY = -2  # the attention-pool head's probe query (SigLIP's MAP head), after the last layer
@@ -192,7 +194,42 @@ st.write(
     " positive part and rolls it out through the layers: bright patches pushed the model towards"
     " that class."
 )
-if config.num_classes == 0:
+if config.num_classes == 0 and in_words is not None:
+    # No classes, but labels in words: the target is a label, the score the image's cosine with it.
+    st.caption(words.about(selection.model_key))
+    said = words.prediction(selection)  # None while ImageNet's class embeddings are made (their button drawn)
+    if said is not None:
+        for caveat in words.caveats(selection, said):
+            st.warning(caveat)
+        said_labels = words.session_labels()
+        ranked = said.scores.argsort(descending=True).tolist()
+        shares = said.scores.tolist()
+        target = st.selectbox(
+            "Label", ranked, format_func=lambda index: f"{said.labels[index]} ({shares[index]:.1%})",
+            help="The label whose score is traced back: the image's cosine with its text embedding.",
+            **session.keep("attribution_label", ranked[0], lambda index: index in ranked),
+        )
+        if costs.is_quick(config, forwards=3) or st.toggle(
+            "Compute the attribution", help="One forward and one backward pass per label.",
+            **session.keep("attribution_on", False),
+        ):
+            st.plotly_chart(selection.memo(
+                "words attribution overlay", words.labels_id(said_labels), target, opacity,
+                compute=lambda: figures.attention_overlay(
+                    image, word_maps.relevance(selection, said_labels, target), opacity=opacity,
+                    title=f"Attribution for '{said.labels[target]}' (in words)", value_name="relevance",
+                ),
+            ))
+            st.caption(
+                "The same attribution with the image's cosine with the label's text embedding as the score whose"
+                " gradient is followed: this model has no classifier, and its labels are words."
+            )
+        else:
+            st.caption(
+                "For this model the attribution costs a forward and a backward pass (about three forward"
+                " passes) per label, so it is computed when you ask: switch it on above."
+            )
+elif config.num_classes == 0:
     st.info(models.NO_CLASSIFIER.format(what="Class attribution"))
 else:
     names = selection.class_names()
@@ -219,6 +256,72 @@ else:
             "For this model the attribution costs a forward and a backward pass (about three forward"
             " passes) per class, so it is computed when you ask: switch it on above."
         )
+
+if in_words is not None:
+    st.subheader("Ask in words")
+    st.write(
+        "This model has a text tower: type what to look for, and see where in the image each prompt is."
+        " Every patch is carried into the space where the model compares images with texts, and"
+        " coloured by its cosine with each prompt (MaskCLIP, Zhou et al. 2022); each patch then takes the"
+        " colour of the prompt it is most like, and the attribution traces one prompt's score back to the"
+        " patches through every layer."
+    )
+    prompts_text = st.text_input(
+        "Prompts (comma-separated)", placeholder=word_maps.DEFAULT_PROMPTS,
+        help=f"Each is read as \"{word_maps.READ_AS}\", as the sidebar's labels are; the first {word_maps.MAX_PROMPTS} are mapped.",
+        **session.keep("word_prompts", word_maps.DEFAULT_PROMPTS),
+    )
+    try:
+        prompts, left_out = word_maps.read_prompts(prompts_text)
+    except LabelError as error:
+        st.warning(f"Those prompts cannot be mapped: {error}.")
+        prompts, left_out = (), None
+    if prompts:
+        if left_out:
+            st.caption(left_out)
+        how = word_maps.how(in_words)
+        prompt_scale = st.radio(
+            "Colour scale of the prompts", figures.PROMPT_SCALES, horizontal=True,
+            help="Shared: one colour means one cosine for every prompt, so prompts compare. Per prompt: each from"
+            " its own lowest cosine to its highest, which shows where a faint prompt is.",
+            **session.keep("word_scale", "shared", lambda option: option in figures.PROMPT_SCALES),
+        )
+        similarities = word_maps.similarities(selection, prompts)
+        prompts_id = words.labels_id(prompts)
+        st.plotly_chart(selection.memo("words similarity grid", prompts_id, prompt_scale, opacity, compute=lambda: (
+            figures.similarity_grid(image, similarities, prompts, how, scale=prompt_scale, opacity=opacity)
+        )))
+        st.caption(
+            f"How each map is made: every patch goes along {word_maps.how(in_words, detail=True)}: the path the"
+            " model's pooling would take if it read that patch alone. The map is its cosine with the prompt's text"
+            " embedding, one small product once the image has been through the model."
+        )
+        if len(prompts) > 1:
+            st.plotly_chart(selection.memo("words best prompt", prompts_id, compute=lambda: figures.best_prompt_map(
+                image, similarities, prompts,
+            )))
+            st.caption("Each patch takes the colour of the prompt whose cosine with it is the largest of the maps above.")
+        traced = st.selectbox(
+            "Prompt to trace back to the patches", list(range(len(prompts))), format_func=lambda index: prompts[index],
+            **session.keep("word_traced", 0, lambda index: 0 <= index < len(prompts)),
+        )
+        if costs.is_quick(config, forwards=3) or st.toggle(
+            "Compute the relevance of the prompt", help="One forward and one backward pass per prompt.",
+            **session.keep("word_relevance_on", False),
+        ):
+            st.plotly_chart(selection.memo("words relevance overlay", prompts_id, traced, opacity, compute=lambda: (
+                figures.relevance_overlay(image, word_maps.relevance(selection, prompts, traced), prompts[traced], opacity)
+            )))
+            st.caption(
+                "The relevance (Chefer et al. 2021): each layer's attention weighted by its gradient of the image's"
+                " cosine with the prompt, its positive part rolled out through the layers. Unlike the maps above it"
+                " follows every layer, not only the last one's values."
+            )
+        else:
+            st.caption(
+                "For this model the relevance costs a forward and a backward pass (about three forward passes) per"
+                " prompt, so it is computed when you ask: switch it on above."
+            )
 
 st.subheader("How far and how focused each head looks")
 st.write(

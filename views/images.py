@@ -6,8 +6,9 @@ import streamlit as st
 from vit_explorer.analysis import dense_pca as dense
 from vit_explorer import figures
 from vit_explorer.analysis import image_set as sets
-from vit_explorer.app import costs, images, jobs, session
+from vit_explorer.app import costs, images, jobs, session, word_maps
 from vit_explorer.app.selection import ImageSet
+from vit_explorer.text import LabelError
 
 selection = session.selection()
 config = selection.config
@@ -214,3 +215,30 @@ st.plotly_chart(image_set.memo("norms figure", layer, k, compute=lambda: figures
     outliers.norms.reshape(count, grid_h, grid_w), outliers.outliers.reshape(count, grid_h, grid_w),
     outliers.threshold, rule, labels, display[0].shape, layer,
 )))
+
+in_words = word_maps.model_for(selection)  # both towers (CLIP, SigLIP), or None
+if in_words is not None:
+    st.subheader("Where a word is in each image")
+    st.write(
+        "This model has a text tower: type a prompt, and every patch of every picture is coloured by its cosine"
+        " with it, on one scale, so that the pictures compare (the Attention page's \"Ask in words\" for one"
+        " picture and several prompts)."
+    )
+    prompt_text = st.text_input(
+        "Prompt", help=f"Read as \"{word_maps.READ_AS}\", as the sidebar's labels are.",
+        **session.keep("word_set_prompt", word_maps.DEFAULT_PROMPTS.split(",")[0]),
+    )
+    try:
+        (prompt,) = word_maps.read_prompts(prompt_text.replace(",", " "))[0]  # one prompt, commas and all
+    except LabelError as error:
+        st.warning(f"That prompt cannot be mapped: {error}.")
+    else:
+        prompt_maps = word_maps.set_similarities(image_set, prompt)
+        how = word_maps.how(in_words)
+        st.plotly_chart(image_set.memo("words prompt figure", prompt, compute=lambda: figures.prompt_over_images(
+            display, prompt_maps, prompt, labels, how,
+        )))
+        st.caption(
+            f"Each patch goes along {word_maps.how(in_words, detail=True)}, and meets the prompt's text embedding"
+            " in a cosine: one small product per picture once the set has been read."
+        )

@@ -9,7 +9,7 @@ from vit_explorer import analysis, figures
 from vit_explorer.model import ablation
 from vit_explorer.analysis import answers
 from vit_explorer.model import rope
-from vit_explorer.app import jobs, lesson, models, session, words
+from vit_explorer.app import jobs, lesson, models, session, word_maps, words
 from vit_explorer.app.memo import memo
 from vit_explorer.app.selection import prediction_caveats, uniform_attention_caveat
 from vit_explorer.model.internals import activation_name
@@ -527,7 +527,36 @@ def experiment() -> None:
     )
 
 
-STEPS = (photo, vectors, positions, where_it_looks, how_it_decides, many_heads, mlp, layers, prediction, experiment)
+def where_is_the_word() -> None:
+    """For a model with a text tower, after the experiment: where in the image its top label is."""
+    labels = words.session_labels()
+    # ImageNet's class embeddings not there yet: the prediction step offers them, and this part waits.
+    said = words.prediction(selection) if in_words is not None and words.embeddings_kept(selection.model_key, labels) else None
+    if said is None:
+        return
+    best = int(said.scores.argmax())
+    similarity = word_maps.label_similarity(selection, labels, best)
+    if similarity is None:
+        return
+    name = said.labels[best]
+    st.markdown("**Where is the word?**")
+    st.write(
+        f"The model said '{name}'. A model that reads words can also say where: every patch is carried into the"
+        " space where it compares images with texts, along the path its pooling would take if it read that patch"
+        f" alone, and coloured by its cosine with '{name}'."
+    )
+    st.plotly_chart(selection.memo("lesson word map", words.labels_id(labels), best, compute=lambda: (
+        figures.similarity_grid(image, similarity[None], [name], word_maps.how(word_maps.model_for(selection)))
+    )))
+    st.page_link("views/attention.py", icon=":material/translate:", label="Ask about your own words: Attention, Ask in words")
+
+
+def last_step() -> None:
+    experiment()
+    where_is_the_word()
+
+
+STEPS = (photo, vectors, positions, where_it_looks, how_it_decides, many_heads, mlp, layers, prediction, last_step)
 
 # --- the page ------------------------------------------------------------------------------------
 

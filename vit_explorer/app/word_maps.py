@@ -1,0 +1,108 @@
+"""Where each word is, for the pages (vit_explorer.text.maps): each prompt's dense similarity over
+the patches, the relevance of one label's score, over one image (``Selection``) or several
+(``ImageSet``). Computed once for everybody through ``memo``, keyed by model, sizes, image and the
+labels (their digest, app.words.labels_id), never by session; the prompts are read as the
+sidebar's labels are ("a photo of {label}.") and their embeddings shared with the prediction
+(app.words.label_embeddings).
+
+Costs: the patches are carried into the texts' space once per image (a fraction of the last
+block), then each prompt costs a pass of the text tower and one small matrix product; a label's
+relevance is a forward and a backward pass of the image tower (about three forwards).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import torch
+
+from ..text import ImageTextModel, parse_labels
+from ..text import maps
+from ..text.zero_shot import LABEL_TEMPLATE
+from . import words
+from .selection import ImageSet, Selection
+
+DEFAULT_PROMPTS = "a cat, a dog, a rocket"
+READ_AS = LABEL_TEMPLATE.format("{prompt}")  # how each prompt goes through the text tower
+# Maps drawn at once: a grid of that many panels, each prompt a colour of its own in the best-prompt map.
+MAX_PROMPTS = 12
+
+
+def model_for(selection: Selection) -> ImageTextModel | None:
+    """Both towers of the selected model, the image tower at the selection's sizes and normalisation
+    (the shared words model with its image tower swapped: a new small object, nothing shared
+    changes); None for a model without a text tower."""
+    model = words.words_model(selection.model_key)
+    if model is None or model.image is selection.model:
+        return model
+    return replace(model, image=selection.model)
+
+
+def read_prompts(text: str) -> tuple[tuple[str, ...], str | None]:
+    """The prompts typed ("a cat, a dog, a rocket"), checked (text.LabelError: one sentence), the
+    first MAX_PROMPTS of them; and a sentence when some were left out, else None."""
+    prompts = tuple(parse_labels(text))
+    if len(prompts) <= MAX_PROMPTS:
+        return prompts, None
+    return prompts[:MAX_PROMPTS], f"The first {MAX_PROMPTS} of your {len(prompts)} prompts are mapped."
+
+
+def how(model: ImageTextModel, detail: bool = False) -> str:
+    """How the patches meet the texts, in a few words (a title's) or step by step (a caption's)."""
+    return maps.dense_path(model, detail)
+
+
+def patch_embeddings(selection: Selection) -> torch.Tensor:
+    """(1, P, E) the image's patches in the texts' space (text.maps.patch_embeddings), from the
+    page's capture, once per model, sizes and image."""
+    return selection.memo("words patch embeddings", compute=lambda: maps.patch_embeddings(
+        model_for(selection), selection.capture()
+    ))
+
+
+def similarities(selection: Selection, prompts: tuple[str, ...]) -> np.ndarray:
+    """(T, gh, gw) each prompt's cosine with every patch of the image."""
+    return selection.memo("words similarities", words.labels_id(prompts), compute=lambda: maps.similarity_maps(
+        patch_embeddings(selection), words.label_embeddings(selection.model_key, prompts), selection.capture().grid_size,
+    )[0].numpy())
+
+
+def label_similarity(selection: Selection, labels: tuple[str, ...] | None, index: int) -> np.ndarray | None:
+    """(gh, gw) the cosine of every patch with label ``index`` of ``labels`` (None: ImageNet's
+    classes, by their class embeddings); None while those are not there yet."""
+    texts = words.label_embeddings(selection.model_key, labels)
+    if texts is None:
+        return None
+    return selection.memo("words label similarity", words.labels_id(labels), index, compute=lambda: maps.similarity_maps(
+        patch_embeddings(selection), texts[index:index + 1], selection.capture().grid_size,
+    )[0, 0].numpy())
+
+
+def relevance(selection: Selection, labels: tuple[str, ...] | None, index: int) -> np.ndarray | None:
+    """(gh, gw) relevance of each patch to the image's cosine with label ``index`` of ``labels``
+    (text.maps.relevance: the class attribution with that cosine as its target), computed with
+    the selected model at its sizes; None while ImageNet's class embeddings are not there yet."""
+    texts = words.label_embeddings(selection.model_key, labels)
+    if texts is None:
+        return None
+    return selection.memo(
+        "words relevance", words.labels_id(labels), index, spinner="Tracing the words back to the patches ...",
+        compute=lambda: maps.relevance(model_for(selection), selection.model_input(), texts[index])[0].numpy(),
+    )
+
+
+def set_similarities(image_set: ImageSet, prompt: str) -> np.ndarray:
+    """(B, gh, gw) one prompt's cosine with every patch of every image of the set, from the tokens
+    the set has read (ImageSet.image_tokens); the patches carried once per set."""
+    selection = image_set.selection
+
+    def patches() -> torch.Tensor:
+        last_two = torch.stack([image_set.tokens(-2), image_set.tokens(-1)], dim=1)  # (B, 2, N, D)
+        return maps.last_block_embeddings(model_for(selection), last_two, selection.config.num_prefix_tokens)
+
+    def compute() -> np.ndarray:
+        embedded = image_set.memo("words patch embeddings", compute=patches)
+        texts = words.label_embeddings(selection.model_key, (prompt,))
+        return maps.similarity_maps(embedded, texts, selection.config.grid_size)[:, 0].numpy()
+
+    return image_set.memo("words similarities", words.labels_id((prompt,)), compute=compute)
