@@ -61,7 +61,7 @@ MODE_SENTENCES = {
 
 
 def _flat_map(name: str, relevance, num_patches: int) -> torch.Tensor:
-    values = torch.as_tensor(np.asarray(relevance, dtype=np.float64) if not torch.is_tensor(relevance) else relevance)
+    values = relevance if torch.is_tensor(relevance) else torch.from_numpy(np.asarray(relevance, dtype=np.float64))
     values = values.detach().to("cpu", torch.float64).reshape(-1)
     if values.numel() != num_patches:
         raise AnalysisError(f"The map '{name}' has {values.numel()} values for {num_patches} patches.")
