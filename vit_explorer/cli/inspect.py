@@ -62,6 +62,16 @@ MAX_MAPPED_TEXTS = 12  # texts whose maps are drawn (each relevance map costs ab
 
 
 def _run_inspect(args: argparse.Namespace) -> int:
+    texts = None if args.text is None else _inspect_texts(args.text, args.weights)  # refused before any load
+    writer = _png_writer(Path(args.out)) if args.format == "png" else None  # Chromium starts meanwhile
+    try:
+        return _inspect(args, texts, writer)
+    finally:
+        if writer is not None:
+            writer.close_quietly()
+
+
+def _inspect(args: argparse.Namespace, texts: list[str] | None, writer) -> int:
     """Load, capture the tokens (no layer's attention: each is computed from them as the figures
     need it), draw, and write the figures and, with --tensors, capture.npz."""
     import torch
@@ -71,7 +81,6 @@ def _run_inspect(args: argparse.Namespace) -> int:
     from ..model.capture import capture
     from ..weights import load_model
 
-    texts = None if args.text is None else _inspect_texts(args.text, args.weights)  # refused before any load
     model = load_model(args.weights).to(_inspect_device(args.device))
     config = model.config
     x = preprocess(load_image(args.image), config)  # (1, C, H, W)
@@ -99,7 +108,7 @@ def _run_inspect(args: argparse.Namespace) -> int:
         figs["head_types"] = _head_types_figure(types)
         kinds = ", ".join(f"{number} {label}" for label, number in types.counts().items() if number)
         summary = f"{summary}; heads over {types.images} image{'s' if types.images > 1 else ''}: {kinds}"
-    written = _write_inspected(figs, Path(args.out), args.format)
+    written = _write_inspected(figs, Path(args.out), args.format, writer)
     if types is not None:
         written += _write_head_types(Path(args.out), types)
     if saved_layers is not None:
@@ -304,17 +313,35 @@ def _inspect_words(model, folder: str, x, captured, texts: list[str]):
     return figs, arrays, f"in words ({predicted.scoring} over {len(texts)} texts{shown}): {best} ({score:.1%})"
 
 
-def _write_inspected(figs: dict, out: Path, image_format: str) -> list[Path]:
-    """The figures written to ``out`` as PNG, or as HTML without a browser or when export fails."""
+def _png_writer(out: Path):
+    """Chromium started now for the PNG files, while the model loads and the figures are drawn;
+    None without a browser (the figures are then written as HTML)."""
+    from .. import figures
+
+    if figures.find_browser() is None:
+        return None
+    try:
+        return figures.PngWriter(out)
+    except figures.FigureExportError:
+        return None
+
+
+def _write_inspected(figs: dict, out: Path, image_format: str, writer) -> list[Path]:
+    """The figures written to ``out`` as PNG (through ``writer``, started earlier), or as HTML
+    without a browser or when export fails."""
     from .. import figures
 
     out.mkdir(parents=True, exist_ok=True)
-    if image_format == "png" and figures.find_browser() is None:
+    if image_format == "png" and writer is None:
         print("no Chrome/Chromium found (install chromium or set BROWSER_PATH);"
               " writing HTML figures instead", file=sys.stderr)
         image_format = "html"
-    try:
+    if image_format != "png":
         return list(figures.write_figures(figs, out, image_format))
+    try:
+        for name, fig in figs.items():
+            writer.write(name, fig)
+        return writer.close()
     except figures.FigureExportError as error:
         print(f"{error}; writing HTML figures instead", file=sys.stderr)
         return list(figures.write_figures(figs, out, "html"))

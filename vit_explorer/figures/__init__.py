@@ -16,7 +16,7 @@ from .embeddings import (
     embedding_filters_figure, position_similarity_grid, token_matrix, token_norms_figure, token_pca_image,
 )
 from .features import explained_map, latent_bars, latent_gallery, latent_histogram, latent_map
-from .files import FigureExportError, find_browser, write_figures
+from .files import FigureExportError, PngWriter, find_browser, write_figures
 from .head_types import LABEL_STYLES, head_maps_grid, head_types_grid
 from .image_set import correspondence_grid, dense_pca_grid, foreground_pca_grid, norm_outliers_grid
 from .internals import (
@@ -41,7 +41,7 @@ __all__ = [
     "embedding_filters_figure", "position_similarity_grid", "token_matrix", "token_norms_figure",
     "token_pca_image",
     "explained_map", "latent_bars", "latent_gallery", "latent_histogram", "latent_map",
-    "FigureExportError", "find_browser", "write_figures",
+    "FigureExportError", "PngWriter", "find_browser", "write_figures",
     "LABEL_STYLES", "head_maps_grid", "head_types_grid",
     "correspondence_grid", "dense_pca_grid", "foreground_pca_grid", "norm_outliers_grid",
     "head_sources_figure", "inside_layer_figures", "key_value_matrices", "mlp_activations_figure",
