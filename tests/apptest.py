@@ -15,7 +15,7 @@ from PIL import Image
 from streamlit.testing.v1 import AppTest
 
 import vit_explorer as vx
-from vit_explorer.app import models, runs, uploads
+from vit_explorer.app import costs, runs, uploads
 from vit_explorer.data.datasets import SHAPE_CLASSES
 
 APP = str(Path(__file__).resolve().parent.parent / "app.py")
@@ -42,8 +42,8 @@ def tiny_default(tmp_path, monkeypatch):
     # What is quick from multiply-adds only, never from passes timed on a machine whose load varies
     # (a tiny model's pass is mostly fixed costs: timed, its 480-pass comparison would not be quick).
     # The tests of the timed rule bring their own record.
-    untimed = models.PassTimes(size=0)
-    monkeypatch.setattr(models, "pass_times", lambda: untimed)
+    untimed = costs.PassTimes(size=0)
+    monkeypatch.setattr(costs, "pass_times", lambda: untimed)
     yield weights
     runs.run_manager().shutdown()
     st.cache_resource.clear()

@@ -209,7 +209,7 @@ if config.num_classes == 0 and in_words is not None:
             help="The label whose score is traced back: the image's cosine with its text embedding.",
             **session.keep("attribution_label", ranked[0], lambda index: index in ranked),
         )
-        if costs.is_quick(config, forwards=3) or st.toggle(
+        if costs.is_quick(config, forwards=costs.attribution_forwards(config)) or st.toggle(
             "Compute the attribution", help="One forward and one backward pass per label.",
             **session.keep("attribution_on", False),
         ):
@@ -243,7 +243,7 @@ else:
         **session.keep("attribution_class", ranked[0], lambda index: index in ranked),
     )
     # A backward pass through a real-size model costs several forward passes: asked for, not unasked.
-    if costs.is_quick(config, forwards=3) or st.toggle(
+    if costs.is_quick(config, forwards=costs.attribution_forwards(config)) or st.toggle(
         "Compute the attribution", help="One forward and one backward pass per class.",
         **session.keep("attribution_on", False),
     ):
@@ -305,7 +305,7 @@ if in_words is not None:
             "Prompt to trace back to the patches", list(range(len(prompts))), format_func=lambda index: prompts[index],
             **session.keep("word_traced", 0, lambda index: 0 <= index < len(prompts)),
         )
-        if costs.is_quick(config, forwards=3) or st.toggle(
+        if costs.is_quick(config, forwards=costs.attribution_forwards(config)) or st.toggle(
             "Compute the relevance of the prompt", help="One forward and one backward pass per prompt.",
             **session.keep("word_relevance_on", False),
         ):

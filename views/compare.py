@@ -57,10 +57,10 @@ if other.key == selection.key:
     st.info("Model B is model A itself: choose another model or another patch size.")
     st.stop()
 
-b_passes = costs.forward_cost(other.config) / costs.forward_cost(selection.config)
-if costs.is_heavy(selection.config, forwards=1 + b_passes):
+cost = costs.selections_forwards(selection, other)
+if costs.is_heavy(selection.config, forwards=cost):
     st.write(
-        f"Model B here costs about {b_passes:.1f} forward passes of A: it runs when you ask, beside the"
+        f"A's and B's views here cost about {cost:.1f} forward passes of A: B runs when you ask, beside the"
         " server, so that the pages stay quick for everybody, and then serves everyone who compares the same."
     )
     # The layer drawn first: A's last meets B's last.

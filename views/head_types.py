@@ -56,11 +56,11 @@ count = len(image_set.image_keys)
 labels = [f"{index + 1}. {options[key].split(': ')[-1]}" for index, key in enumerate(keys)]
 
 types = image_set.cached_head_types()
-cost = head_types.forwards(config, count, len(image_set.unread()))
+cost = costs.set_head_types_forwards(image_set)
 if types is None and costs.is_heavy(config, forwards=cost):
     st.write(
         f"Measuring every head over these {count} pictures costs about {cost:.0f} forward passes of this model"
-        " (one per picture no page has read, then every layer's attention again). It runs when you ask,"
+        " (one per picture no page has read, then every layer's attention again, measured). It runs when you ask,"
         " beside the server, so that the pages stay quick for everybody, and then serves everyone."
     )
     types = jobs.head_types(image_set, "Measure the heads")

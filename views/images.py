@@ -38,9 +38,10 @@ except ValueError as error:
     st.info(str(error))
     st.stop()
 unread = len(image_set.unread())
-if costs.is_heavy(config, forwards=unread):
+cost = costs.set_forwards(image_set)
+if costs.is_heavy(config, forwards=cost):
     st.write(
-        f"Pictures no page has read with this model yet: {unread}, about {unread} forward passes. They are"
+        f"Pictures no page has read with this model yet: {unread}, about {cost:.0f} forward passes. They are"
         " read when you ask, beside the server, so that the pages stay quick for everybody, and then serve everyone."
     )
     if not jobs.image_tokens(image_set, "Read the pictures"):
@@ -114,7 +115,7 @@ read = None  # (features, pictures, grids) at the chosen resolution, once comput
 if resolution == "input":
     read = (list(image_set.last_layer_features()), display, [grid_size] * count)
 else:
-    passes = sum(costs.forward_cost(config.replace(image_size=size)) for size in sizes) / costs.forward_cost(config)
+    passes = costs.dense_forwards(config, sizes)
     # A real-size model at 768 px costs dozens of passes per picture: asked for, not unasked.
     if costs.is_quick(config, forwards=passes) or st.toggle(
         f"Read the {count} pictures at 768 px high (about {passes:.0f} forward passes)",

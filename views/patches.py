@@ -156,9 +156,9 @@ if resolution == "input":
     read = (features, image, result.grid_size)
 else:
     high_config = config.replace(image_size=high)
-    passes = costs.forward_cost(high_config) / costs.forward_cost(config)
+    passes = costs.dense_forwards(config, [high])
     # A real-size model at 768 px costs dozens of passes: asked for, not unasked.
-    if costs.is_quick(high_config) or st.toggle(
+    if costs.is_quick(config, forwards=passes) or st.toggle(
         f"Read the picture at {high[0]}x{high[1]} px (about {passes:.0f} forward passes)",
         help="One forward pass of the model at that size, learned position embeddings resampled to its grid.",
         **session.keep("dense_high_on", False),

@@ -86,9 +86,10 @@ with_photos = st.radio(
 def search(last: int | None) -> registers.RegisterNeurons:
     """The register neurons of layers 0 to ``last`` (default: where the outliers appear), found on
     what the radio says; on the photos a job when heavy (the page stops until it is done)."""
-    if with_photos and costs.is_heavy(config, forwards=photos * (1 + registers.SEARCH_PASSES)):
+    cost = costs.register_search_forwards(config, photos)
+    if with_photos and costs.is_heavy(config, forwards=cost):
         st.write(
-            f"Reading the {photos} pictures and searching them costs about {photos * (1 + registers.SEARCH_PASSES):.0f}"
+            f"Reading the {photos} pictures and searching them costs about {cost:.0f}"
             " forward passes: it runs when you ask, beside the server, so that the pages stay quick for everybody,"
             " and then serves everyone."
         )

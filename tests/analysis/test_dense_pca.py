@@ -227,7 +227,7 @@ def test_a_real_size_model_reads_768_px_only_when_asked_and_says_the_cost(monkey
     app.radio(key="dense_resolution").set_value("768").run()
     assert not app.exception and calls == [] and dense_title(app) is None
     config = tiny_model(patch_size=16).config
-    passes = costs.forward_cost(config.replace(image_size=(768, 768))) / costs.forward_cost(config)
+    passes = costs.dense_forwards(config, [(768, 768)])
     ask = app.toggle(key="dense_high_on")
     assert ask.label == f"Read the picture at 768x768 px (about {passes:.0f} forward passes)" and ask.help
     ask.set_value(True).run()

@@ -264,13 +264,6 @@ def test_the_numbers_go_to_json_and_arrays_and_back():
     assert all(row["consistency"] is None for row in one["heads"])  # NaN: undefined, as null
 
 
-def test_the_cost_is_one_pass_per_image_and_a_share_of_one_for_the_attention():
-    config = vx.ViTConfig(image_size=224, patch_size=16, num_classes=1000, embed_dim=768, depth=12, num_heads=12)
-    assert 0.2 < ht.attention_share(config) < 0.3  # q, k, v and the scores of a ViT-B/16 block
-    assert ht.forwards(config, 4) < 6  # issue 29: at most 6 passes for the four photos
-    assert ht.forwards(config, 4, unread=0) == pytest.approx(4 * ht.attention_share(config))
-
-
 def test_the_grid_figure_colours_labels_and_hovers_every_number():
     attention, outliers = built_attention()
     types = measured(torch.cat([attention, attention]), torch.cat([outliers, outliers]))

@@ -399,8 +399,8 @@ def test_the_shipped_model_explores_offline(monkeypatch):
 
 
 def test_what_is_quick_is_decided_from_the_shortest_pass_timed(monkeypatch):
-    times = models.PassTimes(size=2)
-    monkeypatch.setattr(models, "pass_times", lambda: times)
+    times = costs.PassTimes(size=2)
+    monkeypatch.setattr(costs, "pass_times", lambda: times)
     config = tiny_model().config
     assert costs.is_quick(config, forwards=100)  # not timed yet: its multiply-adds say so
     times.record(config, 0.1)
@@ -409,19 +409,22 @@ def test_what_is_quick_is_decided_from_the_shortest_pass_timed(monkeypatch):
     assert times.seconds(config) == 0.1 and costs.is_quick(config)  # the shortest is kept: nothing flips
     times.record(config.replace(patch_size=2), 0.5)
     times.record(config.replace(patch_size=8), 0.5)
-    assert times.seconds(config) is None  # bounded: the least recently recorded shape forgotten
+    assert times.measured(config) is None  # bounded: the least recently recorded shape forgotten
+    # ... and estimated from the nearest size timed (patch 8's 17 tokens rather than patch 2's 257)
+    nearest = config.replace(patch_size=8)
+    assert times.seconds(config) == pytest.approx(0.5 * costs.cost.pass_cost(config) / costs.cost.pass_cost(nearest))
 
 
 def test_a_page_times_its_capture_and_the_sweep_is_a_job_when_that_pass_is_slow(monkeypatch):
     """The multiply-adds of the tiny model's sweep are quick; its pass timed on a server where no
     pass is quick makes the sweep a job."""
-    times = models.PassTimes()
-    monkeypatch.setattr(models, "pass_times", lambda: times)
+    times = costs.PassTimes()
+    monkeypatch.setattr(costs, "pass_times", lambda: times)
     monkeypatch.setattr(costs, "QUICK_SECONDS", 0)
     config = tiny_model().config
     assert costs.is_quick(config, forwards=vx.sweep_cost(config))
     app = open_app("views/knockout.py")
-    assert times.seconds(config) > 0  # the page's capture, timed
+    assert times.measured(config) > 0  # the page's capture, timed
     assert errors(app) == [] and [button.label for button in app.button if button.label == "Run the sweep"]
 
 

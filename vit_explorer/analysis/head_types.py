@@ -396,15 +396,6 @@ def classify_heads_from_tokens(
     )
 
 
-def attention_share(config) -> float:
-    """What computing every layer's attention again from the tokens costs, as a share of a forward
-    pass (multiply-adds: the q, k, v projection and the scores, against the whole block)."""
-    tokens, dim = config.num_tokens, config.embed_dim
-    attention = tokens * 3 * dim * dim + tokens * tokens * dim
-    block = tokens * (4 * dim * dim + config.mlp_matrices * dim * config.mlp_hidden) + 2 * tokens * tokens * dim
-    return attention / block
-
-
 def held_floats(config, images: int) -> int:
     """Floats :func:`classify_heads_from_tokens` holds at its peak beside the tokens: a chunk of
     images' layer attention with its copies (float32 weights, patch maps, centred, unit) and the
@@ -412,9 +403,3 @@ def held_floats(config, images: int) -> int:
     layer = config.num_heads * config.num_tokens**2  # one image's
     together = min(images, max(1, CHUNK_BYTES // (4 * layer)))
     return 5 * together * layer + layer
-
-
-def forwards(config, images: int, unread: int | None = None) -> float:
-    """Forward passes' worth of :func:`classify_heads_from_tokens` over ``images`` images, of which
-    ``unread`` (default all) still need their pass."""
-    return (images if unread is None else unread) + images * attention_share(config)

@@ -3,9 +3,10 @@ per concern, which a page imports by name, so that its imports say what it touch
 
 In dependency order (each module imports only ones before it): memo (results shared by every
 session), runs (training runs and their owners), models (the shared models, the picker,
-the catalogue), uploads (the private uploads folder), images (the pictures to explore),
-selection (``Selection``, ``ImageSet``), features (the Features page's dictionaries), costs
-(forward costs, the patch-size comparison), jobs (heavy computations as jobs beside the server), session (session state, the address, kept widget values,
+the catalogue), uploads (the private uploads folder), images (the pictures to explore), costs
+(what each view costs in passes of its model, the passes timed here, inline or a job, the
+patch-size comparison), selection (``Selection``, ``ImageSet``), features (the Features page's
+dictionaries), jobs (heavy computations as jobs beside the server), session (session state, the address, kept widget values,
 the current ``Selection``), lesson (the Lesson's step, the learner's answers, the teacher's link),
 words (a prediction in words for a model with a text tower: the session's labels, their embeddings).
 

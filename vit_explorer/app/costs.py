@@ -1,8 +1,22 @@
-"""What a view may cost and the patch-size comparison: forward passes in multiply-adds, the work a
-view does unasked (``is_quick``), and the plan the Patches page's every-size comparison runs,
-counts, times and summarises, once per model for everybody where it does not depend on the image."""
+"""What a view may cost, in one room: the passes timed on this server (``PassTimes``), what each
+page's view computes unasked in passes of its model at its current patch and input size (the
+cost model of vit_explorer.model.cost: a pass's linear part grows with the tokens, its attention
+with their square, and work on the attention weights outside the pass, a rollout's N^3, several
+images' batch, a second model are counted too), the rule that keeps a view in the server or makes
+it a job (``is_heavy``), and the plan the Patches page's every-size comparison runs, counts, times
+and summarises, once per model for everybody where it does not depend on the image.
+
+The rule: a view stays in the server if it costs at most HEAVY_FORWARDS passes of its model at
+its current sizes, or if it is quick anyway (its passes, in seconds from the pass timed on this
+server, scaled by the cost model to the view's tokens and batch, or in multiply-adds before any
+is timed, within QUICK_SECONDS or QUICK_COST: a tiny model's views); more is a job
+(vit_explorer.app.jobs) or waits to be asked for.
+"""
 from __future__ import annotations
 
+import json
+import math
+import threading
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -11,59 +25,244 @@ from PIL import Image
 
 from ..analysis import patch_sizes
 from ..analysis.patch_sizes import PlannedSize, Progress
+from ..analysis.test_time_registers import SEARCH_PASSES
 from ..data.datasets import SHAPE_CLASSES, ImageDataset
 from ..data.images import preprocess
+from ..model import cost
+from ..model.ablation import sweep_cost
 from ..model.vit import ViT
 from ..training.admission import environment_number
 from . import models
 from .images import SHAPE_SAMPLES
 from .memo import memo, shared_results
-from .selection import Selection
+
+# Selection and ImageSet (app.selection, which imports this module to record its passes' times)
+# are named in annotations only.
 
 # Work a view does unasked: about 3 forward passes of a ViT-S/16 at 224, in multiply-adds (the
-# estimate before any pass of the model at that size has been timed) and in seconds (once one has:
-# models.pass_times). QUICK_COST's 13e9 multiply-adds took 0.12 s on the 2-core machine: a ViT-S/16
+# estimate before any pass of the model has been timed) and in seconds (once one has:
+# pass_times). QUICK_COST's 13e9 multiply-adds took 0.12 s on the 2-core machine: a ViT-S/16
 # at 224 is 4.6e9 in 42 ms (a plain pass, median of 9, quiet, torch 2.14, 2026-11-25); a server
 # with faster cores or a GPU then does more unasked, a slower one less.
 # VIT_EXPLORER_QUICK_SECONDS sets the time (0: nothing once timed is quick).
 QUICK_COST = 13e9
 QUICK_SECONDS = environment_number("VIT_EXPLORER_QUICK_SECONDS", 0.12, float, minimum=0)
+# A view whose work is at most this many passes of its model at its current patch and input size
+# stays in the server, like any page's own capture; more is a job unless it is quick anyway.
+HEAVY_FORWARDS = 3
 # Held-out images per patch size on the Patches page: the shipped model's comparison at all its
 # patch sizes then stays within QUICK_COST (and is computed once per model for everybody).
 HELD_OUT_IMAGES = 128
+# A class attribution (or a prompt's relevance): a forward and a backward pass, about 3 forwards.
+ATTRIBUTION_FORWARDS = 3.0
 
 
 def forward_cost(config, patch_size: int | None = None) -> float:
-    """Multiply-adds of one image's forward pass (patch embedding and blocks), to compare patch
-    sizes and models."""
+    """Multiply-adds of one image's forward pass (patch embedding and blocks: model.cost), to
+    compare patch sizes and models."""
     tokens = models.token_count(config, patch_size or config.patch_size)
-    height, width = config.img_size
-    dim = config.embed_dim
-    # q, k, v and the output projection, then the MLP's matrices (three with a SwiGLU gate)
-    per_token = 4 * dim * dim + config.mlp_matrices * dim * config.mlp_hidden
-    embedding = height * width * config.in_chans * dim  # every pixel into every channel, at any patch size
-    return embedding + config.depth * (tokens * per_token + 2 * tokens * tokens * dim)
+    return cost.forward_cost(config, tokens)
+
+
+def pass_cost(config, patch_size: int | None = None, images: int = 1) -> float:
+    """:func:`forward_cost` of a batch of ``images`` plus the operators' fixed overhead."""
+    return cost.pass_cost(config, models.token_count(config, patch_size or config.patch_size), images)
+
+
+# --- the passes timed on this server ----------------------------------------------------------
+
+
+class PassTimes:
+    """The shortest forward pass seen of each model shape, in seconds: what decides which views
+    are quick on this server (:func:`is_quick`). Keyed by the config at its patch and input size
+    (a pass's time depends on the architecture and sizes, not on the weights: two checkpoints of
+    one shape share it), at most ``size`` shapes, the least recently recorded forgotten first. A
+    size not timed yet is estimated from the nearest size of the same architecture that was, scaled
+    by the cost model (:meth:`seconds`).
+
+    The shortest, not the latest: a pass timed while the class loads the cores takes twice as long,
+    and views should not turn into jobs and back with the load of the moment; once a quiet pass
+    has been seen, a view stays what it is. Every session records into it: changed under a lock."""
+
+    def __init__(self, size: int = 256):
+        self.size = size
+        self._seconds: dict = {}  # shape -> seconds, in order of recording
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _shape(config):
+        return config.replace(image_size=config.img_size)  # 224 and (224, 224) are one size
+
+    @staticmethod
+    def _architecture(config) -> str:
+        """The config without its patch and input size: the shapes a timed pass scales to."""
+        fields = {name: value for name, value in config.to_dict().items() if name not in ("image_size", "patch_size")}
+        return json.dumps(fields, sort_keys=True, default=str)
+
+    def record(self, config, seconds: float) -> None:
+        shape = self._shape(config)
+        with self._lock:
+            seconds = min(seconds, self._seconds.pop(shape, seconds))
+            self._seconds[shape] = seconds
+            while len(self._seconds) > self.size:
+                del self._seconds[next(iter(self._seconds))]
+
+    def measured(self, config) -> float | None:
+        """The shortest pass of this very shape seen so far; None before any."""
+        with self._lock:
+            return self._seconds.get(self._shape(config))
+
+    def seconds(self, config) -> float | None:
+        """Seconds of a pass of ``config`` on this server: :meth:`measured`, else the pass timed at
+        the size of the same architecture nearest in multiply-adds, times the cost model's ratio
+        (model.cost.pass_cost: the linear part with the tokens, the attention with their square);
+        None before any pass of this architecture was timed."""
+        found = self.measured(config)
+        if found is not None:
+            return found
+        architecture = self._architecture(config)
+        with self._lock:
+            timed = list(self._seconds.items())
+        timed = [(shape, seconds) for shape, seconds in timed if self._architecture(shape) == architecture]
+        if not timed:
+            return None
+        wanted = cost.pass_cost(config)
+        shape, seconds = min(timed, key=lambda item: abs(math.log(cost.pass_cost(item[0]) / wanted)))
+        return seconds * wanted / cost.pass_cost(shape)
+
+
+@st.cache_resource
+def pass_times() -> PassTimes:
+    """The passes every session has timed (Selection's captures, the Patches page's comparison)."""
+    return PassTimes()
+
+
+# --- the rule ---------------------------------------------------------------------------------
 
 
 def is_quick(config, forwards: float = 1.0, timed: bool = True) -> bool:
     """Whether ``forwards`` forward passes of this model (``config``: at its patch and input size)
-    are cheap enough to run unasked: from the shortest pass of it timed on this server, else (or
-    with ``timed`` False: work whose passes are batches, which one image's pass does not time)
-    from its multiply-adds."""
-    seconds = models.pass_times().seconds(config) if timed else None
+    are cheap enough to run unasked: from a pass of it timed on this server (at this size, or at
+    another scaled by the cost model: :meth:`PassTimes.seconds`), else (or with ``timed`` False:
+    work whose passes are batches, which one image's pass does not time) from its multiply-adds."""
+    seconds = pass_times().seconds(config) if timed else None
     if seconds is not None:
         return forwards * seconds <= QUICK_SECONDS
-    return forwards * forward_cost(config) <= QUICK_COST
-
-
-# A view whose work is at most this many of its model's forward passes stays in the server, like
-# any page's own capture; more is a job (vit_explorer.app.jobs) unless it is quick anyway.
-HEAVY_FORWARDS = 3
+    return forwards * cost.forward_cost(config) <= QUICK_COST
 
 
 def is_heavy(config, forwards: float, timed: bool = True) -> bool:
-    """Whether work of ``forwards`` forward passes is a job: more than a few, and not quick."""
+    """Whether work of ``forwards`` passes of the model at ``config``'s sizes is a job: more than
+    HEAVY_FORWARDS, and not quick."""
     return forwards > HEAVY_FORWARDS and not is_quick(config, forwards, timed)
+
+
+# --- what each page's view computes unasked, in passes of its model at its sizes -----------------
+#
+# Multiply-adds (model.cost) over one pass of the model at the view's patch and input size. A
+# view counts what its first view computes from what nobody has computed yet: its capture unless
+# a page made it, the images no page has read, the second model's view.
+
+
+def forwards(config, macs: float) -> float:
+    """``macs`` multiply-adds in passes of the model at ``config``'s patch and input size."""
+    return macs / cost.pass_cost(config)
+
+
+def capture_cost(config, images: int = 1) -> float:
+    """A page's capture (Selection.capture): a recorded pass, every layer's weights kept where
+    they are small (models.keeps_every_layer)."""
+    return cost.capture_cost(config, images=images, kept=models.keeps_every_layer(config))
+
+
+def model_view_cost(config, captured: bool = False, statistics: bool = False) -> float:
+    """One model's attention view of one image (the Attention page's, each side of Compare's):
+    its capture unless made already, a layer's weights drawn, the rollout, and with
+    ``statistics`` every head's distance and entropy; each layer's weights computed again from
+    the tokens where the capture did not keep them."""
+    kept = models.keeps_every_layer(config)
+    macs = 0.0 if captured else capture_cost(config)
+    macs += cost.rollout_cost(config, kept=kept)
+    macs += cost.READ * cost.weights(config, layers=1) + (0.0 if kept else cost.attention_again_cost(config, layers=1))
+    if statistics:
+        macs += cost.layers_cost(config, kept=kept)
+    return macs
+
+
+def reading_cost(config, unread: int, capture: bool = False) -> float:
+    """Several images' tokens (ImageSet.image_tokens): the ``unread`` images no page has read in
+    one batch, and the sidebar's capture if it is one of them and not made yet (``capture``)."""
+    macs = cost.pass_cost(config, images=unread) if unread else 0.0
+    return macs + (capture_cost(config) if capture else 0.0)
+
+
+def image_set_forwards(config, unread: int, capture: bool = False, images: int = 3) -> float:
+    """The Several images page's first view over ``images`` images: :func:`reading_cost`, then the
+    set's principal components (three PCAs over every patch of every image, D^2 per patch each)."""
+    patches = config.grid_size[0] * config.grid_size[1]
+    return forwards(config, reading_cost(config, unread, capture) + 3 * images * patches * config.embed_dim**2)
+
+
+def head_types_forwards(config, images: int, unread: int | None = None, capture: bool = False) -> float:
+    """The Head types page's measures over ``images`` images, of which ``unread`` (default all)
+    still need their pass (one batch) and ``capture`` the sidebar's capture: every layer's
+    weights computed again from their tokens and measured (model.cost.head_types_cost). The
+    "head types" job counts the same with every image unread (serving.job_kinds)."""
+    unread = images if unread is None else unread
+    return forwards(config, reading_cost(config, unread, capture) + cost.head_types_cost(config, images))
+
+
+def compare_forwards(a_config, b_config, a_captured: bool = False, b_captured: bool = False) -> float:
+    """The Compare page's first view in passes of model A (the sidebar's, at its sizes): each
+    model's attention view (:func:`model_view_cost`), B's at its own patch and input size."""
+    return forwards(a_config, model_view_cost(a_config, a_captured) + model_view_cost(b_config, b_captured))
+
+
+def register_search_forwards(config, images: int) -> float:
+    """The register neurons searched over ``images`` images (Registers, on the photos): their
+    pass, then the blocks again up to each MLP (SEARCH_PASSES of a pass per image)."""
+    return forwards(config, cost.pass_cost(config, images=images)) + images * SEARCH_PASSES
+
+
+def dense_forwards(config, sizes: Sequence[tuple[int, int]]) -> float:
+    """Pictures read at ``sizes`` (DINOv3's PCA at 768 px high, one pass each at its size) in
+    passes of the model at its input size."""
+    return sum(cost.pass_cost(config.replace(image_size=tuple(size))) for size in sizes) / cost.pass_cost(config)
+
+
+def attribution_forwards(config) -> float:
+    """A class attribution or a prompt's relevance: a forward and a backward pass."""
+    return ATTRIBUTION_FORWARDS
+
+
+def sweep_forwards(config) -> float:
+    """Every head knocked out alone (model.ablation.sweep_cost)."""
+    return sweep_cost(config)
+
+
+def unread_captures(image_set: ImageSet) -> tuple[int, bool]:
+    """(the images of ``image_set`` no page has read, whether the sidebar's is one of the set and
+    not captured yet): what reading the set would run."""
+    selection = image_set.selection
+    capture = selection.image_key in image_set.image_keys and selection.cached_capture() is None
+    return len(image_set.unread()), capture
+
+
+def set_forwards(image_set: ImageSet) -> float:
+    """:func:`image_set_forwards` of ``image_set`` now."""
+    unread, capture = unread_captures(image_set)
+    return image_set_forwards(image_set.selection.config, unread, capture, len(image_set.image_keys))
+
+
+def set_head_types_forwards(image_set: ImageSet) -> float:
+    """:func:`head_types_forwards` of ``image_set`` now."""
+    unread, capture = unread_captures(image_set)
+    return head_types_forwards(image_set.selection.config, len(image_set.image_keys), unread, capture)
+
+
+def selections_forwards(a: Selection, b: Selection) -> float:
+    """:func:`compare_forwards` of two selections now (a capture a page made counts nothing)."""
+    return compare_forwards(a.config, b.config, a.cached_capture() is not None, b.cached_capture() is not None)
 
 
 # --- every patch size side by side ---------------------------------------------------------------
@@ -74,9 +273,6 @@ def is_heavy(config, forwards: float, timed: bool = True) -> bool:
 # the wait, and one warm sample of it is long enough). Later images get one untimed pass per size.
 TIMED_PASSES = 3
 EXPENSIVE_PASS = 2.0
-# What a pass costs beyond its multiply-adds, per block, in multiply-adds: the operators'
-# fixed overhead, most of a small model's pass (about 0.1 ms per block on a CPU).
-BLOCK_OVERHEAD = 3e6
 
 
 def comparison_plan(config, held_out: bool = False, timed: bool = True) -> list[PlannedSize]:
@@ -92,11 +288,6 @@ def comparison_plan(config, held_out: bool = False, timed: bool = True) -> list[
         for patch in models.patch_size_options(config)
     ]
     return [replace(planned, cost=size_cost(config, planned)) for planned in plan]
-
-
-def pass_cost(config, patch_size: int | None = None, images: int = 1) -> float:
-    """:func:`forward_cost` of a batch of ``images`` plus the operators' fixed overhead."""
-    return images * forward_cost(config, patch_size) + config.depth * BLOCK_OVERHEAD
 
 
 def resize_cost(config, patch_size: int) -> float:
@@ -273,7 +464,7 @@ def compare_patch_sizes(selection: Selection, run: bool = True) -> list[dict] | 
     if forward_ms is None:  # these rows timed every size: the times of later images
         memo(forward_ms_key(selection), lambda: {row["patch size"]: row["forward ms"] for row in rows})
         for row in rows:  # plain passes at every size: what is quick at each (is_quick)
-            models.pass_times().record(config.replace(patch_size=row["patch size"]), row["forward ms"] / 1000)
+            pass_times().record(config.replace(patch_size=row["patch size"]), row["forward ms"] / 1000)
     if held_out:
         accuracy = memo(held_out_key(selection), lambda: held_out_accuracy_by_patch_size(
             model, held_out_set(config), report(image_share, 1 - image_share)

@@ -15,7 +15,7 @@ import torch
 
 from ..analysis.head_types import HeadTypes
 from ..analysis.test_time_registers import RegisterNeurons
-from ..model.ablation import HeadSweep, sweep_cost
+from ..model.ablation import HeadSweep
 from ..model.capture import Capture
 from ..serving.jobs import JobBoard, JobRefused, JobSpec, JobStatus
 from . import costs, models, runs
@@ -48,7 +48,7 @@ def _model_source(selection: Selection) -> dict:
 def sweep(selection: Selection, mode: str, ask: bool = False) -> HeadSweep | None:
     """Every head knocked out alone on ``selection``'s image: :meth:`Selection.head_sweep` here if
     it is quick, else :func:`head_sweep` as a job (``ask``: asked for without the button)."""
-    if costs.is_quick(selection.config, forwards=sweep_cost(selection.config)):
+    if not costs.is_heavy(selection.config, forwards=costs.sweep_forwards(selection.config)):
         return selection.head_sweep(mode)
     return head_sweep(selection, mode, ask)
 

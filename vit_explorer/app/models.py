@@ -34,8 +34,8 @@ PRETRAINED_MODEL = "pretrained:vit_b_16"
 # results cache (memo.CACHE_BYTES, 2 GB by default), so that three people at the bound fit in it
 # together. Every catalogue model at its own size fits (DINOv2 ViT-S/14 with registers at 518 px,
 # 1,374 tokens: 192 MiB), and DINOv3 ViT-S/16 at 768 px (2,309 tokens: 512 MiB); the same model
-# at 832 px (2,709 tokens: 695 MiB) or a ViT-B/16 at 768 px (858 MiB) is refused. The rollout's
-# N x N products, N^3 a layer, also keep a view within a few forward passes of the model.
+# at 832 px (2,709 tokens: 695 MiB) or a ViT-B/16 at 768 px (858 MiB) is refused. What a view
+# costs in passes (the rollout's N x N products, N^3 a layer, among it) is app.costs' to count.
 MAX_VIEW_BYTES = 640 * 2**20
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # Models loaded or resized for any session (a ViT-B/16 is 330 MB).
@@ -133,45 +133,6 @@ def _own_bytes(resized: ViT, base: ViT) -> int:
     return sum(nbytes(tensor) for tensor in resized.state_dict().values() if tensor.data_ptr() not in base_storage)
 
 
-class PassTimes:
-    """The shortest forward pass seen of each model shape, in seconds: what decides which views
-    are quick on this server (app.costs.is_quick). Keyed by the config at its patch and input size
-    (a pass's time depends on the architecture and sizes, not on the weights: two checkpoints of
-    one shape share it), at most ``size`` shapes, the least recently recorded forgotten first.
-
-    The shortest, not the latest: a pass timed while the class loads the cores takes twice as long,
-    and views should not turn into jobs and back with the load of the moment; once a quiet pass
-    has been seen, a view stays what it is. Every session records into it: changed under a lock."""
-
-    def __init__(self, size: int = 256):
-        self.size = size
-        self._seconds: dict = {}  # shape -> seconds, in order of recording
-        self._lock = threading.Lock()
-
-    @staticmethod
-    def _shape(config):
-        return config.replace(image_size=config.img_size)  # 224 and (224, 224) are one size
-
-    def record(self, config, seconds: float) -> None:
-        shape = self._shape(config)
-        with self._lock:
-            seconds = min(seconds, self._seconds.pop(shape, seconds))
-            self._seconds[shape] = seconds
-            while len(self._seconds) > self.size:
-                del self._seconds[next(iter(self._seconds))]
-
-    def seconds(self, config) -> float | None:
-        """The shortest pass of this shape seen so far; None before any."""
-        with self._lock:
-            return self._seconds.get(self._shape(config))
-
-
-@st.cache_resource
-def pass_times() -> PassTimes:
-    """The passes every session has timed (Selection's captures, the Patches page's comparison)."""
-    return PassTimes()
-
-
 def token_count(config, patch_size: int, image_size: tuple[int, int] | None = None) -> int:
     """Tokens the model has at ``patch_size`` on an input of ``image_size`` (its own by default)."""
     height, width = image_size or config.img_size
@@ -189,6 +150,11 @@ def every_layer_bytes(config, tokens: int | None = None) -> int:
     """Bytes of every layer's (heads, N, N) attention of one image in float16."""
     tokens = config.num_tokens if tokens is None else tokens
     return config.depth * config.num_heads * tokens**2 * 2
+
+
+def keeps_every_layer(config) -> bool:
+    """Whether a page's capture of one image keeps every layer's attention (KEEP_EVERY_LAYER_BYTES)."""
+    return every_layer_bytes(config) <= KEEP_EVERY_LAYER_BYTES
 
 
 def view_bytes(config, tokens: int | None = None) -> int:

@@ -27,7 +27,7 @@ from ..data.images import preprocess
 from ..model.capture import Capture, capture, layer_attention, layer_attentions, layer_internals
 from ..model.internals import LayerInternals
 from ..model.vit import ViT
-from . import models
+from . import costs, models
 from .images import photo_names, resolve_image
 from .memo import memo, shared_results
 
@@ -80,7 +80,7 @@ class Selection:
 
     def _kept_layers(self) -> tuple[int, ...] | None:
         """The layers whose attention a capture keeps: all (None) when that is small, else none."""
-        return None if models.every_layer_bytes(self.config) <= models.KEEP_EVERY_LAYER_BYTES else ()
+        return None if models.keeps_every_layer(self.config) else ()
 
     def _timed_capture(self) -> Capture:
         """The capture, its pass's seconds kept beside it (:meth:`capture_seconds`)."""
@@ -88,7 +88,7 @@ class Selection:
         captured = capture(self.model, self.model_input(), layers=self._kept_layers(), attention_dtype=torch.float16)
         seconds = time.perf_counter() - started  # the tensors are on the CPU: the pass has run
         self.memo("capture seconds", compute=lambda: seconds)
-        models.pass_times().record(self.config, seconds)  # what is quick at this size (costs.is_quick)
+        costs.pass_times().record(self.config, seconds)  # what is quick at this size (costs.is_quick)
         return captured
 
     def capture_seconds(self) -> float | None:

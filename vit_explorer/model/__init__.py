@@ -10,6 +10,8 @@
                    layer_attention, layer_attentions)
     internals.py   LayerInternals: one layer's every step, and the small analyses of one layer
     ablation.py    KnockOut (heads, branches; zero or mean) for one call, and head_sweep
+    cost.py        what a pass costs in multiply-adds (linear in the tokens, attention in their square)
+                   and the work on attention weights outside it: app.costs' cost model
     devices.py     the device a name means; the process group of a run under torchrun
 
 Nothing here changes a model for a call: what a call records, knocks out or adds rides in a

@@ -24,10 +24,11 @@ import numpy as np
 import torch
 
 from ..analysis import streamed_rollout
-from ..analysis.head_types import HeadTypes, attention_share, classify_heads_from_tokens, held_floats
+from ..analysis.head_types import HeadTypes, classify_heads_from_tokens, held_floats
 from ..analysis.image_set import NormOutliers
 from ..analysis.patch_sizes import PlannedSize, held_out_accuracy, held_out_set, predictions
 from ..analysis.test_time_registers import SEARCH_PASSES, RegisterNeurons, find_register_neurons
+from ..model import cost
 from ..model.ablation import SWEEP_BATCH, HeadSweep, head_sweep, sweep_cost
 from ..model.capture import Capture, capture, layer_attentions
 from ..model.vit import ViT
@@ -120,8 +121,9 @@ def _head_types(model: ViT, x: torch.Tensor, settings: dict, progress: Callable[
     """Every head's type over the images ``x`` (head_types.classify_heads_from_tokens after one
     pass that keeps their tokens), and the tokens of the images ``settings["kept"]`` (indices in
     ``x``), as app.selection.ImageSet keeps them."""
-    passes = x.shape[0]
-    total = passes * (1 + attention_share(model.config))
+    config = model.config
+    passes = cost.pass_cost(config, images=x.shape[0])
+    total = passes + cost.head_types_cost(config, x.shape[0])  # in multiply-adds (model.cost)
     captured = capture(model, x, layers=())
     progress(passes / total)
     types = classify_heads_from_tokens(
@@ -237,6 +239,12 @@ def _class_embeddings_memory(config, settings: dict) -> int:
     )
 
 
+def _passes(config, macs: float) -> float:
+    """``macs`` multiply-adds in passes of the model at ``config``'s sizes (model.cost: what the
+    server's views count, app.costs)."""
+    return macs / cost.pass_cost(config)
+
+
 KINDS = {
     "head sweep": Kind(
         forwards=lambda config, settings: sweep_cost(config),
@@ -246,20 +254,25 @@ KINDS = {
         ),
         compute=_sweep, decode=_decoded_sweep,
     ),
-    # The pass, then every layer's attention part again for the rollout (less than a pass).
-    "views": Kind(forwards=lambda config, settings: 2.0, memory=_views_memory, compute=_views, decode=_decoded_views),
+    # The pass, then every layer's attention again for the rollout and its N x N products.
+    "views": Kind(
+        forwards=lambda config, settings: _passes(config, cost.pass_cost(config) + cost.rollout_cost(config, kept=False)),
+        memory=_views_memory, compute=_views, decode=_decoded_views,
+    ),
     # One pass of settings["images"] images, each one's tokens kept.
     "tokens": Kind(
-        forwards=lambda config, settings: settings["images"],
+        forwards=lambda config, settings: _passes(config, cost.pass_cost(config, images=settings["images"])),
         memory=lambda config, settings: inference_memory(
             config, settings["images"], kept_floats=settings["images"] * (config.depth + 1) * config.num_tokens * config.embed_dim,
         ),
         compute=_tokens, decode=_decoded_tokens,
     ),
-    # One pass of settings["images"] images, then every layer's attention part again, a few images
-    # at a time, their tokens kept meanwhile.
+    # One pass of settings["images"] images, then every layer's attention again and measured, a few
+    # images at a time, their tokens kept meanwhile.
     "head types": Kind(
-        forwards=lambda config, settings: settings["images"] * (1 + attention_share(config)),
+        forwards=lambda config, settings: _passes(config, cost.pass_cost(config, images=settings["images"]) + (
+            cost.head_types_cost(config, settings["images"])
+        )),
         memory=lambda config, settings: inference_memory(config, settings["images"], kept_floats=(
             settings["images"] * (config.depth + 1) * config.num_tokens * config.embed_dim
             + held_floats(config, settings["images"])
