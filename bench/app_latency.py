@@ -43,6 +43,19 @@ measured in the same run, then whether the goals are met:
     python -m bench.app_latency --pages knockout compare   # only those pages' steps (after loading)
     python -m bench.app_latency --pages heads --rounds 3   # the Head types steps alone
     python -m bench.app_latency --pages lesson --rounds 1  # the Lesson's ten steps and four answers
+    python -m bench.app_latency --first-views  # every page's first view at patch 16 and 8, DINOv3 at 768 px
+    python -m bench.app_latency --cost-model   # the cost model's ratios against measured passes
+
+``--first-views`` (issue 36): each page's first view with nothing computed for the image (the
+shared results emptied, the models kept) on a ViT-B/16 at patch 16 and at patch 8 (785 tokens)
+and on a DINOv3-shaped ViT-S/16 at 768 px (2,309 tokens), in forwards of the model at its current
+patch and input size (a plain pass measured just before each view, by the wall clock and by this
+process's CPU time, which other sessions' load on a shared machine changes less); whether the view
+stayed in the server or drew a job's button (or a switch to ask), the estimate app.costs made where
+the page decided, and INLINE OVER for any view that stayed in the server above
+app.costs.HEAVY_FORWARDS by its CPU time.
+``--cost-model``: plain passes at 197, 785 and 2,309 tokens against the cost model's ratios
+(vit_explorer.model.cost), and what its work on attention weights costs per weight, measured.
 
 Each round starts a fresh app with empty caches; a step's ratio is the median over the rounds
 (a single round on a shared 2-core machine can be off by half). The goals are the CPU's (a
@@ -64,8 +77,11 @@ from streamlit.runtime.scriptrunner.script_cache import ScriptCache
 from streamlit.testing.v1 import AppTest, app_test, local_script_runner
 
 import vit_explorer as vx
-from vit_explorer.analysis import test_time_registers
-from vit_explorer.app import images, memo, models, session, uploads
+from vit_explorer import analysis
+from vit_explorer.analysis import head_types, test_time_registers
+from vit_explorer.app import costs, images, memo, models, session, uploads
+from vit_explorer.model import cost
+from vit_explorer.model.capture import capture, layer_attention
 
 APP = str(Path(__file__).resolve().parent.parent / "app.py")
 # AppTest compiles app.py and the page again on every run (a new ScriptCache each time: 20-25 ms
@@ -417,6 +433,191 @@ def lesson_steps(app: AppTest, steps: Steps) -> None:
                lambda: app.selectbox(key="lesson_answer_head").set_value(40))
 
 
+# --- every page's first view, in forwards of the model at its current sizes (--first-views) --------
+
+VIEWS = (
+    "views/pipeline.py", "views/patches.py", "views/attention.py", "views/inside.py", IMAGES, HEADS, KNOCKOUT,
+    REGISTERS, COMPARE, LESSON, "views/features.py",
+)
+# What a page draws in place of work that is a job (a button) or waits to be asked for (a switch).
+JOB_BUTTONS = ("Run model B", "Measure the heads", "Read the pictures", "Compare all", "Search the photos", "Run the sweep")
+ASKED_SWITCHES = ("Compute the attribution", "Read the picture", "Compute the relevance")
+SETTINGS = {  # name -> (the model's size, its patch size in the app, its input size)
+    "ViT-B/16 at patch 16": (dict(embed_dim=768, depth=12, num_heads=12), 16, 224),
+    "ViT-B/16 at patch 8": (dict(embed_dim=768, depth=12, num_heads=12), 8, 224),
+    "DINOv3-shaped ViT-S/16 at 768 px": (dict(embed_dim=384, depth=12, num_heads=6, num_classes=0, **DINOV3), 16, 768),
+}
+
+
+def first_views(settings: Sequence[str] = tuple(SETTINGS), pages: Sequence[str] = VIEWS) -> list[tuple]:
+    """(setting, page, seconds, seconds of one plain pass of the model at its current sizes, the
+    largest estimate app.costs.is_heavy saw, what the page deferred) per setting and page."""
+    decided: list[float] = []
+    original = costs.is_heavy
+
+    def recording(config, forwards, timed=True):
+        decided.append(forwards)
+        return original(config, forwards, timed)
+
+    costs.is_heavy = recording
+    rows = []
+    try:
+        for name in settings:
+            size, patch, image_size = SETTINGS[name]
+            size = {"num_classes": 1000, **size}
+            torch.manual_seed(0)
+            model = vx.ViT(vx.ViTConfig(image_size=image_size, patch_size=16, **size))
+            with tempfile.TemporaryDirectory(prefix="vit_explorer_first_views_") as temporary:
+                app, current = _app_at(model, Path(temporary), patch)
+                for page in pages:
+                    memo.shared_results().clear()  # nothing computed for this image: a first view
+                    reference, reference_cpu = _pass_seconds(current)
+                    decided.clear()
+                    started, started_cpu = time.perf_counter(), time.process_time()
+                    app.switch_page(page).run()
+                    seconds, cpu = time.perf_counter() - started, time.process_time() - started_cpu
+                    if app.exception:
+                        raise RuntimeError(f"{name}, {page}: {app.exception[0].value}")
+                    deferred = [button.label for button in app.button if button.label.startswith(JOB_BUTTONS)]
+                    deferred += [f"asked: {toggle.label}" for toggle in app.toggle if toggle.label.startswith(ASKED_SWITCHES)]
+                    rows.append((name, page, seconds, reference, cpu / reference_cpu, max(decided, default=None), deferred))
+                    print(_first_view_row(rows[-1]), flush=True)
+    finally:
+        costs.is_heavy = original
+    return rows
+
+
+def _app_at(model: vx.ViT, folder: Path, patch: int) -> tuple[AppTest, vx.ViT]:
+    """A fresh app on ``model`` (random weights, saved as the default model) at ``patch``, on the
+    sidebar's astronaut; the shared model at that patch size."""
+    weights = folder / "random.safetensors"
+    vx.save_model(model, weights)
+    os.environ["VIT_EXPLORER_DEFAULT_MODEL"] = str(weights)
+    uploads.UPLOADS_DIR = folder / "uploads"
+    st.cache_data.clear()
+    st.cache_resource.clear()
+    app = AppTest.from_file(APP, default_timeout=1200).run()
+    app.selectbox(key="image_picker").set_value("photo:astronaut.png").run()
+    if patch != model.config.patch_size:
+        app.switch_page("views/patches.py").run()
+        widget(app.select_slider, "Patch size").set_value(patch).run()
+    current = models.model_at(models.DEFAULT_MODEL, patch, model.config.img_size)
+    return app, current
+
+
+def _pass_seconds(model: vx.ViT, rounds: int = 3) -> tuple[float, float]:
+    """(wall-clock, CPU) seconds of one plain pass of ``model``, the shortest of ``rounds`` each."""
+    x = torch.randn(1, model.config.in_chans, *model.config.img_size, device=models.DEVICE)
+    wall = cpu = float("inf")
+    with torch.no_grad():
+        model(x)  # warm-up
+        for _ in range(rounds):
+            started, started_cpu = time.perf_counter(), time.process_time()
+            model(x)
+            wall, cpu = min(wall, time.perf_counter() - started), min(cpu, time.process_time() - started_cpu)
+    return wall, cpu
+
+
+def _over(row: tuple) -> bool:
+    """Whether a view stayed in the server above HEAVY_FORWARDS, by the CPU time this process spent
+    on it (which other sessions' load on the machine changes less than the wall clock)."""
+    return not row[6] and row[4] > costs.HEAVY_FORWARDS
+
+
+def _first_view_row(row: tuple) -> str:
+    name, page, seconds, reference, cpu_forwards, estimate, deferred = row
+    said = "-" if estimate is None else f"{estimate:.2f}"
+    where = "; ".join(deferred) if deferred else "in the server"
+    return (f"{name:<34} {page.removeprefix('views/'):<15} {seconds:7.2f} {seconds / reference:9.2f} {cpu_forwards:9.2f}"
+            f" {said:>9}  {where}{'  INLINE OVER ' + str(costs.HEAVY_FORWARDS) if _over(row) else ''}")
+
+
+def report_first_views(rows: list[tuple]) -> bool:
+    """The table (forwards: wall-clock and CPU seconds over a plain pass's measured just before);
+    whether every view that stayed in the server took at most HEAVY_FORWARDS."""
+    print(f"\n{'setting':<34} {'page':<15} {'seconds':>7} {'forwards':>9} {'CPU fwds':>9} {'estimate':>9}  where its work ran")
+    for row in rows:
+        print(_first_view_row(row))
+    over = [row for row in rows if _over(row)]
+    print(f"{len(over)} view(s) stayed in the server above {costs.HEAVY_FORWARDS} forwards" if over else
+          f"every view that stayed in the server took at most {costs.HEAVY_FORWARDS} forwards")
+    return not over
+
+
+# --- the cost model against measured passes (--cost-model) -------------------------------------------
+
+
+def cost_model(rounds: int = 5) -> None:
+    """Plain passes of a ViT-B/16 at 197 and 785 tokens and of a DINOv3-shaped ViT-S/16 at 201 and
+    2,309 tokens, interleaved, the shortest of ``rounds`` each: their ratios against the cost
+    model's (model.cost.pass_cost); then what the work on attention weights outside a pass costs
+    per weight, in multiply-add equivalents of that model's pass (model.cost's constants)."""
+    torch.manual_seed(0)
+    base = dict(embed_dim=768, depth=12, num_heads=12, num_classes=1000)
+    small = dict(embed_dim=384, depth=12, num_heads=6, num_classes=0, **DINOV3)
+    built = {
+        "ViT-B/16 at 224 (197 tokens)": vx.ViT(vx.ViTConfig(image_size=224, patch_size=16, **base)),
+        "ViT-B/16 at patch 8 (785 tokens)": vx.ViT(vx.ViTConfig(image_size=224, patch_size=8, **base)),
+        "DINOv3-shaped ViT-S/16 at 224 (201 tokens)": vx.ViT(vx.ViTConfig(image_size=224, patch_size=16, **small)),
+        "DINOv3-shaped ViT-S/16 at 768 (2,309 tokens)": vx.ViT(vx.ViTConfig(image_size=768, patch_size=16, **small)),
+    }
+    seconds = {name: float("inf") for name in built}
+    with torch.no_grad():
+        for _ in range(max(rounds, 1)):
+            for name, model in built.items():
+                seconds[name] = min(seconds[name], forward_seconds(model.eval(), rounds=1))
+    names = list(built)
+    print("passes: measured ratio / cost model ratio (the pass's multiply-adds: linear with the tokens, attention with their square)")
+    for small_name, large_name in ((names[0], names[1]), (names[2], names[3])):
+        measured = seconds[large_name] / seconds[small_name]
+        model = cost.pass_cost(built[large_name].config) / cost.pass_cost(built[small_name].config)
+        print(f"  {large_name} / {small_name}: measured {measured:.2f}, cost model {model:.2f}"
+              f" ({seconds[large_name] * 1000:.0f} / {seconds[small_name] * 1000:.0f} ms; measured / model {measured / model:.2f})")
+    print("work on attention weights, multiply-add equivalents per weight of that model's pass (model.cost's constant):")
+    for name, model in built.items():
+        _per_weight(name, model.eval(), seconds[name], rounds)
+
+
+def _per_weight(name: str, model: vx.ViT, pass_seconds: float, rounds: int) -> None:
+    config = model.config
+    x = torch.randn(1, config.in_chans, *config.img_size, device=models.DEVICE)
+    per_second = cost.pass_cost(config) / pass_seconds  # multiply-adds a second in this model's pass
+    kept = models.keeps_every_layer(config)
+    with torch.no_grad():
+        captured = capture(model, x, layers=None if kept else (), attention_dtype=torch.float16)
+        tokens = captured.tokens.expand(4, -1, -1, -1).contiguous()
+        one_layer = layer_attention(model, tokens[:, 3], 3)  # (4, H, N, N)
+
+        def best(work) -> float:
+            work()
+            return min(_timed(work) for _ in range(max(rounds, 1)))
+
+        recorded = best(lambda: capture(model, x, layers=None, attention_dtype=torch.float16)) if kept else None
+        again = best(lambda: layer_attention(model, tokens[:1, 3], 3))
+        statistics = best(lambda: (analysis.head_distances(one_layer[:1], captured.grid_size, config.patch_size,
+                                                          captured.num_prefix_tokens), analysis.head_entropies(one_layer[:1])))
+        measured = best(lambda: head_types._layer_measures([one_layer], None, captured.grid_size, config.patch_size,
+                                                           captured.num_prefix_tokens))
+    layer = cost.weights(config, layers=1)
+    dim, tokens_count = config.embed_dim, config.num_tokens
+    figures = {
+        "RECORDED": None if recorded is None else (recorded - pass_seconds) * per_second / cost.weights(config),
+        "RECOMPUTED": (again * per_second - (3 * tokens_count * dim * dim + tokens_count**2 * dim)) / layer,
+        "READ": statistics * per_second / layer,
+        "MEASURED": measured * per_second / (4 * layer),
+    }
+    said = ", ".join(
+        f"{key} {'-' if value is None else f'{value:.0f}'} ({getattr(cost, key)})" for key, value in figures.items()
+    )
+    print(f"  {name}: {said}")
+
+
+def _timed(work) -> float:
+    started = time.perf_counter()
+    work()
+    return time.perf_counter() - started
+
+
 def report(name: str, device: torch.device, rounds: list[list[tuple[str, str, float, float]]]) -> bool:
     """Print each step's median seconds and ratio over the rounds; whether every goal was met."""
     median = statistics.median(
@@ -456,7 +657,19 @@ def main() -> None:
         "--device", choices=("all", "cpu", "cuda"), default="all",
         help="where the app runs the model (default: the CPU, then CUDA if present)",
     )
+    parser.add_argument(
+        "--first-views", action="store_true",
+        help="every page's first view at patch 16 and 8 (ViT-B/16) and at 768 px (DINOv3-shaped ViT-S/16), on the CPU",
+    )
+    parser.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS), help="with --first-views")
+    parser.add_argument("--cost-model", action="store_true", help="the cost model's ratios against measured passes")
     args = parser.parse_args()
+    if args.cost_model:
+        cost_model(args.rounds)
+    if args.first_views:
+        report_first_views(first_views(args.settings))
+    if args.cost_model or args.first_views:
+        return
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: this machine has no CUDA GPU")
     devices = ["cpu", "cuda"] if args.device == "all" else [args.device]
