@@ -254,3 +254,37 @@ def test_bad_requests_are_a_sentence(call, message):
     model = randomize(vx.ViT(tiny_config()))
     with pytest.raises(AnalysisError, match=message):
         call(model, torch.randn(1, 3, 16, 16))
+
+
+@pytest.mark.parametrize("family", [None, *ROTARY])
+def test_outputs_computed_elsewhere_give_the_same_curves_without_a_pass(family, monkeypatch):
+    """A job runs curve_rows' sets through kept_outputs (with progress); the curves from its outputs
+    are those computed in one call, and no pass runs for them."""
+    torch.manual_seed(0)
+    model = rotary_model(family) if family else randomize(vx.ViT(tiny_config(num_classes=5))).eval()
+    x = torch.randn(1, 3, *model.config.img_size)
+    grid = model.grid_size()
+    maps = {"a": torch.rand(grid), "b": torch.rand(grid)}
+    shares = []
+    rows = fa.curve_rows(model, maps, curves=("deletion",))
+    outputs = fa.kept_outputs(model, x, rows, progress=shares.append)
+    assert shares == sorted(shares) and shares[-1] == 1.0
+    whole = fa.faithfulness_curves(model, x, maps, curves=("deletion",))
+    intact = fa.kept_outputs(model, x, torch.ones(1, grid[0] * grid[1], dtype=torch.bool))[0]
+    monkeypatch.setattr(model, "forward_blocks", lambda *args, **kwargs: pytest.fail("a pass ran"))
+    given = fa.faithfulness_curves(model, x, maps, curves=("deletion",), outputs=outputs, intact=intact)
+    torch.testing.assert_close(given.curves["deletion"], whole.curves["deletion"])
+    assert given.passes == 0 and given.names == whole.names
+    with pytest.raises(AnalysisError, match="sets of patches"):
+        fa.faithfulness_curves(model, x, maps, outputs=outputs, intact=intact)  # insertion's rows missing
+
+
+def test_the_sharpest_mask_is_the_head_with_the_fewest_patches_its_attention_inside_only():
+    flat = torch.full((4, 4), 1 / 16)
+    sharp = torch.zeros(4, 4)
+    sharp[1, 2], sharp[3, 0], sharp[0, 0] = 0.7, 0.25, 0.05
+    head, mask = fa.sharpest_mask(torch.stack([flat, sharp]), mass=0.9)
+    assert head == 1
+    expected = torch.zeros(4, 4)
+    expected[1, 2], expected[3, 0] = 0.7, 0.25
+    torch.testing.assert_close(mask, expected)

@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from ..model.recorder import eval_mode
 from ..model.vit import ViT
 from .checks import AnalysisError
+from .maps import attention_mask_by_mass
 
 MODES = ("drop", "mean")
 CURVES = ("deletion", "insertion")
@@ -86,6 +87,18 @@ def patch_orders(maps: Mapping[str, object], num_patches: int, random_order: boo
     if not orders:
         raise AnalysisError("No map to test: give at least one, or keep the random order.")
     return tuple(names), torch.stack(orders)
+
+
+def sharpest_mask(head_maps: torch.Tensor, mass: float = 0.6) -> tuple[int, torch.Tensor]:
+    """A DINO head mask as a map to test (Caron et al. 2021: the fewest patches that hold ``mass``
+    of a head's attention): of the heads' maps (H, gh, gw), the head whose mask holds the fewest
+    patches (the sharpest; the first of a tie), and its map (gh, gw): that head's attention on the
+    mask's patches and 0 elsewhere, so that a curve takes the mask's patches first, strongest
+    first, then the others in reading order (the mask ranks nothing outside it)."""
+    head_maps = head_maps.float()
+    masks = attention_mask_by_mass(head_maps, mass)  # (H, gh, gw)
+    head = int(masks.flatten(1).sum(-1).argmin())
+    return head, torch.where(masks[head], head_maps[head], torch.zeros_like(head_maps[head]))
 
 
 def step_counts(num_patches: int, steps: int | None = None) -> torch.Tensor:
@@ -128,17 +141,19 @@ def pass_tokens(model: ViT, kept: torch.Tensor, mode: str = "drop") -> torch.Ten
 
 def kept_outputs(
     model: ViT, x: torch.Tensor, kept: torch.Tensor, mode: str = "drop", *, patch_size: int | None = None,
-    batch_tokens: int = BATCH_TOKENS,
+    batch_tokens: int = BATCH_TOKENS, progress: Callable[[float], None] | None = None,
 ) -> torch.Tensor:
     """(R, out) the model's output (logits, or the pooled embedding of a headless model) for one
     image ``x`` (1, C, H, W) with only the patches ``kept`` (R, P) bool of each row, the others
     removed as ``mode`` says (module docstring). Rows with the same number of tokens run as one
-    batch (chunked at ``batch_tokens``); float32 on the CPU. The model is not changed."""
-    return _kept_outputs(model, x, kept, mode, patch_size, batch_tokens)[0]
+    batch (chunked at ``batch_tokens``); float32 on the CPU. The model is not changed.
+    ``progress(share)``: after each batch, the share of the tokens run so far."""
+    return _kept_outputs(model, x, kept, mode, patch_size, batch_tokens, progress)[0]
 
 
 def _kept_outputs(
     model: ViT, x: torch.Tensor, kept: torch.Tensor, mode: str, patch_size: int | None, batch_tokens: int,
+    progress: Callable[[float], None] | None = None,
 ) -> tuple[torch.Tensor, int, int]:
     """:func:`kept_outputs`, and the batched passes and the tokens it ran."""
     if mode not in MODES:
@@ -156,6 +171,7 @@ def _kept_outputs(
     prefix = model.num_prefix_tokens
     outputs: list[torch.Tensor | None] = [None] * kept.shape[0]
     passes = tokens_run = 0
+    total = max(int(pass_tokens(model, kept, mode).sum()), 1) if progress is not None else 1
 
     def run(chunk: torch.Tensor, tokens: torch.Tensor, rope=None) -> None:
         nonlocal passes, tokens_run
@@ -163,6 +179,8 @@ def _kept_outputs(
         passes, tokens_run = passes + 1, tokens_run + tokens.shape[0] * tokens.shape[1]
         for row, value in zip(chunk.tolist(), out.float().cpu()):
             outputs[row] = value
+        if progress is not None:
+            progress(min(tokens_run / total, 1.0))
 
     with torch.no_grad(), eval_mode(model):
         x = x.to(parameter.device, parameter.dtype)
@@ -309,6 +327,34 @@ def planned_forwards(
     return tokens / (prefix + num_patches)
 
 
+def _plan(
+    model: ViT, maps: Mapping[str, object], steps: int | None, curves: Sequence[str], random_order: bool, seed: int,
+    patch_size: int | None,
+):
+    """(names, orders (M, P), counts (S + 1,), kept (C, M, S + 1, P), the distinct rows (U, P), each
+    kept row's place among them, which of them keep every patch)."""
+    grid = model.grid_size(patch_size)
+    num_patches = grid[0] * grid[1]
+    names, orders = patch_orders(maps, num_patches, random_order, seed)
+    counts = step_counts(num_patches, steps)
+    kept = kept_masks(orders, counts, curves)  # (C, M, S + 1, P)
+    unique, inverse = kept.reshape(-1, num_patches).unique(dim=0, return_inverse=True)  # (U, P), (C*M*(S+1),)
+    return names, orders, counts, kept, unique, inverse, unique.all(-1)
+
+
+def curve_rows(
+    model: ViT, maps: Mapping[str, object], *, steps: int | None = None, curves: Sequence[str] = CURVES,
+    random_order: bool = True, seed: int = 0, patch_size: int | None = None,
+) -> torch.Tensor:
+    """(U, P) bool: the sets of kept patches :func:`faithfulness_curves` runs for these arguments
+    (each distinct set once, the whole image aside), in its order. Their :func:`kept_outputs`
+    computed elsewhere (a job beside a server) come back as its ``outputs``, and then it runs no
+    pass at all."""
+    curves = tuple(dict.fromkeys(curves))
+    *_, unique, _, whole = _plan(model, maps, steps, curves, random_order, seed, patch_size)
+    return unique[~whole]
+
+
 def faithfulness_curves(
     model: ViT,
     x: torch.Tensor,
@@ -326,6 +372,8 @@ def faithfulness_curves(
     intact: torch.Tensor | None = None,
     patch_size: int | None = None,
     batch_tokens: int = BATCH_TOKENS,
+    outputs: torch.Tensor | None = None,
+    progress: Callable[[float], None] | None = None,
 ) -> Faithfulness:
     """Deletion and insertion curves of every map in ``maps`` (name -> (gh, gw) or (P,) relevance)
     for one image ``x`` (1, C, H, W), and of a random order (``seed``) unless ``random_order`` is
@@ -337,6 +385,8 @@ def faithfulness_curves(
     model's output for the whole image if the caller has it (``capture(...).logits[i]``), which
     saves that pass. ``patch_size``: the FlexiViT patch size of the call, as ``model(x,
     patch_size)``. Each distinct set of kept patches runs once; see :func:`kept_outputs`.
+    ``outputs``: (U, out) the outputs of :func:`curve_rows`' rows for the same arguments, computed
+    elsewhere (with ``intact``, nothing runs here). ``progress(share)``: after each batch.
     """
     grid = model.grid_size(patch_size)
     num_patches = grid[0] * grid[1]
@@ -347,11 +397,15 @@ def faithfulness_curves(
         raise AnalysisError(f"Ask for at least one curve: {', '.join(CURVES)}.")
     if score is not None and target is not None:
         raise AnalysisError("Give either a score function or a target class, not both.")
-    names, orders = patch_orders(maps, num_patches, random_order, seed)
-    counts = step_counts(num_patches, steps)
-    kept = kept_masks(orders, counts, curves)  # (C, M, S + 1, P)
-    unique, inverse = kept.reshape(-1, num_patches).unique(dim=0, return_inverse=True)  # (U, P), (C*M*(S+1),)
-    whole = unique.all(-1)
+    names, orders, counts, kept, unique, inverse, whole = _plan(model, maps, steps, curves, random_order, seed, patch_size)
+    to_run = unique[~whole]
+    if outputs is not None:
+        outputs = torch.as_tensor(outputs).detach().float().cpu()
+        if outputs.ndim != 2 or outputs.shape[0] != len(to_run):
+            raise AnalysisError(
+                f"The outputs given are for {outputs.shape[0] if outputs.ndim else 0} sets of patches, not the"
+                f" {len(to_run)} these curves run."
+            )
     if intact is None:
         intact_output, passes, tokens_run = _kept_outputs(
             model, x, torch.ones(1, num_patches, dtype=torch.bool), mode, patch_size, batch_tokens
@@ -360,10 +414,8 @@ def faithfulness_curves(
     else:
         intact_output = torch.as_tensor(intact).detach().float().cpu().reshape(-1)
         passes = tokens_run = 0
-    to_run = unique[~whole]
-    outputs = None
-    if len(to_run):
-        outputs, ran, ran_tokens = _kept_outputs(model, x, to_run, mode, patch_size, batch_tokens)
+    if outputs is None and len(to_run):
+        outputs, ran, ran_tokens = _kept_outputs(model, x, to_run, mode, patch_size, batch_tokens, progress)
         passes, tokens_run = passes + ran, tokens_run + ran_tokens
     if score is None:
         score_of, default_what, default_percent, target = default_score(model, intact_output, target)
@@ -371,7 +423,7 @@ def faithfulness_curves(
         score_of, default_what, default_percent = score, "the score", False
     values = torch.empty(len(unique))
     values[whole] = score_of(intact_output[None]).float().cpu()
-    if outputs is not None:
+    if outputs is not None and len(to_run):
         values[~whole] = score_of(outputs).float().cpu().reshape(-1)
     scores = values[inverse].reshape(kept.shape[:3])  # (C, M, S + 1)
     intact_score = float(score_of(intact_output[None]).reshape(-1)[0])

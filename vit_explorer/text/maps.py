@@ -13,6 +13,8 @@
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from einops import rearrange
@@ -76,9 +78,10 @@ def best_prompt(similarities: torch.Tensor) -> torch.Tensor:
     return similarities.argmax(dim=1)
 
 
-def relevance(model: ImageTextModel, x: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
-    """(B, gh, gw) relevance of each patch to the image's cosine with ``text`` (E,), a unit
-    text embedding: the class attribution with that cosine as its target."""
+def text_score(model: ImageTextModel, text: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The image's cosine with ``text`` (E,), a unit text embedding, as a function of the image
+    tower's outputs (B, D) -> (B,): the score a label's relevance follows, and the score of the
+    faithfulness curves of its maps (analysis.faithfulness)."""
     direction = text.float()
 
     def cosine(pooled: torch.Tensor) -> torch.Tensor:
@@ -87,4 +90,10 @@ def relevance(model: ImageTextModel, x: torch.Tensor, text: torch.Tensor) -> tor
             pooled = pooled.float() @ projection.t().to(pooled.device)
         return F.normalize(pooled.float(), dim=-1) @ direction.to(pooled.device)
 
-    return attribution(model.image, x, score=cosine)
+    return cosine
+
+
+def relevance(model: ImageTextModel, x: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+    """(B, gh, gw) relevance of each patch to the image's cosine with ``text`` (E,), a unit
+    text embedding: the class attribution with that cosine as its target."""
+    return attribution(model.image, x, score=text_score(model, text))
