@@ -15,6 +15,7 @@ from .compare import side_heads_grid, side_point_picker, side_token_pca, side_to
 from .embeddings import (
     embedding_filters_figure, position_similarity_grid, token_matrix, token_norms_figure, token_pca_image,
 )
+from .faithfulness import faithfulness_figure
 from .features import explained_map, latent_bars, latent_gallery, latent_histogram, latent_map
 from .files import FigureExportError, PngWriter, find_browser, write_figures
 from .head_types import LABEL_STYLES, head_maps_grid, head_types_grid
@@ -26,6 +27,7 @@ from .internals import (
 from .knockout import head_sweep_grid, intact_and_knocked_heads, intact_and_knocked_rollouts, knockout_topk
 from .patches import image_with_grid, input_image, patch_picker, patch_sequence, patch_size_tradeoff
 from .predictions import logit_lens_figure, topk_bar
+from .probe import LABEL_COLOURS, probe_layers_figure, probe_picker, probe_segmentation_grid
 from .registers import attention_drawn_figure, norms_by_layer_figure, register_neurons_figure, register_norms_figure
 from .rope import offset_scores_figure, rotation_angles_figure
 from .training import accuracy_by_image_size_figure, sae_curves, training_curves
@@ -40,6 +42,7 @@ __all__ = [
     "side_heads_grid", "side_point_picker", "side_token_pca", "side_topk",
     "embedding_filters_figure", "position_similarity_grid", "token_matrix", "token_norms_figure",
     "token_pca_image",
+    "faithfulness_figure",
     "explained_map", "latent_bars", "latent_gallery", "latent_histogram", "latent_map",
     "FigureExportError", "PngWriter", "find_browser", "write_figures",
     "LABEL_STYLES", "head_maps_grid", "head_types_grid",
@@ -49,6 +52,7 @@ __all__ = [
     "head_sweep_grid", "intact_and_knocked_heads", "intact_and_knocked_rollouts", "knockout_topk",
     "image_with_grid", "input_image", "patch_picker", "patch_sequence", "patch_size_tradeoff",
     "logit_lens_figure", "topk_bar",
+    "LABEL_COLOURS", "probe_layers_figure", "probe_picker", "probe_segmentation_grid",
     "attention_drawn_figure", "norms_by_layer_figure", "register_neurons_figure", "register_norms_figure",
     "offset_scores_figure", "rotation_angles_figure",
     "accuracy_by_image_size_figure", "sae_curves", "training_curves",
