@@ -2,7 +2,7 @@
 import streamlit as st
 
 from vit_explorer import analysis, figures
-from vit_explorer.app import costs, models, session, word_maps, words
+from vit_explorer.app import costs, faithfulness, models, session, word_maps, words
 from vit_explorer.app.selection import prediction_caveats
 from vit_explorer.text import LabelError
 
@@ -322,6 +322,54 @@ if in_words is not None:
                 "For this model the relevance costs a forward and a backward pass (about three forward passes) per"
                 " prompt, so it is computed when you ask: switch it on above."
             )
+
+st.subheader("Is this map true?")
+st.write(
+    "The maps above disagree: which one shows what the model used? Remove the patches a map ranks highest and"
+    " watch the score fall (deletion), or keep only those and watch it rise (insertion). The truer the map, the"
+    " faster it moves, and a random order is the floor (Petsiuk et al. 2018; Chefer et al. 2021 rank rollout,"
+    " raw attention and their attribution this way). Tested here: the maps of what the prediction reads, rollout"
+    " and the head masks as set above."
+)
+mode_column, curves_column = st.columns(2)
+removal = mode_column.radio(
+    "Remove a patch by", faithfulness.MODES, format_func=faithfulness.MODE_NAMES.get, horizontal=True,
+    help="A ViT runs on any subset of its patch tokens: dropping them adds nothing the model never saw."
+    " Painting with the mean is how CNNs are tested, and a grey patch is itself something to look at.",
+    **session.keep("faith_mode", "drop", lambda option: option in faithfulness.MODES),
+)
+curve_options = {"both": "deletion and insertion", "deletion": "deletion", "insertion": "insertion"}
+asked = curves_column.radio(
+    "Curves", list(curve_options), format_func=curve_options.get, horizontal=True,
+    help="Each costs about as much as the other; one alone costs about half as much.",
+    **session.keep("faith_curves", "both", lambda option: option in curve_options),
+)
+asked = faithfulness.CURVES if asked == "both" else (asked,)
+st.caption(faithfulness.MODE_SENTENCES[removal])
+tested = faithfulness.page_maps(selection, fusion, discard, mass, faithfulness.attribution_drawn(selection))
+for sentence in tested.left_out:
+    st.caption(sentence)
+if faithfulness.is_heavy(selection, len(tested.maps), removal, asked):
+    st.write(
+        f"For this model the curves of these {len(tested.maps)} maps and a random order cost about"
+        f" {faithfulness.planned(selection, len(tested.maps), removal, asked):.0f} forward passes, so they are computed"
+        " beside the server when you ask, once for everybody."
+    )
+tested_curves = faithfulness.curves(selection, tested, removal, asked)
+if tested_curves is not None:
+    st.plotly_chart(selection.memo("faithfulness figure", *tested.key, removal, asked, compute=lambda: (
+        figures.faithfulness_figure(
+            tested_curves.fractions, tested_curves.curves, tested_curves.names, tested_curves.what, tested_curves.percent,
+        )
+    )))
+    st.write(faithfulness.reading(tested_curves))
+    st.dataframe(faithfulness.areas_table(tested_curves), hide_index=True)
+    st.caption(
+        f"{faithfulness.verdict(tested_curves)} The area is the curve's mean height over the share of patches"
+        f" removed or kept, 0 to 1; {len(tested_curves.fractions) - 1} steps; rollout: {fusion} of the heads"
+        + (f", the weakest {discard:.0%} discarded" if discard else "")
+        + f"; the mask: the patches holding {mass:.0%} of the sharpest head's attention."
+    )
 
 st.subheader("How far and how focused each head looks")
 st.write(

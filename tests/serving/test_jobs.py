@@ -66,6 +66,32 @@ def test_a_sweep_job_gives_the_sweep_computed_in_the_server(tmp_path, tiny):
     torch.testing.assert_close(got.values, expected.values, rtol=1e-4, atol=1e-5)
 
 
+def test_a_faithfulness_job_gives_the_outputs_the_server_scores_into_its_own_curves(tmp_path, tiny):
+    """The curves' passes beside the server: the maps travel in the settings (as JSON), the worker
+    runs curve_rows' sets, and the curves scored from its outputs are those computed in one call."""
+    from vit_explorer.analysis import faithfulness as fa
+
+    model, path, x = tiny
+    grid = model.grid_size()
+    maps = {"a": torch.rand(grid, dtype=torch.float64), "b": torch.rand(grid, dtype=torch.float64)}
+    config = model.config
+    settings = dict(
+        maps=[[name, values.reshape(-1).tolist()] for name, values in maps.items()], steps=None,
+        curves=["deletion", "insertion"], mode="drop", forwards=fa.planned_forwards(model, 2, intact_given=True),
+        rows=len(fa.curve_rows(model, maps)),
+    )
+    spec = JobSpec("faithfulness", {"path": str(path)}, config.patch_size, config.img_size, "image a", settings)
+    board = JobBoard(tmp_path / "jobs", limits())
+    assert board.submit(spec, x, config, "ann").forwards == pytest.approx(settings["forwards"])
+    wait_for(board, spec.key, {"done"})
+    (outputs,) = board.result(spec.key)
+    intact = model(x)[0].detach()
+    expected = fa.faithfulness_curves(model, x, maps, intact=intact)
+    got = fa.faithfulness_curves(model, x, maps, intact=intact, outputs=outputs)
+    for curve in fa.CURVES:
+        torch.testing.assert_close(got.curves[curve], expected.curves[curve], rtol=1e-4, atol=1e-5)
+
+
 def test_a_patch_sizes_job_gives_the_comparison_computed_in_the_server(tmp_path, tiny):
     """Every patch size timed on the plan the server made, and the accuracy on a held-out batch:
     the rows as the server's comparison gives them (times aside: each pass is timed where it runs)."""

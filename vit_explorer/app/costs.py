@@ -24,6 +24,7 @@ import streamlit as st
 from PIL import Image
 
 from ..analysis import patch_sizes
+from ..analysis.faithfulness import planned_forwards
 from ..analysis.patch_sizes import PlannedSize, Progress
 from ..analysis.test_time_registers import SEARCH_PASSES
 from ..data.datasets import SHAPE_CLASSES, ImageDataset
@@ -233,6 +234,14 @@ def dense_forwards(config, sizes: Sequence[tuple[int, int]]) -> float:
 def attribution_forwards(config) -> float:
     """A class attribution or a prompt's relevance: a forward and a backward pass."""
     return ATTRIBUTION_FORWARDS
+
+
+def faithfulness_forwards(model: ViT, maps: int, mode: str, curves: Sequence[str]) -> float:
+    """The deletion / insertion ``curves`` of ``maps`` maps and a random order on one image
+    (analysis.faithfulness.planned_forwards: the tokens its batched passes run over a pass's; the
+    intact pass is the page's capture). Its passes are batches of fewer tokens, which one image's
+    timed pass does not time: decided in multiply-adds (``is_heavy(..., timed=False)``)."""
+    return planned_forwards(model, maps, mode=mode, curves=curves, intact_given=True)
 
 
 def sweep_forwards(config) -> float:

@@ -10,6 +10,8 @@ how a server decodes the arrays the worker wrote.
     patch sizes        every patch size side by side, on the plan the server made (Patches)
     class embeddings   a CLIP or SigLIP model's ImageNet class embeddings, written beside it
                        (app/words.py: the prediction in words)
+    faithfulness       the passes of one image's deletion / insertion curves (the Attention
+                       page, the Lesson): the outputs on every set of kept patches, scored there
 
 A new kind is a compute and a decode function here and an entry in ``KINDS``; the board
 (vit_explorer.serving.jobs) queues and runs it like the others.
@@ -26,6 +28,7 @@ import torch
 from ..analysis import streamed_rollout
 from ..analysis.head_types import HeadTypes, classify_heads_from_tokens, held_floats
 from ..analysis.image_set import NormOutliers
+from ..analysis.faithfulness import BATCH_TOKENS, curve_rows, kept_outputs
 from ..analysis.patch_sizes import PlannedSize, held_out_accuracy, held_out_set, predictions
 from ..analysis.test_time_registers import SEARCH_PASSES, RegisterNeurons, find_register_neurons
 from ..model import cost
@@ -160,6 +163,23 @@ def _decoded_register_neurons(arrays: dict) -> tuple[RegisterNeurons]:
         torch.from_numpy(arrays["norms"]), threshold, median, mad, torch.from_numpy(arrays["outliers"]),
     )
     return (RegisterNeurons(torch.from_numpy(arrays["scores"]), outliers, layer, appears_at, images),)
+
+
+def _faithfulness(model: ViT, x: torch.Tensor, settings: dict, progress: Callable[[float], None]) -> dict:
+    """The model's outputs on the image ``x`` (1, C, H, W) with each set of kept patches that the
+    curves of ``settings["maps"]`` ((name, values) pairs, row-major over the patches) run
+    (analysis.faithfulness.curve_rows, then kept_outputs: batched by token count). The server
+    scores them (faithfulness_curves(outputs=...)), so a score in words needs no text tower here."""
+    maps = {name: torch.tensor(values, dtype=torch.float64) for name, values in settings["maps"]}
+    rows = curve_rows(model, maps, steps=settings["steps"], curves=settings["curves"])
+    return {"outputs": kept_outputs(model, x, rows, settings["mode"], progress=progress).numpy()}
+
+
+def _faithfulness_memory(config, settings: dict) -> int:
+    """One batched pass of at most BATCH_TOKENS tokens, and every row's output kept."""
+    rows = BATCH_TOKENS // config.num_tokens + 1
+    outputs = settings["rows"] * max(config.num_classes or config.embed_dim, 1)
+    return inference_memory(config, rows, kept_floats=outputs)
 
 
 ROW_FIELDS = ("patch size", "grid", "tokens", "forward ms", "prediction", "probability")
@@ -297,5 +317,10 @@ KINDS = {
     "class embeddings": Kind(
         forwards=lambda config, settings: settings["forwards"], memory=_class_embeddings_memory,
         compute=_class_embeddings, decode=lambda arrays: (torch.from_numpy(arrays["embeddings"]),),
+    ),
+    # The curves' passes (analysis.faithfulness.planned_forwards, counted by the server that asks).
+    "faithfulness": Kind(
+        forwards=lambda config, settings: settings["forwards"], memory=_faithfulness_memory,
+        compute=_faithfulness, decode=lambda arrays: (torch.from_numpy(arrays["outputs"]),),
     ),
 }
