@@ -1,5 +1,5 @@
-"""Lesson: the sidebar's image through the sidebar's model in ten steps, from the photo to the
-prediction and one experiment; where a step asks a question, the learner answers first and the
+"""Lesson: the sidebar's image through the sidebar's model in eleven steps, from the photo to the
+prediction, one experiment and which map to believe; where a step asks a question, the learner answers first and the
 model's own numbers for this image answer after."""
 import math
 
@@ -9,7 +9,7 @@ from vit_explorer import analysis, figures
 from vit_explorer.model import ablation
 from vit_explorer.analysis import answers
 from vit_explorer.model import rope
-from vit_explorer.app import jobs, lesson, models, session, word_maps, words
+from vit_explorer.app import costs, faithfulness, jobs, lesson, models, session, word_maps, words
 from vit_explorer.app.memo import memo
 from vit_explorer.app.selection import prediction_caveats, uniform_attention_caveat
 from vit_explorer.model.internals import activation_name
@@ -521,10 +521,6 @@ def experiment() -> None:
     lesson.explore_button(
         "views/knockout.py", "Knock-out", **knocked_heads, knockout_attention=[], knockout_mlp=[], knockout_mode="zero",
     )
-    st.success(
-        "That is the whole path, from your photo to the prediction and back into the model. Every page in the"
-        " sidebar takes one of these steps further, on any image and any model."
-    )
 
 
 def where_is_the_word() -> None:
@@ -556,7 +552,65 @@ def last_step() -> None:
     where_is_the_word()
 
 
-STEPS = (photo, vectors, positions, where_it_looks, how_it_decides, many_heads, mlp, layers, prediction, last_step)
+def which_map() -> None:
+    """The honest end: the maps of the steps before, tested by this image's deletion curves."""
+    # The attribution is one forward and one backward pass: within a view's budget, so always tested here.
+    attributed = not costs.is_heavy(config, forwards=costs.attribution_forwards(config))
+    tested = faithfulness.page_maps(selection, attribution=attributed)
+    choices = list(tested.maps)
+    score = tested.what or ("the cosine of the feature with the intact one" if headless else f"the probability of '{names[int(probabilities.argmax())]}'")
+    st.write(
+        "The steps above drew where the model looks in several ways: one layer's attention, rollout through every"
+        " layer, " + ("the attribution that follows the gradient, " if faithfulness.has_attribution(tested) else "")
+        + "one head's mask. They disagree, and attention is not explanation. A map claims that its brightest patches"
+        f" matter, so test the claim: take those patches out first (their tokens dropped, nothing painted over) and"
+        f" watch {score} fall. The map that makes it fall fastest shows best what the model used; a random order is"
+        " the floor any map should beat."
+    )
+    st.markdown("**Before you look:** which map will make the score fall fastest?")
+    guess = st.selectbox(
+        "Your guess", choices, index=None, placeholder="a map",
+        **lesson.answer_widget("map", selection),
+    )
+    curves = faithfulness.curves(selection, tested, "drop", ("deletion",), label="Test the maps", ask=True)
+    if curves is None or guess is None:
+        if guess is not None:
+            st.caption("Your guess is in: the answer shows as soon as every map has been tested.")
+        lesson.explore_button("views/attention.py", "Attention")
+        return
+    areas = curves.areas("deletion")
+    best = curves.best("deletion")
+    if best == faithfulness.RANDOM:
+        verdict = "No map beats a random order on this image: for this model, believe none of them"
+    elif best == guess:
+        verdict = f"Right: {guess} makes the score fall fastest"
+    else:
+        verdict = f"Not this time: {best} makes the score fall fastest, not {guess}"
+    beaten = [name for name in choices if areas[name] >= areas[faithfulness.RANDOM]]
+    st.write(
+        f"**{verdict}.** {faithfulness.reading(curves)}"
+        + (f" No better than chance: {', '.join(beaten)}." if beaten and best != faithfulness.RANDOM else "")
+    )
+    st.plotly_chart(selection.memo("lesson faithfulness", *tested.key, compute=lambda: figures.faithfulness_figure(
+        curves.fractions, curves.curves, curves.names, curves.what, curves.percent,
+    )))
+    st.dataframe(faithfulness.areas_table(curves), hide_index=True)
+    st.caption(
+        "The area under each curve is the score's mean as the patches go, 0 to 1: the smaller, the truer the map."
+        " One image says little: try another, or the insertion curves and the mean-colour comparison on the"
+        " Attention page."
+    )
+    ask_again_button("map")
+    lesson.explore_button("views/attention.py", "Attention")
+    st.success(
+        "That is the whole path, from your photo to the prediction, back into the model and back to the maps. Every"
+        " page in the sidebar takes one of these steps further, on any image and any model."
+    )
+
+
+STEPS = (
+    photo, vectors, positions, where_it_looks, how_it_decides, many_heads, mlp, layers, prediction, last_step, which_map,
+)
 
 # --- the page ------------------------------------------------------------------------------------
 
@@ -564,7 +618,7 @@ number = lesson.step()
 count = len(lesson.STEPS)
 st.title("Lesson")
 st.write(
-    "Ten steps from your picture to what the model makes of it, with this model's own numbers. Where a step"
+    "Eleven steps from your picture to what the model makes of it, with this model's own numbers. Where a step"
     " asks a question, answer before you look: the answer is checked against the model."
 )
 caveats = ([] if headless else prediction_caveats(selection, probabilities)) + [uniform_attention_caveat(selection)]

@@ -28,7 +28,7 @@ head_dim, gated = config.head_dim, config.swiglu_mlp
 st.title("Pipeline")
 st.page_link(
     "views/lesson.py", icon=":material/school:",
-    label="New to Vision Transformers? The Lesson walks your picture through the model in ten steps, asking before it shows",
+    label="New to Vision Transformers? The Lesson walks your picture through the model in eleven steps, asking before it shows",
 )
 st.write(
     "A Vision Transformer reads an image the way a language model reads a sentence: it cuts the"

@@ -126,7 +126,7 @@ def test_the_patch_question_ranks_the_clicked_patch_in_the_last_layers_attention
     best_row, best_col = divmod(ranked[0], 8)
     assert "ranks 11th of 64" in said(app)
     assert f"the most goes to patch {ranked[0]} (row {best_row}, col {best_col}), {float(row.max()):.1%}" in said(app)
-    assert said(app).startswith("Ten steps") and "**Not this time.**" in said(app)
+    assert said(app).startswith("Eleven steps") and "**Not this time.**" in said(app)
     title_matching(app, r"^The class token's attention in layer 3<br>\(the mean of 4 heads; outlined: your patch\)")
     app.selectbox(key="lesson_answer_patch").set_value(ranked[0]).run()
     assert "**Right.**" in said(app)

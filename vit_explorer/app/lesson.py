@@ -27,6 +27,7 @@ STEPS = (
     "Layer after layer",
     "The prediction",
     "One experiment: knock out a head",
+    "Which map should you believe?",
 )
 
 
