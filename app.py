@@ -26,6 +26,7 @@ pages = {"Learn": [
     st.Page("views/train.py", title="Train", icon=":material/model_training:"),
 ], "Experiments": [
     st.Page("views/images.py", title="Several images", icon=":material/photo_library:", url_path="images"),
+    st.Page("views/probe.py", title="Probe", icon=":material/ads_click:", url_path="probe"),
     st.Page("views/head_types.py", title="Head types", icon=":material/category:", url_path="heads"),
     st.Page("views/knockout.py", title="Knock-out", icon=":material/block:", url_path="knockout"),
     st.Page("views/registers.py", title="Registers", icon=":material/move_down:", url_path="registers"),

@@ -6,7 +6,7 @@ import streamlit as st
 from vit_explorer.analysis import dense_pca as dense
 from vit_explorer import figures
 from vit_explorer.analysis import image_set as sets
-from vit_explorer.app import costs, images, jobs, session, word_maps
+from vit_explorer.app import costs, images, jobs, probe, session, word_maps
 from vit_explorer.app.selection import ImageSet
 from vit_explorer.text import LabelError
 
@@ -88,9 +88,11 @@ st.write(
     " the foreground) fitted on the foreground patches of all the images together, every patch"
     " coloured sigmoid(2x) of its components, the background black. Their foreground comes from a"
     " classifier trained on their data; here it is the side of the joint first principal component"
-    " away from the pictures' borders, median-filtered 3 x 3 as theirs. They read each picture 768 px"
+    " away from the pictures' borders, median-filtered 3 x 3 as theirs, or your own classifier once you"
+    " label a few patches of these pictures on the Probe page. They read each picture 768 px"
     " high at its own aspect ratio, which shows far more patches than a model's usual input."
 )
+probed = probe.current(image_set)  # this session's probe of these pictures, or None
 patch_size = config.patch_size
 sizes = [dense.aspect_size(image.size, patch_size) for image in image_set.images]
 resolutions = {"input": f"the model's input ({config.img_size[0]}x{config.img_size[1]} px)"}
@@ -135,17 +137,24 @@ else:
         )
 if read is not None:
     features, pictures, grids = read
-    parts = image_set.memo("dense pca", resolution, dense_flip, compute=lambda: dense.dense_pca(
-        features, grids, dense.foreground_masks(features, grids, dense_flip)
+    parts = image_set.memo("dense pca", resolution, dense_flip, None if probed is None else probed.key, compute=lambda: (
+        dense.dense_pca(features, grids, (
+            dense.foreground_masks(features, grids, dense_flip) if probed is None else probe.foreground_masks(probed.probe, grids)
+        ))
     ))
     where = "at the model's input" if resolution == "input" else "768 px high"
-    st.plotly_chart(image_set.memo("dense pca figure", resolution, dense_flip, compute=lambda: figures.dense_pca_grid(
+    probe_key = None if probed is None else probed.key
+    st.plotly_chart(image_set.memo("dense pca figure", resolution, dense_flip, probe_key, compute=lambda: figures.dense_pca_grid(
         pictures, parts.colours, labels, f"of {count} images {where}: 3 whitened components of their foreground, sigmoid(2x)",
     )))
+    foreground_source = (
+        "the joint first principal component's side away from the borders, median-filtered 3 x 3" if probed is None else
+        f"where your probe (the Probe page, on the tokens after {probed.layer} layers) finds '{probed.probe.names[0]}'"
+        + ("" if resolution == "input" else ", its probabilities stretched to each picture's grid")
+    )
     st.caption(
         f"{sum(int(mask.sum()) for mask in parts.foreground)} of the {sum(h * w for h, w in grids)} patches are"
-        " foreground (the joint first principal component's side away from the borders, median-filtered"
-        " 3 x 3): one PCA is fitted on those and every patch projected; the background is black."
+        f" foreground ({foreground_source}): one PCA is fitted on those and every patch projected; the background is black."
     )
 
 st.subheader("Correspondence: the same part in the other pictures")

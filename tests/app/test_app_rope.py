@@ -20,7 +20,7 @@ FLAVOURS = {
                   num_classes=10),
 }
 PAGES = ["views/pipeline.py", "views/patches.py", "views/attention.py", "views/inside.py", "views/train.py",
-         "views/images.py", "views/knockout.py", "views/registers.py", "views/compare.py"]
+         "views/images.py", "views/probe.py", "views/knockout.py", "views/registers.py", "views/compare.py"]
 
 
 @pytest.fixture(params=list(FLAVOURS))
