@@ -8,7 +8,9 @@ the catalogue), uploads (the private uploads folder), images (the pictures to ex
 patch-size comparison), selection (``Selection``, ``ImageSet``), features (the Features page's
 dictionaries), jobs (heavy computations as jobs beside the server), session (session state, the address, kept widget values,
 the current ``Selection``), lesson (the Lesson's step, the learner's answers, the teacher's link),
-words (a prediction in words for a model with a text tower: the session's labels, their embeddings).
+words (a prediction in words for a model with a text tower: the session's labels, their embeddings),
+word_maps (where each word is), faithfulness (is this map true? the maps' deletion and insertion
+curves), probe (the patches a person labels and the probe of a set).
 
 Importing the package imports every module, then freezes what the imports made (below).
 """
@@ -24,7 +26,10 @@ import plotly.io as pio
 from PIL import Image
 
 from .. import figures  # noqa: F401 (frozen below with plotly)
-from . import costs, features, images, jobs, lesson, memo, models, runs, selection, session, uploads, words  # noqa: F401 (frozen below)
+from . import (  # noqa: F401 (frozen below)
+    costs, faithfulness, features, images, jobs, lesson, memo, models, probe, runs, selection, session, uploads, word_maps,
+    words,
+)
 
 
 def _import_what_runs_import_lazily() -> None:
