@@ -51,10 +51,13 @@ def load_image_text_model(folder: str | Path, image: ViT | None = None) -> Image
 def _from_open_clip(folder: Path, image: ViT | None) -> ImageTextModel:
     config = from_open_clip.read_config(folder)
     model_cfg = config["model_cfg"]
-    state, _ = read_tensors(folder / from_open_clip.WEIGHTS_FILE)
     if image is None:
+        state, _ = read_tensors(folder / from_open_clip.WEIGHTS_FILE)
         image = load_model(folder)
-    _, projection = from_open_clip.image_tower(state, folder.name)
+        _, projection = from_open_clip.image_tower(state, folder.name)
+    else:  # the image tower is loaded (and its file checked): the rest of the file only
+        state = from_open_clip.read_text_tensors(folder / from_open_clip.WEIGHTS_FILE)
+        projection = from_open_clip.projection(state)
     text_cfg = _open_clip_text_cfg(model_cfg, folder.name)
     weights = from_open_clip.text_tower(state, bool(model_cfg.get("custom_text")))
     text = _text_tower(weights, text_cfg, model_cfg.get("embed_dim"), bool(model_cfg.get("quick_gelu")), folder.name)
@@ -148,9 +151,15 @@ def _text_tower(
             if keys
         )
         raise CheckpointError(f"{name}'s text tower does not fit its text_cfg ({detail})")
-    text = _build_text_tower(embed_dim, text_cfg, quick_gelu=quick_gelu)
-    text.load_state_dict({key: value.float() for key, value in weights.items()})
-    return text.eval().requires_grad_(False)
+    # The checked skeleton takes the file's tensors as they are: no random initialisation of a
+    # tower about to be overwritten (a CLIP B/16's is a third of a second); its one computed
+    # buffer, the causal mask, is made again on the CPU.
+    skeleton.load_state_dict({key: value.float() for key, value in weights.items()}, assign=True)
+    if getattr(skeleton, "attn_mask", None) is not None:
+        skeleton.attn_mask = skeleton.build_causal_mask()
+    if any(tensor.is_meta for tensor in (*skeleton.parameters(), *skeleton.buffers())):
+        raise CheckpointError(f"{name}'s text tower has tensors its file does not give")
+    return skeleton.eval().requires_grad_(False)
 
 
 def _scalar(state: dict[str, torch.Tensor], key: str, name: str, exp: bool = False) -> float:

@@ -113,6 +113,30 @@ def read_image_tensors(path: Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{path.parent.name}'s {path.name} could not be read ({error})") from None
 
 
+PROJECTIONS = ("visual.proj", "visual.head.proj.weight")  # OpenAI's (width, E); a timm trunk's Linear (E, width)
+
+
+def read_text_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor but the image tower's (its projection kept) of a weights file checked before:
+    what the text tower needs once the image tower is loaded, without reading it twice."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as file:
+            return {
+                key: file.get_tensor(key) for key in file.keys() if not key.startswith("visual.") or key in PROJECTIONS
+            }
+    except (OSError, SafetensorError) as error:
+        raise CheckpointError(f"{path.parent.name}'s {path.name} could not be read ({error})") from None
+
+
+def projection(state: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """The image tower's projection into the shared space as (E, width), or None."""
+    if "visual.proj" in state:
+        return state["visual.proj"].t()
+    return state.get("visual.head.proj.weight")
+
+
 def text_tower(state: dict[str, torch.Tensor], custom_text: bool) -> dict[str, torch.Tensor]:
     """The text tower's tensors under open_clip TextTransformer's names: a CustomTextCLIP's
     (SigLIP) are under "text.", a CLIP's are the top-level ones that are not the image tower's."""
