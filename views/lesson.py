@@ -427,9 +427,7 @@ def prediction() -> None:
             st.write(f"For your image it says **{best}**, with {answers.percents(score)[0]}.")
             for caveat in words.caveats(selection, said):
                 st.warning(caveat)
-            st.plotly_chart(selection.memo("words top-5 figure", words.labels_id(words.session_labels()), compute=lambda: (
-                figures.zero_shot_bar(said.scores, said.labels, said.scoring, k=5)
-            )))
+            st.plotly_chart(words.top_labels_figure(selection, said))
     elif headless:
         st.write(
             f"At the end the model keeps one vector, {pooled}, normalised: {dim} numbers that describe the image."

@@ -223,9 +223,7 @@ if in_words:
         st.write(f"The model says **{best}** with {score:.1%}.")
         for caveat in words.caveats(selection, predicted):
             st.warning(caveat)
-        st.plotly_chart(selection.memo("words top-5 figure", words.labels_id(words.session_labels()), compute=lambda: (
-            figures.zero_shot_bar(predicted.scores, predicted.labels, predicted.scoring, k=5)
-        )))
+        st.plotly_chart(words.top_labels_figure(selection, predicted))
 elif headless:
     st.subheader("8. Pool and norm: the feature vector")
     st.write(

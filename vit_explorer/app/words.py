@@ -27,6 +27,7 @@ from pathlib import Path
 import streamlit as st
 import torch
 
+from .. import figures
 from ..model.ablation import KnockOut
 from ..model.config import ViTConfig
 from ..serving.cache import nbytes
@@ -300,6 +301,14 @@ def prediction(selection: Selection, knock_out: KnockOut | None = None) -> zero_
         "words prediction", labels_id(labels), knock_out,
         compute=lambda: zero_shot.predict(model, captured.logits, label_names(labels), texts),
     )
+
+
+def top_labels_figure(selection: Selection, predicted: zero_shot.Prediction):
+    """The bar of the prediction's top 5 labels, built once for everybody (Pipeline and the
+    Lesson draw the same one)."""
+    return selection.memo("words top-5 figure", labels_id(session_labels()), compute=lambda: (
+        figures.zero_shot_bar(predicted.scores, predicted.labels, predicted.scoring, k=5)
+    ))
 
 
 def caveats(selection: Selection, predicted: zero_shot.Prediction) -> list[str]:
