@@ -194,32 +194,42 @@ def test_every_number_of_the_curves_is_the_model_run_by_hand(name, mode):
     assert result.forwards == pytest.approx(fa.planned_forwards(model, len(maps), steps=4, mode=mode))
 
 
-def test_one_batch_per_number_of_tokens_and_the_intact_pass_saved(monkeypatch):
+def test_packed_passes_one_run_per_number_of_tokens_and_the_intact_pass_saved(monkeypatch):
     model = randomize(vx.ViT(tiny_config(image_size=32)))  # 64 patches
     x = torch.randn(1, 3, 32, 32)
     maps = {name: torch.rand(8, 8) for name in ("a", "b", "c")}
-    passes = []
+    packings = []
     original = vx.ViT.forward_blocks
 
     def counting(self, tokens, *args, **kwargs):
-        passes.append(tuple(tokens.shape[:2]))
+        packings.append(kwargs.get("packing"))
         return original(self, tokens, *args, **kwargs)
 
     monkeypatch.setattr(vx.ViT, "forward_blocks", counting)
     result = fa.faithfulness_curves(model, x, maps, intact=model(x)[0])
-    passes = passes[1:]  # model(x) above
-    sizes = [size for _, size in passes]
-    assert len(sizes) == len(set(sizes)) == result.passes  # one batch for every number of tokens
+    packings = packings[1:]  # model(x) above
+    assert len(packings) == result.passes == 1  # every set of kept patches in one packed pass
+    runs = packings[0].runs
+    sizes = [size for _, size in runs]
+    assert sizes == sorted(set(sizes), reverse=True)  # one run for every number of tokens, longest first
     # 20 steps: 19 inner counts of each curve (deletion's and insertion's coincide where the counts do),
     # one pass with the class token alone; the intact pass was given.
     inner = set(fa.step_counts(64, 20)[1:-1].tolist())
     assert set(sizes) == {1 + count for count in inner | {64 - c for c in inner}} | {1}
-    for rows, size in passes:  # every order's deletion and insertion rows that keep size - 1 patches
+    for rows, size in runs:  # every order's deletion and insertion rows that keep size - 1 patches
         kept = size - 1
         assert rows == (1 if kept == 0 else 4 * ((64 - kept) in inner) + 4 * (kept in inner))
     # In whole passes: about 9.5 per curve of each of the 4 orders.
     assert result.forwards == pytest.approx(fa.planned_forwards(model, 3, intact_given=True))
     assert 4 * 2 * 9 < result.forwards < 4 * 2 * 10
+    # Chunked at fewer tokens a pass, the same curves.
+    packings.clear()
+    chunked = fa.faithfulness_curves(model, x, maps, intact=model(x)[0], batch_tokens=200)
+    assert chunked.passes == len(packings) - 1 > 10
+    for packing in packings[1:]:  # at most 200 tokens a pass, or one longer set alone
+        assert sum(count * size for count, size in packing.runs) <= 200 or packing.runs == ((1, packing.runs[0][1]),)
+    for curve in fa.CURVES:
+        torch.testing.assert_close(chunked.curves[curve], result.curves[curve], atol=1e-6, rtol=0)
 
 
 def test_a_caller_given_score_and_the_reading_of_a_headless_model():

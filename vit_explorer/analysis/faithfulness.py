@@ -24,8 +24,10 @@ Two ways to remove a patch (``mode``):
 The score: ``score(outputs) -> (B,)`` when given (an image-text cosine, say), else the softmax
 probability of the class predicted for the intact image (or ``target``), else, for a headless
 model, the cosine of the pooled output with the intact one. Each distinct set of kept patches is
-run once, and every set with the same number of tokens (every map's, deletion's and insertion's
-alike) goes into one batch, chunked by tokens (:data:`BATCH_TOKENS`). The model is never changed:
+run once, and the sets are packed (vit_explorer.model.packing): every set's tokens go through
+the per-token work of one pass together, the attention stays within each set, and the sets with
+the same number of tokens (every map's, deletion's and insertion's alike) attend as one batch;
+a pass holds at most :data:`BATCH_TOKENS` tokens. The model is never changed:
 the pass is built from its own modules, per call.
 
     result = faithfulness_curves(model, x, {"rollout": r, "raw attention": a, "attribution": c})
@@ -44,6 +46,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..model.packing import Packing
 from ..model.recorder import eval_mode
 from ..model.vit import ViT
 from .checks import AnalysisError
@@ -53,7 +56,8 @@ MODES = ("drop", "mean")
 CURVES = ("deletion", "insertion")
 RANDOM = "random"  # the name of the seeded random order in a result
 DEFAULT_STEPS = 20
-# The most tokens one batched pass holds (rows x tokens); a ViT-B/16's 10 curves of a step are 1,970.
+# The most tokens one pass holds (rows x tokens): a ViT-B/16's 20-step deletion curve of one map is
+# 1,882 tokens, every map's deletion and insertion curves (4 maps and the random order) 18,812.
 BATCH_TOKENS = 8192
 MODE_SENTENCES = {
     "drop": "Patches are removed by dropping their tokens: the model runs on the other patches only.",
@@ -145,8 +149,9 @@ def kept_outputs(
 ) -> torch.Tensor:
     """(R, out) the model's output (logits, or the pooled embedding of a headless model) for one
     image ``x`` (1, C, H, W) with only the patches ``kept`` (R, P) bool of each row, the others
-    removed as ``mode`` says (module docstring). Rows with the same number of tokens run as one
-    batch (chunked at ``batch_tokens``); float32 on the CPU. The model is not changed.
+    removed as ``mode`` says (module docstring). Rows of dropped patches run packed, at most
+    ``batch_tokens`` tokens a pass; painted rows (whole sequences) batched; float32 on the CPU.
+    The model is not changed.
     ``progress(share)``: after each batch, the share of the tokens run so far."""
     return _kept_outputs(model, x, kept, mode, patch_size, batch_tokens, progress)[0]
 
@@ -173,10 +178,10 @@ def _kept_outputs(
     passes = tokens_run = 0
     total = max(int(pass_tokens(model, kept, mode).sum()), 1) if progress is not None else 1
 
-    def run(chunk: torch.Tensor, tokens: torch.Tensor, rope=None) -> None:
+    def record(chunk: torch.Tensor, out: torch.Tensor, tokens: int) -> None:
+        """One pass's outputs (len(chunk), out) of the rows ``chunk``, ``tokens`` tokens run."""
         nonlocal passes, tokens_run
-        out = model.forward_head(model.forward_blocks(tokens, grid_size=grid, rope=rope))
-        passes, tokens_run = passes + 1, tokens_run + tokens.shape[0] * tokens.shape[1]
+        passes, tokens_run = passes + 1, tokens_run + tokens
         for row, value in zip(chunk.tolist(), out.float().cpu()):
             outputs[row] = value
         if progress is not None:
@@ -193,21 +198,41 @@ def _kept_outputs(
             mean_patch = model.patch_embed(mean_image, patch_size)[:, :1]  # (1, 1, D)
             for chunk in painted.nonzero().flatten().split(max(1, batch_tokens // (prefix + num_patches))):
                 patches = torch.where(kept[chunk, :, None].to(embedded.device), embedded, mean_patch)  # (r, P, D)
-                run(chunk, model.norm_pre(model._pos_embed(patches, patch_size)))  # (r, N, D)
+                tokens = model.norm_pre(model._pos_embed(patches, patch_size))  # (r, N, D)
+                record(chunk, model.forward_head(model.forward_blocks(tokens, grid_size=grid)), tokens.shape[:2].numel())
         if not bool(painted.all()):
             whole = model.norm_pre(model._pos_embed(embedded, patch_size))  # (1, N, D): positions added
             tables = model.rope_tables(grid)
-            dropping = ~painted
-            for count in counts[dropping].unique().tolist():
-                rows = (dropping & (counts == count)).nonzero().flatten()
-                for chunk in rows.split(max(1, batch_tokens // (prefix + count))):
-                    index = kept[chunk].nonzero()[:, 1].reshape(len(chunk), count).to(whole.device)  # (r, K) grid order
-                    tokens = torch.cat(
-                        [whole[:, :prefix].expand(len(chunk), -1, -1), whole[0, prefix:][index]], dim=1
-                    )  # (r, prefix + K, D)
-                    rope = None if tables is None else (tables[0][index][:, None], tables[1][index][:, None])
-                    run(chunk, tokens, rope)  # rope: (r, 1, K, hd) each, this row's patches' rows
+            for chunk in _packed_chunks(counts, ~painted, prefix, batch_tokens):
+                # One packed pass of the chunk's rows, a run per number of kept patches.
+                runs, rows = [], []  # each run's tokens (r, prefix + K, D), and its rope rows (r, K, hd)
+                lengths, sizes = torch.unique_consecutive(counts[chunk], return_counts=True)
+                for count, members in zip(lengths.tolist(), chunk.split(sizes.tolist())):
+                    index = kept[members].nonzero()[:, 1].reshape(len(members), count).to(whole.device)  # grid order
+                    runs.append(torch.cat([whole[:, :prefix].expand(len(members), -1, -1), whole[0, prefix:][index]], dim=1))
+                    if tables is not None:
+                        rows.append((tables[0][index], tables[1][index]))
+                packing = Packing.of(runs)
+                rope = None if tables is None else packing.rope(prefix, rows)
+                out = model.forward_blocks(packing.tokens, grid_size=grid, rope=rope, packing=packing)
+                out = torch.cat([model.forward_head(tokens) for tokens in packing.unpack(out)])
+                record(chunk, out, packing.tokens.shape[1])
     return torch.stack(outputs), passes, tokens_run
+
+
+def _packed_chunks(counts: torch.Tensor, rows: torch.Tensor, prefix: int, batch_tokens: int) -> list[torch.Tensor]:
+    """The ``rows`` (bool mask) to run, by their kept ``counts``, most tokens first, in chunks of
+    at most ``batch_tokens`` tokens (a longer row alone): each chunk one packed pass."""
+    order = rows.nonzero().flatten()
+    order = order[torch.sort(counts[order], descending=True, stable=True).indices]
+    chunks, start, used = [], 0, 0
+    for place, row in enumerate(order.tolist()):
+        length = prefix + int(counts[row])
+        if used and used + length > batch_tokens:
+            chunks.append(order[start:place])
+            start, used = place, 0
+        used += length
+    return chunks + [order[start:]] if len(order) else chunks
 
 
 def default_score(model: ViT, intact: torch.Tensor, target: int | None = None) -> tuple[Callable[[torch.Tensor], torch.Tensor], str, bool, int | None]:

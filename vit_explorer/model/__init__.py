@@ -12,6 +12,8 @@
     ablation.py    KnockOut (heads, branches; zero or mean) for one call, and head_sweep
     cost.py        what a pass costs in multiply-adds (linear in the tokens, attention in their square)
                    and the work on attention weights outside it: app.costs' cost model
+    packing.py     several sequences of different lengths run as one pass (attention kept inside
+                   each): the faithfulness curves' many short passes
     devices.py     the device a name means; the process group of a run under torchrun
 
 Nothing here changes a model for a call: what a call records, knocks out or adds rides in a

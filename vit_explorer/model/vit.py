@@ -15,6 +15,7 @@ from einops import rearrange
 from torch import nn
 
 from .config import ViTConfig
+from .packing import Packing
 from .rope import RopeSpec, apply_rope, rope_angles, rope_tables
 
 # The recorder of the forward pass running in this context (thread), if one asked: see
@@ -242,15 +243,20 @@ class Attention(nn.Module):
         (rotated, with rotary positions), without the attention itself."""
         return self.rotate(self._qkv(x)[1], rope)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None, packing: Packing | None = None
+    ) -> torch.Tensor:
         q, k, v = self._qkv(x).unbind(0)  # (B, nh, N, hd) each
         unrotated = dict(q_unrotated=q, k_unrotated=k) if self.rotary else {}
         q, k = self.rotate(q, rope), self.rotate(k, rope)
         recorder = active(ACTIVE_RECORDER)
-        if self.fused_attn and (recorder is None or not recorder.wants_attention(self)):
-            x = F.scaled_dot_product_attention(
-                q, k, v, dropout_p=self.attn_drop.p if self.training else 0.0
-            )
+        dropout_p = self.attn_drop.p if self.training else 0.0
+        if packing is not None:
+            if recorder is not None:
+                raise ValueError("a capture records whole sequences: run packed sequences without one")
+            x = packing.attend(q, k, v, dropout_p)
+        elif self.fused_attn and (recorder is None or not recorder.wants_attention(self)):
+            x = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
         else:
             # Scale before the softmax (scaling after it, as some tutorials do, is a bug).
             scores = (q * self.scale) @ k.transpose(-2, -1)  # (B, nh, N, N)
@@ -385,12 +391,15 @@ class Block(nn.Module):
         self.ls2 = layer_scale()
         self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None, packing: Packing | None = None
+    ) -> torch.Tensor:
         # Step by step, so that a recorder asking for this layer's internals (vit_explorer.model.internals)
         # gets every intermediate of this very pass; the arithmetic is the one-line block's.
         # ``rope``: the grid's rotary tables, for a model with rotary positions (ViT.rope_tables).
+        # ``packing``: x holds several sequences one after the other (vit_explorer.model.packing).
         normed = self.norm1(x)
-        attended = self.attn(normed, rope)
+        attended = self.attn(normed, rope, packing)
         middle = x + self.drop_path1(self.ls1(attended))
         normed_middle = self.norm2(middle)
         mlp_out = self.mlp(normed_middle)
@@ -552,7 +561,7 @@ class ViT(nn.Module):
 
     def forward_blocks(
         self, x: torch.Tensor, start: int = 0, grid_size: tuple[int, int] | None = None,
-        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None, packing: Packing | None = None,
     ) -> torch.Tensor:
         """(B, N, D) tokens entering block ``start`` -> tokens after the final norm: the rest of
         the pass from there, so that a knock-out or a sweep starting at layer ``start`` reuses the
@@ -560,12 +569,14 @@ class ViT(nn.Module):
         patch grid the tokens come from (default: the config's), which rotary positions need.
         ``rope``: the rotary (sin, cos) rows of the patch tokens in ``x`` instead of the whole
         grid's, for a pass over some of the patches only (vit_explorer.analysis.faithfulness drops
-        patch tokens): (K, hd) each, or (B, 1, K, hd) with each image's own patches."""
+        patch tokens): (K, hd) each, or (B, 1, K, hd) with each image's own patches. ``packing``:
+        ``x`` (1, T, D) is several sequences packed (vit_explorer.model.packing), ``rope`` then
+        its (T, hd) tables."""
         recorder = active(ACTIVE_RECORDER)
         steering = active(ACTIVE_STEERING)
         rope = self.rope_tables(grid_size) if rope is None else rope
         for layer, block in enumerate(self.blocks[start:], start):
-            x = block(x, rope)
+            x = block(x, rope, packing)
             if steering is not None and steering.layer == layer:
                 x = steering.edit(self, x)
             if recorder is not None:
