@@ -440,7 +440,10 @@ VIEWS = (
     REGISTERS, COMPARE, LESSON, "views/features.py",
 )
 # What a page draws in place of work that is a job (a button) or waits to be asked for (a switch).
-JOB_BUTTONS = ("Run model B", "Measure the heads", "Read the pictures", "Compare all", "Search the photos", "Run the sweep")
+JOB_BUTTONS = (
+    "Run model B", "Measure the heads", "Read the pictures", "Compare all", "Search the photos", "Run the sweep",
+    "Roll the attention out", "Measure every head",
+)
 ASKED_SWITCHES = ("Compute the attribution", "Read the picture", "Compute the relevance")
 SETTINGS = {  # name -> (the model's size, its patch size in the app, its input size)
     "ViT-B/16 at patch 16": (dict(embed_dim=768, depth=12, num_heads=12), 16, 224),

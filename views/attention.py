@@ -2,7 +2,7 @@
 import streamlit as st
 
 from vit_explorer import analysis, figures
-from vit_explorer.app import costs, faithfulness, models, session, word_maps, words
+from vit_explorer.app import costs, faithfulness, jobs, models, session, word_maps, words
 from vit_explorer.app.selection import prediction_caveats
 from vit_explorer.text import LabelError
 
@@ -170,7 +170,20 @@ fusion = fusion_column.selectbox(
     "Combine heads by", analysis.HEAD_FUSIONS, **session.keep("fusion", "mean", lambda f: f in analysis.HEAD_FUSIONS)
 )
 discard = discard_column.slider("Discard the weakest share of weights", 0.0, 0.95, step=0.05, **session.keep("discard", 0.0))
-rollout = selection.rollout(fusion, discard)  # (1, N, N)
+# What the view costs decides what runs here: every head's distance and entropy are a job where the view
+# with them is heavy, the rollout too where it is heavy without them (app.costs).
+rollout = selection.cached_rollout(fusion, discard)  # (1, N, N)
+with_rollout = costs.attention_view_forwards(config)
+if rollout is None and costs.is_heavy(config, forwards=with_rollout):
+    st.write(
+        f"With the rollout, this page's view of this model costs about {with_rollout:.1f} forward passes (every"
+        " layer's attention computed again and multiplied through): it runs when you ask, beside the server, so"
+        " that the pages stay quick for everybody, and then serves everyone who rolls this picture out with these"
+        " settings."
+    )
+    rollout = jobs.rollout(selection, fusion, discard, "Roll the attention out")
+elif rollout is None:
+    rollout = selection.rollout(fusion, discard)
 
 
 def rollout_overlay():
@@ -185,7 +198,8 @@ def rollout_overlay():
     )
 
 
-st.plotly_chart(selection.memo("rollout overlay", fusion, discard, query, opacity, compute=rollout_overlay))
+if rollout is not None:
+    st.plotly_chart(selection.memo("rollout overlay", fusion, discard, query, opacity, compute=rollout_overlay))
 
 st.subheader("Which patches made it say this class")
 st.write(
@@ -331,45 +345,48 @@ st.write(
     " raw attention and their attribution this way). Tested here: the maps of what the prediction reads, rollout"
     " and the head masks as set above."
 )
-mode_column, curves_column = st.columns(2)
-removal = mode_column.radio(
-    "Remove a patch by", faithfulness.MODES, format_func=faithfulness.MODE_NAMES.get, horizontal=True,
-    help="A ViT runs on any subset of its patch tokens: dropping them adds nothing the model never saw."
-    " Painting with the mean is how CNNs are tested, and a grey patch is itself something to look at.",
-    **session.keep("faith_mode", "drop", lambda option: option in faithfulness.MODES),
-)
-curve_options = {"both": "deletion and insertion", "deletion": "deletion", "insertion": "insertion"}
-asked = curves_column.radio(
-    "Curves", list(curve_options), format_func=curve_options.get, horizontal=True,
-    help="Each costs about as much as the other; one alone costs about half as much.",
-    **session.keep("faith_curves", "both", lambda option: option in curve_options),
-)
-asked = faithfulness.CURVES if asked == "both" else (asked,)
-st.caption(faithfulness.MODE_SENTENCES[removal])
-tested = faithfulness.page_maps(selection, fusion, discard, mass, faithfulness.attribution_drawn(selection))
-for sentence in tested.left_out:
-    st.caption(sentence)
-if faithfulness.is_heavy(selection, len(tested.maps), removal, asked):
-    st.write(
-        f"For this model the curves of these {len(tested.maps)} maps and a random order cost about"
-        f" {faithfulness.planned(selection, len(tested.maps), removal, asked):.0f} forward passes, so they are computed"
-        " beside the server when you ask, once for everybody."
+if rollout is None:
+    st.caption("The rollout is one of the maps tested here: the curves come once it is computed above.")
+else:
+    mode_column, curves_column = st.columns(2)
+    removal = mode_column.radio(
+        "Remove a patch by", faithfulness.MODES, format_func=faithfulness.MODE_NAMES.get, horizontal=True,
+        help="A ViT runs on any subset of its patch tokens: dropping them adds nothing the model never saw."
+        " Painting with the mean is how CNNs are tested, and a grey patch is itself something to look at.",
+        **session.keep("faith_mode", "drop", lambda option: option in faithfulness.MODES),
     )
-tested_curves = faithfulness.curves(selection, tested, removal, asked)
-if tested_curves is not None:
-    st.plotly_chart(selection.memo("faithfulness figure", *tested.key, removal, asked, compute=lambda: (
-        figures.faithfulness_figure(
-            tested_curves.fractions, tested_curves.curves, tested_curves.names, tested_curves.what, tested_curves.percent,
+    curve_options = {"both": "deletion and insertion", "deletion": "deletion", "insertion": "insertion"}
+    asked = curves_column.radio(
+        "Curves", list(curve_options), format_func=curve_options.get, horizontal=True,
+        help="Each costs about as much as the other; one alone costs about half as much.",
+        **session.keep("faith_curves", "both", lambda option: option in curve_options),
+    )
+    asked = faithfulness.CURVES if asked == "both" else (asked,)
+    st.caption(faithfulness.MODE_SENTENCES[removal])
+    tested = faithfulness.page_maps(selection, fusion, discard, mass, faithfulness.attribution_drawn(selection))
+    for sentence in tested.left_out:
+        st.caption(sentence)
+    if faithfulness.is_heavy(selection, len(tested.maps), removal, asked):
+        st.write(
+            f"For this model the curves of these {len(tested.maps)} maps and a random order cost about"
+            f" {faithfulness.planned(selection, len(tested.maps), removal, asked):.0f} forward passes, so they are computed"
+            " beside the server when you ask, once for everybody."
         )
-    )))
-    st.write(faithfulness.reading(tested_curves))
-    st.dataframe(faithfulness.areas_table(tested_curves), hide_index=True)
-    st.caption(
-        f"{faithfulness.verdict(tested_curves)} The area is the curve's mean height over the share of patches"
-        f" removed or kept, 0 to 1; {len(tested_curves.fractions) - 1} steps; rollout: {fusion} of the heads"
-        + (f", the weakest {discard:.0%} discarded" if discard else "")
-        + f"; the mask: the patches holding {mass:.0%} of the sharpest head's attention."
-    )
+    tested_curves = faithfulness.curves(selection, tested, removal, asked)
+    if tested_curves is not None:
+        st.plotly_chart(selection.memo("faithfulness figure", *tested.key, removal, asked, compute=lambda: (
+            figures.faithfulness_figure(
+                tested_curves.fractions, tested_curves.curves, tested_curves.names, tested_curves.what, tested_curves.percent,
+            )
+        )))
+        st.write(faithfulness.reading(tested_curves))
+        st.dataframe(faithfulness.areas_table(tested_curves), hide_index=True)
+        st.caption(
+            f"{faithfulness.verdict(tested_curves)} The area is the curve's mean height over the share of patches"
+            f" removed or kept, 0 to 1; {len(tested_curves.fractions) - 1} steps; rollout: {fusion} of the heads"
+            + (f", the weakest {discard:.0%} discarded" if discard else "")
+            + f"; the mask: the patches holding {mass:.0%} of the sharpest head's attention."
+        )
 
 st.subheader("How far and how focused each head looks")
 st.write(
@@ -377,14 +394,26 @@ st.write(
     " the patches it attends to. Entropy: near 0 when a head looks at one token, log N when it"
     " spreads evenly. Early layers mix local and global heads; late layers are mostly global."
 )
-distance_column, entropy_column = st.columns(2)
-distances, entropies = selection.head_statistics()  # (L, H) each
-distance_column.plotly_chart(selection.memo("distance figure", compute=lambda: figures.layer_head_scatter(
-    distances, "Mean attention distance per head", "distance (pixels)",
-)))
-entropy_column.plotly_chart(selection.memo("entropy figure", compute=lambda: figures.layer_head_heatmap(
-    entropies, "Attention entropy per head", "entropy (nats)",
-)))
+statistics = selection.cached_head_statistics()
+with_statistics = costs.attention_view_forwards(config, statistics=True)
+if statistics is None and costs.is_heavy(config, forwards=with_statistics):
+    st.write(
+        f"With every head measured, this page's view of this model costs about {with_statistics:.1f} forward passes"
+        " (every layer's attention computed again and read): the measures run when you ask, beside the server, so"
+        " that the pages stay quick for everybody, and then serve everyone who looks at this picture."
+    )
+    statistics = jobs.head_statistics(selection, "Measure every head")
+elif statistics is None:
+    statistics = selection.head_statistics()
+if statistics is not None:
+    distances, entropies = statistics  # (L, H) each
+    distance_column, entropy_column = st.columns(2)
+    distance_column.plotly_chart(selection.memo("distance figure", compute=lambda: figures.layer_head_scatter(
+        distances, "Mean attention distance per head", "distance (pixels)",
+    )))
+    entropy_column.plotly_chart(selection.memo("entropy figure", compute=lambda: figures.layer_head_heatmap(
+        entropies, "Attention entropy per head", "entropy (nats)",
+    )))
 
 st.subheader("Token norms through the layers")
 st.write(

@@ -121,6 +121,23 @@ def test_a_job_counts_what_the_view_it_replaces_counts(config):
     assert KINDS["views"].forwards(config, {"layer": 0}) == pytest.approx(costs.forwards(config, b_view))
 
 
+def test_the_attention_pages_measures_and_rollout_are_jobs_at_768_px_only(untimed):
+    """Its view with every head's distance and entropy stays in the server on a ViT-B/16 at patch 16
+    and 8; on a DINOv3-shaped ViT-S/16 at 768 px it is heavy, and still heavy without them (the
+    rollout), so both are jobs and what stays, the capture and the layer drawn, is within 3 passes;
+    each job counts its own pass and what it takes from the view."""
+    for config in (VIT_B16, VIT_B8):
+        assert not costs.is_heavy(config, costs.attention_view_forwards(config, statistics=True))
+    config = DINOV3_768
+    with_statistics = costs.attention_view_forwards(config, statistics=True)
+    with_rollout = costs.attention_view_forwards(config)
+    assert costs.is_heavy(config, with_statistics) and costs.is_heavy(config, with_rollout)
+    rollout = costs.forwards(config, cost.rollout_cost(config, kept=False))  # no layer kept at 2,309 tokens
+    assert with_rollout - rollout <= costs.HEAVY_FORWARDS
+    assert KINDS["rollout"].forwards(config, {}) == pytest.approx(1 + rollout)
+    assert KINDS["head statistics"].forwards(config, {}) == pytest.approx(1 + with_statistics - with_rollout)
+
+
 def test_what_a_view_computes_beside_its_passes_grows_faster_than_the_pass():
     """Per image, the head types' measures and a rollout's products are a larger share of a pass
     at 785 tokens than at 197, and larger still at 2,309."""

@@ -10,6 +10,7 @@ import torch
 
 import vit_explorer as vx
 from vit_explorer.analysis import patch_sizes
+from vit_explorer.model.capture import layer_attentions
 from vit_explorer.serving.jobs import JobBoard, JobLimits, JobRefused, JobSpec
 
 from helpers import tiny_config
@@ -64,6 +65,34 @@ def test_a_sweep_job_gives_the_sweep_computed_in_the_server(tmp_path, tiny):
     (got,), expected = board.result(spec.key), vx.head_sweep(model, x, "mean")
     assert (got.target, got.mode) == (expected.target, "mean")
     torch.testing.assert_close(got.values, expected.values, rtol=1e-4, atol=1e-5)
+
+
+def test_rollout_and_head_statistics_jobs_give_what_the_server_computes(tmp_path, tiny):
+    """The Attention page's heavy parts: a rollout at any fusion and discard, every head's distance
+    and entropy, each from the layers computed again from the capture's tokens, as the server does."""
+    model, path, x = tiny
+    config = model.config
+    board = JobBoard(tmp_path / "jobs", limits(max_jobs=2))
+    rollout, statistics = (
+        JobSpec(kind, {"path": str(path)}, config.patch_size, config.img_size, "image a", settings)
+        for kind, settings in (("rollout", {"fusion": "max", "discard": 0.5}), ("head statistics", {}))
+    )
+    for spec in (rollout, statistics):
+        board.submit(spec, x, config, "ann")
+    captured = vx.capture(model, x, layers=())
+    expected = vx.analysis.streamed_rollout(
+        layer_attentions(model, captured), "max", 0.5, num_prefix_tokens=captured.num_prefix_tokens,
+    )
+    wait_for(board, rollout.key, {"done"})
+    (got,) = board.result(rollout.key)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6)
+    expected = vx.analysis.streamed_head_statistics(
+        layer_attentions(model, captured), captured.grid_size, config.patch_size, captured.num_prefix_tokens,
+    )
+    wait_for(board, statistics.key, {"done"})
+    ((distances, entropies),) = board.result(statistics.key)
+    torch.testing.assert_close(distances, expected[0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(entropies, expected[1], rtol=1e-4, atol=1e-5)
 
 
 def test_a_faithfulness_job_gives_the_outputs_the_server_scores_into_its_own_curves(tmp_path, tiny):

@@ -3,6 +3,7 @@ and when a distribution is near uniform or near chance."""
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
 from einops import rearrange, reduce
@@ -59,6 +60,23 @@ def head_distances(
     patch_attention = full_precision(attention[..., num_prefix_tokens:, num_prefix_tokens:])
     per_query = torch.einsum("bhqk,qk->bhq", patch_attention, distances)  # (B, H, P)
     return reduce(per_query, "b h p -> h", "mean")
+
+
+def streamed_head_statistics(
+    layers: Iterable[torch.Tensor],
+    grid_size: tuple[int, int],
+    patch_size: int,
+    num_prefix_tokens: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(L, H) mean attention distance in pixels and (L, H) mean entropy in nats of one image's
+    layers' (1, H, N, N) attention given one at a time (vit_explorer.model.capture.layer_attentions
+    computes each from a capture's tokens): :func:`head_distances` and :func:`head_entropies` of
+    each, never holding (L, H, N, N)."""
+    distances, entropies = [], []
+    for attention in layers:
+        distances.append(head_distances(attention, grid_size, patch_size, num_prefix_tokens))
+        entropies.append(head_entropies(attention)[0])
+    return torch.stack(distances), torch.stack(entropies)
 
 
 def attention_entropy(attentions: torch.Tensor) -> torch.Tensor:

@@ -190,6 +190,15 @@ def model_view_cost(config, captured: bool = False, statistics: bool = False) ->
     return macs
 
 
+def attention_view_forwards(config, statistics: bool = False) -> float:
+    """The Attention page's first view in passes of its model (:func:`model_view_cost`): with
+    ``statistics``, all it draws unasked; without, what is left once every head's distance and
+    entropy are a job. Where that is heavy too, the rollout is a job as well, and the capture and
+    the layer drawn stay. Its capture is counted whoever made it: else the page's own would turn the
+    job its first view offers into work in the server at the next widget moved."""
+    return forwards(config, model_view_cost(config, statistics=statistics))
+
+
 def reading_cost(config, unread: int, capture: bool = False) -> float:
     """Several images' tokens (ImageSet.image_tokens): the ``unread`` images no page has read in
     one batch, and the sidebar's capture if it is one of them and not made yet (``capture``)."""

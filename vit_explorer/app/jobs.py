@@ -1,8 +1,9 @@
 """A view's heavy computation as a job (vit_explorer.serving.jobs): asked for with a button, followed live
 (place in the queue, a progress bar, Cancel), its results shared with everybody through ``memo``
 under the keys the inline computation uses: the head sweep (the Knock-out page's, the Lesson's
-question, which asks for it at once), what the Compare page draws of model B, the Several images
-page's batch, the Head types page's measures, the Registers page's neurons over several images."""
+question, which asks for it at once), what the Compare page draws of model B, the Attention page's
+rollout and every head's distance and entropy, the Several images page's batch, the Head types
+page's measures, the Registers page's neurons over several images."""
 from __future__ import annotations
 
 import functools
@@ -74,6 +75,23 @@ def views(selection: Selection, layer: int, label: str) -> Capture | None:
         (*selection.key, "attention", layer, None),
     )
     values = as_job(selection, job_spec(selection, "views", layer=layer), keys, label)
+    return None if values is None else values[0]
+
+
+def rollout(selection: Selection, fusion: str, discard: float, label: str) -> torch.Tensor | None:
+    """:meth:`Selection.rollout` as a job, for a model whose Attention view with it is heavy: the
+    rollout once it is there (for anybody), else None, with what to do or how it goes drawn in its
+    place."""
+    key = (*selection.key, "rollout", fusion, discard, None)
+    values = as_job(selection, job_spec(selection, "rollout", fusion=fusion, discard=discard), (key,), label)
+    return None if values is None else values[0]
+
+
+def head_statistics(selection: Selection, label: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """:meth:`Selection.head_statistics` as a job, for a model whose Attention view with them is
+    heavy: (distances, entropies) once they are there (for anybody), else None, with what to do or
+    how it goes drawn in their place."""
+    values = as_job(selection, job_spec(selection, "head statistics"), ((*selection.key, "head statistics"),), label)
     return None if values is None else values[0]
 
 
@@ -176,8 +194,8 @@ def as_job(
         asked = True
     if not asked:
         joining = status is not None and status.state != "failed"
-        if st.button(
-            "Ask for it too" if joining else label, icon=":material/play_arrow:",
+        if st.button(  # keyed by the job: a page may draw several (the Attention page: three)
+            "Ask for it too" if joining else label, icon=":material/play_arrow:", key=f"ask_job_{spec.key}",
             help=(
                 "Somebody is computing this already: ask for it too, and it goes on should they cancel."
                 if joining else

@@ -15,8 +15,8 @@ from PIL import Image
 
 from ..model.ablation import HeadSweep, KnockOut, head_sweep
 from ..analysis import (
-    attribution, display_image, entropy_evenness, head_distances, head_entropies, logit_lens, near_chance, near_uniform,
-    query_map, streamed_query_maps, streamed_rollout,
+    attribution, display_image, entropy_evenness, logit_lens, near_chance, near_uniform, query_map,
+    streamed_head_statistics, streamed_query_maps, streamed_rollout,
 )
 from ..analysis.dense_pca import image_features
 from ..analysis.head_types import HeadTypes, classify_heads_from_tokens
@@ -115,7 +115,8 @@ class Selection:
 
     def rollout(self, head_fusion: str = "mean", discard_ratio: float = 0.0, knock_out: KnockOut | None = None) -> torch.Tensor:
         """(1, N, N) attention rollout through every layer (with ``knock_out``: of that pass),
-        each layer computed from the captured tokens and dropped once multiplied in."""
+        each layer computed from the captured tokens and dropped once multiplied in (the Attention
+        page's, a job where its view is heavy: app.jobs.rollout, under the same key)."""
         if knock_out is not None and knock_out.is_empty:
             knock_out = None
         captured = self._captured(knock_out)
@@ -130,17 +131,14 @@ class Selection:
     def head_statistics(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(depth, heads) mean attention distance in pixels and (depth, heads) mean entropy in nats
         of each head's attention on this image: one pass over the layers, each reduced as it is
-        computed from the captured tokens."""
+        computed from the captured tokens (a job where the Attention page's view with them is
+        heavy: app.jobs.head_statistics, under the same key)."""
         captured = self.capture()
-
-        def compute() -> tuple[torch.Tensor, torch.Tensor]:
-            distances, entropies = [], []
-            for attention in layer_attentions(self.model, captured):  # (1, heads, N, N) each
-                distances.append(head_distances(attention, captured.grid_size, self.config.patch_size, captured.num_prefix_tokens))
-                entropies.append(head_entropies(attention)[0])
-            return torch.stack(distances), torch.stack(entropies)
-
-        return self.memo("head statistics", compute=compute, spinner="Measuring every head of every layer ...")
+        return self.memo("head statistics", spinner="Measuring every head of every layer ...", compute=lambda: (
+            streamed_head_statistics(
+                layer_attentions(self.model, captured), captured.grid_size, self.config.patch_size, captured.num_prefix_tokens,
+            )
+        ))
 
     def query_maps_by_layer(self, query: int | None) -> torch.Tensor:
         """(depth, gh, gw) the attention of ``query`` (analysis.query_map's: None is the class token,
@@ -163,6 +161,14 @@ class Selection:
     def cached_capture(self) -> Capture | None:
         """:meth:`capture` if a page has made it already (for anybody), else None: nothing runs."""
         return shared_results().get((*self.key, "capture"))
+
+    def cached_rollout(self, head_fusion: str, discard_ratio: float) -> torch.Tensor | None:
+        """:meth:`rollout` (no knock-out) if made already, in the server or by its job, else None."""
+        return shared_results().get((*self.key, "rollout", head_fusion, discard_ratio, None))
+
+    def cached_head_statistics(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """:meth:`head_statistics` if made already (a page's, the Pipeline's caveat's, its job's), else None."""
+        return shared_results().get((*self.key, "head statistics"))
 
     def attribution(self, target: int) -> np.ndarray:
         """(gh, gw) relevance of each patch for class ``target``; one backward pass per class."""

@@ -4,6 +4,8 @@ how a server decodes the arrays the worker wrote.
 
     head sweep         every head knocked out alone (the Knock-out page, the Lesson)
     views              a model's capture of one image, its rollout, one layer's attention (Compare)
+    rollout            one image's rollout at a fusion and discard (the Attention page)
+    head statistics    one image's every head's distance and entropy (the Attention page)
     tokens             several images' tokens in one batch (Several images)
     head types         the head types over several images, and the tokens of those no page read
     register neurons   the register neurons over this image and the bundled photos (Registers)
@@ -18,14 +20,14 @@ A new kind is a compute and a decode function here and an entry in ``KINDS``; th
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from ..analysis import streamed_rollout
+from ..analysis import streamed_head_statistics, streamed_rollout
 from ..analysis.head_types import HeadTypes, classify_heads_from_tokens, held_floats
 from ..analysis.image_set import NormOutliers
 from ..analysis.faithfulness import BATCH_TOKENS, curve_rows, kept_outputs
@@ -70,20 +72,33 @@ def _decoded_sweep(arrays: dict) -> tuple[HeadSweep]:
 CAPTURED_TENSORS = ("logits", "attentions", "tokens", "patches", "patch_embeddings")
 
 
+def _every_layer(model: ViT, x: torch.Tensor, progress: Callable[[float], None]) -> tuple[Capture, Iterator[torch.Tensor]]:
+    """The image ``x``'s capture (its tokens, no attention), then every layer's (1, H, N, N)
+    attention computed again from them one at a time (as app.selection.Selection computes them
+    where the capture kept none), the progress reported after the capture and each layer."""
+    captured = capture(model, x, layers=())
+    depth = model.config.depth
+    progress(1 / (depth + 1))
+
+    def layers():
+        for layer, attention in enumerate(layer_attentions(model, captured)):
+            progress((layer + 2) / (depth + 1))
+            yield attention
+
+    return captured, layers()
+
+
 def _views(model: ViT, x: torch.Tensor, settings: dict, progress: Callable[[float], None]) -> dict:
     """What a page draws of one image (the Compare page's model B): the capture (tokens, no
     attention), the rollout through every layer at its default settings, and the attention of
     layer ``settings["layer"]`` in float16, as app.selection.Selection computes them."""
-    captured = capture(model, x, layers=())
-    depth = model.config.depth
-    progress(1 / (depth + 1))
+    captured, attentions = _every_layer(model, x, progress)
     drawn = {}
 
     def layers():
-        for layer, attention in enumerate(layer_attentions(model, captured)):
+        for layer, attention in enumerate(attentions):
             if layer == settings["layer"]:
                 drawn["attention"] = attention[0].to(torch.float16).numpy()
-            progress((layer + 2) / (depth + 1))
             yield attention
 
     rollout = streamed_rollout(layers(), num_prefix_tokens=captured.num_prefix_tokens)
@@ -108,6 +123,33 @@ def _decoded_views(arrays: dict) -> tuple[Capture, torch.Tensor, torch.Tensor]:
         class_token=bool(arrays["capture.class_token"]), pool_attentions=None if pool is None else torch.from_numpy(pool),
     )
     return captured, torch.from_numpy(arrays["rollout"]), torch.from_numpy(arrays["attention"])
+
+
+def _rollout(model: ViT, x: torch.Tensor, settings: dict, progress: Callable[[float], None]) -> dict:
+    """The image ``x``'s rollout (1, N, N) at ``settings``' fusion and discard, as
+    app.selection.Selection.rollout computes it."""
+    captured, layers = _every_layer(model, x, progress)
+    rollout = streamed_rollout(layers, settings["fusion"], settings["discard"], num_prefix_tokens=captured.num_prefix_tokens)
+    return {"rollout": rollout.cpu().numpy()}
+
+
+def _head_statistics(model: ViT, x: torch.Tensor, settings: dict, progress: Callable[[float], None]) -> dict:
+    """The image ``x``'s (L, H) head distances and entropies, as
+    app.selection.Selection.head_statistics computes them."""
+    captured, layers = _every_layer(model, x, progress)
+    distances, entropies = streamed_head_statistics(
+        layers, captured.grid_size, model.config.patch_size, captured.num_prefix_tokens,
+    )
+    return {"distances": distances.cpu().numpy(), "entropies": entropies.cpu().numpy()}
+
+
+def _layers_memory(config, rollout: bool) -> int:
+    """The capture's tokens kept and a layer's float32 attention, and with ``rollout`` its N x N
+    matrices (app.models.view_bytes' count)."""
+    tokens = config.num_tokens
+    return inference_memory(config, 1, kept_floats=(
+        (config.depth + 1) * tokens * config.embed_dim + config.num_heads * tokens**2 + (8 * tokens**2 if rollout else 0)
+    ))
 
 
 def _tokens(model: ViT, x: torch.Tensor, settings: dict, progress: Callable[[float], None]) -> dict:
@@ -278,6 +320,17 @@ KINDS = {
     "views": Kind(
         forwards=lambda config, settings: _passes(config, cost.pass_cost(config) + cost.rollout_cost(config, kept=False)),
         memory=_views_memory, compute=_views, decode=_decoded_views,
+    ),
+    # The pass, then every layer's attention again, fused and multiplied in (the Attention page's rollout).
+    "rollout": Kind(
+        forwards=lambda config, settings: _passes(config, cost.pass_cost(config) + cost.rollout_cost(config, kept=False)),
+        memory=lambda config, settings: _layers_memory(config, rollout=True), compute=_rollout, decode=lambda arrays: (torch.from_numpy(arrays["rollout"]),),
+    ),
+    # The pass, then every layer's attention again, each read for its heads' distance and entropy.
+    "head statistics": Kind(
+        forwards=lambda config, settings: _passes(config, cost.pass_cost(config) + cost.layers_cost(config, kept=False)),
+        memory=lambda config, settings: _layers_memory(config, rollout=False), compute=_head_statistics,
+        decode=lambda arrays: ((torch.from_numpy(arrays["distances"]), torch.from_numpy(arrays["entropies"])),),
     ),
     # One pass of settings["images"] images, each one's tokens kept.
     "tokens": Kind(
