@@ -62,9 +62,9 @@ def counting_blocks(monkeypatch, model: vx.ViT) -> list[int]:
     original = vx.model.vit.Block.forward
     layer_of = {id(block): layer for layer, block in enumerate(model.blocks)}
 
-    def counting(block, x, rope=None):
+    def counting(block, *args, **kwargs):
         ran.append(layer_of[id(block)])
-        return original(block, x, rope)
+        return original(block, *args, **kwargs)
 
     monkeypatch.setattr(vx.model.vit.Block, "forward", counting)
     return ran

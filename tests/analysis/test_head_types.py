@@ -219,7 +219,7 @@ def test_the_streamed_path_reads_one_layer_of_a_few_images_at_a_time_and_equals_
     layer_attention = ht.layer_attention
     monkeypatch.setattr(ht, "layer_attention", lambda model, tokens, *rest: computed.append(tokens.shape[0]) or layer_attention(model, tokens, *rest))
     block_forward = model_module.Block.forward
-    monkeypatch.setattr(model_module.Block, "forward", lambda self, x, rope=None: blocks.append(x.shape[0]) or block_forward(self, x, rope))
+    monkeypatch.setattr(model_module.Block, "forward", lambda self, x, *args: blocks.append(x.shape[0]) or block_forward(self, x, *args))
     progress = []
     streamed = ht.classify_heads(model, x, progress=progress.append)
     assert blocks == [3] * 3  # one batched pass of the three images, tokens only

@@ -113,9 +113,9 @@ def forwards(monkeypatch):
     counted = []
     original = model_module.Block.forward
 
-    def counting(self, x, rope=None):
+    def counting(self, x, *args, **kwargs):
         counted.append(x.shape[0] / len(models.base_model(models.DEFAULT_MODEL).blocks))
-        return original(self, x, rope)
+        return original(self, x, *args, **kwargs)
 
     monkeypatch.setattr(model_module.Block, "forward", counting)
     return counted
@@ -210,7 +210,7 @@ def test_a_picture_added_to_the_set_runs_that_one_alone(forwards):
 def test_the_sidebars_image_is_read_from_its_capture_and_the_others_run_in_one_batch(monkeypatch):
     batches = []
     original = model_module.Block.forward
-    monkeypatch.setattr(model_module.Block, "forward", lambda self, x, rope=None: batches.append(x.shape[0]) or original(self, x, rope))
+    monkeypatch.setattr(model_module.Block, "forward", lambda self, x, *args: batches.append(x.shape[0]) or original(self, x, *args))
     app = AppTest.from_file(APP, default_timeout=60).run()  # Pipeline captures the sidebar's shapes 4
     depth = len(models.base_model(models.DEFAULT_MODEL).blocks)
     assert batches == [1] * depth

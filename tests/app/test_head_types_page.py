@@ -26,7 +26,7 @@ def passes(monkeypatch):
     computed again from tokens."""
     blocks, attentions = [], []
     block_forward = model_module.Block.forward
-    monkeypatch.setattr(model_module.Block, "forward", lambda self, x, rope=None: blocks.append(x.shape[0]) or block_forward(self, x, rope))
+    monkeypatch.setattr(model_module.Block, "forward", lambda self, x, *args: blocks.append(x.shape[0]) or block_forward(self, x, *args))
     layer_attention = ht.layer_attention
     counting = lambda model, tokens, *rest, **named: attentions.append(tokens.shape[0]) or layer_attention(model, tokens, *rest, **named)  # noqa: E731
     monkeypatch.setattr(ht, "layer_attention", counting)

@@ -282,7 +282,7 @@ def test_each_steps_first_view_costs_at_most_two_forward_passes(monkeypatch):
     depth = models.base_model(models.DEFAULT_MODEL).config.depth
     ran = []
     original = vx.model.vit.Block.forward
-    monkeypatch.setattr(vx.model.vit.Block, "forward", lambda block, x, rope=None: ran.append(1) or original(block, x, rope))
+    monkeypatch.setattr(vx.model.vit.Block, "forward", lambda block, *args, **kwargs: ran.append(1) or original(block, *args, **kwargs))
     app = open_lesson()
     for number in range(1, len(lesson.STEPS) + 1):
         memo.shared_results().clear()
