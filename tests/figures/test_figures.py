@@ -380,6 +380,34 @@ def test_write_figures_as_html_shares_one_plotly_js(tmp_path):
     assert (tmp_path / "out" / "plotly.min.js").is_file()
 
 
+def _extent(trace: dict, width: int, height: int) -> tuple[float, float, float, float]:
+    """Where an image trace of a width x height picture lies: its first and last pixels' edges."""
+    dx, dy = trace.get("dx", 1.0), trace.get("dy", 1.0)
+    x0, y0 = trace.get("x0", 0.0), trace.get("y0", 0.0)
+    return (x0 - dx / 2, x0 + (width - 0.5) * dx, y0 - dy / 2, y0 + (height - 0.5) * dy)
+
+
+@pytest.mark.parametrize("size, kind", [(14, "enlarged"), (1406, "reduced"), (500, "as it is")])
+def test_a_static_image_has_the_browser_draw_each_picture_where_it_was(size, kind):
+    from vit_explorer.figures.files import _drawn_images
+
+    picture = np.random.default_rng(1).integers(0, 256, size=(size, size, 3), dtype=np.uint8)
+    fig = figures.input_image(picture, "a picture")
+    fig.update_traces(x0=3.0, dx=2.0, y0=-1.0, dy=2.0, selector=dict(type="image"))
+    before = fig.to_dict()["data"][0]
+    after = _drawn_images(fig.to_dict(), 900, 700)["data"][0]
+    drawn = np.asarray(Image.open(io.BytesIO(base64.b64decode(after["source"].split(",", 1)[1]))).convert("RGB"))
+    assert after["zsmooth"] == "fast"  # drawn by the browser, not repainted in JavaScript
+    assert _extent(after, drawn.shape[1], drawn.shape[0]) == pytest.approx(_extent(before, size, size))
+    if kind == "enlarged":  # each pixel a block of whole pixels: still sharp once drawn
+        factor = drawn.shape[0] // size
+        assert factor > 1 and np.array_equal(drawn, picture.repeat(factor, 0).repeat(factor, 1))
+    elif kind == "reduced":  # to about what it can be drawn at in a 700 px high image
+        assert drawn.shape[0] <= 700 and abs(drawn.astype(float).mean() - picture.mean()) < 2
+    else:
+        assert after["source"] == before["source"]
+
+
 def test_find_browser_honours_browser_path(monkeypatch, tmp_path):
     monkeypatch.setenv("BROWSER_PATH", str(tmp_path / "missing-chrome"))
     assert figures.find_browser() is None

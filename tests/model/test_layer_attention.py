@@ -94,6 +94,16 @@ def test_streamed_rollout_equals_rollout_of_the_whole_capture(name, fusion, disc
         layer_attentions(model, vx.capture(model, x, layers=())), fusion, discard, num_prefix_tokens=prefix,
     )
     torch.testing.assert_close(streamed, expected, rtol=0, atol=1e-5)
+    # Rows of it (the class token's, the patch queries' mean, any weights) carried from the last layer down.
+    tokens = expected.shape[-1]
+    queries = torch.zeros(x.shape[0], 3, tokens)
+    queries[:, 0, 0] = 1.0
+    queries[:, 1, prefix:] = 1.0 / (tokens - prefix)
+    queries[:, 2] = torch.rand(x.shape[0], tokens, generator=torch.Generator().manual_seed(0))
+    rows = analysis.rollout_rows(
+        layer_attentions(model, vx.capture(model, x, layers=())), queries, fusion, discard, num_prefix_tokens=prefix,
+    )
+    torch.testing.assert_close(rows, queries @ expected, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -126,6 +136,8 @@ def test_streamed_rollout_refuses_before_computing_anything():
         analysis.streamed_rollout(layers(), "median")
     with pytest.raises(analysis.AnalysisError, match="discard_ratio"):
         analysis.streamed_rollout(layers(), discard_ratio=1.0)
+    with pytest.raises(analysis.AnalysisError, match="head_fusion"):
+        analysis.rollout_rows(layers(), torch.ones(1, 1, 3), "median")
     assert computed == []
     with pytest.raises(analysis.AnalysisError, match="at least one layer"):
         analysis.streamed_rollout(iter(()))

@@ -53,7 +53,7 @@ from .maps import (
     streamed_query_maps,
 )
 from .pixels import denormalize, display_image
-from .rollout import HEAD_FUSIONS, attention_rollout, attribution, streamed_rollout
+from .rollout import HEAD_FUSIONS, attention_rollout, attribution, rollout_rows, streamed_rollout
 from .tokens import (
     embedding_filters,
     logit_lens,
@@ -69,6 +69,6 @@ __all__ = [
     "near_uniform", "patch_centres", "streamed_head_statistics", "attention_map", "attention_mask_by_mass",
     "head_maps", "matching_layer", "patch_index", "patch_point", "point_patch", "pool_maps", "pool_rollout_map", "query_map",
     "streamed_query_maps", "denormalize", "display_image", "HEAD_FUSIONS", "attention_rollout", "attribution",
-    "streamed_rollout", "embedding_filters", "logit_lens", "position_embedding_similarity", "token_norms",
+    "streamed_rollout", "rollout_rows", "embedding_filters", "logit_lens", "position_embedding_similarity", "token_norms",
     "token_pca", "top_k",
 ]

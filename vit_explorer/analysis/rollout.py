@@ -92,7 +92,45 @@ def streamed_rollout(
         raise AnalysisError(f"discard_ratio must be in [0, 1), not {discard_ratio}")
     if head_fusion not in HEAD_FUSIONS:  # before any layer is computed
         raise AnalysisError(f"head_fusion must be one of {', '.join(HEAD_FUSIONS)}, not {head_fusion!r}")
-    rollout = identity = None
+    rollout = None
+    for mixed in _mixed_layers(layers, head_fusion, discard_ratio, num_prefix_tokens):
+        rollout = mixed if rollout is None else mixed @ rollout  # the first: its product with I, exactly
+    if rollout is None:
+        raise AnalysisError("rollout needs the attention of at least one layer")
+    return rollout
+
+
+def rollout_rows(
+    layers: Iterable[torch.Tensor],
+    queries: torch.Tensor,
+    head_fusion: str = "mean",
+    discard_ratio: float = 0.0,
+    *,
+    num_prefix_tokens: int = 1,
+) -> torch.Tensor:
+    """(B, Q, N): ``queries`` (B, Q, N), weights over the tokens (a class token's row: 1 at
+    token 0), times :func:`streamed_rollout` of the same layers, without the (N, N) product: each
+    layer's mixed matrix is held and the rows are carried from the last layer down, Q N^2 a layer
+    instead of N^3 (at 1,378 tokens a ViT-S/14's rollout costs as much as its forward pass)."""
+    if not 0.0 <= discard_ratio < 1.0:
+        raise AnalysisError(f"discard_ratio must be in [0, 1), not {discard_ratio}")
+    if head_fusion not in HEAD_FUSIONS:
+        raise AnalysisError(f"head_fusion must be one of {', '.join(HEAD_FUSIONS)}, not {head_fusion!r}")
+    mixed = list(_mixed_layers(layers, head_fusion, discard_ratio, num_prefix_tokens))
+    if not mixed:
+        raise AnalysisError("rollout needs the attention of at least one layer")
+    rows = queries.to(mixed[0])
+    for matrix in reversed(mixed):
+        rows = rows @ matrix
+    return rows
+
+
+def _mixed_layers(
+    layers: Iterable[torch.Tensor], head_fusion: str, discard_ratio: float, num_prefix_tokens: int
+) -> Iterable[torch.Tensor]:
+    """Each layer's (B, N, N) rollout step: heads fused, the smallest share discarded, the
+    residual added as 0.5 * A + 0.5 * I, rows renormalised."""
+    identity = None
     for attention in layers:
         if attention.ndim != 4 or attention.shape[-1] != attention.shape[-2]:
             raise AnalysisError(f"a layer's attention must have shape (B, H, N, N), not {tuple(attention.shape)}")
@@ -102,11 +140,7 @@ def streamed_rollout(
         fused = _fuse_heads(full_precision(attention), head_fusion)  # (B, N, N)
         fused = _discard_smallest(fused, discard_ratio, num_prefix_tokens)
         mixed = 0.5 * fused + 0.5 * identity
-        mixed = mixed / mixed.sum(dim=-1, keepdim=True)
-        rollout = mixed if rollout is None else mixed @ rollout  # the first: its product with I, exactly
-    if rollout is None:
-        raise AnalysisError("rollout needs the attention of at least one layer")
-    return rollout
+        yield mixed / mixed.sum(dim=-1, keepdim=True)
 
 
 def _target_indices(logits: torch.Tensor, target: int | Sequence[int] | torch.Tensor | None):

@@ -101,8 +101,14 @@ def _inspect(args: argparse.Namespace, texts: list[str] | None, writer) -> int:
 
     # The layer's internals, when asked for, come from this same pass.
     captured = capture(model, x, layers=(), internals=None if inside is None else layer)
-    streamed = _InspectedLayers.of(model, captured, args, keep={layer, *(saved_layers or ())})
-    figs, arrays, summary, tested = _inspect_figures(model, x, captured, streamed, layer, inside, args)
+    figs = _Figures(writer if args.format == "png" else None)
+    # What needs no layer's attention is drawn first, so that Chromium renders it during the pass
+    # over the layers.
+    arrays = _draw_before_the_layers(figs, model, x, captured)
+    streamed = _InspectedLayers.of(
+        model, captured, args, keep={layer, *(saved_layers or ())}, whole_rollout=saved_layers is not None
+    )
+    summary, tested = _inspect_figures(figs, arrays, model, x, captured, streamed, layer, inside, args)
     score = None
     if texts is not None:
         word_figures, word_arrays, said, word_maps, score = _inspect_words(model, args.weights, x, captured, texts)
@@ -167,16 +173,18 @@ def _tensor_layers(text: str, layer: int, depth: int) -> tuple[int, ...]:
 @dataclass
 class _InspectedLayers:
     """What inspect reads of every layer's attention, from one pass over the layers (each computed
-    from the captured tokens and dropped once read): rollout, distance and entropy per head, and
-    the attention (float16) of the layers ``kept`` (the one drawn, those written)."""
+    from the captured tokens and dropped once read): the rollout's map of the query drawn,
+    distance and entropy per head, and the attention (float16) of the layers ``kept`` (the one
+    drawn, those written)."""
 
-    rollout: Any  # (1, N, N)
+    rollout_map: Any  # (gh, gw)
+    rollout: Any  # (1, N, N) the whole rollout, for capture.npz only (--tensors); else None
     distance: Any  # (L, H) pixels
     entropy: Any  # (L, H) nats
     kept: dict  # layer -> (1, H, N, N) float16
 
     @classmethod
-    def of(cls, model, captured, args: argparse.Namespace, keep: set[int]) -> _InspectedLayers:
+    def of(cls, model, captured, args: argparse.Namespace, keep: set[int], whole_rollout: bool) -> _InspectedLayers:
         import torch
 
         from .. import analysis
@@ -184,27 +192,60 @@ class _InspectedLayers:
 
         distances, entropies, kept = [], [], {}
         config = model.config
+        prefix, (grid_h, grid_w) = captured.num_prefix_tokens, captured.grid_size
 
         def layers():
             for index, attention in enumerate(layer_attentions(model, captured)):  # (1, H, N, N)
-                distances.append(analysis.head_distances(
-                    attention, captured.grid_size, config.patch_size, captured.num_prefix_tokens
-                ))
+                distances.append(analysis.head_distances(attention, captured.grid_size, config.patch_size, prefix))
                 entropies.append(analysis.head_entropies(attention)[0])
                 if index in keep:
                     kept[index] = attention.half()
                 yield attention
 
-        rollout = analysis.streamed_rollout(
-            layers(), args.head_fusion, args.discard_ratio, num_prefix_tokens=captured.num_prefix_tokens
+        # The query the rollout is drawn for, as weights over the tokens: what the attention pool's
+        # probe reads, the class token, or the mean of the patch queries.
+        query = torch.zeros(1, 1, captured.num_tokens)
+        if captured.pool_attentions is not None:
+            query[0, 0, prefix:] = captured.pool_attentions.float().mean(dim=1)[0, 0]
+        elif config.class_token:
+            query[0, 0, 0] = 1.0
+        else:
+            query[0, 0, prefix:] = 1.0 / (grid_h * grid_w)
+        fusion = dict(head_fusion=args.head_fusion, discard_ratio=args.discard_ratio, num_prefix_tokens=prefix)
+        rollout = analysis.streamed_rollout(layers(), **fusion) if whole_rollout else None
+        # Without --tensors the row alone: L N^2 instead of the N^3 product (at 518 px as much as the pass).
+        row = query @ rollout if whole_rollout else analysis.rollout_rows(layers(), query, **fusion)  # (1, 1, N)
+        rollout_map = row[0, 0, prefix:].reshape(grid_h, grid_w)
+        return cls(rollout_map, rollout, torch.stack(distances), torch.stack(entropies), kept)
+
+
+def _draw_before_the_layers(figs: _Figures, model, x, captured) -> dict:
+    """The figures of the model and the captured tokens, which need no layer's attention: the
+    largest (the position embeddings' similarity, a PNG of (gh*gw)^2 values) first; the arrays
+    capture.npz would add (the tokens' norms)."""
+    from .. import analysis, figures
+
+    config = model.config
+    prefix = captured.num_prefix_tokens
+    image = analysis.display_image(x, config)
+    if model.pos_embed is not None:  # rotary positions have no embeddings to compare
+        figs["position_similarity"] = figures.position_similarity_grid(analysis.position_embedding_similarity(model))
+    figs["input_grid"] = figures.image_with_grid(image, captured.grid_size)
+    figs["embedding_filters"] = figures.embedding_filters_figure(analysis.embedding_filters(model))
+    figs["token_pca"] = figures.token_pca_image(analysis.token_pca(captured.tokens[0, -1, prefix:], captured.grid_size), image)
+    norms = analysis.token_norms(captured.tokens[0])  # (L+1, N)
+    for block in sorted({config.depth // 2 - 1, config.depth - 1}):
+        figs[f"token_norms_layer{block}"] = figures.token_norms_figure(
+            norms[block + 1], captured.grid_size, prefix, layer=block,
+            class_token=config.class_token, dist_token=config.dist_token,
         )
-        return cls(rollout, torch.stack(distances), torch.stack(entropies), kept)
+    return dict(token_norms=norms[None].numpy())
 
 
-def _inspect_figures(model, x, captured, streamed: _InspectedLayers, layer: int, inside, args: argparse.Namespace):
-    """(figures by file name, the arrays capture.npz would add, the line to print, the maps written
-    by name for --faithfulness: the layer's attention (the heads' mean), rollout, the attribution
-    and the sharpest head's mask)."""
+def _inspect_figures(figs: _Figures, arrays: dict, model, x, captured, streamed: _InspectedLayers, layer: int, inside, args: argparse.Namespace):
+    """The figures of the layers' attention and the prediction, added to ``figs``, and the arrays
+    capture.npz would add to ``arrays``; (the line to print, the maps written by name for --faithfulness: the
+    layer's attention (the heads' mean), rollout, the attribution and the sharpest head's mask)."""
     from .. import analysis, figures
     from ..model.internals import activation_name
 
@@ -215,14 +256,11 @@ def _inspect_figures(model, x, captured, streamed: _InspectedLayers, layer: int,
         # The attention pool's probe reads for the head, as a class token would.
         query, where, name = "attention-pool probe", "the pooling head", "attention_pool_probe"
         maps = analysis.pool_maps(captured)
-        rollout_map = analysis.pool_rollout_map(captured.pool_attentions, streamed.rollout, captured.grid_size, prefix)[0]
     else:
         query, where, name = ("class token" if config.class_token else "mean patch query"), layer, f"attention_heads_layer{layer}"
         maps = analysis.query_map(streamed.kept[layer][0], captured.grid_size, prefix, class_token=config.class_token)
-        rollout_map = analysis.query_map(streamed.rollout, captured.grid_size, prefix, class_token=config.class_token)[0]
-    norms = analysis.token_norms(captured.tokens[0])  # (L+1, N)
-    figs = {
-        "input_grid": figures.image_with_grid(image, captured.grid_size),
+    rollout_map = streamed.rollout_map
+    figs.update({
         name: figures.attention_heads_grid(image, maps, layer=where, query=query),
         "attention_masks": figures.attention_masks_grid(
             image, analysis.attention_mask_by_mass(maps, args.mass), args.mass, layer=where, query=query,
@@ -232,16 +270,7 @@ def _inspect_figures(model, x, captured, streamed: _InspectedLayers, layer: int,
         ),
         "mean_attention_distance": figures.layer_head_scatter(streamed.distance, "Mean attention distance per head", "pixels"),
         "attention_entropy": figures.layer_head_heatmap(streamed.entropy, "Attention entropy per head", "nats"),
-        "embedding_filters": figures.embedding_filters_figure(analysis.embedding_filters(model)),
-        "token_pca": figures.token_pca_image(analysis.token_pca(captured.tokens[0, -1, prefix:], captured.grid_size), image),
-        **{
-            f"token_norms_layer{block}": figures.token_norms_figure(
-                norms[block + 1], captured.grid_size, prefix, layer=block,
-                class_token=config.class_token, dist_token=config.dist_token,
-            )
-            for block in sorted({config.depth // 2 - 1, config.depth - 1})
-        },
-    }
+    })
     from ..analysis.faithfulness import sharpest_mask
 
     last = "the pool's attention" if captured.pool_attentions is not None else (
@@ -249,8 +278,6 @@ def _inspect_figures(model, x, captured, streamed: _InspectedLayers, layer: int,
     )
     head, mask = sharpest_mask(maps, args.mass)
     tested = {last: maps.float().mean(0), "rollout": rollout_map, f"head {head}'s mask": mask}
-    if model.pos_embed is not None:  # rotary positions have no embeddings to compare
-        figs["position_similarity"] = figures.position_similarity_grid(analysis.position_embedding_similarity(model))
     if inside is not None:
         head, token, query_patch = inside
         labels = figures.token_labels(captured.num_tokens, prefix, config.class_token, config.dist_token)
@@ -261,11 +288,10 @@ def _inspect_figures(model, x, captured, streamed: _InspectedLayers, layer: int,
             **figures.softmax_scale_figures(image, steps, captured.grid_size, labels, head, token, 1.0, query_patch),
         }
         figs.update({f"inside_layer{layer}_{name}": figure for name, figure in inside_figures.items()})
-    arrays = dict(token_norms=norms[None].numpy())
     if not config.num_classes:
         summary = ("no classifier (num_classes=0), so no prediction, attribution or logit lens;"
                    f" features of {config.embed_dim} dimensions")
-        return figs, arrays, summary, tested
+        return summary, tested
     relevance = analysis.attribution(model, x)[0]  # (gh, gw) for the predicted class
     tested = {**dict(list(tested.items())[:2]), "attribution": relevance, **dict(list(tested.items())[2:])}
     probabilities = captured.logits[0].softmax(dim=-1)
@@ -280,7 +306,7 @@ def _inspect_figures(model, x, captured, streamed: _InspectedLayers, layer: int,
     })
     arrays["attribution"] = relevance[None].numpy()
     top = analysis.top_k(captured.logits[0], class_names, k=1)[0]
-    return figs, arrays, f"predicted {top[0]} ({top[1]:.1%})", tested
+    return f"predicted {top[0]} ({top[1]:.1%})", tested
 
 
 def _has_text_tower(weights: str) -> bool:
@@ -395,9 +421,27 @@ def _png_writer(out: Path):
         return None
 
 
-def _write_inspected(figs: dict, out: Path, image_format: str, writer) -> list[Path]:
-    """The figures written to ``out`` as PNG (through ``writer``, started earlier), or as HTML
-    without a browser or when export fails."""
+class _Figures(dict):
+    """The figures by file name; each is handed to the PNG ``writer`` (when there is one) as soon
+    as it is drawn, so that Chromium renders while the rest is computed."""
+
+    def __init__(self, writer):
+        super().__init__()
+        self.writer = writer
+
+    def __setitem__(self, name: str, fig) -> None:
+        super().__setitem__(name, fig)
+        if self.writer is not None:
+            self.writer.write(name, fig)
+
+    def update(self, figs: dict) -> None:
+        for name, fig in figs.items():
+            self[name] = fig
+
+
+def _write_inspected(figs: _Figures, out: Path, image_format: str, writer) -> list[Path]:
+    """The figures written to ``out`` as PNG (handed to ``writer``, started earlier, as they were
+    drawn), or as HTML without a browser or when export fails."""
     from .. import figures
 
     out.mkdir(parents=True, exist_ok=True)
@@ -408,8 +452,6 @@ def _write_inspected(figs: dict, out: Path, image_format: str, writer) -> list[P
     if image_format != "png":
         return list(figures.write_figures(figs, out, image_format))
     try:
-        for name, fig in figs.items():
-            writer.write(name, fig)
         return writer.close()
     except figures.FigureExportError as error:
         print(f"{error}; writing HTML figures instead", file=sys.stderr)
