@@ -4,7 +4,7 @@ import streamlit as st
 from vit_explorer import analysis, figures
 from vit_explorer.analysis import dense_pca as dense
 from vit_explorer.analysis import image_set as sets
-from vit_explorer.app import costs, jobs, models, session
+from vit_explorer.app import costs, jobs, models, probe, session
 from vit_explorer.app.memo import memo
 
 base = session.selection().base_model.config
@@ -123,9 +123,10 @@ st.write(
     " layer's patch tokens after the final norm, a PCA with three whitened components (each of unit"
     " variance over the foreground) fitted on the foreground patches only, every patch coloured"
     " sigmoid(2x) of its components, the background black. Their foreground comes from a classifier"
-    " trained on their data; here it is the side of the tokens' first principal component away from"
-    " the picture's border, median-filtered 3 x 3 as theirs. They read the picture 768 px high at its"
-    " own aspect ratio, which shows far more patches than a model's usual input."
+    " trained on their data; here it is your own once you label this picture on the Probe page, else"
+    " the side of the tokens' first principal component away from the picture's border,"
+    " median-filtered 3 x 3 as theirs. They read the picture 768 px high at its own aspect ratio,"
+    " which shows far more patches than a model's usual input."
 )
 input_h, input_w = config.img_size
 high = dense.aspect_size(selection.image.size, config.patch_size)
@@ -173,16 +174,23 @@ else:
 if read is not None:
     features, picture, grid = read
     size = f"{picture.shape[0]}x{picture.shape[1]} px"
-    pca = selection.memo("dense pca", resolution, flip, compute=lambda: dense.dense_pca(
-        [features], [grid], dense.foreground_masks([features], [grid], flip)
+    probed = probe.of_the_picture(selection)  # where this picture has labels of its own (the Probe page)
+    probe_key = None if probed is None else probed.key
+    pca = selection.memo("dense pca", resolution, flip, probe_key, compute=lambda: dense.dense_pca(
+        [features], [grid],
+        dense.foreground_masks([features], [grid], flip) if probed is None else probe.foreground_masks(probed.probe, [grid]),
     ))
-    st.plotly_chart(selection.memo("dense pca figure", resolution, flip, compute=lambda: figures.dense_pca_grid(
+    st.plotly_chart(selection.memo("dense pca figure", resolution, flip, probe_key, compute=lambda: figures.dense_pca_grid(
         [picture], pca.colours, [f"input, {size}"], f"at {size}: 3 whitened components of the foreground, sigmoid(2x)",
     )))
+    foreground_source = (
+        "the first principal component's side away from the border, median-filtered 3 x 3" if probed is None else
+        f"where your probe (the Probe page, on the tokens after {probed.layer} layers) finds '{probed.probe.names[0]}'"
+        + ("" if resolution == "input" else ", its probabilities stretched to this grid")
+    )
     st.caption(
-        f"{grid[0]} x {grid[1]} patches, {int(pca.foreground[0].sum())} of them foreground (the first principal"
-        " component's side away from the border, median-filtered 3 x 3): the PCA is fitted on those and"
-        " every patch projected; the background is black."
+        f"{grid[0]} x {grid[1]} patches, {int(pca.foreground[0].sum())} of them foreground ({foreground_source}):"
+        " the PCA is fitted on those and every patch projected; the background is black."
     )
 
 left, right = st.columns(2)

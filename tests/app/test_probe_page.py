@@ -161,3 +161,22 @@ def test_the_dense_pca_takes_its_foreground_from_the_probe(tiny_default):
     app.session_state["probe_labels"] = {}
     app.run()
     assert "the joint first principal component's side away from the borders" in said(app)
+
+
+def test_the_patches_page_dense_pca_takes_its_foreground_from_this_pictures_probe(tiny_default):
+    app = with_labels({**labels(0), **labels(1)})  # the sidebar's picture is the set's first
+    layer = widget(app.slider, "Tokens after this many layers").value
+    app.switch_page("views/patches.py").run()
+    assert not app.exception
+    assert f"where your probe (the Probe page, on the tokens after {layer} layers) finds 'object'" in said(app)
+    # The probe of this picture alone, on its own labels.
+    tokens = set_tokens(tiny_default)[:1]
+    used = [(key, patch, label) for (key, patch), label in sorted(labels(0).items())]
+    probe = fit_probe(tokens[:, layer], used, grid_size=(8, 8), num_prefix_tokens=1, images=KEYS[:1],
+                      names=("object", "background"))
+    count = int((probe.foreground(0)[0] > 0.5).sum())
+    assert f"8 x 8 patches, {count} of them foreground (where your probe" in said(app)
+    # Labels on other pictures only: the border heuristic.
+    app.session_state["probe_labels"] = {(8, 8): labels(1)}
+    app.run()
+    assert "of them foreground (the first principal component's side away from the border" in said(app)

@@ -3,7 +3,8 @@ clicked as "object", "background" or labels of their own (this session's, never 
 or a bad fit), the probe fitted on one layer's tokens of the set (ImageSet.tokens: no forward
 pass once the set is read) and its accuracy across the layers, both once for everybody through
 ``memo`` keyed by the set, the layer and the labels; and the probe's foreground, which DINOv3's
-dense PCA uses instead of its border heuristic (the Several images page).
+dense PCA uses instead of its border heuristic (the Several images page's set, and the Patches
+page's picture alone).
 
 Labels are kept per patch grid, as (image key, patch) -> label name: another set keeps them, a
 label on an image no longer in the set (or with a name no longer one of the labels) is set aside,
@@ -201,6 +202,12 @@ def current(image_set: ImageSet) -> Current | None:
         return Current(fit(image_set, labels, label_names, layer), layer, (layer, labels.digest, label_names))
     except AnalysisError:
         return None
+
+
+def of_the_picture(selection: Selection) -> Current | None:
+    """This session's probe of the sidebar's picture alone, on its own labels (the Patches page's
+    DINOv3 PCA); None where it has none it can use."""
+    return current(ImageSet(selection, (selection.image_key,), (selection.image,)))
 
 
 def foreground_masks(found: Probe, grids: list[tuple[int, int]]) -> list[torch.Tensor]:
