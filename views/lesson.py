@@ -311,7 +311,16 @@ def many_heads() -> None:
     st.plotly_chart(selection.memo("lesson heads grid", last, query, compute=lambda: figures.attention_heads_grid(
         image, maps, layer=last, query=followed, query_patch=query_patch,
     )))
-    distances, entropies = selection.head_statistics()  # (depth, heads) each, over every query
+    # Every head measured: read from the capture where it holds every layer, else a job (app.costs).
+    statistics = selection.cached_head_statistics()
+    if statistics is None and costs.is_heavy(config, forwards=costs.head_statistics_forwards(config)):
+        statistics = jobs.head_statistics(selection, "Measure every head")
+    elif statistics is None:
+        statistics = selection.head_statistics()
+    if statistics is None:  # the job's button or progress stands in their place
+        lesson.explore_button("views/attention.py", "Attention", layer=last, query=query)
+        return
+    distances, entropies = statistics  # (depth, heads) each, over every query
     near, far = int(distances[last].argmin()), int(distances[last].argmax())
     focused, spread = int(entropies[last].argmin()), int(entropies[last].argmax())
     st.write(

@@ -58,6 +58,24 @@ def test_a_random_model_says_its_attention_is_uniform_and_its_prediction_a_guess
     assert sum(bool(CHANCE.search(note)) for note in shown) == 1, shown
 
 
+def test_the_uniform_note_never_measures_every_head_where_the_capture_does_not_hold_every_layer(monkeypatch):
+    """Where a page's capture keeps the tokens only (a DINOv3 at 768 px), the Pipeline's note does not
+    compute every layer's attention again: it appears once the heads are measured (the Attention page)."""
+    from vit_explorer.app import memo, models, selection
+
+    memo.shared_results().clear()
+    monkeypatch.setattr(models, "KEEP_EVERY_LAYER_BYTES", 0)
+    measured = []
+    original = selection.streamed_head_statistics
+    monkeypatch.setattr(selection, "streamed_head_statistics", lambda *a, **k: measured.append(1) or original(*a, **k))
+    app = open_page("views/pipeline.py")
+    assert measured == [] and not [note for note in notes(app) if UNIFORM.search(note)]
+    app.switch_page("views/attention.py").run()  # its view measures every head (quick here)
+    assert measured == [1]
+    app.switch_page("views/pipeline.py").run()
+    assert measured == [1] and sum(bool(UNIFORM.search(note)) for note in notes(app)) == 1
+
+
 @pytest.mark.skipif(not train.DEFAULT_WEIGHTS.is_file(), reason="the shipped model is not there yet")
 @pytest.mark.parametrize("page", ["views/pipeline.py", "views/attention.py"])
 def test_the_trained_model_on_a_sample_it_gets_right_shows_neither_note(monkeypatch, page):

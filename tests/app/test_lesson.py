@@ -214,6 +214,21 @@ def test_the_head_question_shows_at_once_and_its_sweep_is_asked_for_as_a_job(mon
     assert "that head ranks" in said(app) and len(list(jobs.job_board().folder.glob("*/record.json"))) == 1
 
 
+def test_every_heads_measures_are_a_job_where_they_are_heavy(monkeypatch):
+    """Step 6 on a model whose measures of every head are heavy (the tiny model as a ViT-B's would be,
+    its capture holding the tokens only): the button of their job, no measure in the server."""
+    from vit_explorer.app import memo, models, selection
+
+    memo.shared_results().clear()
+    monkeypatch.setattr(costs, "QUICK_COST", 1.0)
+    monkeypatch.setattr(costs, "HEAVY_FORWARDS", 0.1)
+    monkeypatch.setattr(models, "KEEP_EVERY_LAYER_BYTES", 0)
+    monkeypatch.setattr(selection, "streamed_head_statistics", lambda *a, **k: pytest.fail("measured in the server"))
+    app = open_lesson(6)
+    assert [button.label for button in app.button if button.label == "Measure every head"]
+    assert "Measured over every query of this image" not in said(app)
+
+
 def test_the_explore_links_open_their_pages_on_the_steps_layer_head_and_query():
     app = open_lesson(5)
     head = app.selectbox(key="lesson_head").set_value(2).run().selectbox(key="lesson_head").value

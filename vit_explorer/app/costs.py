@@ -190,6 +190,13 @@ def model_view_cost(config, captured: bool = False, statistics: bool = False) ->
     return macs
 
 
+def head_statistics_forwards(config) -> float:
+    """Every head's distance and entropy on one captured image (Selection.head_statistics), in
+    passes of its model: every layer's weights read, computed again from the tokens first where
+    the capture does not keep them."""
+    return forwards(config, cost.layers_cost(config, kept=models.keeps_every_layer(config)))
+
+
 def attention_view_forwards(config, statistics: bool = False) -> float:
     """The Attention page's first view in passes of its model (:func:`model_view_cost`): with
     ``statistics``, all it draws unasked; without, what is left once every head's distance and

@@ -465,8 +465,16 @@ def unreadable_photo_reason(selection: Selection) -> str | None:
 
 def uniform_attention_caveat(selection: Selection) -> str | None:
     """One sentence when the model's heads spread their attention almost evenly over all tokens
-    on this image (their mean entropy near the uniform log N), as an untrained model's do; else None."""
-    evenness = entropy_evenness(selection.head_statistics()[1], selection.capture().num_tokens)
+    on this image (their mean entropy near the uniform log N), as an untrained model's do; else None.
+    The entropies are read where the page's capture holds every layer's attention, or taken where
+    another page or a job measured them; a side note never computes every layer's attention again
+    (for a DINOv3-shaped ViT-S/16 at 768 px that alone took the Pipeline's first view past 3 passes)."""
+    statistics = selection.cached_head_statistics()
+    if statistics is None and models.keeps_every_layer(selection.config):
+        statistics = selection.head_statistics()
+    if statistics is None:
+        return None
+    evenness = entropy_evenness(statistics[1], selection.capture().num_tokens)
     if not near_uniform(evenness):
         return None
     return (
