@@ -494,6 +494,20 @@ def test_randomized_principal_axes_are_the_full_svds():
     assert axes[:2].norm(dim=1).allclose(torch.ones(2)) and torch.equal(axes[2], torch.zeros(64))
 
 
+def test_principal_axes_of_fewer_samples_than_features_are_the_full_svds():
+    """The patch-embedding kernels at a large patch size: the Gram matrix's axes, the SVD's, and
+    zero past the samples' rank."""
+    generator = torch.Generator().manual_seed(0)
+    samples = torch.randn(40, 500, generator=generator) * torch.logspace(1, -1, 500)
+    centred = samples - samples.mean(dim=0)
+    vh = torch.linalg.svd(centred, full_matrices=False).Vh[:5]
+    expected = vh * torch.where(vh.gather(1, vh.abs().argmax(dim=1, keepdim=True)) < 0, -1.0, 1.0)
+    torch.testing.assert_close(analysis.tokens.principal_axes(samples, 5), expected, atol=1e-5, rtol=0)
+    plane = torch.randn(40, 2, generator=generator) @ torch.randn(2, 500, generator=generator)
+    axes = analysis.tokens.principal_axes(plane, 3)
+    assert axes[:2].norm(dim=1).allclose(torch.ones(2)) and torch.equal(axes[2], torch.zeros(500))
+
+
 def test_token_norms_and_top_k_by_hand():
     assert torch.equal(analysis.token_norms(torch.tensor([[3.0, 4.0], [0.0, 0.0]])),
                        torch.tensor([5.0, 0.0]))

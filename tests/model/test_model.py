@@ -127,6 +127,15 @@ def test_the_pi_resize_operator_is_computed_once_per_pair_of_sizes():
     assert first.shape == (64, 16)
 
 
+@pytest.mark.parametrize("old, new", [(16, 224), (16, 56), (14, 32), (16, 8), (4, 3)])
+def test_the_pi_resize_operator_is_the_pseudo_inverse(old, new):
+    """Enlarging takes a solve with the Gram matrix instead of an SVD: still pinv(B^T)."""
+    from vit_explorer.model.vit import pi_resize_operator, resize_matrix
+
+    expected = torch.linalg.pinv(resize_matrix((old, old), (new, new)))
+    torch.testing.assert_close(pi_resize_operator(old, new), expected, atol=1e-12, rtol=0)
+
+
 def test_importing_the_package_makes_idle_openmp_threads_sleep_unless_told_otherwise():
     """A server's concurrent passes must not lose the cores to spinning OpenMP threads; the setting
     only works if it is made before torch loads, which importing vit_explorer first guarantees."""

