@@ -456,6 +456,22 @@ def test_embedding_filters_recover_the_principal_directions():
         analysis.embedding_filters(model, k=0)
 
 
+@pytest.mark.parametrize("patch_size", [8, 16, 2])
+def test_embedding_filters_at_another_patch_size_are_the_resized_models(patch_size):
+    """From the kernels at their own size (an enlarged patch: the Gram matrix in the resize's
+    metric), the filters of the model PI-resized to that patch size."""
+    model = tiny_model(embed_dim=24, num_heads=2, image_size=(16, 16), patch_size=4)
+    generator = torch.Generator().manual_seed(0)
+    u = torch.linalg.qr(torch.randn(24, 24, generator=generator)).Q
+    v = torch.linalg.qr(torch.randn(48, 24, generator=generator)).Q
+    with torch.no_grad():  # kernels whose spread falls off, so that each axis is well defined
+        kernels = u @ torch.diag(torch.logspace(1, -1, 24)) @ v.T
+        model.patch_embed.proj.weight.copy_(rearrange(kernels, "d (c p q) -> d c p q", c=3, p=4))
+    resized = vx.resize_model(model, patch_size=patch_size)
+    expected = analysis.embedding_filters(resized, k=6)
+    torch.testing.assert_close(analysis.embedding_filters(model, k=6, patch_size=patch_size), expected, atol=1e-4, rtol=0)
+
+
 def test_token_pca_colours_tokens_along_their_main_direction():
     direction = torch.tensor([0.0, 2.0, -1.0, 0.5])
     direction = direction / direction.norm()

@@ -11,7 +11,7 @@ from einops import rearrange
 
 from ..model.capture import Capture
 from ..model.recorder import eval_mode
-from ..model.vit import ViT
+from ..model.vit import ViT, pi_resize_operator, resample_patch_embed
 from .checks import AnalysisError
 
 
@@ -85,7 +85,13 @@ def principal_axes(samples: torch.Tensor, k: int, randomized: bool = False) -> t
         singular, vh = _wide_svd(centred, k)  # (k, F)
     else:
         _, singular, vh = torch.linalg.svd(centred, full_matrices=False)  # (min(M, F), F)
-    tolerance = singular.amax() * max(centred.shape) * torch.finfo(centred.dtype).eps
+    return _oriented(singular, vh, k, tuple(centred.shape), centred.dtype)
+
+
+def _oriented(singular: torch.Tensor, vh: torch.Tensor, k: int, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    """(k, F) axes from an (M, F) matrix's singular values and leading right singular vectors:
+    zero past its numerical rank, each signed so that its largest entry is positive."""
+    tolerance = singular.amax() * max(shape) * torch.finfo(dtype).eps
     axes = vh[:k] * (singular[:k, None] > tolerance)
     largest = axes.gather(1, axes.abs().argmax(dim=1, keepdim=True))
     axes = axes * torch.where(largest < 0, -1.0, 1.0)
@@ -94,19 +100,25 @@ def principal_axes(samples: torch.Tensor, k: int, randomized: bool = False) -> t
     return axes
 
 
-def _wide_svd(matrix: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _wide_svd(matrix: torch.Tensor, k: int, right=None) -> tuple[torch.Tensor, torch.Tensor]:
     """The singular values (M,) and the ``k`` leading right singular vectors (k, F) of an (M, F)
     matrix with M < F, from the eigenvectors U of its (M, M) Gram matrix in float64 (V = M^T U /
     s): one matrix product where LAPACK's SVD bidiagonalises the whole matrix, single-threaded (a
     ViT-B/16's 768 kernels at patch 224, F = 150,528: 12.7 s; at patch 56, 1.4 s; the Patches
-    page's slider took its p95 to 9 s in a class)."""
+    page's slider took its p95 to 9 s in a class).
+
+    ``right``: (R, apply) for the matrix times R (M, F) -> (M, F'), given R R^T (F, F) and
+    ``apply``, a function that multiplies by R: the singular vectors of that product, whose
+    Gram matrix is M (R R^T) M^T, without forming it (kernels PI-resized to a larger patch)."""
     wide = matrix.double()
-    eigenvalues, vectors = torch.linalg.eigh(wide @ wide.T)  # ascending
+    metric, apply = right if right is not None else (None, lambda rows: rows)
+    gram = wide @ wide.T if metric is None else wide @ metric.double() @ wide.T
+    eigenvalues, vectors = torch.linalg.eigh(gram)  # ascending
     singular = eigenvalues.flip(0).clamp(min=0).sqrt()
     leading = singular[:k]
     # Directions with no spread (past the rank) stay zero rather than noise over nothing.
     spread = leading > leading[0] * max(matrix.shape) * torch.finfo(matrix.dtype).eps
-    vh = (vectors.flip(1)[:, :k].T @ wide) / torch.where(spread, leading, 1.0)[:, None]
+    vh = apply(vectors.flip(1)[:, :k].T @ wide) / torch.where(spread, leading, 1.0)[:, None]
     return singular.to(matrix.dtype), (vh * spread[:, None]).to(matrix.dtype)
 
 
@@ -125,18 +137,36 @@ def _randomized_svd(matrix: torch.Tensor, rank: int) -> tuple[torch.Tensor, torc
 
 
 @torch.no_grad()
-def embedding_filters(model: ViT, k: int = 28) -> torch.Tensor:
+def embedding_filters(model: ViT, k: int = 28, patch_size: int | None = None) -> torch.Tensor:
     """(k, p, p, C) principal components of the patch-embedding kernels, as images (ViT paper
     Fig. 7 left: RGB filters for C = 3), each scaled to [0, 1] for display.
 
     The D kernels (C, p, p) are the samples; k is capped at their rank bound min(D, C*p*p).
+    ``patch_size``: those of the kernels PI-resized to that patch size (what ``model(x,
+    patch_size)`` embeds with, FlexiViT), from the kernels at their own size: enlarged ones' Gram
+    matrix is the kernels' in the resize's metric (p_own^2 values each, not p^2).
     """
     weight = model.patch_embed.proj.weight.detach().float().cpu()  # (D, C, p, p)
-    embed_dim, channels, patch, _ = weight.shape
+    embed_dim, channels, own, _ = weight.shape
+    patch = own if patch_size is None else patch_size
     if k < 1:
         raise AnalysisError(f"k must be at least 1, not {k}")
     k = min(k, embed_dim, channels * patch * patch)
-    axes = principal_axes(rearrange(weight, "d c p1 p2 -> d (c p1 p2)"), k)  # (k, C*p*p)
+    if patch > own:
+        operator = pi_resize_operator(own, patch)  # (p^2, own^2) float64: w' = operator w per channel
+        kernels = rearrange(weight, "d c p1 p2 -> d (c p1 p2)")
+        centred = kernels - kernels.mean(dim=0, keepdim=True)
+        metric = torch.block_diag(*[operator.T @ operator] * channels)  # (C own^2, C own^2)
+
+        def resized(rows: torch.Tensor) -> torch.Tensor:  # (k, C own^2) -> (k, C p^2)
+            return rearrange(rearrange(rows, "k (c q) -> k c q", c=channels) @ operator.T, "k c q -> k (c q)")
+
+        singular, vh = _wide_svd(centred, k, (metric, resized))
+        axes = _oriented(singular, vh, k, (embed_dim, channels * patch * patch), weight.dtype)
+    else:
+        if patch != own:
+            weight = resample_patch_embed(weight, patch)
+        axes = principal_axes(rearrange(weight, "d c p1 p2 -> d (c p1 p2)"), k)  # (k, C*p*p)
     filters = rearrange(axes, "k (c p1 p2) -> k p1 p2 c", c=channels, p1=patch, p2=patch)
     return scale_to_unit(filters, dims=(1, 2, 3))
 
