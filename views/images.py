@@ -37,16 +37,8 @@ try:
 except ValueError as error:
     st.info(str(error))
     st.stop()
-unread = len(image_set.unread())
-cost = costs.set_forwards(image_set)
-if costs.is_heavy(config, forwards=cost):
-    st.write(
-        f"Pictures no page has read with this model yet: {unread}, about {cost:.0f} forward passes. They are"
-        " read when you ask, beside the server, so that the pages stay quick for everybody, and then serve everyone."
-    )
-    if not jobs.image_tokens(image_set, "Read the pictures"):
-        st.stop()
-image_set.image_tokens()
+if not jobs.read_set(image_set):  # in the server where light, else a job
+    st.stop()
 display = image_set.display_images()
 labels = [f"{index + 1}. {options[key].split(': ')[-1]}" for index, key in enumerate(chosen)]
 grid_size = config.grid_size

@@ -5,7 +5,7 @@ import streamlit as st
 
 from vit_explorer import figures
 from vit_explorer.analysis import AnalysisError
-from vit_explorer.app import costs, images, jobs, probe, session
+from vit_explorer.app import images, jobs, probe, session
 
 selection = session.selection()
 config = selection.config
@@ -33,15 +33,8 @@ try:
 except ValueError as error:
     st.info(str(error))
     st.stop()
-unread = len(image_set.unread())
-if costs.is_heavy(config, forwards=unread):
-    st.write(
-        f"Pictures no page has read with this model yet: {unread}, about {unread} forward passes. They are read when"
-        " you ask, beside the server, so that the pages stay quick for everybody, and then serve everyone."
-    )
-    if not jobs.image_tokens(image_set, "Read the pictures"):
-        st.stop()
-image_set.image_tokens()
+if not jobs.read_set(image_set):  # in the server where light, else a job
+    st.stop()
 display = image_set.display_images()
 count = len(image_set.image_keys)
 titles = [f"{index + 1}. {options[key].split(': ')[-1]}" for index, key in enumerate(chosen)]

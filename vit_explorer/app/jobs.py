@@ -106,6 +106,23 @@ def image_tokens(image_set: ImageSet, label: str) -> bool:
     return as_job(image_set.selection, spec, keys, label, image_set.model_input()[unread]) is not None
 
 
+def read_set(image_set: ImageSet) -> bool:
+    """The set's tokens read (Several images, the Probe page): in the server where that is light
+    (costs.set_forwards), else as a job (:func:`image_tokens`) with a sentence on why; whether
+    they are all there (else the job's button or progress is drawn in their place)."""
+    cost = costs.set_forwards(image_set)
+    if costs.is_heavy(image_set.selection.config, forwards=cost):
+        st.write(
+            f"Pictures no page has read with this model yet: {len(image_set.unread())}, about {cost:.0f} forward"
+            " passes. They are read when you ask, beside the server, so that the pages stay quick for everybody,"
+            " and then serve everyone."
+        )
+        if not image_tokens(image_set, "Read the pictures"):
+            return False
+    image_set.image_tokens()
+    return True
+
+
 def head_types(image_set: ImageSet, label: str) -> HeadTypes | None:
     """:meth:`ImageSet.head_types` as a job (one pass of every image, then every layer's attention
     from their tokens), the tokens of the images no page has read kept under their keys meanwhile,
