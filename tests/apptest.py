@@ -87,6 +87,20 @@ def errors(app: AppTest) -> list[str]:
     return [error.value for error in app.error]
 
 
+def open_words_app(folder: Path, page: str | None = None) -> AppTest:
+    """The app with ``folder`` (both towers) selected as an uploaded model, ``file:<folder>``."""
+    key = f"file:{folder}"
+    app = AppTest.from_file(APP, default_timeout=60)
+    app.session_state["uploaded_models"] = {key: f"Uploaded: {folder.name}"}
+    app.session_state["requested_model"] = key
+    app.run()
+    assert app.session_state["model_key"] == key, errors(app)
+    if page is not None:
+        app.switch_page(page).run()
+    assert not app.exception, app.exception
+    return app
+
+
 def counting_forwards(monkeypatch) -> list[tuple[int, int]]:
     """Every forward pass from now on, as (batch size, tokens)."""
     calls = []

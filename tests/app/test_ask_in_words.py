@@ -14,7 +14,7 @@ import vit_explorer as vx
 from vit_explorer.app import images, word_maps, words
 from vit_explorer.text import load_image_text_model, maps, zero_shot
 
-from apptest import APP, charts, decoded, errors, figure_titles, tiny_default, widget  # noqa: F401
+from apptest import APP, charts, decoded, errors, figure_titles, open_words_app, tiny_default, widget  # noqa: F401
 from textmodels import SMALL_CLIP, open_clip_folder, siglip_folder
 
 ATTENTION, IMAGES, LESSON = "views/attention.py", "views/images.py", "views/lesson.py"
@@ -26,19 +26,6 @@ def folders(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("text models")
     open_clip_folder(root / "clip", SMALL_CLIP)
     return {"clip": root / "clip", "siglip": siglip_folder(root / "siglip")}
-
-
-def open_words_app(folder: Path, page: str) -> AppTest:
-    """The app with ``folder`` (both towers) selected as an uploaded model, on ``page``."""
-    key = f"file:{folder}"
-    app = AppTest.from_file(APP, default_timeout=60)
-    app.session_state["uploaded_models"] = {key: f"Uploaded: {folder.name}"}
-    app.session_state["requested_model"] = key
-    app.run()
-    assert app.session_state["model_key"] == key, errors(app)
-    app.switch_page(page).run()
-    assert not app.exception, app.exception
-    return app
 
 
 class ByHand:

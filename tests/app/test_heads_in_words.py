@@ -13,7 +13,7 @@ from vit_explorer.text.descriptions import DESCRIPTIONS
 from vit_explorer.text.heads import LAST_LAYERS, describe_heads, head_contributions
 
 from apptest import tiny_default  # noqa: F401 (the fixture)
-from test_words import open_words_app
+from apptest import open_words_app
 from textmodels import SMALL_CLIP, open_clip_folder, siglip_folder
 
 PAGE = "views/head_types.py"

@@ -16,7 +16,7 @@ import vit_explorer as vx
 from vit_explorer.app import images, jobs, words
 from vit_explorer.text import load_image_text_model, zero_shot
 
-from apptest import APP, charts, decoded, errors, figure_titles, run_until, tiny_default, widget  # noqa: F401
+from apptest import APP, charts, decoded, errors, figure_titles, open_words_app, run_until, tiny_default, widget  # noqa: F401
 from textmodels import SMALL_CLIP, open_clip_folder, siglip_folder
 
 LABELS = ("cat", "dog", "rocket")
@@ -40,20 +40,6 @@ def folder_copies(folders, tmp_path) -> dict[str, Path]:
         for path in folder.iterdir():
             (copies[name] / path.name).write_bytes(path.read_bytes())
     return copies
-
-
-def open_words_app(folder: Path, page: str | None = None) -> AppTest:
-    """The app with ``folder`` (both towers) selected as an uploaded model, ``file:<folder>``."""
-    key = f"file:{folder}"
-    app = AppTest.from_file(APP, default_timeout=60)
-    app.session_state["uploaded_models"] = {key: f"Uploaded: {folder.name}"}
-    app.session_state["requested_model"] = key
-    app.run()
-    assert app.session_state["model_key"] == key, errors(app)
-    if page is not None:
-        app.switch_page(page).run()
-    assert not app.exception, app.exception
-    return app
 
 
 def type_labels(app: AppTest, text: str) -> None:
