@@ -106,6 +106,23 @@ def test_streamed_rollout_equals_rollout_of_the_whole_capture(name, fusion, disc
     torch.testing.assert_close(rows, queries @ expected, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("changes", [{}, dict(class_token=False, global_pool="mean"), dict(reg_tokens=2),
+                                     dict(reg_tokens=2, class_token=False, global_pool="map")])
+def test_the_map_query_reads_the_row_the_maps_read(changes):
+    """map_query(c) @ matrix: the class token's row, the patch queries' mean, or the attention
+    pool's probe over the patches, as query_map and pool_rollout_map read them."""
+    model = randomize(vx.ViT(tiny_config(**changes)))
+    captured = vx.capture(model, torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(0)))
+    prefix, grid = captured.num_prefix_tokens, captured.grid_size
+    rollout = analysis.attention_rollout(captured.attentions, num_prefix_tokens=prefix)
+    rows = analysis.map_query(captured, class_token=model.config.class_token) @ rollout  # (2, 1, N)
+    if captured.pool_attentions is not None:
+        expected = analysis.pool_rollout_map(captured.pool_attentions, rollout, grid, prefix)
+    else:
+        expected = analysis.query_map(rollout, grid, prefix, class_token=model.config.class_token)
+    torch.testing.assert_close(rows[:, 0, prefix:].reshape(2, *grid), expected, atol=1e-6, rtol=0)
+
+
 @pytest.mark.parametrize("name", list(MODELS))
 def test_distance_and_entropy_a_layer_at_a_time_equal_the_whole_capture(name):
     model, x = model_and_images(name)

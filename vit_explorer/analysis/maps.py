@@ -149,6 +149,23 @@ def pool_rollout_map(
     return rearrange(row[:, num_prefix_tokens:], "b (gh gw) -> b gh gw", gh=grid_size[0])
 
 
+def map_query(captured: Capture, class_token: bool | None = None) -> torch.Tensor:
+    """(B, 1, N): the query the maps of a token-mixing matrix are drawn for, as weights over the
+    tokens, so that ``map_query(c) @ matrix`` is the row :func:`query_map` (the class token's, or
+    the mean of the patch queries) or :func:`pool_rollout_map` (the attention pool's probe) reads,
+    for a matrix computed one row at a time (analysis.rollout_rows)."""
+    prefix = captured.num_prefix_tokens
+    batch = captured.tokens.shape[0]
+    query = torch.zeros(batch, 1, captured.num_tokens)
+    if captured.pool_attentions is not None:
+        query[:, 0, prefix:] = captured.pool_attentions.float().mean(dim=1)[:, 0]
+    elif has_class_token(prefix, class_token):
+        query[:, 0, 0] = 1.0
+    else:
+        query[:, 0, prefix:] = 1.0 / (captured.num_tokens - prefix)
+    return query
+
+
 def attention_mask_by_mass(attn_map: torch.Tensor, mass: float = 0.6) -> torch.Tensor:
     """DINO's threshold: the smallest set of patches that holds ``mass`` of the attention.
 

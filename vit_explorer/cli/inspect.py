@@ -202,15 +202,7 @@ class _InspectedLayers:
                     kept[index] = attention.half()
                 yield attention
 
-        # The query the rollout is drawn for, as weights over the tokens: what the attention pool's
-        # probe reads, the class token, or the mean of the patch queries.
-        query = torch.zeros(1, 1, captured.num_tokens)
-        if captured.pool_attentions is not None:
-            query[0, 0, prefix:] = captured.pool_attentions.float().mean(dim=1)[0, 0]
-        elif config.class_token:
-            query[0, 0, 0] = 1.0
-        else:
-            query[0, 0, prefix:] = 1.0 / (grid_h * grid_w)
+        query = analysis.map_query(captured, class_token=config.class_token)  # (1, 1, N)
         fusion = dict(head_fusion=args.head_fusion, discard_ratio=args.discard_ratio, num_prefix_tokens=prefix)
         rollout = analysis.streamed_rollout(layers(), **fusion) if whole_rollout else None
         # Without --tensors the row alone: L N^2 instead of the N^3 product (at 518 px as much as the pass).
