@@ -9,6 +9,7 @@ by hand, one kept set at a time, for a class-token model, a headless one with re
 rotary ones, in both ways of removing a patch."""
 import copy
 import math
+import re
 
 import pytest
 import torch
@@ -238,7 +239,9 @@ def test_a_caller_given_score_and_the_reading_of_a_headless_model():
     maps = {"norm": torch.rand(4, 4)}
     result = fa.faithfulness_curves(model, x, maps, curves=("deletion",))
     assert set(result.curves) == {"deletion"} and result.intact == pytest.approx(1.0, abs=1e-6)
-    assert "the embedding's cosine with the intact one from 1.00 to" in result.reading()
+    # From 1 down, with the decimals that tell the two apart (or "leaves ... at" where none do).
+    moved = re.search(r"the embedding's cosine with the intact one (from (1\.0+) to (\d\.\d+)|at 1\.0+);", result.reading())
+    assert moved and (moved.group(2) is None or moved.group(2) != moved.group(3))
     text = torch.randn(model.config.embed_dim)
     own = fa.faithfulness_curves(
         model, x, maps, curves=("deletion",), what="the text 'a dog'",
@@ -298,3 +301,23 @@ def test_the_sharpest_mask_is_the_head_with_the_fewest_patches_its_attention_ins
     expected = torch.zeros(4, 4)
     expected[1, 2], expected[3, 0] = 0.7, 0.25
     torch.testing.assert_close(mask, expected)
+
+
+def test_the_reading_shows_the_decimals_that_tell_the_scores_apart():
+    """A random ViT-B/16's class at 1%: the change is shown, not "from 1% to 1%"; one too small to
+    show is said to leave the score where it was."""
+    def result(scores, percent=True):
+        fractions = torch.tensor([0.0, 0.1, 1.0])
+        curves = {"deletion": torch.tensor([[scores[0], scores[1], 0.0], [scores[0], scores[2], 0.0]])}
+        return fa.Faithfulness(
+            names=("rollout", fa.RANDOM), orders=torch.zeros(2, 10, dtype=torch.long), counts=torch.tensor([0, 1, 10]),
+            fractions=fractions, curves=curves, intact=scores[0], empty=0.0, mode="drop", what="'class 782'",
+            percent=percent, target=782, passes=1, forwards=1.0,
+        )
+
+    assert result([0.0104, 0.0098, 0.0103]).reading() == (
+        "Removing the 10% of patches rollout ranks highest drops 'class 782' from 1.04% to 0.98%;"
+        " for a random order to 1.03%."
+    )
+    assert "leaves 'class 782' at 1.0000%;" in result([0.01, 0.01, 0.0103]).reading()  # float32 beside float64
+    assert "from 1.000 to 0.998" in result([1.0, 0.998, 0.999], percent=False).reading()

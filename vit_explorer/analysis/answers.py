@@ -117,6 +117,16 @@ def ordinal(number: int) -> str:
     return f"{number}{suffix}"
 
 
+def numbers(*values: float) -> list[str]:
+    """The ``values`` with the fewest decimals (2 to 4) that tell different ones apart (a cosine
+    of 0.998 beside 1: "1.000" and "0.998", not "1.00" twice)."""
+    for decimals in range(2, 5):
+        shown = [f"{value:.{decimals}f}" for value in values]
+        if len(set(shown)) == len(set(values)):
+            break
+    return shown
+
+
 def percents(*values: float) -> list[str]:
     """The shares ``values`` as percentages with the fewest decimals (1 to 4) that tell different
     ones apart and show none but exactly 0 or 1 as 0% or 100% (99.97%, not 100.0%)."""
