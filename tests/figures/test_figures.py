@@ -408,6 +408,14 @@ def test_a_static_image_has_the_browser_draw_each_picture_where_it_was(size, kin
         assert after["source"] == before["source"]
 
 
+@pytest.mark.skipif(figures.find_browser() is None, reason="needs Chrome or Chromium")
+def test_write_figures_as_png_with_a_picture_in_them(tmp_path):
+    picture = np.random.default_rng(2).integers(0, 256, size=(14, 14, 3), dtype=np.uint8)
+    paths = figures.write_figures({"picture": figures.input_image(picture, "a picture")}, tmp_path, image_format="png")
+    assert [path.name for path in paths] == ["picture.png"]
+    assert paths[0].read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+
+
 def test_find_browser_honours_browser_path(monkeypatch, tmp_path):
     monkeypatch.setenv("BROWSER_PATH", str(tmp_path / "missing-chrome"))
     assert figures.find_browser() is None

@@ -61,7 +61,7 @@ def write_figures(
 
     specs = [
         dict(
-            fig=_drawn_images(fig.to_dict(), fig.layout.width or width), path=path,
+            fig=_drawn_images(fig.to_dict(), fig.layout.width or width, fig.layout.height or height), path=path,
             opts=dict(format=image_format, width=fig.layout.width or width,
                       height=fig.layout.height or height, scale=1),
         )
