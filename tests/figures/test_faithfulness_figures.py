@@ -27,7 +27,7 @@ def test_the_curves_a_panel_per_curve_a_line_per_map_the_random_order_dashed():
     assert [line.name for line in lines[:3]] == ["rollout", "attribution", "a random order"]
     assert lines[2].line.dash == "dash" and lines[0].line.dash is None
     assert [line.showlegend for line in lines] == [True] * 3 + [False] * 3
-    assert fig.layout.yaxis.tickformat == ".0%"
+    assert fig.layout.yaxis.tickformat == ".3~%"  # a score near 1% keeps its decimals on the axis
     one = figures.faithfulness_figure(FRACTIONS, {"deletion": CURVES["deletion"]}, NAMES, "the cosine with 'a cat'", False)
     assert title_of(one) == "Is this map true? The cosine with 'a cat' as each map's top patches are removed"
     assert one.layout.yaxis.tickformat == ".3f" and len(traces(one, "scatter")) == 3

@@ -36,7 +36,9 @@ def faithfulness_figure(
         if scores.shape != (len(names), len(fractions)):
             raise ValueError(f"the {curve} curves must be ({len(names)}, {len(fractions)}), not {scores.shape}")
     layout, cells = _subplots(1, len(shown), [PANELS[curve][0] for curve in shown], horizontal_spacing=0.08)
-    number = ".0%" if percent else ".3f"
+    # Up to three decimals, trailing zeros dropped: a random model's class near 1% read "1%, 1%, 1%"
+    # down its axis at ".0%"; a trained one's still reads "50%".
+    number = ".3~%" if percent else ".3f"
     traces = []
     colours = iter(MAP_COLOURS * (len(names) // len(MAP_COLOURS) + 1))
     styles = {
