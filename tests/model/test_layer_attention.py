@@ -49,6 +49,21 @@ def test_a_layer_computed_from_the_tokens_equals_the_full_capture(name):
     torch.testing.assert_close(torch.stack(streamed, dim=1), full.attentions, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("sharpness", [1.0, 50.0])  # as the model has it, and near one-hot rows
+@pytest.mark.parametrize("name", ["registers", f"rotary {next(iter(ROTARY))}"])
+def test_a_layer_s_entropies_from_its_scores_equal_those_of_its_weights(name, sharpness):
+    model, x = model_and_images(name)
+    captured = vx.capture(model, x, layers=())
+    with torch.no_grad():
+        for block in model.blocks:
+            block.attn.scale *= sharpness
+    for layer in range(model.config.depth):
+        entropies = torch.full((2, model.config.num_heads), float("nan"))
+        attention = layer_attention(model, captured.tokens[:, layer], layer, captured.grid_size, entropies=entropies)
+        torch.testing.assert_close(entropies, analysis.head_entropies(attention), rtol=0, atol=1e-5)
+    assert 0 < entropies.min() and (sharpness == 1.0) == (entropies.min() > 0.5)
+
+
 def test_layer_attentions_takes_the_layers_a_capture_kept_and_computes_the_rest():
     model, x = model_and_images("cls token")
     full = vx.capture(model, x)
