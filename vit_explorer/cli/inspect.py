@@ -71,10 +71,19 @@ MAX_MAPPED_TEXTS = 12  # texts whose maps are drawn (each relevance map costs ab
 
 def _run_inspect(args: argparse.Namespace) -> int:
     texts = None if args.text is None else _inspect_texts(args.text, args.weights)  # refused before any load
+    import torch
+
     writer = _png_writer(Path(args.out)) if args.format == "png" else None  # Chromium starts meanwhile
+    threads = torch.get_num_threads()
+    if writer is not None:
+        # Chromium starts and renders throughout, on a core of its own: torch's threads sharing
+        # the rest wait on each other less than a thread per core beside it (2 cores: the capture
+        # and the pass over the layers 2-3x slower with two threads than with one).
+        torch.set_num_threads(max(1, threads - 1))
     try:
         return _inspect(args, texts, writer)
     finally:
+        torch.set_num_threads(threads)
         if writer is not None:
             writer.close_quietly()
 
@@ -188,16 +197,21 @@ class _InspectedLayers:
         import torch
 
         from .. import analysis
-        from ..model.capture import layer_attentions
+        from ..model.capture import layer_attention
 
         distances, entropies, kept = [], [], {}
         config = model.config
         prefix, (grid_h, grid_w) = captured.num_prefix_tokens, captured.grid_size
 
         def layers():
-            for index, attention in enumerate(layer_attentions(model, captured)):  # (1, H, N, N)
+            # inspect captures no layer's attention (layers=()): each is computed again here, its
+            # heads' entropies from the same scores.
+            for index in range(config.depth):
+                entropies.append(torch.empty(1, config.num_heads))
+                attention = layer_attention(  # (1, H, N, N)
+                    model, captured.tokens[:, index], index, captured.grid_size, entropies=entropies[-1],
+                )
                 distances.append(analysis.head_distances(attention, captured.grid_size, config.patch_size, prefix))
-                entropies.append(analysis.head_entropies(attention)[0])
                 if index in keep:
                     kept[index] = attention.half()
                 yield attention
@@ -208,7 +222,7 @@ class _InspectedLayers:
         # Without --tensors the row alone: L N^2 instead of the N^3 product (at 518 px as much as the pass).
         row = query @ rollout if whole_rollout else analysis.rollout_rows(layers(), query, **fusion)  # (1, 1, N)
         rollout_map = row[0, 0, prefix:].reshape(grid_h, grid_w)
-        return cls(rollout_map, rollout, torch.stack(distances), torch.stack(entropies), kept)
+        return cls(rollout_map, rollout, torch.stack(distances), torch.cat(entropies), kept)
 
 
 def _draw_before_the_layers(figs: _Figures, model, x, captured) -> dict:
