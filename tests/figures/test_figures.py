@@ -416,6 +416,44 @@ def test_write_figures_as_png_with_a_picture_in_them(tmp_path):
     assert paths[0].read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
 
 
+@pytest.mark.skipif(figures.find_browser() is None, reason="needs Chrome or Chromium")
+def test_the_cartesian_plotly_draws_what_the_full_one_draws(tmp_path, monkeypatch):
+    from vit_explorer.figures import files
+
+    assert files.cartesian_plotly() == files.CARTESIAN_PLOTLY  # plotly.py ships the same plotly.js version
+    rng = np.random.default_rng(3)
+    picture = rng.integers(0, 256, size=(28, 28, 3), dtype=np.uint8)
+    drawn = {  # an image, a heatmap, bars and a scatter, as the figures inspect writes
+        "norms": figures.token_norms_figure(rng.random(17), (4, 4), 1),
+        "overlay": figures.attention_overlay(picture, rng.random((4, 4)), title="a map"),
+        "curves": figures.training_curves(None),
+    }
+    cartesian = figures.write_figures(drawn, tmp_path / "cartesian")
+    monkeypatch.setattr(files, "cartesian_plotly", lambda: None)
+    full = figures.write_figures(drawn, tmp_path / "full")
+    for ours, theirs in zip(cartesian, full):
+        assert np.array_equal(np.asarray(Image.open(ours)), np.asarray(Image.open(theirs))), ours.name
+
+
+def test_the_cartesian_plotly_only_where_plotly_py_has_its_version(monkeypatch):
+    import plotly.offline
+
+    from vit_explorer.figures import files
+
+    monkeypatch.setattr(plotly.offline, "get_plotlyjs_version", lambda: "4.0.0")
+    assert files.cartesian_plotly() is None
+
+
+@pytest.mark.skipif(figures.find_browser() is None, reason="needs Chrome or Chromium")
+def test_png_writer_refuses_a_trace_the_cartesian_plotly_lacks(tmp_path):
+    writer = figures.PngWriter(tmp_path)
+    try:
+        with pytest.raises(figures.FigureExportError, match="no scatter3d trace; write this figure with write_figures"):
+            writer.write("cloud", go.Figure(go.Scatter3d(x=[0], y=[0], z=[0])))
+    finally:
+        writer.close_quietly()
+
+
 def test_find_browser_honours_browser_path(monkeypatch, tmp_path):
     monkeypatch.setenv("BROWSER_PATH", str(tmp_path / "missing-chrome"))
     assert figures.find_browser() is None

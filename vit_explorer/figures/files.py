@@ -20,6 +20,37 @@ class FigureExportError(ValueError):
     """Figures could not be written in the format asked for; the message says why."""
 
 
+# plotly.js's cartesian bundle (npm's plotly.js-cartesian-dist-min, MIT, vendor/plotly.js-LICENSE):
+# every trace type the project draws, in a third of the full bundle's 4.8 MB. A browser tab loads
+# its page, the plotly.js, before it draws anything: 1.2-1.4 s instead of 1.7-2.4 s for the full one
+# on the 2-core machine, most of the browser's start. Used where it is the same version as the
+# plotly.js that plotly.py ships (it is replaced when that changes), else the full one.
+CARTESIAN_PLOTLY = Path(__file__).resolve().parent / "vendor" / "plotly-cartesian.min.js"
+CARTESIAN_TRACE_TYPES = frozenset({
+    "bar", "box", "contour", "heatmap", "histogram", "histogram2d", "histogram2dcontour", "image", "pie",
+    "scatter", "scatterternary", "violin",
+})
+
+
+def cartesian_plotly() -> Path | None:
+    """The cartesian bundle where it matches plotly.py's own plotly.js version, else None."""
+    from plotly.offline import get_plotlyjs_version
+
+    try:
+        with CARTESIAN_PLOTLY.open(encoding="utf-8") as bundle:
+            header = bundle.read(200)  # "* plotly.js (cartesian - minified) v4.1.1"
+    except OSError:
+        return None
+    return CARTESIAN_PLOTLY if f" v{get_plotlyjs_version()}\n" in header else None
+
+
+def _plotly_for(figures) -> Path | None:
+    """The plotly.js that draws every one of these figures fastest: the cartesian bundle where
+    it has all their trace types (None: kaleido's default, plotly.py's full bundle)."""
+    types = {trace.type for fig in figures for trace in fig.data}
+    return cartesian_plotly() if types <= CARTESIAN_TRACE_TYPES else None
+
+
 def find_browser() -> str | None:
     """A Chrome/Chromium executable for kaleido's PNG export, or None.
 
@@ -68,8 +99,9 @@ def write_figures(
         for fig, path in zip(figures.values(), paths)
     ]
     # One browser for all figures; MathJax off, since its default source is a CDN.
+    options = dict(path=browser, mathjax=False, plotlyjs=_plotly_for(figures.values()))
     try:
-        kaleido.write_fig_from_object_sync(specs, kopts=dict(path=browser, mathjax=False), cancel_on_error=True)
+        kaleido.write_fig_from_object_sync(specs, kopts=options, cancel_on_error=True)
     except Exception as error:  # the browser can fail in many ways; say which, in one line
         raise FigureExportError(
             f"{browser} could not render the figures: {type(error).__name__}: {error}"
@@ -163,7 +195,9 @@ class PngWriter:
     """PNG files through one Chromium with one tab, started in the background on creation;
     :meth:`write` hands a figure over and returns at once, :meth:`close` waits for every file
     (FigureExportError if any could not be written). Raises FigureExportError at once without a
-    browser or kaleido."""
+    browser or kaleido. The tab draws with plotly.js's cartesian bundle where plotly.py's
+    plotly.js is its version (:func:`cartesian_plotly`): :meth:`write` then refuses a figure with
+    another trace type (a 3-D scatter, a table), which :func:`write_figures` draws."""
 
     def __init__(self, directory: str | os.PathLike, width: int = 900, height: int = 700):
         self.directory = Path(directory)
@@ -177,6 +211,7 @@ class PngWriter:
         except ImportError as error:
             raise FigureExportError("writing png files needs kaleido (pip install kaleido)") from error
         self._kaleido = kaleido
+        self._plotly = cartesian_plotly()
         self._specs: queue.Queue[tuple[go.Figure, Path] | None] = queue.Queue()
         self._errors: list[BaseException] = []
         self.paths: list[Path] = []
@@ -187,7 +222,8 @@ class PngWriter:
         # One tab: a second took Chromium's start from 1.6 s to 2.9 s, longer than the figures
         # take to draw once their pictures are drawn by the browser (_drawn_images).
         try:
-            async with _kaleido_keeping_tabs(self._kaleido)(n=1, path=self.browser, mathjax=False) as browser:
+            tabs = _kaleido_keeping_tabs(self._kaleido)(n=1, path=self.browser, mathjax=False, plotlyjs=self._plotly)
+            async with tabs as browser:
                 rendering = []
                 while (handed := await asyncio.to_thread(self._specs.get)) is not None:
                     # The figure's dict is made here, off the caller's thread (its pictures resized).
@@ -201,6 +237,13 @@ class PngWriter:
                 pass
 
     def write(self, name: str, fig: go.Figure) -> Path:
+        if self._plotly is not None:
+            others = sorted({trace.type for trace in fig.data} - CARTESIAN_TRACE_TYPES)
+            if others:
+                raise FigureExportError(
+                    f"{name}: PngWriter draws with plotly.js's cartesian bundle, which has no {', '.join(others)}"
+                    " trace; write this figure with write_figures"
+                )
         path = self.directory / f"{name}.png"
         self._specs.put((fig, path))
         self.paths.append(path)
