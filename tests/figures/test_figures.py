@@ -334,6 +334,9 @@ def test_token_norms_figure_maps_patch_norms():
     assert np.array_equal(bar.y, norms) and list(bar.customdata[:3]) == ["CLS", "reg 1", "patch 0"]
     with pytest.raises(ValueError, match="7 norms"):
         figures.token_norms_figure(norms[:7], GRID, 2)
+    assert fig.layout.bargap is None  # plotly's gaps between a few bars
+    many = figures.token_norms_figure(np.ones(1 + 37 * 37), (37, 37), num_prefix_tokens=1)
+    assert many.layout.bargap == 0 and traces(many, "bar")[0].marker.line.width == 0  # no haze of gaps
 
 
 def test_training_curves_plot_steps_and_epochs():

@@ -124,6 +124,9 @@ def token_matrix(tokens, num_prefix_tokens: int, title: str, class_token: bool =
     ))
 
 
+MANY_BARS = 200  # more tokens than this are drawn as touching bars
+
+
 def token_norms_figure(
     norms, grid_size: tuple[int, int], num_prefix_tokens: int, layer: int | None = None,
     class_token: bool = True, dist_token: bool = False,
@@ -157,6 +160,9 @@ def token_norms_figure(
         grid[axis].update(settings)
     grid[f"xaxis{cells[1, 2]}"]["title"] = dict(text="token (prefix tokens in red)")
     grid[f"yaxis{cells[1, 2]}"]["title"] = dict(text="L2 norm")
+    if norms.shape[0] > MANY_BARS:  # bars under a pixel wide: plotly's gaps between them left a pale haze
+        bars["marker"]["line"] = dict(width=0)
+        grid.update(bargap=0)
     where = f" after block {layer}" if layer is not None else ""
     grid.update(title=_title(f"Token norms{where}"), margin=MARGIN)
     return figure([_on_axes(heatmap, cells[1, 1]), _on_axes(bars, cells[1, 2])], grid)
