@@ -242,6 +242,7 @@ def _mean_row_entropy(scores: torch.Tensor, weights: torch.Tensor) -> torch.Tens
     """(B,) the mean over rows of -sum w log w, where weights = softmax(scores) (B, N, N).
     log w = s - logsumexp(s), and the log-sum-exp is the largest score less the log of the largest
     weight: no logarithm or exponential of every weight (they cost more than the softmax)."""
+    scores, weights = scores.float(), weights.float()  # a half-precision model's too: a sum of N terms
     log_sum_exp = scores.amax(dim=-1) - weights.amax(dim=-1).log()  # (B, N)
     expected_score = torch.einsum("bqk,bqk->bq", weights, scores)
     return (log_sum_exp - expected_score).mean(dim=-1)
