@@ -13,9 +13,10 @@ from ._base import MARGIN, _float_array, _on_axes, _subplots, _title, figure
 # Each map's colour, in the order given; the random order is grey and dashed.
 MAP_COLOURS = plotly_colors.qualitative.Set1
 RANDOM_COLOUR = "#9d9d9d"
+# Each panel's title in two lines: on one, the two titles ran into each other at 900 px (inspect's PNG).
 PANELS = {
-    "deletion": ("Deletion: top patches removed first (smaller area: truer)", "share of patches removed"),
-    "insertion": ("Insertion: top patches kept alone (larger area: truer)", "share of patches kept"),
+    "deletion": ("Deletion: top patches removed first<br>(smaller area: truer)", "share of patches removed"),
+    "insertion": ("Insertion: top patches kept alone<br>(larger area: truer)", "share of patches kept"),
 }
 
 
@@ -35,7 +36,7 @@ def faithfulness_figure(
     for curve, scores in values.items():
         if scores.shape != (len(names), len(fractions)):
             raise ValueError(f"the {curve} curves must be ({len(names)}, {len(fractions)}), not {scores.shape}")
-    layout, cells = _subplots(1, len(shown), [PANELS[curve][0] for curve in shown], horizontal_spacing=0.08)
+    layout, cells = _subplots(1, len(shown), [PANELS[curve][0] for curve in shown], horizontal_spacing=0.12)
     # Up to three decimals, trailing zeros dropped: a random model's class near 1% read "1%, 1%, 1%"
     # down its axis at ".0%"; a trained one's still reads "50%".
     number = ".3~%" if percent else ".3f"
@@ -59,7 +60,7 @@ def faithfulness_figure(
         layout[f"yaxis{suffix}"].update(title=dict(text=_axis_text(what)), tickformat=number)
     layout.update(
         title=_title(f"Is this map true? {_score_text(what, percent)} as each map's top patches are {_done(shown)}"),
-        margin={**MARGIN, "t": 90}, height=400, legend=dict(title=dict(text="map")), hovermode="closest",
+        margin={**MARGIN, "t": 110}, height=420, legend=dict(title=dict(text="map")), hovermode="closest",
     )
     return figure(traces, layout)
 
