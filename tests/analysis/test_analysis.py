@@ -389,13 +389,6 @@ def test_attention_entropy_by_hand():
     assert bool((entropy >= 0).all()) and bool((entropy <= math.log(6) + 1e-6).all())
 
 
-def test_streamed_head_statistics_are_the_statistics_of_every_layer_at_once():
-    attentions = random_attentions(batch=1, layers=3, heads=4, tokens=7)  # a class token and a 2x3 grid
-    distances, entropies = analysis.streamed_head_statistics((attentions[:, layer] for layer in range(3)), (2, 3), 4, 1)
-    assert torch.allclose(distances, analysis.mean_attention_distance(attentions, (2, 3), 4, 1))
-    assert torch.allclose(entropies, analysis.attention_entropy(attentions)[0])
-
-
 # --- tokens through the depth ----------------------------------------------------------------
 
 

@@ -66,8 +66,8 @@ def test_the_uniform_note_never_measures_every_head_where_the_capture_does_not_h
     memo.shared_results().clear()
     monkeypatch.setattr(models, "KEEP_EVERY_LAYER_BYTES", 0)
     measured = []
-    original = selection.streamed_head_statistics
-    monkeypatch.setattr(selection, "streamed_head_statistics", lambda *a, **k: measured.append(1) or original(*a, **k))
+    original = selection.captured_head_statistics
+    monkeypatch.setattr(selection, "captured_head_statistics", lambda *a, **k: measured.append(1) or original(*a, **k))
     app = open_page("views/pipeline.py")
     assert measured == [] and not [note for note in notes(app) if UNIFORM.search(note)]
     app.switch_page("views/attention.py").run()  # its view measures every head (quick here)

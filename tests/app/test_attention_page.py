@@ -49,7 +49,7 @@ def computed_nowhere_here(monkeypatch) -> None:
         raise AssertionError("computed in the server")
 
     monkeypatch.setattr(selection, "streamed_rollout", refused)
-    monkeypatch.setattr(selection, "streamed_head_statistics", refused)
+    monkeypatch.setattr(selection, "captured_head_statistics", refused)
 
 
 @pytest.fixture

@@ -223,7 +223,7 @@ def test_every_heads_measures_are_a_job_where_they_are_heavy(monkeypatch):
     monkeypatch.setattr(costs, "QUICK_COST", 1.0)
     monkeypatch.setattr(costs, "HEAVY_FORWARDS", 0.1)
     monkeypatch.setattr(models, "KEEP_EVERY_LAYER_BYTES", 0)
-    monkeypatch.setattr(selection, "streamed_head_statistics", lambda *a, **k: pytest.fail("measured in the server"))
+    monkeypatch.setattr(selection, "captured_head_statistics", lambda *a, **k: pytest.fail("measured in the server"))
     app = open_lesson(6)
     assert [button.label for button in app.button if button.label == "Measure every head"]
     assert "Measured over every query of this image" not in said(app)

@@ -152,6 +152,13 @@ def test_distance_and_entropy_a_layer_at_a_time_equal_the_whole_capture(name):
     streamed_entropy = torch.stack([analysis.head_entropies(attention) for attention in layers], dim=1)
     torch.testing.assert_close(streamed_distance, distance, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(streamed_entropy, entropy, rtol=1e-5, atol=1e-5)
+    # What the app reads: the layers a capture kept as they are, the others computed again.
+    for kept in ((), (1,)):
+        done = []
+        distances, entropies = analysis.captured_head_statistics(model, vx.capture(model, x, layers=kept), done.append)
+        assert done == list(range(config.depth))
+        torch.testing.assert_close(distances, distance, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(entropies, entropy[0], rtol=1e-5, atol=1e-5)
     assert analysis.entropy_evenness(entropy[0], full.num_tokens) == pytest.approx(
         analysis.attention_evenness(full.attentions[0]), rel=1e-5,
     )

@@ -86,9 +86,7 @@ def test_rollout_and_head_statistics_jobs_give_what_the_server_computes(tmp_path
     wait_for(board, rollout.key, {"done"})
     (got,) = board.result(rollout.key)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6)
-    expected = vx.analysis.streamed_head_statistics(
-        layer_attentions(model, captured), captured.grid_size, config.patch_size, captured.num_prefix_tokens,
-    )
+    expected = vx.analysis.captured_head_statistics(model, captured)
     wait_for(board, statistics.key, {"done"})
     ((distances, entropies),) = board.result(statistics.key)
     torch.testing.assert_close(distances, expected[0], rtol=1e-4, atol=1e-5)

@@ -30,6 +30,7 @@ from .head_statistics import (
     NEAR_UNIFORM,
     attention_entropy,
     attention_evenness,
+    captured_head_statistics,
     entropy_evenness,
     head_distances,
     head_entropies,
@@ -37,7 +38,6 @@ from .head_statistics import (
     near_chance,
     near_uniform,
     patch_centres,
-    streamed_head_statistics,
 )
 from .maps import (
     attention_map,
@@ -66,8 +66,8 @@ from .tokens import (
 
 __all__ = [
     "AnalysisError", "CHANCE_CLOSENESS", "NEAR_UNIFORM", "attention_entropy", "attention_evenness",
-    "entropy_evenness", "head_distances", "head_entropies", "mean_attention_distance", "near_chance",
-    "near_uniform", "patch_centres", "streamed_head_statistics", "attention_map", "attention_mask_by_mass",
+    "captured_head_statistics", "entropy_evenness", "head_distances", "head_entropies", "mean_attention_distance", "near_chance",
+    "near_uniform", "patch_centres", "attention_map", "attention_mask_by_mass",
     "head_maps", "matching_layer", "patch_index", "patch_point", "point_patch", "pool_maps", "map_query", "pool_rollout_map", "query_map",
     "streamed_query_maps", "denormalize", "display_image", "HEAD_FUSIONS", "attention_rollout", "attribution",
     "streamed_rollout", "rollout_rows", "embedding_filters", "logit_lens", "position_embedding_similarity", "token_norms",

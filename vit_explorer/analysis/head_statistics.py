@@ -3,11 +3,13 @@ and when a distribution is near uniform or near chance."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable
 
 import torch
 from einops import rearrange, reduce
 
+from ..model.capture import Capture, layer_attention
+from ..model.vit import ViT
 from .checks import AnalysisError, check_attentions, full_precision
 
 
@@ -62,20 +64,27 @@ def head_distances(
     return reduce(per_query, "b h p -> h", "mean")
 
 
-def streamed_head_statistics(
-    layers: Iterable[torch.Tensor],
-    grid_size: tuple[int, int],
-    patch_size: int,
-    num_prefix_tokens: int,
+def captured_head_statistics(
+    model: ViT, captured: Capture, on_layer: Callable[[int], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(L, H) mean attention distance in pixels and (L, H) mean entropy in nats of one image's
-    layers' (1, H, N, N) attention given one at a time (vit_explorer.model.capture.layer_attentions
-    computes each from a capture's tokens): :func:`head_distances` and :func:`head_entropies` of
-    each, never holding (L, H, N, N)."""
+    """(L, H) mean attention distance in pixels (averaged over the batch) and (L, H) mean entropy
+    in nats (of the first image) of ``captured``'s every layer, one layer at a time, never holding
+    (L, H, N, N): a layer the capture kept read as it is, any other computed again from its tokens
+    with its heads' entropies from the same scores (layer_attention's ``entropies``: reading them
+    from the weights took as long as computing the layer). ``on_layer(index)`` after each layer (a
+    job's progress)."""
     distances, entropies = [], []
-    for attention in layers:
-        distances.append(head_distances(attention, grid_size, patch_size, num_prefix_tokens))
-        entropies.append(head_entropies(attention)[0])
+    for layer in range(model.config.depth):
+        if layer in captured.layers:
+            attention = captured.attentions[:, captured.layers.index(layer)]
+            entropy = head_entropies(attention)
+        else:
+            entropy = torch.empty(captured.tokens.shape[0], model.config.num_heads)
+            attention = layer_attention(model, captured.tokens[:, layer], layer, captured.grid_size, entropies=entropy)
+        distances.append(head_distances(attention, captured.grid_size, model.config.patch_size, captured.num_prefix_tokens))
+        entropies.append(entropy[0])
+        if on_layer is not None:
+            on_layer(layer)
     return torch.stack(distances), torch.stack(entropies)
 
 

@@ -15,8 +15,8 @@ from PIL import Image
 
 from ..model.ablation import HeadSweep, KnockOut, head_sweep
 from ..analysis import (
-    attribution, display_image, entropy_evenness, logit_lens, near_chance, near_uniform, query_map,
-    streamed_head_statistics, streamed_query_maps, streamed_rollout,
+    attribution, captured_head_statistics, display_image, entropy_evenness, logit_lens, near_chance, near_uniform, query_map,
+    streamed_query_maps, streamed_rollout,
 )
 from ..analysis.dense_pca import image_features
 from ..analysis.head_types import HeadTypes, classify_heads_from_tokens
@@ -135,9 +135,7 @@ class Selection:
         heavy: app.jobs.head_statistics, under the same key)."""
         captured = self.capture()
         return self.memo("head statistics", spinner="Measuring every head of every layer ...", compute=lambda: (
-            streamed_head_statistics(
-                layer_attentions(self.model, captured), captured.grid_size, self.config.patch_size, captured.num_prefix_tokens,
-            )
+            captured_head_statistics(self.model, captured)
         ))
 
     def query_maps_by_layer(self, query: int | None) -> torch.Tensor:

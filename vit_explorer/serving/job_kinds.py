@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..analysis import streamed_head_statistics, streamed_rollout
+from ..analysis import captured_head_statistics, streamed_rollout
 from ..analysis.head_types import HeadTypes, classify_heads_from_tokens, held_floats
 from ..analysis.image_set import NormOutliers
 from ..analysis.faithfulness import BATCH_TOKENS, curve_rows, kept_outputs
@@ -136,10 +136,10 @@ def _rollout(model: ViT, x: torch.Tensor, settings: dict, progress: Callable[[fl
 def _head_statistics(model: ViT, x: torch.Tensor, settings: dict, progress: Callable[[float], None]) -> dict:
     """The image ``x``'s (L, H) head distances and entropies, as
     app.selection.Selection.head_statistics computes them."""
-    captured, layers = _every_layer(model, x, progress)
-    distances, entropies = streamed_head_statistics(
-        layers, captured.grid_size, model.config.patch_size, captured.num_prefix_tokens,
-    )
+    captured = capture(model, x, layers=())
+    depth = model.config.depth
+    progress(1 / (depth + 1))
+    distances, entropies = captured_head_statistics(model, captured, on_layer=lambda layer: progress((layer + 2) / (depth + 1)))
     return {"distances": distances.cpu().numpy(), "entropies": entropies.cpu().numpy()}
 
 
