@@ -76,16 +76,28 @@ def _every_layer(model: ViT, x: torch.Tensor, progress: Callable[[float], None])
     """The image ``x``'s capture (its tokens, no attention), then every layer's (1, H, N, N)
     attention computed again from them one at a time (as app.selection.Selection computes them
     where the capture kept none), the progress reported after the capture and each layer."""
-    captured = capture(model, x, layers=())
-    depth = model.config.depth
-    progress(1 / (depth + 1))
+    captured = _captured_tokens(model, x, progress)
+    layer_done = _layer_progress(model, progress)
 
     def layers():
         for layer, attention in enumerate(layer_attentions(model, captured)):
-            progress((layer + 2) / (depth + 1))
+            layer_done(layer)
             yield attention
 
     return captured, layers()
+
+
+def _captured_tokens(model: ViT, x: torch.Tensor, progress: Callable[[float], None]) -> Capture:
+    """The image ``x``'s capture (its tokens, no attention), the first of depth + 1 steps."""
+    captured = capture(model, x, layers=())
+    progress(1 / (model.config.depth + 1))
+    return captured
+
+
+def _layer_progress(model: ViT, progress: Callable[[float], None]) -> Callable[[int], None]:
+    """What reports a layer done, after the capture: the layer's step of depth + 1."""
+    depth = model.config.depth
+    return lambda layer: progress((layer + 2) / (depth + 1))
 
 
 def _views(model: ViT, x: torch.Tensor, settings: dict, progress: Callable[[float], None]) -> dict:
@@ -136,10 +148,8 @@ def _rollout(model: ViT, x: torch.Tensor, settings: dict, progress: Callable[[fl
 def _head_statistics(model: ViT, x: torch.Tensor, settings: dict, progress: Callable[[float], None]) -> dict:
     """The image ``x``'s (L, H) head distances and entropies, as
     app.selection.Selection.head_statistics computes them."""
-    captured = capture(model, x, layers=())
-    depth = model.config.depth
-    progress(1 / (depth + 1))
-    distances, entropies = captured_head_statistics(model, captured, on_layer=lambda layer: progress((layer + 2) / (depth + 1)))
+    captured = _captured_tokens(model, x, progress)
+    distances, entropies = captured_head_statistics(model, captured, on_layer=_layer_progress(model, progress))
     return {"distances": distances.cpu().numpy(), "entropies": entropies.cpu().numpy()}
 
 
