@@ -88,10 +88,7 @@ def streamed_rollout(
     """:func:`attention_rollout` of the layers' (B, H, N, N) attention given one at a time, first
     layer first (vit_explorer.model.capture.layer_attentions computes each from a capture's tokens):
     only the (B, N, N) product and the layer at hand are held, never (B, L, H, N, N)."""
-    if not 0.0 <= discard_ratio < 1.0:
-        raise AnalysisError(f"discard_ratio must be in [0, 1), not {discard_ratio}")
-    if head_fusion not in HEAD_FUSIONS:  # before any layer is computed
-        raise AnalysisError(f"head_fusion must be one of {', '.join(HEAD_FUSIONS)}, not {head_fusion!r}")
+    _check_fusion(head_fusion, discard_ratio)  # before any layer is computed
     rollout = None
     for mixed in _mixed_layers(layers, head_fusion, discard_ratio, num_prefix_tokens):
         rollout = mixed if rollout is None else mixed @ rollout  # the first: its product with I, exactly
@@ -112,10 +109,7 @@ def rollout_rows(
     token 0), times :func:`streamed_rollout` of the same layers, without the (N, N) product: each
     layer's mixed matrix is held and the rows are carried from the last layer down, Q N^2 a layer
     instead of N^3 (at 1,378 tokens a ViT-S/14's rollout costs as much as its forward pass)."""
-    if not 0.0 <= discard_ratio < 1.0:
-        raise AnalysisError(f"discard_ratio must be in [0, 1), not {discard_ratio}")
-    if head_fusion not in HEAD_FUSIONS:
-        raise AnalysisError(f"head_fusion must be one of {', '.join(HEAD_FUSIONS)}, not {head_fusion!r}")
+    _check_fusion(head_fusion, discard_ratio)
     mixed = list(_mixed_layers(layers, head_fusion, discard_ratio, num_prefix_tokens))
     if not mixed:
         raise AnalysisError("rollout needs the attention of at least one layer")
@@ -123,6 +117,13 @@ def rollout_rows(
     for matrix in reversed(mixed):
         rows = rows @ matrix
     return rows
+
+
+def _check_fusion(head_fusion: str, discard_ratio: float) -> None:
+    if not 0.0 <= discard_ratio < 1.0:
+        raise AnalysisError(f"discard_ratio must be in [0, 1), not {discard_ratio}")
+    if head_fusion not in HEAD_FUSIONS:
+        raise AnalysisError(f"head_fusion must be one of {', '.join(HEAD_FUSIONS)}, not {head_fusion!r}")
 
 
 def _mixed_layers(
