@@ -44,11 +44,15 @@ def cartesian_plotly() -> Path | None:
     return CARTESIAN_PLOTLY if f" v{get_plotlyjs_version()}\n" in header else None
 
 
+def _beyond_cartesian(figures) -> list[str]:
+    """The trace types of these figures that the cartesian bundle lacks, sorted."""
+    return sorted({trace.type for fig in figures for trace in fig.data} - CARTESIAN_TRACE_TYPES)
+
+
 def _plotly_for(figures) -> Path | None:
     """The plotly.js that draws every one of these figures fastest: the cartesian bundle where
     it has all their trace types (None: kaleido's default, plotly.py's full bundle)."""
-    types = {trace.type for fig in figures for trace in fig.data}
-    return cartesian_plotly() if types <= CARTESIAN_TRACE_TYPES else None
+    return None if _beyond_cartesian(figures) else cartesian_plotly()
 
 
 def find_browser() -> str | None:
@@ -238,7 +242,7 @@ class PngWriter:
 
     def write(self, name: str, fig: go.Figure) -> Path:
         if self._plotly is not None:
-            others = sorted({trace.type for trace in fig.data} - CARTESIAN_TRACE_TYPES)
+            others = _beyond_cartesian([fig])
             if others:
                 raise FigureExportError(
                     f"{name}: PngWriter draws with plotly.js's cartesian bundle, which has no {', '.join(others)}"
