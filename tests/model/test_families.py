@@ -62,6 +62,25 @@ def test_timm_parity(tmp_path, family):
     torch.testing.assert_close(vx.capture(model, x).logits, reference(x), atol=1e-5, rtol=1e-5)
 
 
+def test_so400m_has_its_publishers_heads(tmp_path):
+    """1152 channels in 16 heads of 72 (SigLIP So400m), which no tensor says: the shapes'
+    convention of 64 channels a head would give 18 and load a model that is silently wrong."""
+    reference = randomize(timm.create_model("vit_so400m_patch14_siglip_224", pretrained=False, img_size=28, depth=1))
+    save_file({key: value.contiguous() for key, value in reference.state_dict().items()}, tmp_path / "so400m.safetensors")
+    model = vx.load_model(tmp_path / "so400m.safetensors")
+    assert model.config.num_heads == reference.blocks[0].attn.num_heads == 16
+    x = _images(size=28)
+    torch.testing.assert_close(model.forward_features(x), reference.forward_features(x), atol=1e-4, rtol=1e-5)
+
+
+def test_a_perception_encoder_is_refused_not_approximated(tmp_path):
+    """Its rotary positions are in no tensor: read as a CLIP tower it would load and be wrong."""
+    reference = timm_reference("vit_pe_core_tiny_patch16_384", num_classes=0, img_size=32, patch_size=8)
+    save_file({key: value.contiguous() for key, value in reference.state_dict().items()}, tmp_path / "pe.safetensors")
+    with pytest.raises(vx.CheckpointError, match="Perception Encoder"):
+        vx.load_model(tmp_path / "pe.safetensors")
+
+
 def test_weights_reveal_the_architecture(tmp_path):
     deit = load_from_timm(timm_reference("deit_small_distilled_patch16_224", num_classes=5), tmp_path / "d.safetensors")
     assert deit.config.dist_token and deit.config.num_prefix_tokens == 2

@@ -114,3 +114,29 @@ def test_labels_that_cannot_be_scored_are_a_sentence(text, message):
 
 def test_labels_are_split_on_commas_and_lines_once_each():
     assert parse_labels("a cat, a dog\na rocket, a cat,") == ["a cat", "a dog", "a rocket"]
+
+
+def test_an_image_tower_has_the_heads_its_config_gives(tmp_path):
+    """open_clip's ViT has width // head_width heads: SMALL_CLIP's 64 wide in heads of 32 has 2,
+    where the shapes' convention (64 channels a head) would give 1 and still load, wrong."""
+    reference = open_clip_folder(tmp_path / "clip", SMALL_CLIP)
+    with torch.no_grad():  # queries and keys large enough that the heads' split shows in the output
+        for block in reference.visual.transformer.resblocks:
+            block.attn.in_proj_weight.mul_(20)
+    save_file({key: value.contiguous() for key, value in reference.state_dict().items()},
+              str(tmp_path / "clip" / "open_clip_model.safetensors"))
+    ours = load_image_text_model(tmp_path / "clip")
+    assert ours.image.config.num_heads == reference.visual.transformer.resblocks[0].attn.num_heads == 2
+    images = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = reference.encode_image(images, normalize=True)
+    torch.testing.assert_close(ours.project_image(vx.capture(ours.image, images, layers=()).logits), expected, atol=1e-5, rtol=0)
+
+
+def test_a_timm_trunk_has_the_heads_of_the_model_it_names():
+    from vit_explorer.weights.from_open_clip import _trunk_settings
+
+    # So400m: 1152 channels in 16 heads of 72, as open_clip builds it from timm.
+    assert _trunk_settings("vit_so400m_patch14_siglip_384", 1152, "so400m") == {"num_heads": 16, "act_layer": "gelu"}
+    with pytest.raises(CheckpointError, match="names no timm model"):
+        _trunk_settings("no_such_model", 1152, "so400m")

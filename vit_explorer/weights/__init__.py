@@ -56,7 +56,8 @@ def load_model(path: str | os.PathLike, **overrides) -> ViT:
     Hugging Face ViT folder (config.json + weights) or a weights file inside one; a timm Hub folder
     (its config.json names the architecture); timm's DINOv3 and
     EVA-02 (Eva) files and Meta's DINOv3 files are recognised from their keys. Whatever the
-    weights do not reveal (num_heads defaults to embed_dim // 64) and any other ViTConfig field
+    weights do not reveal (num_heads: the published ViTs' at their width, infer.PUBLISHED_HEADS,
+    else embed_dim // 64) and any other ViTConfig field
     can be given as a keyword; a different ``image_size``/``patch_size`` resamples the model.
     The mean and std are the publisher's, else the structure's, else assumed; the config's
     ``normalization_source`` says which (weights/normalization.py).

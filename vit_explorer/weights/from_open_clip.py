@@ -13,6 +13,7 @@ treats it as the image tower it is, and the words (vit_explorer.text) apply the 
 """
 from __future__ import annotations
 
+import functools
 import json
 import re
 from pathlib import Path
@@ -153,10 +154,47 @@ def convert(state: dict[str, torch.Tensor], config: dict, name: str) -> tuple[di
     model's image tower."""
     tower, _ = image_tower(state, name)
     known = {"num_classes": 0, **normalization(config)}
+    vision = config["model_cfg"]["vision_cfg"]
     if is_openai_layout(state):
         known["act_layer"] = "quick_gelu" if config["model_cfg"].get("quick_gelu") else "gelu"
-    # A timm trunk runs timm's activation as open_clip builds it: the exact GELU for SigLIP's ViTs.
+        known["num_heads"] = _openai_heads(vision, tower["patch_embed.proj.weight"].shape[0], name)
+    else:  # a timm trunk is the timm model its vision_cfg names, heads and activation included
+        known.update(_trunk_settings(vision.get("timm_model_name"), tower["patch_embed.proj.weight"].shape[0], name))
     return tower, known
+
+
+def _openai_heads(vision: dict, width: int, name: str) -> int:
+    """open_clip's own ViT has width // head_width heads (64 unless the config says: ViT-H/14's 80)."""
+    head_width = vision.get("head_width", 64)
+    if not isinstance(head_width, int) or isinstance(head_width, bool) or not 0 < head_width <= width or width % head_width:
+        raise CheckpointError(f"{name}'s vision_cfg head_width {head_width!r} does not divide its image tower's width {width}")
+    return width // head_width
+
+
+def _trunk_settings(timm_name, width: int, name: str) -> dict:
+    """The heads and the activation of the timm model a trunk names, as open_clip builds it; a
+    trunk of another width than that model's (which open_clip cannot build: a hand-made folder)
+    keeps the shapes' defaults."""
+    import timm
+
+    if not isinstance(timm_name, str) or len(timm_name) > 200 or not timm.is_model(timm_name):
+        raise CheckpointError(f"{name}'s image tower is a timm trunk, but its vision_cfg names no timm model we know")
+    settings = dict(_timm_trunk_settings(timm_name))
+    return settings if settings.pop("embed_dim") == width else {}
+
+
+@functools.lru_cache(maxsize=32)
+def _timm_trunk_settings(timm_name: str) -> tuple[tuple[str, object], ...]:
+    import timm
+
+    with torch.device("meta"):  # nothing allocated: only its definition is read (0.2 s for a So400m)
+        trunk = timm.create_model(timm_name, pretrained=False)
+    block = trunk.blocks[0]
+    activation = getattr(block.mlp, "act", None)
+    settings = {"embed_dim": trunk.embed_dim, "num_heads": block.attn.num_heads}
+    if isinstance(activation, torch.nn.GELU):
+        settings["act_layer"] = "gelu_tanh" if activation.approximate == "tanh" else "gelu"
+    return tuple(settings.items())
 
 
 def normalization(config: dict) -> dict:

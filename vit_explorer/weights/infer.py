@@ -26,6 +26,11 @@ REQUIRED_KEYS = (
     ("patch_embed.proj.weight",), ("blocks.0.attn.qkv.weight", "blocks.0.attn.q_proj.weight"),
     ("blocks.0.mlp.fc1.weight", "blocks.0.mlp.fc1_g.weight"), ("blocks.0.mlp.fc2.weight",),
 )
+# Heads of the published ViTs whose width is not 64 channels a head (the timm / torchvision / HF
+# convention): ViT-H/14 and So400m (SigLIP) 16 heads of 80 and 72, ViT-g/14 16 of 88, ViT-G and
+# bigG/14 16 of 104. A file without a config does not say its heads; these are the only published
+# answers at those widths, and every other width keeps the convention (DINOv2-g: 1536 in 24).
+PUBLISHED_HEADS = {1152: 16, 1280: 16, 1408: 16, 1664: 16}
 # The rank of each tensor whose shape is read: checked before anything is computed from them.
 _RANKS = {
     "patch_embed.proj.weight": 4, "blocks.0.mlp.fc1.weight": 2, "blocks.0.mlp.fc2.weight": 2, "pos_embed": 3,
@@ -39,6 +44,13 @@ def infer_config(
     """A ViTConfig from the tensor shapes, ``known`` source facts and the caller's overrides."""
     _check_shapes(state, name)
     tensors = _architecture(state, name)
+    if tensors["global_pool"] == "map" and tensors["class_token"] and "global_pool" not in known:
+        # Meta's Perception Encoder (timm's vit_pe_core_*): its rotary positions are in no tensor and
+        # its pool reads the class token too, so it would load as a learned-position ViT, wrong.
+        raise CheckpointError(
+            f"{name} has a class token and an attention pool, as a Perception Encoder has; its rotary"
+            " positions are not in its file, and we do not load it yet"
+        )
     num_prefix = int(tensors["class_token"]) + int(tensors["dist_token"]) + tensors["reg_tokens"]
     fields = {
         **tensors,
@@ -103,7 +115,7 @@ def _architecture(state: dict[str, torch.Tensor], name: str) -> dict:
         "embed_dim": embed_dim,
         "in_chans": in_chans,
         "depth": depth,
-        "num_heads": max(1, embed_dim // 64),  # the timm / torchvision / HF convention
+        "num_heads": PUBLISHED_HEADS.get(embed_dim, max(1, embed_dim // 64)),
         **_attention(state),
         **_mlp(state, embed_dim),
         "class_token": class_token,
