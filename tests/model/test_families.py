@@ -73,12 +73,27 @@ def test_so400m_has_its_publishers_heads(tmp_path):
     torch.testing.assert_close(model.forward_features(x), reference.forward_features(x), atol=1e-4, rtol=1e-5)
 
 
-def test_a_perception_encoder_is_refused_not_approximated(tmp_path):
-    """Its rotary positions are in no tensor: read as a CLIP tower it would load and be wrong."""
-    reference = timm_reference("vit_pe_core_tiny_patch16_384", num_classes=0, img_size=32, patch_size=8)
-    save_file({key: value.contiguous() for key, value in reference.state_dict().items()}, tmp_path / "pe.safetensors")
-    with pytest.raises(vx.CheckpointError, match="Perception Encoder"):
-        vx.load_model(tmp_path / "pe.safetensors")
+def test_perception_encoder_matches_timm(tmp_path):
+    """Meta's PE core: rotary positions that no tensor records (patch indices from 1, width first,
+    on its own grid) and an 8-head pool that reads the class token too, told from a class token
+    beside an attention pool; read as a CLIP tower it loaded and differed from timm by 3e-3."""
+    reference = timm_reference(
+        "vit_pe_core_tiny_patch16_384", num_classes=5, ref_feat_shape=(4, 4), dynamic_img_size=True,
+    )  # ref_feat_shape: every PE's own grid (24 x 24 at 384 px), here TINY's
+    model = load_from_timm(reference, tmp_path / "pe.safetensors")
+    assert model.config.rope_type == "cat" and model.config.attn_pool_num_heads == 8 and model.config.pool_include_prefix
+    x = _images()
+    torch.testing.assert_close(model.forward_features(x), reference.forward_features(x), atol=1e-5, rtol=1e-5)
+    captured = vx.capture(model, x)
+    torch.testing.assert_close(captured.logits, reference(x), atol=1e-5, rtol=1e-5)
+    # The probe reads every token: its maps are over the patches, its query weighs every token.
+    assert captured.pool_attentions.shape[-1] == captured.num_tokens
+    assert analysis.pool_maps(captured).shape == (8, 4, 4)
+    torch.testing.assert_close(analysis.map_query(captured).sum(dim=-1), torch.ones(2, 1))
+    # At another size its positions are resampled and its rotation follows the grid, as timm's.
+    larger = vx.load_model(tmp_path / "pe.safetensors", num_heads=2, image_size=(48, 32))
+    wide = _images(size=48)[..., :32]
+    torch.testing.assert_close(larger.forward_features(wide), reference.forward_features(wide), atol=1e-5, rtol=1e-5)
 
 
 def test_weights_reveal_the_architecture(tmp_path):

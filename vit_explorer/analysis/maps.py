@@ -134,8 +134,9 @@ def pool_maps(capture: Capture, image: int = 0) -> torch.Tensor:
     """(H, gh, gw): where the attention pool's probe query reads, per head (a MAP-head model)."""
     if capture.pool_attentions is None:
         raise AnalysisError("this model has no attention-pool head, so there is no probe to show")
-    grid_h, _ = capture.grid_size
-    return rearrange(capture.pool_attentions[image, :, 0], "h (gh gw) -> h gh gw", gh=grid_h)
+    grid_h, grid_w = capture.grid_size
+    # The patches are the last tokens the probe reads (a Perception Encoder's also reads its class token).
+    return rearrange(capture.pool_attentions[image, :, 0, -grid_h * grid_w :], "h (gh gw) -> h gh gw", gh=grid_h)
 
 
 def pool_rollout_map(
@@ -143,9 +144,10 @@ def pool_rollout_map(
     num_prefix_tokens: int,
 ) -> torch.Tensor:
     """(B, gh, gw): rollout continued through the attention pool. The probe's head-mean weights
-    over the patch tokens (B, nh, 1, P) mix the rollout rows of those tokens (B, N, N)."""
+    over the tokens it reads (B, nh, 1, P), the last P (the patches, or every token where the pool
+    reads the prefix too), mix the rollout rows of those tokens (B, N, N)."""
     probe = pool_attentions.float().mean(dim=1)[:, 0]  # (B, P)
-    row = torch.einsum("bp,bpn->bn", probe, rollout[:, num_prefix_tokens:].float())  # (B, N)
+    row = torch.einsum("bp,bpn->bn", probe, rollout[:, -probe.shape[1] :].float())  # (B, N)
     return rearrange(row[:, num_prefix_tokens:], "b (gh gw) -> b gh gw", gh=grid_size[0])
 
 
@@ -158,7 +160,8 @@ def map_query(captured: Capture, class_token: bool | None = None) -> torch.Tenso
     batch = captured.tokens.shape[0]
     query = torch.zeros(batch, 1, captured.num_tokens)
     if captured.pool_attentions is not None:
-        query[:, 0, prefix:] = captured.pool_attentions.float().mean(dim=1)[:, 0]
+        probe = captured.pool_attentions.float().mean(dim=1)[:, 0]  # (B, P): the last P tokens
+        query[:, 0, captured.num_tokens - probe.shape[1] :] = probe
     elif has_class_token(prefix, class_token):
         query[:, 0, 0] = 1.0
     else:

@@ -97,6 +97,10 @@ class ViTConfig(_JsonConfig):
     # "cls": class token output, "mean": mean of the patch tokens, "map": attention pooling by a
     # learned probe query (SigLIP's multihead attention pooling head, timm's attn_pool)
     global_pool: str = "cls"
+    # The attention pool's heads (None: num_heads) and whether its probe reads the prefix tokens
+    # too (timm's Eva does: the Perception Encoder's pool reads its class token; SigLIP has none).
+    attn_pool_num_heads: int | None = None
+    pool_include_prefix: bool = False
     class_token: bool = True
     dist_token: bool = False  # DeiT's distillation token after the class token, with head_dist
     reg_tokens: int = 0  # register tokens (Darcet et al. 2023), placed after the class token
@@ -126,6 +130,7 @@ class ViTConfig(_JsonConfig):
     rope_temperature: float | None = None
     rope_grid_indexing: str = "ij"  # "xy": the width coordinate takes the first half of the angles
     ref_feat_shape: tuple[int, int] | None = None  # "cat": coordinates rescaled to this grid (EVA-02)
+    rope_grid_offset: float = 0.0  # "cat": added to every patch index (the Perception Encoder's 1)
     # "bfloat16": the rotary periods (frequencies) rounded to bfloat16, as the original DINOv3
     # checkpoints keep them (timm computes them in float32; its model card rounds them to match).
     rope_periods_dtype: str = "float32"
@@ -197,6 +202,10 @@ class ViTConfig(_JsonConfig):
             )
         if self.ref_feat_shape is not None and self.rope_type != "cat":
             raise ValueError("ref_feat_shape rescales EVA-02's rotary coordinates: it needs rope_type='cat'")
+        if not _is_number(self.rope_grid_offset) or not -4096 <= self.rope_grid_offset <= 4096:
+            raise ValueError(f"rope_grid_offset must be a number, not {_brief(self.rope_grid_offset)}")
+        if self.rope_grid_offset and self.rope_type != "cat":
+            raise ValueError("rope_grid_offset moves EVA-02-style rotary patch indices: it needs rope_type='cat'")
 
     def _check_types(self) -> None:
         """Types and ranges, so that a config read from a file fails here with a sentence, not later."""
@@ -211,11 +220,15 @@ class ViTConfig(_JsonConfig):
             _check_whole(name, getattr(self, name), minimum)
         flags = (
             "qkv_bias", "class_token", "dist_token", "no_embed_class", "pre_norm", "patch_bias", "abs_pos_embed",
-            "qkv_fused", "scale_attn_inner", "swiglu_mlp", "scale_mlp",
+            "qkv_fused", "scale_attn_inner", "swiglu_mlp", "scale_mlp", "pool_include_prefix",
         )
         for name in flags:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, not {_brief(getattr(self, name))}")
+        if self.attn_pool_num_heads is not None:
+            _check_whole("attn_pool_num_heads", self.attn_pool_num_heads, 1)
+            if self.embed_dim % self.attn_pool_num_heads:
+                raise ValueError(f"attn_pool_num_heads {self.attn_pool_num_heads} does not divide embed_dim {self.embed_dim}")
         if self.fc_norm is not None and not isinstance(self.fc_norm, bool):
             raise ValueError(f"fc_norm must be true, false or None, not {_brief(self.fc_norm)}")
         if not _is_number(self.mlp_ratio) or self.mlp_ratio <= 0:

@@ -10,8 +10,8 @@ The prefix tokens (class, registers) are not rotated. Two flavours, with timm's 
   span the same range at any grid; angle = 2 pi coordinate / period with periods
   ``temperature ** (2 i / (hd / 2))``, temperature 100; rotate-half layout (channel i turns with
   channel i + hd/2).
-- "cat" (EVA-02, RotaryEmbeddingCat): patch indices 0, 1, ... (rescaled to ``ref_feat_shape`` when
-  set, for the 448 models fine-tuned from 224), angle = index * frequency with frequencies
+- "cat" (EVA-02, RotaryEmbeddingCat): patch indices 0, 1, ... (plus ``grid_offset``: the Perception
+  Encoder's start at 1; rescaled to ``ref_feat_shape`` when set, for the 448 models fine-tuned from 224), angle = index * frequency with frequencies
   ``1 / temperature ** (i / (hd / 4))``, temperature 10000; interleaved layout (channel 2i turns
   with 2i + 1).
 
@@ -40,6 +40,7 @@ class RopeSpec(NamedTuple):
     grid_indexing: str
     ref_feat_shape: tuple[int, int] | None
     periods_dtype: str
+    grid_offset: float = 0.0
 
     @classmethod
     def of(cls, config: ViTConfig) -> RopeSpec | None:
@@ -47,7 +48,7 @@ class RopeSpec(NamedTuple):
             return None
         return cls(
             config.rope_type, config.head_dim, config.rope_base, config.rope_grid_indexing,
-            config.ref_feat_shape, config.rope_periods_dtype,
+            config.ref_feat_shape, config.rope_periods_dtype, float(config.rope_grid_offset),
         )
 
     @property
@@ -75,7 +76,7 @@ def _coordinates(spec: RopeSpec, grid_size: tuple[int, int]) -> torch.Tensor:
     if spec.rope_type == "dinov3":
         axes = [torch.arange(0.5, side, dtype=torch.float32) / float(side) for side in grid_size]
     else:
-        axes = [torch.arange(side, dtype=torch.int64).to(torch.float32) for side in grid_size]
+        axes = [torch.arange(side, dtype=torch.int64).to(torch.float32) + spec.grid_offset for side in grid_size]
         if spec.ref_feat_shape is not None:
             axes = [axis / side * ref for axis, side, ref in zip(axes, grid_size, spec.ref_feat_shape)]
     grid = torch.stack(torch.meshgrid(*axes, indexing="ij"), dim=-1)  # (gh, gw, 2)

@@ -429,8 +429,8 @@ class AttentionPool(nn.Module):
     def __init__(self, config: ViTConfig):
         super().__init__()
         dim = config.embed_dim
-        self.num_heads = config.num_heads
-        self.scale = config.head_dim**-0.5
+        self.num_heads = config.attn_pool_num_heads or config.num_heads
+        self.scale = (dim // self.num_heads) ** -0.5
         self.latent = nn.Parameter(torch.zeros(1, 1, dim))  # the probe query
         self.q = nn.Linear(dim, dim, bias=config.qkv_bias)
         self.kv = nn.Linear(dim, dim * 2, bias=config.qkv_bias)
@@ -594,7 +594,10 @@ class ViT(nn.Module):
         register = active(ACTIVE_REGISTER)
         prefix = self.num_prefix_tokens + (0 if register is None else register.added_tokens(self))
         if self.attn_pool is not None:
-            return self.attn_pool(x[:, prefix:])
+            tokens = x[:, prefix:]
+            if self.config.pool_include_prefix:  # the Perception Encoder's probe reads its class token too
+                tokens = torch.cat([x[:, : self.num_prefix_tokens], tokens], dim=1)
+            return self.attn_pool(tokens)
         if self.config.global_pool == "mean":
             return x[:, prefix:].mean(dim=1)
         return x[:, 0]

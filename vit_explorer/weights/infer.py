@@ -45,12 +45,7 @@ def infer_config(
     _check_shapes(state, name)
     tensors = _architecture(state, name)
     if tensors["global_pool"] == "map" and tensors["class_token"] and "global_pool" not in known:
-        # Meta's Perception Encoder (timm's vit_pe_core_*): its rotary positions are in no tensor and
-        # its pool reads the class token too, so it would load as a learned-position ViT, wrong.
-        raise CheckpointError(
-            f"{name} has a class token and an attention pool, as a Perception Encoder has; its rotary"
-            " positions are not in its file, and we do not load it yet"
-        )
+        tensors.update(_perception_encoder(state, name))
     num_prefix = int(tensors["class_token"]) + int(tensors["dist_token"]) + tensors["reg_tokens"]
     fields = {
         **tensors,
@@ -133,6 +128,26 @@ def _architecture(state: dict[str, torch.Tensor], name: str) -> dict:
         "num_classes": state["head.weight"].shape[0] if "head.weight" in state else 0,
         "abs_pos_embed": "pos_embed" in state,
         **from_structure(state),  # mean, std and where they came from, unless a reader or the caller knows
+    }
+
+
+def _perception_encoder(state: dict[str, torch.Tensor], name: str) -> dict:
+    """A class token beside an attention pool is Meta's Perception Encoder (timm's vit_pe_core_*,
+    an Eva), the one published ViT with both. Its rotary positions are in no tensor: EVA-02's
+    "cat" on patch indices from 1, the width first ("xy"), on its own grid at any size; its pool
+    has 8 heads and reads the class token too. The tensors must be a pre-norm tower with learned
+    positions on a square grid, as every PE core's are."""
+    positions = state.get("pos_embed")
+    side = math.isqrt(positions.shape[1] - 1) if positions is not None else 0
+    if "norm_pre.weight" not in state or side < 1 or side * side != positions.shape[1] - 1:
+        raise CheckpointError(
+            f"{name} has a class token and an attention pool, as only a Perception Encoder has, but not"
+            " its pre-norm and square grid of learned positions"
+        )
+    return {
+        "rope_type": "cat", "rope_grid_offset": 1.0, "rope_grid_indexing": "xy", "ref_feat_shape": (side, side),
+        "attn_pool_num_heads": 8, "pool_include_prefix": True, "layer_norm_eps": 1e-5,
+        "mean": (0.5, 0.5, 0.5), "std": (0.5, 0.5, 0.5), "normalization_source": "structure: Perception Encoder",
     }
 
 
