@@ -34,7 +34,7 @@ import torch
 
 from ..model.config import ViTConfig
 from ..model.vit import ViT, from_timm_eva
-from . import catalogue, from_eva, from_huggingface, from_open_clip, from_timm, from_torchvision
+from . import catalogue, from_eva, from_huggingface, from_open_clip, from_timm, from_torchvision, from_vlm
 from .build import build
 from .checks import CheckpointError, read_tensors
 from .from_torchvision import TORCHVISION_VITS
@@ -73,6 +73,10 @@ def load_model(path: str | os.PathLike, **overrides) -> ViT:
                 f"{path} is a folder but not a Hugging Face model (no config.json)"
             )
         hf_config = from_huggingface.read_config(path, path.name)
+        if from_vlm.is_vlm(hf_config):  # a VLM's folder: its vision tower alone
+            tower = from_vlm.tower_config(hf_config, path.name)
+            converted, known = from_huggingface.convert(from_vlm.read_tower(path, path.name), tower, path.name)
+            return _model_from_state(converted, known, overrides, path.name)
         state = from_huggingface.read_weights(path)
         if from_timm.is_folder_config(hf_config):
             converted, known = from_timm.convert_folder(state, hf_config, path.name)

@@ -1,0 +1,139 @@
+"""The vision tower inside a vision-language model's Hugging Face folder: LLaVA (1.5, NeXT,
+OneVision), PaliGemma and Gemma 3, whose towers are CLIP's or SigLIP's vision transformer.
+
+Only the tower is read: its keys are picked from the shards' index (or the one file's header),
+only the shards that hold them are opened, and of those only the tower's tensors are read, so a
+7B model's folder costs the tower's bytes, not the language model's 14 GB. The tower's settings
+are the folder's vision_config, converted as a CLIP or SigLIP vision folder is
+(from_huggingface). The tower's keys carry the VLM's prefix: transformers 4 wrote
+``vision_tower.vision_model.``, transformers 5 writes ``vision_tower.`` (``model.`` before either
+in some).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from .checks import MAX_CHECKPOINT_BYTES, MAX_TENSORS, CheckpointError, folder_file, looks_like_safetensors
+from .checks import read_json, safetensors_header
+
+# The VLMs whose towers we read, and the vision_config model types their towers may be.
+VLM_TOWERS = {
+    "llava": ("clip_vision_model", "siglip_vision_model"),
+    "llava_next": ("clip_vision_model", "siglip_vision_model"),
+    "llava_onevision": ("siglip_vision_model",),
+    "paligemma": ("siglip_vision_model",),
+    "gemma3": ("siglip_vision_model",),
+}
+# VLMs whose towers need pieces our ViT does not have yet: each refused in a sentence that says why.
+VLM_UNSUPPORTED = {
+    "qwen2_vl": "window attention and 2D rotary positions", "qwen2_5_vl": "window attention and 2D rotary positions",
+    "qwen3_vl": "2D rotary positions and a patch merger", "internvl": "InternViT's RMSNorm and LayerScale",
+    "idefics3": "SigLIP patches of any aspect ratio", "smolvlm": "SigLIP patches of any aspect ratio",
+    "mllama": "tiled cross-attention", "aimv2": "RMSNorm and SwiGLU",
+}
+_PREFIXES = ("vision_tower.vision_model.", "model.vision_tower.vision_model.", "model.vision_tower.", "vision_tower.")
+_INDEX = "model.safetensors.index.json"
+_SINGLE = "model.safetensors"
+_PATCH_KEY = "embeddings.patch_embedding.weight"
+
+
+def is_vlm(hf_config: dict) -> bool:
+    model_type = hf_config.get("model_type")
+    return isinstance(model_type, str) and (model_type in VLM_TOWERS or model_type in VLM_UNSUPPORTED)
+
+
+def tower_config(hf_config: dict, name: str) -> dict:
+    """The tower's settings as a CLIP or SigLIP vision folder's config.json would give them, with
+    the preprocessor's mean and std; a VLM we do not read is a sentence."""
+    model_type = hf_config["model_type"]
+    if model_type in VLM_UNSUPPORTED:
+        raise CheckpointError(
+            f"{name} is a {model_type} model, whose vision tower needs {VLM_UNSUPPORTED[model_type]},"
+            f" which we do not load yet; we read the towers of {', '.join(VLM_TOWERS)}"
+        )
+    vision = hf_config.get("vision_config")
+    tower_type = vision.get("model_type") if isinstance(vision, dict) else None
+    if tower_type not in VLM_TOWERS[model_type]:
+        raise CheckpointError(
+            f"{name}'s vision_config is {tower_type!r}, not a tower a {model_type} model has"
+            f" ({', '.join(VLM_TOWERS[model_type])})"
+        )
+    preprocessing = {key: hf_config[key] for key in ("image_mean", "image_std") if key in hf_config}
+    return {**preprocessing, **vision}
+
+
+def read_tower(folder: Path, name: str) -> dict[str, torch.Tensor]:
+    """The tower's tensors, prefix removed, from the folder's safetensors (one file, or the
+    shards its index names, each checked to lie inside the folder before any is opened)."""
+    if os.path.lexists(folder / _INDEX):
+        index = read_json(folder_file(folder, _INDEX, _INDEX), _INDEX, name)
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(key, str) and isinstance(shard, str)
+                                                       for key, shard in weight_map.items()):
+            raise CheckpointError(f"{_INDEX} in {name} has no weight_map from tensor names to shard files")
+        keys = list(weight_map)
+    elif os.path.lexists(folder / _SINGLE):
+        weight_map = None
+        keys = _keys(folder_file(folder, _SINGLE, _SINGLE))
+    else:
+        raise CheckpointError(f"{name} is a vision-language model without {_SINGLE} or {_INDEX}; we read its tower from safetensors only")
+    prefix = next((prefix for prefix in _PREFIXES if prefix + _PATCH_KEY in keys), None)
+    if prefix is None:
+        raise CheckpointError(f"{name} holds no vision tower's weights (no vision_tower.*{_PATCH_KEY})")
+    wanted = [key for key in keys if key.startswith(prefix)]
+    if len(wanted) > MAX_TENSORS:
+        raise CheckpointError(f"{name}'s vision tower has {len(wanted)} tensors; a ViT has fewer than {MAX_TENSORS}")
+    shards: dict[Path, list[str]] = {}
+    for key in wanted:
+        shard = _SINGLE if weight_map is None else weight_map[key]
+        shards.setdefault(folder_file(folder, shard, f"a shard named in {_INDEX}"), []).append(key)
+    state: dict[str, torch.Tensor] = {}
+    budget = MAX_CHECKPOINT_BYTES
+    for path, shard_keys in shards.items():
+        tensors = _read_keys(path, shard_keys, budget, name)
+        budget -= sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
+        state.update({key.removeprefix(prefix): tensor for key, tensor in tensors.items()})
+    return state
+
+
+def _keys(path: Path) -> list[str]:
+    if not looks_like_safetensors(path):
+        raise CheckpointError(f"{path.name} is not a safetensors file")
+    safetensors_header(path)
+    with safe_open(str(path), framework="pt") as file:
+        return list(file.keys())
+
+
+def _read_keys(path: Path, keys: list[str], budget: int, name: str) -> dict[str, torch.Tensor]:
+    """Only ``keys`` of one safetensors shard, their sizes (from its checked header) within
+    ``budget`` bytes before any is read."""
+    if not looks_like_safetensors(path):
+        raise CheckpointError(f"{path.name} in {name} is not a safetensors file; we read a tower from safetensors only")
+    safetensors_header(path)
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as file:
+            present = set(file.keys())
+            missing = [key for key in keys if key not in present]
+            if missing:
+                raise CheckpointError(f"{path.name} in {name} lacks {missing[0]}, which its index says it holds")
+            slices = {key: file.get_slice(key) for key in keys}
+            size = sum(_bytes(piece) for piece in slices.values())
+            if size > budget:
+                raise CheckpointError(f"{name}'s vision tower is over {MAX_CHECKPOINT_BYTES // 2**30} GB, which we do not load")
+            return {key: file.get_tensor(key) for key in keys}
+    except SafetensorError as error:
+        raise CheckpointError(f"{path.name} in {name} is truncated or not a valid safetensors file ({error})") from None
+
+
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+def _bytes(piece) -> int:
+    count = 1
+    for side in piece.get_shape():
+        count *= side
+    return count * _DTYPE_BYTES.get(piece.get_dtype(), 8)
