@@ -96,6 +96,35 @@ def test_perception_encoder_matches_timm(tmp_path):
     torch.testing.assert_close(larger.forward_features(wide), reference.forward_features(wide), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["vit_pe_spatial_tiny_patch16_512", "vit_pe_lang_large_patch14_448"])
+def test_perception_encoder_without_a_final_norm_matches_timm(tmp_path, name):
+    """PE spatial and lang: no final norm, the patches' mean unnormed; lang with LayerScale (an
+    Eva's gamma_1, read by the Eva reader)."""
+    reference = timm_reference(name, ref_feat_shape=(4, 4), dynamic_img_size=True)
+    model = load_from_timm(reference, tmp_path / "pe.safetensors")
+    assert model.config.rope_type == "cat" and not model.config.final_norm and model.config.global_pool == "mean"
+    x = _images()
+    torch.testing.assert_close(model.forward_features(x), reference.forward_features(x), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(vx.capture(model, x).logits, reference(x), atol=1e-5, rtol=1e-5)
+
+
+def test_internvit_matches_timm(tmp_path):
+    """InternViT-300M (InternVL's tower in timm): LayerScale and no final norm."""
+    reference = timm_reference("vit_intern300m_patch14_448", num_classes=0)
+    model = load_from_timm(reference, tmp_path / "intern.safetensors")
+    assert not model.config.final_norm and model.config.init_values is not None
+    x = _images()
+    torch.testing.assert_close(model.forward_features(x), reference.forward_features(x), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(vx.capture(model, x).logits, reference(x), atol=1e-5, rtol=1e-5)
+
+
+def test_a_gigantic_perception_encoder_is_refused(tmp_path):
+    reference = timm.create_model("vit_pe_spatial_gigantic_patch14_448", pretrained=False, depth=1, img_size=28)
+    save_file({key: value.contiguous() for key, value in reference.state_dict().items()}, tmp_path / "g.safetensors")
+    with pytest.raises(vx.CheckpointError, match="gigantic Perception Encoder"):
+        vx.load_model(tmp_path / "g.safetensors")
+
+
 def test_weights_reveal_the_architecture(tmp_path):
     deit = load_from_timm(timm_reference("deit_small_distilled_patch16_224", num_classes=5), tmp_path / "d.safetensors")
     assert deit.config.dist_token and deit.config.num_prefix_tokens == 2

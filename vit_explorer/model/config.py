@@ -109,6 +109,7 @@ class ViTConfig(_JsonConfig):
     init_values: float | None = None  # LayerScale init; None disables LayerScale
     layer_norm_eps: float = 1e-6
     pre_norm: bool = False  # a LayerNorm (norm_pre) on the tokens before the first block (CLIP)
+    final_norm: bool = True  # the LayerNorm after the last block (InternViT-300M, PE spatial have none)
     patch_bias: bool = True  # the patch embedding's bias (CLIP has none)
     act_layer: str = "gelu"  # MLP activation: "gelu", "gelu_tanh" (SigLIP) or "quick_gelu" (OpenAI CLIP)
     drop_rate: float = 0.0
@@ -220,7 +221,7 @@ class ViTConfig(_JsonConfig):
             _check_whole(name, getattr(self, name), minimum)
         flags = (
             "qkv_bias", "class_token", "dist_token", "no_embed_class", "pre_norm", "patch_bias", "abs_pos_embed",
-            "qkv_fused", "scale_attn_inner", "swiglu_mlp", "scale_mlp", "pool_include_prefix",
+            "qkv_fused", "scale_attn_inner", "swiglu_mlp", "scale_mlp", "pool_include_prefix", "final_norm",
         )
         for name in flags:
             if not isinstance(getattr(self, name), bool):

@@ -478,7 +478,8 @@ class ViT(nn.Module):
         drop_paths = [config.drop_path_rate * i / max(config.depth - 1, 1) for i in range(config.depth)]
         self.blocks = nn.Sequential(*(Block(config, rate) for rate in drop_paths))
         use_fc_norm = config.use_fc_norm
-        self.norm = nn.Identity() if use_fc_norm else nn.LayerNorm(dim, eps=config.layer_norm_eps)
+        final_norm = config.final_norm and not use_fc_norm
+        self.norm = nn.LayerNorm(dim, eps=config.layer_norm_eps) if final_norm else nn.Identity()
         self.attn_pool = AttentionPool(config) if config.global_pool == "map" else None
         self.fc_norm = nn.LayerNorm(dim, eps=config.layer_norm_eps) if use_fc_norm else nn.Identity()
         self.head_drop = nn.Dropout(config.drop_rate)

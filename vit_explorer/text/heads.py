@@ -28,7 +28,7 @@ DESCRIPTIONS_PER_HEAD = 3
 def describable(model: ImageTextModel) -> str | None:
     """Why this model's heads cannot be described in words; None when they can."""
     config = model.image.config
-    if model.image.attn_pool is not None or not config.class_token or config.global_pool != "cls":
+    if model.image.attn_pool is not None or not config.class_token or config.global_pool != "cls" or not config.final_norm:
         return (
             "Heads in words reads what each head writes into the class token, which is the image"
             " embedding of a CLIP; this model pools its tokens another way (an attention pool or a mean)."

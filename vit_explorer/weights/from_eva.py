@@ -73,8 +73,39 @@ def convert(state: dict[str, torch.Tensor], name: str) -> tuple[dict[str, torch.
     return state, {**_family(state, name), **known}
 
 
+def perception_encoder(state: dict[str, torch.Tensor], name: str) -> dict | None:
+    """The config fields of Meta's Perception Encoder (timm's vit_pe_*, an Eva) if ``state`` is
+    one, else None. Its rotary positions are in no tensor, so it is told by what only it has: a
+    pre-norm without a patch bias (as CLIP's tower) and an attention pool beside its class token
+    (core) or no final norm (spatial, lang). Its positions are EVA-02's "cat" on patch indices
+    from 1, width first, on its own grid at any size; the core's pool has 8 heads and reads the
+    class token too; spatial and lang pool the patches' mean, unnormed."""
+    pool, final_norm = "attn_pool.latent" in state, "norm.weight" in state or "fc_norm.weight" in state
+    if "norm_pre.weight" not in state or "patch_embed.proj.bias" in state or not (pool and "cls_token" in state or not final_norm):
+        return None
+    positions, kernel = state.get("pos_embed"), state.get("patch_embed.proj.weight")
+    side = math.isqrt(positions.shape[1] - 1) if positions is not None and positions.dim() == 3 else 0
+    if kernel is not None and kernel.shape[0] == 1536:
+        raise CheckpointError(f"{name} looks like a gigantic Perception Encoder, whose heads and positions we do not load yet")
+    if "cls_token" not in state or side < 1 or side * side != positions.shape[1] - 1:
+        raise CheckpointError(
+            f"{name} has a pre-norm and {'an attention pool' if pool else 'no final norm'} as a Perception"
+            " Encoder has, but not its class token and square grid of learned positions"
+        )
+    fields = dict(
+        rope_type="cat", rope_grid_offset=1.0, rope_grid_indexing="xy", ref_feat_shape=(side, side),
+        layer_norm_eps=1e-5, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5), normalization_source="structure: Perception Encoder",
+    )
+    if pool:
+        return {**fields, "attn_pool_num_heads": 8, "pool_include_prefix": True}
+    return {**fields, "global_pool": "mean", "fc_norm": False, "final_norm": False}
+
+
 def _family(state: dict[str, torch.Tensor], name: str) -> dict:
     """The facts of the file's family (module docstring) that its tensors do not hold."""
+    pe = perception_encoder(state, name)
+    if pe is not None:
+        return pe
     lowered = name.lower()
     if "pos_embed" not in state:
         if "reg_token" in state or "dinov3" in lowered:

@@ -18,6 +18,7 @@ import torch
 
 from ..model.config import ViTConfig, _brief
 from .checks import MAX_BLOCKS, MAX_REGISTERS, CheckpointError
+from .from_eva import perception_encoder
 from .normalization import from_structure
 
 # Every ViT we build has these; a state dict without them is not one. Each tuple: one of its keys
@@ -44,8 +45,8 @@ def infer_config(
     """A ViTConfig from the tensor shapes, ``known`` source facts and the caller's overrides."""
     _check_shapes(state, name)
     tensors = _architecture(state, name)
-    if tensors["global_pool"] == "map" and tensors["class_token"] and "global_pool" not in known:
-        tensors.update(_perception_encoder(state, name))
+    if "rope_type" not in known and "global_pool" not in known:
+        tensors.update(perception_encoder(state, name) or {})  # its rotary positions are in no tensor
     num_prefix = int(tensors["class_token"]) + int(tensors["dist_token"]) + tensors["reg_tokens"]
     fields = {
         **tensors,
@@ -95,10 +96,6 @@ def _architecture(state: dict[str, torch.Tensor], name: str) -> dict:
         )
     depth = _block_count(state, name)
     class_token = "cls_token" in state
-    if "norm.weight" not in state and "fc_norm.weight" not in state:
-        raise CheckpointError(
-            f"{name} has no final norm (neither norm nor fc_norm), which our ViT needs"
-        )
     attention_pool = "attn_pool.latent" in state
     if attention_pool and state["attn_pool.latent"].shape[1] != 1:
         raise CheckpointError(
@@ -118,6 +115,7 @@ def _architecture(state: dict[str, torch.Tensor], name: str) -> dict:
         "reg_tokens": state["reg_token"].shape[1] if "reg_token" in state else 0,
         "global_pool": "map" if attention_pool else "mean" if mean_pool else "cls",
         "pre_norm": "norm_pre.weight" in state,
+        "final_norm": "norm.weight" in state or "fc_norm.weight" in state,
         "patch_bias": "patch_embed.proj.bias" in state,
         # A CLIP image tower (norm_pre, no patch bias) is built by timm with LayerNorm eps 1e-5.
         "layer_norm_eps": 1e-5 if "norm_pre.weight" in state and "patch_embed.proj.bias" not in state else 1e-6,
@@ -128,26 +126,6 @@ def _architecture(state: dict[str, torch.Tensor], name: str) -> dict:
         "num_classes": state["head.weight"].shape[0] if "head.weight" in state else 0,
         "abs_pos_embed": "pos_embed" in state,
         **from_structure(state),  # mean, std and where they came from, unless a reader or the caller knows
-    }
-
-
-def _perception_encoder(state: dict[str, torch.Tensor], name: str) -> dict:
-    """A class token beside an attention pool is Meta's Perception Encoder (timm's vit_pe_core_*,
-    an Eva), the one published ViT with both. Its rotary positions are in no tensor: EVA-02's
-    "cat" on patch indices from 1, the width first ("xy"), on its own grid at any size; its pool
-    has 8 heads and reads the class token too. The tensors must be a pre-norm tower with learned
-    positions on a square grid, as every PE core's are."""
-    positions = state.get("pos_embed")
-    side = math.isqrt(positions.shape[1] - 1) if positions is not None else 0
-    if "norm_pre.weight" not in state or side < 1 or side * side != positions.shape[1] - 1:
-        raise CheckpointError(
-            f"{name} has a class token and an attention pool, as only a Perception Encoder has, but not"
-            " its pre-norm and square grid of learned positions"
-        )
-    return {
-        "rope_type": "cat", "rope_grid_offset": 1.0, "rope_grid_indexing": "xy", "ref_feat_shape": (side, side),
-        "attn_pool_num_heads": 8, "pool_include_prefix": True, "layer_norm_eps": 1e-5,
-        "mean": (0.5, 0.5, 0.5), "std": (0.5, 0.5, 0.5), "normalization_source": "structure: Perception Encoder",
     }
 
 
