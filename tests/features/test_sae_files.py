@@ -125,7 +125,7 @@ def test_an_index_round_trips_and_a_broken_one_is_refused(tmp_path):
         (truncated, "this is not a readable SAE index file"),
         (lacking, "this SAE index file lacks some of its arrays or holds the wrong kinds"),
         (disagreeing, "this SAE index file's arrays do not agree on the number of latents"),
-        (pickled, "this SAE index file is truncated or holds something else than arrays"),
+        (pickled, "this SAE index file lacks some of its arrays or holds the wrong kinds"),
         (tmp_path / "missing.npz", "this is not a readable SAE index file"),
     ]:
         with pytest.raises(SAEError, match="^" + re.escape(message) + "$"):
