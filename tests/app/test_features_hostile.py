@@ -19,7 +19,7 @@ from vit_explorer.features.sae import CARD_KEY, SAE_KEY, load_sae, save_sae
 from vit_explorer.features.train import SAETrainConfig, train_sae
 
 from apptest import (  # noqa: F401 (tiny_default: autouse)
-    errors, figure_titles, open_app, tiny_default, tiny_model, title_matching, widget,
+    PHOTO, errors, figure_titles, open_app, tiny_default, tiny_model, title_matching, widget,
 )
 
 PAGE = "views/features.py"
@@ -151,3 +151,30 @@ def test_a_bad_index_leaves_its_dictionary_without_a_gallery_in_a_sentence(train
     assert not app.exception and errors(app) == []
     assert title_matching(app, "^Latent \\d+'s top patches over its training images")
     assert _other_model_renders(app, tmp_path) == []
+
+
+def _folder_set(runs_dir):
+    """A folder: image set inside the runs folder (where a run may read one) of 2 training images
+    (2 classes of 2; every 5th per class is the test split), fewer than the 16 the index points at."""
+    for name in ("a", "b"):
+        (runs_dir / "pictures" / name).mkdir(parents=True)
+        for number in range(2):
+            vx.data.images.load_image(PHOTO).resize((32, 32)).save(runs_dir / "pictures" / name / f"{number}.png")
+    return {"dataset": f"folder:{runs_dir / 'pictures'}", "count": 16, "image_size": [32, 32], "seed": 0}
+
+
+@pytest.mark.parametrize("images, said", [
+    (lambda runs_dir: {"dataset": "photos", "count": 10**6, "image_size": [32, 32], "seed": 0},
+     "its 1,000,000 training images at 32x32 are more than this server reads for a gallery"),
+    (_folder_set, "its training images \\(folder\\) cannot be read on this server"),
+], ids=["a stored set too large to read", "a folder of fewer images than its index"])
+def test_a_gallery_it_cannot_read_here_is_a_sentence(trained, images, said, tiny_default, tmp_path):
+    good, bad = _good(trained, tiny_default)
+    shutil.copy(trained["index"], bad.with_suffix(".index.npz"))
+    _resaved(good, bad, {"images": images(runs.RUNS_DIR)})
+    app = open_app(PAGE)
+    assert not app.exception and errors(app) == [] and not app.warning
+    assert widget(app.selectbox, "Dictionary").value.startswith("bad (layer 1")
+    (unread,) = [info.value for info in app.info if "index is read, but" in info.value]
+    assert re.search(said, unread) and str(tmp_path) not in unread, unread
+    assert title_matching(app, "^Latent \\d+'s activations")  # the rest of the page is drawn
