@@ -23,8 +23,10 @@ st.write(
 )
 
 choices, skipped = features.choices(selection)
-for sentence in skipped:
+for sentence in skipped[:3]:  # a folder of many broken files says so in a few lines
     st.warning(sentence)
+if len(skipped) > 3:
+    st.caption(f"{len(skipped) - 3:,} more files in the dictionaries' folders were skipped too.")
 if not choices:
     st.info(
         "No dictionary fits this model yet. Train one with `python -m vit_explorer sae --weights FILE --layer L`"

@@ -178,3 +178,13 @@ def test_a_gallery_it_cannot_read_here_is_a_sentence(trained, images, said, tiny
     (unread,) = [info.value for info in app.info if "index is read, but" in info.value]
     assert re.search(said, unread) and str(tmp_path) not in unread, unread
     assert title_matching(app, "^Latent \\d+'s activations")  # the rest of the page is drawn
+
+
+def test_many_broken_files_are_said_in_a_few_lines(trained, tiny_default):
+    good, _ = _good(trained, tiny_default)
+    for number in range(5):
+        (runs.RUNS_DIR / f"broken{number}.safetensors").write_bytes(b"abc")
+    app = open_app(PAGE)
+    assert not app.exception and errors(app) == [] and len(app.warning) == 3
+    assert any(caption.value == "2 more files in the dictionaries' folders were skipped too." for caption in app.caption)
+    assert widget(app.selectbox, "Dictionary").value.startswith("good (layer 1")

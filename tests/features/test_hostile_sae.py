@@ -323,11 +323,22 @@ def _corpus(root: Path) -> list[tuple[str, str, Path, str]]:
               {"W_enc": torch.zeros(48, WIDTH), "W_dec": torch.zeros(WIDTH, 48), "b_dec": torch.zeros(48)},
               config=SAEConfig(48, WIDTH, K).to_json())
     sae_case("a link to a dictionary outside", "leads outside its folder", readers=("picker",)).symlink_to(secret)
+    os.mkfifo(sae_case("a pipe", "not a plain file"))  # opening it would wait for a writer
+    sae_case("a folder", "not a plain file").mkdir()
 
     # Indexes: headers that claim more than the file holds, members that are not arrays, entries
     # that point outside the dictionary, its image set or its grid.
     index_case("index of 3 bytes", "not a readable SAE index file").write_bytes(b"abc")
     index_case("index of text", "not a readable SAE index file").write_text("no archive " * 20)
+    os.mkfifo(index_case("index a pipe", "not a readable SAE index file"))
+    index_case("index a link to a device", "not a readable SAE index file").symlink_to("/dev/zero")
+    path = index_case("an encrypted member", "truncated or holds something else than arrays")
+    _zip(path, _index_members(_index()))
+    blob = bytearray(path.read_bytes())
+    for signature, flags in ((b"PK\x03\x04", 6), (b"PK\x01\x02", 8)):  # each header's general-purpose flags
+        for match in re.finditer(re.escape(signature), bytes(blob)):
+            blob[match.start() + flags] |= 1
+    path.write_bytes(bytes(blob))
     members = _index_members(_index(), images=_npy_header((2**20, 2**17)))
     _zip(index_case("npy header claiming 1 TiB", "truncated or holds something else than arrays"), members)
     # Headers of 2**20 latents x 1,000 one-byte entries (the zip's directory agreeing: 1 GB each)

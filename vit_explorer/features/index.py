@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ..model.vit import ViT
-from .sae import MAX_LATENTS, READ_ERRORS, SAEError, SparseAutoencoder
+from .sae import MAX_LATENTS, READ_ERRORS, SAEError, SparseAutoencoder, regular_file
 from .tokens import ImageSource, layer_tokens, model_input
 
 HISTOGRAM_SUBBINS = 16
@@ -248,6 +248,8 @@ def load_index(path: str | Path, width: int | None = None) -> LatentIndex:
     path = Path(path)
     try:
         size = path.stat().st_size
+        if not regular_file(path):
+            raise OSError("not a plain file")
         members = _member_count(path, size)
     except OSError:
         raise SAEError("this is not a readable SAE index file") from None

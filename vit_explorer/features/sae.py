@@ -18,6 +18,7 @@ import dataclasses
 import json
 import math
 import pickle
+import stat
 import struct
 import zipfile
 import zlib
@@ -146,9 +147,15 @@ def save_sae(sae: SparseAutoencoder, path: str | Path, card: dict) -> None:
 
 # What reading a file may raise, beside the library's own error: a parser meets deep nesting, a
 # short read, a huge claim or bytes of another format. Each becomes one SAEError sentence.
+# (RuntimeError: zipfile's encrypted member.)
 READ_ERRORS = (OSError, ValueError, TypeError, KeyError, EOFError, struct.error, zipfile.BadZipFile, zlib.error,
-               MemoryError, RecursionError, OverflowError, NotImplementedError, pickle.UnpicklingError)
+               MemoryError, RecursionError, OverflowError, RuntimeError, pickle.UnpicklingError)
 WEIGHTS_CHUNK = 2**20  # values checked at once when a file's weights are scanned without loading them
+
+
+def regular_file(path: Path) -> bool:
+    """Whether ``path`` is a plain file (links followed): a pipe or a device would block a read or never end."""
+    return stat.S_ISREG(path.stat().st_mode)
 
 
 def read_card(path: str | Path) -> tuple[SAEConfig, dict]:
@@ -160,6 +167,8 @@ def read_card(path: str | Path) -> tuple[SAEConfig, dict]:
 
     path = Path(path)
     try:
+        if not regular_file(path):
+            raise SAEError("this is not a readable SAE file: it is not a plain file")
         if path.stat().st_size < 8:  # not even a header's length
             raise SAEError("this is not a readable SAE file: it is too short to be a safetensors file")
         metadata = safetensors_header(path)  # a bounded header of a valid file: its metadata
