@@ -341,16 +341,21 @@ def _corpus(root: Path) -> list[tuple[str, str, Path, str]]:
     path.write_bytes(bytes(blob))
     members = _index_members(_index(), images=_npy_header((2**20, 2**17)))
     _zip(index_case("npy header claiming 1 TiB", "truncated or holds something else than arrays"), members)
-    # Headers of 2**20 latents x 1,000 one-byte entries (the zip's directory agreeing: 1 GB each)
-    # in a file of 2 KB, which LatentIndex's types would widen to 20 GB.
-    shapes = {"images": (2**20, 1000), "patches": (2**20, 1000), "histogram": (2**20, 5)}
-    members = {**_index_members(_index()), **{f"{name}.npy": _npy_header(shape, "|u1") for name, shape in shapes.items()}}
-    declared = {f"{name}.npy": len(_npy_header(shape, "|u1")) + math.prod(shape) for name, shape in shapes.items()}
-    for name, shape in {"values": (2**20, 1000), "frequency": (2**20,), "maxima": (2**20,)}.items():
-        members[f"{name}.npy"] = _npy_header(shape, "<f2")
-        declared[f"{name}.npy"] = len(members[f"{name}.npy"]) + 2 * math.prod(shape)
-    _zip(index_case("one-byte headers widening to 20 GB", "describes 1,048,576 latents and its dictionary has 64"),
-         members, declared=declared)
+    # Headers of small entries (the zip's directory agreeing: about 1 GB each) in a file of 2 KB,
+    # which LatentIndex's types would widen to 20 GB: 2**20 latents, or the dictionary's 64 x 2**24.
+    for name, claims, expected in [
+        ("2**20 latents of one-byte headers widening to 20 GB",
+         {"images": ((2**20, 1000), "|u1"), "patches": ((2**20, 1000), "|u1"), "values": ((2**20, 1000), "<f2"),
+          "histogram": ((2**20, 5), "|u1"), "frequency": ((2**20,), "<f2"), "maxima": ((2**20,), "<f2")},
+         "describes 1,048,576 latents and its dictionary has 64"),
+        ("64 x 2**24 one-byte headers widening to 20 GB",
+         {"images": ((WIDTH, 2**24), "|u1"), "patches": ((WIDTH, 2**24), "|u1"), "values": ((WIDTH, 2**24), "<f2")},
+         re.escape("64 latents x 16,777,216 patches, 5 bins) would hold more than 2 GB")),
+    ]:
+        members = {**_index_members(_index()), **{f"{key}.npy": _npy_header(*claim) for key, claim in claims.items()}}
+        declared = {f"{key}.npy": len(_npy_header(shape, descr)) + math.prod(shape) * np.dtype(descr).itemsize
+                    for key, (shape, descr) in claims.items()}
+        _zip(index_case(name, expected), members, declared=declared)
     # 1.2 GB of zeros deflated to about 1 MB, as np.savez_compressed would write a histogram.
     size = 1200 * 2**20
     header = _npy_header((WIDTH, (size - 128) // (8 * WIDTH)))

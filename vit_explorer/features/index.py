@@ -300,8 +300,9 @@ def _member_count(path: Path, size: int) -> int:
 
 
 def _headers(archive: zipfile.ZipFile) -> dict[str, tuple[tuple[int, ...], np.dtype, int, bool]]:
-    """name -> (shape, dtype, offset of the data, Fortran order) of every array, from the .npy headers alone.
-    Members are stored as np.savez writes them (nothing inflates) and hold exactly their array."""
+    """name -> (shape, dtype, offset of the data, Fortran order) of every array, from the .npy
+    headers alone. Members are stored as np.savez writes them (nothing inflates) and hold exactly
+    their array."""
     infos = {info.filename.removesuffix(".npy"): info for info in archive.infolist()}
     if set(infos) != set(INDEX_ARRAYS):
         raise SAEError(_WRONG_KINDS)
@@ -337,7 +338,7 @@ def _check_shapes(shapes: dict[str, tuple[int, ...]], width: int | None) -> None
         raise SAEError("this SAE index file's arrays do not agree on the number of latents")
     if width is not None and latents != width:
         raise SAEError(f"this SAE index file describes {latents:,} latents and its dictionary has {width:,}")
-    widened = latents * (top * (8 + 8 + 4) + bins * 8 + 8 + 4)
+    widened = sum(math.prod(shape) * INDEX_ARRAYS[name][2] for name, shape in shapes.items())
     if latents > MAX_LATENTS or widened > MAX_INDEX_BYTES:
         raise SAEError(
             f"this SAE index file's arrays ({latents:,} latents x {top:,} patches, {bins:,} bins) would hold"

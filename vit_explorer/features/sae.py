@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from ..model.config import _JsonConfig, _brief, _check_whole, _is_number
+from .tokens import ImageSource, check_source_name
 
 SAE_KEY = "vit_explorer.sae"  # the metadata entry that marks one of our SAE files
 CARD_KEY = "vit_explorer.sae_card"
@@ -205,8 +206,6 @@ def read_card(path: str | Path) -> tuple[SAEConfig, dict]:
 def check_card(card: dict, config: SAEConfig) -> None:
     """An SAEError sentence unless each entry a run writes on the card (those present) has the
     type it writes: what a page reads of a card is then a number, a name or a list of numbers."""
-    from .tokens import ImageSource, check_source_name
-
     def whole(value) -> bool:
         return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
