@@ -22,7 +22,11 @@ st.write(
     " what the model does without it."
 )
 
-choices = features.choices(selection)
+choices, skipped = features.choices(selection)
+for sentence in skipped[:3]:  # a folder of many broken files says so in a few lines
+    st.warning(sentence)
+if len(skipped) > 3:
+    st.caption(f"{len(skipped) - 3:,} more files in the dictionaries' folders were skipped too.")
 if not choices:
     st.info(
         "No dictionary fits this model yet. Train one with `python -m vit_explorer sae --weights FILE --layer L`"
@@ -113,14 +117,20 @@ with map_column:
         image, view.latent_map(latent, grid), f"Latent {latent} on this image", query_patch=patch,
     )))
 with gallery_column:
-    if chosen.index is None:
+    if chosen.index_problem is not None:
+        st.info(f"Its index file was skipped, so its top patches are not known: {chosen.index_problem}.")
+    elif chosen.index is None:
         st.info("This dictionary has no index beside it, so its top patches are not known.")
     else:
-        pictures, top_patches, top_values = features.gallery(chosen, latent)
-        st.plotly_chart(figures.latent_gallery(
-            pictures, top_patches, top_values, tuple(chosen.index.grid_size),
-            f"Latent {latent}'s top patches over its training images",
-        ))
+        try:
+            pictures, top_patches, top_values = features.gallery(chosen, latent)
+        except SAEError as error:
+            st.info(f"This dictionary's index is read, but {error}.")
+        else:
+            st.plotly_chart(figures.latent_gallery(
+                pictures, top_patches, top_values, tuple(chosen.index.grid_size),
+                f"Latent {latent}'s top patches over its training images",
+            ))
 if chosen.index is not None:
     st.plotly_chart(figures.latent_histogram(
         chosen.index.histogram[latent], float(chosen.index.maxima[latent]), float(chosen.index.frequency[latent]),

@@ -79,6 +79,19 @@ def test_a_header_claiming_a_billion_latents_is_refused_without_allocating(tmp_p
         load_sae(declares, MODEL)
 
 
+def test_weights_are_scanned_a_chunk_at_a_time_to_the_last_row(tmp_path, monkeypatch):
+    sae, path = saved(tmp_path)
+    monkeypatch.setattr(sae_module, "WEIGHTS_CHUNK", 3 * 32)  # W_dec (64, 32) in 22 chunks of 3 rows
+    sae_module.check_weights(path)
+    with torch.no_grad():
+        sae.W_dec[-1, -1] = float("nan")
+    save_sae(sae, path, {"layer": 1})
+    with pytest.raises(SAEError, match="^this SAE file's weights are not all finite numbers"):
+        sae_module.check_weights(path)
+    with pytest.raises(SAEError, match="^this SAE file's weights are not all finite numbers"):
+        load_sae(path)
+
+
 def test_files_that_are_not_dictionaries_are_refused(tmp_path, monkeypatch):
     model_file = tmp_path / "model.safetensors"
     vx.save_model(MODEL, model_file)
@@ -125,7 +138,7 @@ def test_an_index_round_trips_and_a_broken_one_is_refused(tmp_path):
         (truncated, "this is not a readable SAE index file"),
         (lacking, "this SAE index file lacks some of its arrays or holds the wrong kinds"),
         (disagreeing, "this SAE index file's arrays do not agree on the number of latents"),
-        (pickled, "this SAE index file is truncated or holds something else than arrays"),
+        (pickled, "this SAE index file lacks some of its arrays or holds the wrong kinds"),
         (tmp_path / "missing.npz", "this is not a readable SAE index file"),
     ]:
         with pytest.raises(SAEError, match="^" + re.escape(message) + "$"):

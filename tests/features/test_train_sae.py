@@ -152,6 +152,7 @@ def test_a_layer_the_model_lacks_is_refused(weights, tmp_path):
     (dict(name="../x"), "the run name '../x' must be a plain file name"),
     (dict(prefix_tokens="yes"), "prefix_tokens must be true or false, not 'yes'"),
     (dict(image_size=0), "image_size must be a whole number of at least 1, not 0"),
+    (dict(image_size=100_000), "image_size must be at most 2048 pixels, not 100,000"),
 ])
 def test_bad_settings_are_one_sentence(changes, message):
     with pytest.raises(ValueError, match="^" + re.escape(message)):

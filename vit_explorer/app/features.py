@@ -5,11 +5,18 @@ how much of each patch it explains, a latent's top patches over the training ima
 with a latent steered.
 
 An SAE fits a model when its card names that model's file (the same bytes) and its layer exists;
-others are left out of the picker. Everything computed here is a few small matrix products of the
-page's own capture (its tokens at the SAE's layer), or one pass resumed from that layer.
+others are left out of the picker. The files in these folders may be anyone's (a run's, or copied
+there), so the picker reads each one's card once per file version and skips, with a sentence, a
+file that is broken, leads outside its folder, or whose card, weights or image set the page could
+not use (an image set is one a run makes; a ``folder:`` one only inside the data folder or the
+dictionaries' folders); the index is checked against its dictionary when that is loaded, and a
+bad one leaves the dictionary without its gallery, said in a sentence. Everything computed here
+is a few small matrix products of the page's own capture (its tokens at the SAE's layer), or one
+pass resumed from that layer.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,9 +24,13 @@ import numpy as np
 import torch
 
 from .. import resources
+from ..data.datasets import DEFAULT_DATA_ROOT, DatasetError
 from ..weights import catalogue
 from ..features.index import LatentIndex, load_index
-from ..features.sae import SAEError, SparseAutoencoder, load_sae, per_token_explained, read_card
+from ..features.sae import (
+    NotAnSAEFile, SAEConfig, SAEError, SparseAutoencoder, check_fits, check_weights, load_sae, per_token_explained,
+    read_card,
+)
 from ..features.steering import Steering
 from ..features.tokens import ImageSource
 from ..features.train import model_identity
@@ -30,6 +41,7 @@ from .memo import memo
 from .selection import Selection
 
 TOP_LATENTS = 10  # a patch's strongest latents shown
+MAX_GALLERY_SET_BYTES = 2**30  # a stored image set a gallery reads whole (its first count images)
 
 
 @dataclass(frozen=True)
@@ -41,6 +53,7 @@ class Dictionary:
     sae: SparseAutoencoder
     card: dict
     index: LatentIndex | None
+    index_problem: str | None = None  # why its index file beside it is not used (a sentence)
 
     @property
     def key(self) -> tuple[str, float]:
@@ -60,14 +73,55 @@ def _folders() -> list[Path]:
     return [resources.app_root() / "weights", runs.RUNS_DIR]
 
 
-def _card(path: Path, stamp: float) -> dict | None:
-    """An SAE file's card from its header, once per file version; None for a file that is not one."""
-    def read() -> dict | None:
+def _inside(path: Path, folders: list[Path]) -> bool:
+    """Whether ``path`` resolves (links followed) inside one of ``folders``."""
+    target = Path(os.path.realpath(path))
+    return any(target.is_relative_to(os.path.realpath(folder)) for folder in folders)
+
+
+def _card(path: Path, stamp: float) -> tuple[SAEConfig, dict] | str | None:
+    """An SAE file's config and card from its header, once per file version: a sentence for a
+    broken one, None for a file that is no dictionary (a model's checkpoint)."""
+    def read() -> tuple[SAEConfig, dict] | str | None:
+        if not _inside(path, [path.parent]):
+            return "it leads outside its folder, which is refused"
         try:
-            return read_card(path)[1]
-        except SAEError:
+            return read_card(path)
+        except NotAnSAEFile:
             return None
+        except SAEError as error:
+            return str(error)
     return memo(("sae card", str(path), stamp), read)
+
+
+def _image_set(card: dict) -> ImageSource:
+    """The dictionary's image set, which the page reads: an SAEError sentence unless its card names
+    one (read_card checked that it is one a run makes) and a ``folder:`` set lies inside the data
+    folder or the dictionaries' own folders."""
+    if "images" not in card:
+        raise SAEError("this SAE file's card lacks its image set, which every run writes")
+    source = ImageSource.from_dict(card["images"])
+    folder = source.folder()
+    if folder is not None and not _inside(folder, [DEFAULT_DATA_ROOT, *_folders()]):
+        raise SAEError("this SAE file's card names an image folder outside the data and dictionary folders, which is refused")
+    return source
+
+
+def _problem(path: Path, stamp: float, selection: Selection) -> str | None:
+    """Why this model's dictionary at ``path`` cannot be offered (a sentence), once per file
+    version and model; None: it can. Its weights are scanned a chunk at a time, not loaded."""
+    def check() -> str | None:
+        config, card = _card(path, stamp)
+        try:
+            check_fits(config, card, selection.base_model)
+            if "mean" not in card:  # what the page's explained shares are measured from
+                raise SAEError("this SAE file's card lacks its tokens' mean, which every run writes")
+            _image_set(card)
+            check_weights(path)
+        except SAEError as error:
+            return str(error)
+        return None
+    return memo(("sae problem", str(path), stamp, selection.model_key), check)
 
 
 def model_file(model_key: str) -> Path | None:
@@ -97,23 +151,34 @@ def _identity(model_key: str) -> dict | None:
     return memo(("model identity", str(path), stat.st_mtime, stat.st_size), lambda: model_identity(str(path)))
 
 
-def choices(selection: Selection) -> dict[str, Path]:
-    """{label: path} of the SAEs that fit the sidebar's model, newest first."""
+def choices(selection: Selection) -> tuple[dict[str, Path], list[str]]:
+    """({label: path} of the SAEs that fit the sidebar's model, newest first; a sentence for each
+    file skipped: broken, or this model's and unusable). Another model's dictionary is left out
+    without a word."""
     identity = _identity(selection.model_key)
     if identity is None:
-        return {}
-    found = []
+        return {}, []
+    found, skipped = [], []
     for folder in _folders():
-        for path in folder.glob("*.safetensors") if folder.is_dir() else ():
-            stamp = path.stat().st_mtime
-            card = _card(path, stamp)
-            layer = None if card is None else card.get("layer")
-            model = None if card is None else card.get("model")
-            if isinstance(model, dict) and model.get("digest") == identity["digest"] \
-                    and type(layer) is int and 0 <= layer < selection.config.depth:
-                found.append((stamp, path, card))
+        for path in sorted(folder.glob("*.safetensors")) if folder.is_dir() else ():
+            try:
+                stamp = path.stat().st_mtime
+            except OSError:  # gone since listed, or a link to nothing
+                continue
+            read = _card(path, stamp)
+            if isinstance(read, str):
+                skipped.append(f"{path.name} was skipped: {read}.")
+                continue
+            model = None if read is None else read[1].get("model")
+            if not isinstance(model, dict) or model.get("digest") != identity["digest"]:
+                continue
+            problem = _problem(path, stamp, selection)
+            if problem is None:
+                found.append((stamp, path, read[1]))
+            else:
+                skipped.append(f"{path.name} was skipped: {problem}.")
     found.sort(key=lambda item: -item[0])
-    return {_choice_label(path, card): path for _, path, card in found}
+    return {_choice_label(path, card): path for _, path, card in found}, skipped
 
 
 def _choice_label(path: Path, card: dict) -> str:
@@ -130,7 +195,19 @@ def dictionary(path: Path, selection: Selection) -> Dictionary:
     def load() -> Dictionary:
         sae, card = load_sae(path, selection.base_model)
         index_path = path.with_suffix(".index.npz")
-        return Dictionary(path, stamp, sae, card, load_index(index_path) if index_path.exists() else None)
+        if not index_path.exists():
+            return Dictionary(path, stamp, sae, card, None)
+        try:
+            if not _inside(index_path, [path.parent]):
+                raise SAEError("its index file leads outside its folder, which is refused")
+            source, model = _image_set(card), selection.base_model
+            patch = model.config.patch_size
+            index = load_index(index_path, sae.config.width)
+            index.check_fits(source.count, (source.image_size[0] // patch, source.image_size[1] // patch),
+                             model.num_prefix_tokens if card.get("prefix_tokens", False) else 0)
+        except SAEError as error:
+            return Dictionary(path, stamp, sae, card, None, str(error))
+        return Dictionary(path, stamp, sae, card, index)
 
     return memo(("sae", str(path), stamp, selection.model_key), load, spinner="Loading the dictionary ...")
 
@@ -191,7 +268,8 @@ def image_features(selection: Selection, chosen: Dictionary) -> ImageFeatures:
 
 def gallery(chosen: Dictionary, latent: int) -> tuple[list[np.ndarray], list[int], list[float]]:
     """A latent's top-activating training patches from the index: their images (H, W, 3), patch
-    and value, strongest first; re-made from the image set (shapes render from their index)."""
+    and value, strongest first; re-made from the image set (shapes render from their index). An
+    SAEError sentence where the set is too large to read here or cannot be read on this server."""
     def compute() -> tuple[list[np.ndarray], list[int], list[float]]:
         # Positions count the prefix tokens first when the dictionary read them: those have no patch to outline.
         prefix = chosen.index.num_prefix_tokens
@@ -199,8 +277,17 @@ def gallery(chosen: Dictionary, latent: int) -> tuple[list[np.ndarray], list[int
                if position >= prefix]
         if not top:
             return [], [], []
-        source = ImageSource.from_dict(chosen.card["images"])
-        pictures = source.images(torch.tensor([image for image, _, _ in top]))  # (n, C, H, W) uint8
+        source = _image_set(chosen.card)
+        if source.held_bytes() > MAX_GALLERY_SET_BYTES:
+            raise SAEError(
+                f"its {source.count:,} training images at {source.image_size[0]}x{source.image_size[1]} are more than"
+                f" this server reads for a gallery ({MAX_GALLERY_SET_BYTES / 2**30:.0f} GB), so its top patches are not shown"
+            )
+        try:
+            pictures = source.images(torch.tensor([image for image, _, _ in top]))  # (n, C, H, W) uint8
+        except DatasetError:  # its message may name a folder of the server
+            raise SAEError(f"its training images ({source.dataset.partition(':')[0]}) cannot be read on this server,"
+                           " so its top patches are not shown") from None
         return ([picture.permute(1, 2, 0).numpy() for picture in pictures],
                 [patch for _, patch, _ in top], [value for _, _, value in top])
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import struct
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,12 +26,12 @@ import torch
 import torch.distributed as dist
 
 from ..model.vit import ViT
-from .sae import SAEError, SparseAutoencoder
+from .sae import MAX_LATENTS, READ_ERRORS, SAEError, SparseAutoencoder, regular_file
 from .tokens import ImageSource, layer_tokens, model_input
 
 HISTOGRAM_SUBBINS = 16
 NEVER = -(2**40)  # the range exponent of a latent that has not fired yet
-MAX_INDEX_BYTES = 2**31  # what a file's arrays may unpack to before they are read
+MAX_INDEX_BYTES = 2**31  # what a file's arrays may hold, widened to the index's types, before they are read
 
 
 @dataclass
@@ -50,6 +51,31 @@ class LatentIndex:
     tokens_seen: int
     grid_size: tuple[int, int]
     num_prefix_tokens: int = 0  # prefix tokens among the positions (0: patches only)
+
+    def check(self) -> None:
+        """An SAEError sentence unless its numbers are ones a run writes: finite values and shares,
+        no negative count, a grid of patches, no entry before image -1 or position 0."""
+        finite = all(np.isfinite(array).all() for array in (self.values, self.maxima, self.frequency))
+        if not finite or not ((self.frequency >= 0) & (self.frequency <= 1)).all():
+            raise SAEError("this SAE index file holds values that are not finite numbers or shares outside 0 to 1")
+        if (self.histogram < 0).any() or self.tokens_seen < 0 or self.num_prefix_tokens < 0 \
+                or min(self.grid_size) < 1 or (self.images < -1).any() or (self.patches < 0).any():
+            raise SAEError("this SAE index file holds negative counts, images, positions or grid sides")
+
+    def check_fits(self, images: int, grid_size: tuple[int, int], num_prefix_tokens: int) -> None:
+        """An SAEError sentence unless it is the index of a dictionary whose image set has ``images``
+        images, read on a ``grid_size`` grid after ``num_prefix_tokens`` prefix tokens: every entry
+        is one of those images and one of those positions."""
+        if tuple(self.grid_size) != tuple(grid_size) or self.num_prefix_tokens != num_prefix_tokens:
+            raise SAEError(
+                f"this SAE index file describes a {self.grid_size[0]}x{self.grid_size[1]} grid after"
+                f" {self.num_prefix_tokens} prefix tokens, not its dictionary's {grid_size[0]}x{grid_size[1]}"
+                f" after {num_prefix_tokens}"
+            )
+        if (self.images >= images).any():
+            raise SAEError(f"this SAE index file points at images beyond its image set's {images:,}")
+        if (self.patches >= num_prefix_tokens + grid_size[0] * grid_size[1]).any():
+            raise SAEError("this SAE index file points at positions beyond the tokens its dictionary reads")
 
     def top(self, latent: int) -> list[tuple[int, int, float]]:
         """[(image, position, value)] of the tokens ``latent`` fires on most, strongest first."""
@@ -214,36 +240,116 @@ def save_index(index: LatentIndex, path: str | Path) -> None:
     os.replace(temporary, path)
 
 
-def load_index(path: str | Path) -> LatentIndex:
-    """The index saved at ``path``, or an SAEError sentence for a file that is not a whole one."""
+def load_index(path: str | Path, width: int | None = None) -> LatentIndex:
+    """The index saved at ``path`` (of a dictionary of ``width`` latents, when given), or an SAEError
+    sentence. Bounded before anything is read: the archive's member count from its end record,
+    then each array's kind and shape from its .npy header (what it will hold once widened to the
+    index's types), before any array is read; the values are then checked (``LatentIndex.check``)."""
+    path = Path(path)
     try:
-        with zipfile.ZipFile(path) as archive:
-            unpacked = sum(member.file_size for member in archive.infolist())
-    except (OSError, zipfile.BadZipFile):
+        size = path.stat().st_size
+        if not regular_file(path):
+            raise OSError("not a plain file")
+        members = _member_count(path, size)
+    except OSError:
         raise SAEError("this is not a readable SAE index file") from None
-    if unpacked > MAX_INDEX_BYTES:
-        raise SAEError(f"this SAE index file unpacks to more than {MAX_INDEX_BYTES / 2**30:.0f} GB")
     try:
-        with np.load(path, allow_pickle=False) as data:
-            arrays = {name: data[name] for name in data.files}
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile):
+        if size > MAX_INDEX_BYTES:
+            raise SAEError(f"this SAE index file is larger than {MAX_INDEX_BYTES / 2**30:.0f} GB")
+        if members != len(INDEX_ARRAYS):
+            raise SAEError("this SAE index file lacks some of its arrays or holds the wrong kinds")
+        with zipfile.ZipFile(path) as archive:
+            headers = _headers(archive)
+            shapes = {name: header[0] for name, header in headers.items()}
+            _check_shapes(shapes, width)
+            arrays = {name: _read(archive, name, header) for name, header in headers.items()}
+    except SAEError:
+        raise
+    except READ_ERRORS:
         raise SAEError("this SAE index file is truncated or holds something else than arrays") from None
-    try:
-        index = LatentIndex(
-            images=arrays["images"].astype(np.int64), patches=arrays["patches"].astype(np.int64),
-            values=arrays["values"].astype(np.float32), frequency=arrays["frequency"].astype(np.float64),
-            histogram=arrays["histogram"].astype(np.int64), maxima=arrays["maxima"].astype(np.float32),
-            tokens_seen=int(arrays["tokens_seen"]), grid_size=tuple(int(side) for side in arrays["grid_size"]),
-            num_prefix_tokens=int(arrays["num_prefix_tokens"]),
-        )
-    except (KeyError, TypeError, ValueError):
-        raise SAEError("this SAE index file lacks some of its arrays or holds the wrong kinds") from None
-    width, top = index.images.shape if index.images.ndim == 2 else (None, None)
+    index = LatentIndex(
+        images=arrays["images"].astype(np.int64), patches=arrays["patches"].astype(np.int64),
+        values=arrays["values"].astype(np.float32), frequency=arrays["frequency"].astype(np.float64),
+        histogram=arrays["histogram"].astype(np.int64), maxima=arrays["maxima"].astype(np.float32),
+        tokens_seen=int(arrays["tokens_seen"]), grid_size=tuple(int(side) for side in arrays["grid_size"]),
+        num_prefix_tokens=int(arrays["num_prefix_tokens"]),
+    )
+    index.check()
+    return index
+
+
+# What save_index writes: each array's kind ("iu" whole numbers, "f" floats), its dimensions, and
+# the bytes per value once widened to LatentIndex's types.
+INDEX_ARRAYS = {
+    "images": ("iu", 2, 8), "patches": ("iu", 2, 8), "values": ("f", 2, 4), "frequency": ("f", 1, 8),
+    "histogram": ("iu", 2, 8), "maxima": ("f", 1, 4), "tokens_seen": ("iu", 0, 8), "grid_size": ("iu", 1, 8),
+    "num_prefix_tokens": ("iu", 0, 8),
+}
+_WRONG_KINDS = "this SAE index file lacks some of its arrays or holds the wrong kinds"
+
+
+def _member_count(path: Path, size: int) -> int:
+    """The archive's member count from its end record, before zipfile builds an entry for each."""
+    with open(path, "rb") as file:
+        file.seek(max(0, size - 2**16 - 22))
+        tail = file.read()
+    end = tail.rfind(b"PK\x05\x06")
+    if end < 0 or len(tail) < end + 22:
+        raise SAEError("this is not a readable SAE index file")
+    return struct.unpack("<H", tail[end + 10 : end + 12])[0]
+
+
+def _headers(archive: zipfile.ZipFile) -> dict[str, tuple[tuple[int, ...], np.dtype, int, bool]]:
+    """name -> (shape, dtype, offset of the data, Fortran order) of every array, from the .npy
+    headers alone. Members are stored as np.savez writes them (nothing inflates) and hold exactly
+    their array."""
+    infos = {info.filename.removesuffix(".npy"): info for info in archive.infolist()}
+    if set(infos) != set(INDEX_ARRAYS):
+        raise SAEError(_WRONG_KINDS)
+    headers = {}
+    for name, info in infos.items():
+        if info.compress_type != zipfile.ZIP_STORED:
+            raise SAEError("this SAE index file's arrays are compressed, which save_index never does")
+        with archive.open(info) as member:
+            version = np.lib.format.read_magic(member)
+            if version not in ((1, 0), (2, 0)):
+                raise SAEError(_WRONG_KINDS)
+            read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            shape, fortran_order, dtype = read_header(member)
+            offset = member.tell()
+        kinds, dimensions, _ = INDEX_ARRAYS[name]
+        if dtype.kind not in kinds or dtype.itemsize > 8 or len(shape) != dimensions:
+            raise SAEError(_WRONG_KINDS)
+        if info.file_size != offset + math.prod(shape) * dtype.itemsize:
+            raise SAEError("this SAE index file is truncated or holds something else than arrays")
+        headers[name] = (shape, dtype, offset, fortran_order)
+    return headers
+
+
+def _check_shapes(shapes: dict[str, tuple[int, ...]], width: int | None) -> None:
+    """The arrays' shapes agree on the latents (``width`` of them, when given) and, widened, fit."""
+    latents, top = shapes["images"]
+    bins = shapes["histogram"][1]
     consistent = (
-        width is not None and index.patches.shape == index.values.shape == (width, top)
-        and index.frequency.shape == index.maxima.shape == (width,)
-        and index.histogram.ndim == 2 and index.histogram.shape[0] == width and len(index.grid_size) == 2
+        shapes["patches"] == shapes["values"] == (latents, top) and shapes["frequency"] == shapes["maxima"] == (latents,)
+        and shapes["histogram"][0] == latents and shapes["grid_size"] == (2,)
     )
     if not consistent:
         raise SAEError("this SAE index file's arrays do not agree on the number of latents")
-    return index
+    if width is not None and latents != width:
+        raise SAEError(f"this SAE index file describes {latents:,} latents and its dictionary has {width:,}")
+    widened = sum(math.prod(shape) * INDEX_ARRAYS[name][2] for name, shape in shapes.items())
+    if latents > MAX_LATENTS or widened > MAX_INDEX_BYTES:
+        raise SAEError(
+            f"this SAE index file's arrays ({latents:,} latents x {top:,} patches, {bins:,} bins) would hold"
+            f" more than {MAX_INDEX_BYTES / 2**30:.0f} GB"
+        )
+
+
+def _read(archive: zipfile.ZipFile, name: str, header: tuple[tuple[int, ...], np.dtype, int, bool]) -> np.ndarray:
+    """One array, read as its checked header says (no pickle: its kind is a number's)."""
+    shape, dtype, offset, fortran_order = header
+    with archive.open(f"{name}.npy") as member:
+        member.seek(offset)
+        data = member.read(math.prod(shape) * dtype.itemsize)
+    return np.frombuffer(data, dtype=dtype).reshape(shape, order="F" if fortran_order else "C")

@@ -16,13 +16,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import pickle
+import stat
+import struct
+import zipfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from ..model.config import _JsonConfig, _brief, _check_whole
+from ..model.config import _JsonConfig, _brief, _check_whole, _is_number
+from .tokens import ImageSource, check_source_name
 
 SAE_KEY = "vit_explorer.sae"  # the metadata entry that marks one of our SAE files
 CARD_KEY = "vit_explorer.sae_card"
@@ -33,6 +40,10 @@ MAX_WIDTH_BYTES = 2**31  # encoder and decoder together, float32
 
 class SAEError(ValueError):
     """An SAE that cannot be used here (another model's, a broken file); ``str()`` is one sentence."""
+
+
+class NotAnSAEFile(SAEError):
+    """A readable safetensors file that is no dictionary (a model's checkpoint beside them)."""
 
 
 @dataclass(frozen=True)
@@ -135,44 +146,131 @@ def save_sae(sae: SparseAutoencoder, path: str | Path, card: dict) -> None:
     save_file(tensors, str(path), metadata=metadata)
 
 
+# What reading a file may raise, beside the library's own error: a parser meets deep nesting, a
+# short read, a huge claim or bytes of another format. Each becomes one SAEError sentence.
+# (RuntimeError: zipfile's encrypted member.)
+READ_ERRORS = (OSError, ValueError, TypeError, KeyError, EOFError, struct.error, zipfile.BadZipFile, zlib.error,
+               MemoryError, RecursionError, OverflowError, RuntimeError, pickle.UnpicklingError)
+WEIGHTS_CHUNK = 2**20  # values checked at once when a file's weights are scanned without loading them
+
+
+def regular_file(path: Path) -> bool:
+    """Whether ``path`` is a plain file (links followed): a pipe or a device would block a read or never end."""
+    return stat.S_ISREG(path.stat().st_mode)
+
+
 def read_card(path: str | Path) -> tuple[SAEConfig, dict]:
-    """(config, card) of an SAE file, from its header alone: nothing is allocated for what it claims."""
+    """(config, card) of an SAE file, from its header alone: nothing is allocated for what it claims,
+    and the card's entries have the types a run writes (``check_card``)."""
     from safetensors import SafetensorError, safe_open
 
     from ..weights.checks import CheckpointError, safetensors_header
 
+    path = Path(path)
     try:
-        metadata = safetensors_header(Path(path))  # a bounded header of a valid file: its metadata
+        if not regular_file(path):
+            raise SAEError("this is not a readable SAE file: it is not a plain file")
+        if path.stat().st_size < 8:  # not even a header's length
+            raise SAEError("this is not a readable SAE file: it is too short to be a safetensors file")
+        metadata = safetensors_header(path)  # a bounded header of a valid file: its metadata
         with safe_open(str(path), framework="pt") as file:
-            shapes = {name: file.get_slice(name).get_shape() for name in file.keys()}
-    except (CheckpointError, SafetensorError, OSError) as error:
-        raise SAEError(f"this is not a readable SAE file: {error}") from None
+            tensors = {name: file.get_slice(name) for name in file.keys()}
+            shapes = {name: part.get_shape() for name, part in tensors.items()}
+            dtypes = {part.get_dtype() for part in tensors.values()}
+    except SAEError:
+        raise
+    except CheckpointError:
+        raise SAEError("this is not a readable SAE file: its header is too large or not a safetensors header") from None
+    except (SafetensorError, *READ_ERRORS):
+        raise SAEError("this is not a readable SAE file: it is truncated or not a safetensors file") from None
     if SAE_KEY not in metadata:
-        raise SAEError("this file is not a sparse autoencoder saved by vit_explorer")
+        raise NotAnSAEFile("this file is not a sparse autoencoder saved by vit_explorer")
     try:
         config = SAEConfig.from_json(metadata[SAE_KEY])
         card = json.loads(metadata.get(CARD_KEY, "{}"))
     except SAEError:
         raise  # a dictionary larger than allowed: its own sentence
-    except (ValueError, TypeError) as error:
-        raise SAEError(f"this SAE file's settings are unreadable: {_brief(str(error))}") from None
+    except READ_ERRORS as error:
+        detail = "nested too deeply" if isinstance(error, RecursionError) else _brief(str(error))
+        raise SAEError(f"this SAE file's settings are unreadable: {detail}") from None
     if not isinstance(card, dict):
         raise SAEError("this SAE file's card is unreadable")
     expected = {"W_enc": [config.d_model, config.width], "W_dec": [config.width, config.d_model],
                 "b_enc": [config.width], "b_dec": [config.d_model], "input_scale": []}
-    if shapes != expected:
+    if shapes != expected or dtypes != {"F32"}:
         raise SAEError("this SAE file's tensors do not match the dictionary it describes")
+    check_card(card, config)
     return config, card
 
 
-def load_sae(path: str | Path, model=None, layer: int | None = None) -> tuple[SparseAutoencoder, dict]:
-    """(the SAE in eval mode on the CPU, its card) from an SAE file. Checked from its header before
-    anything is allocated: with ``model`` (a ViT) its tokens' width and its layer must be the
-    model's, with ``layer`` the card's layer must be that one; else an SAEError sentence."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+def check_card(card: dict, config: SAEConfig) -> None:
+    """An SAEError sentence unless each entry a run writes on the card (those present) has the
+    type it writes: what a page reads of a card is then a number, a name or a list of numbers."""
+    def whole(value) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
-    config, card = read_card(path)
+    def number(value) -> bool:  # metrics may be NaN (a run whose tokens have no variance)
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+    checks = {
+        "layer": (whole, "a layer number"),
+        "embed_dim": (whole, "a whole number"),
+        "depth": (whole, "a whole number"),
+        "prefix_tokens": (lambda value: isinstance(value, bool), "true or false"),
+        "stopped": (lambda value: isinstance(value, bool), "true or false"),
+        "model": (lambda value: isinstance(value, dict) and all(isinstance(value.get(key), str)
+                                                                 for key in ("name", "digest")), "a model's name and digest"),
+        "metrics": (lambda value: isinstance(value, dict) and all(number(item) for item in value.values()),
+                    "numbers by name"),
+        "mean": (lambda value: isinstance(value, list) and len(value) == config.d_model
+                 and all(_is_number(item) for item in value), f"{config.d_model} finite numbers"),
+        "settings": (lambda value: isinstance(value, dict), "a run's settings"),
+    }
+    for key, (valid, what) in checks.items():
+        if key in card and not valid(card[key]):
+            raise SAEError(f"this SAE file's card has {key} {_brief(card[key])}, not {what}")
+    if "images" in card:
+        images = card["images"]
+        try:
+            check_source_name(images["dataset"])  # its own words would repeat the name
+        except (ValueError, TypeError, KeyError):  # DatasetError is a ValueError
+            raise SAEError("this SAE file's card names an unknown image set") from None
+        try:
+            ImageSource.from_dict(images)
+        except (ValueError, TypeError) as error:
+            raise SAEError(f"this SAE file's card names an image set no run makes: {error}") from None
+
+
+def _weights_refused() -> SAEError:
+    return SAEError("this SAE file's weights are not all finite numbers (NaN or infinity), or its input scale is not positive")
+
+
+def check_weights(path: str | Path) -> None:
+    """An SAEError sentence unless every weight of the SAE file (already read by ``read_card``) is
+    finite and its input scale positive, read a chunk at a time: nothing the size of the
+    dictionary is held."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as file:
+            if not file.get_tensor("input_scale") > 0:
+                raise _weights_refused()
+            for name in ("W_enc", "W_dec", "b_enc", "b_dec"):
+                part = file.get_slice(name)
+                rows, *rest = part.get_shape()
+                step = max(1, WEIGHTS_CHUNK // math.prod(rest))
+                for start in range(0, rows, step):
+                    if not torch.isfinite(part[start : start + step]).all():
+                        raise _weights_refused()
+    except SAEError:
+        raise
+    except (SafetensorError, *READ_ERRORS):
+        raise SAEError("this SAE file's tensors are unreadable") from None
+
+
+def check_fits(config: SAEConfig, card: dict, model=None, layer: int | None = None) -> None:
+    """An SAEError sentence unless the dictionary reads ``model``'s tokens (their width, one of its
+    layers) and, with ``layer``, that layer."""
     trained_on = card.get("layer")
     if model is not None:
         if config.d_model != model.config.embed_dim:
@@ -188,9 +286,23 @@ def load_sae(path: str | Path, model=None, layer: int | None = None) -> tuple[Sp
             )
     if layer is not None and trained_on != layer:
         raise SAEError(f"this dictionary reads layer {_brief(trained_on)}, not layer {layer}")
+
+
+def load_sae(path: str | Path, model=None, layer: int | None = None) -> tuple[SparseAutoencoder, dict]:
+    """(the SAE in eval mode on the CPU, its card) from an SAE file. Checked from its header before
+    anything is allocated: with ``model`` (a ViT) its tokens' width and its layer must be the
+    model's, with ``layer`` the card's layer must be that one; its weights must be finite; else an
+    SAEError sentence."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    config, card = read_card(path)
+    check_fits(config, card, model, layer)
     sae = SparseAutoencoder(config)
     try:
         sae.load_state_dict(load_file(str(path)))
-    except (SafetensorError, RuntimeError, OSError) as error:
-        raise SAEError(f"this SAE file's tensors are unreadable: {_brief(str(error))}") from None
+    except (SafetensorError, RuntimeError, *READ_ERRORS):
+        raise SAEError("this SAE file's tensors are unreadable") from None
+    if not (all(torch.isfinite(tensor).all() for tensor in sae.state_dict().values()) and sae.input_scale > 0):
+        raise _weights_refused()
     return sae.eval(), card

@@ -12,6 +12,7 @@ import dataclasses
 import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -29,6 +30,9 @@ PHOTOS = "photos"  # the bundled sample photos (assets/samples)
 SOURCE_NAMES = ("shapes", PHOTOS, *(name for name in DATASET_NAMES if name != "shapes"))
 PHOTO_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 LUMA = (0.299, 0.587, 0.114)  # PIL's RGB -> L weights, for a model that reads one channel
+# A side no ViT here reads (the catalogue's largest inputs are 768 px): a card claiming more would
+# make a gallery render or resize pictures of any size.
+MAX_IMAGE_SIDE = 2048
 
 
 def check_source_name(name: str) -> None:
@@ -62,6 +66,8 @@ class ImageSource(_JsonConfig):
             raise DatasetError(f"image_size must be a side or a (height, width) pair, not {_brief(self.image_size)}")
         for side in size:
             _check_whole("image_size", side, 1)
+        if max(size) > MAX_IMAGE_SIDE:
+            raise DatasetError(f"image sides of at most {MAX_IMAGE_SIDE} pixels are read, not {max(size):,}")
         object.__setattr__(self, "image_size", size)  # a card's [h, w] list back to a tuple
 
     def to_dict(self) -> dict:
@@ -72,6 +78,16 @@ class ImageSource(_JsonConfig):
         if self.dataset == "shapes":
             return None
         return _stored_images(self.dataset, self.count, self.image_size, self.seed)
+
+    def held_bytes(self) -> int:
+        """At most how many bytes reading one of its images holds: its whole set when stored
+        (the first ``count`` images), else one rendered image."""
+        height, width = self.image_size
+        return 3 * height * width * (1 if self.dataset == "shapes" else self.count)
+
+    def folder(self) -> Path | None:
+        """The folder a ``folder:PATH`` set reads (None for the other sets)."""
+        return Path(self.dataset.removeprefix("folder:")).expanduser() if self.dataset.startswith("folder:") else None
 
     def __len__(self) -> int:
         stored = self._stored()

@@ -39,7 +39,7 @@ from ..model.vit import ViT
 from ..weights import TORCHVISION_VITS, catalogue, load_model, load_pretrained, resize_model
 from .index import build_index, save_index
 from .sae import SAEConfig, SAEError, SparseAutoencoder, save_sae
-from .tokens import ImageSource, check_source_name, source_tokens, tokens_per_image
+from .tokens import MAX_IMAGE_SIDE, ImageSource, check_source_name, source_tokens, tokens_per_image
 
 DEAD_AFTER_TOKENS = 10_000_000  # Gao et al.'s window; shorter runs use one epoch's tokens
 AUXK_COEFFICIENT = 1 / 32
@@ -85,6 +85,8 @@ class SAETrainConfig(_JsonConfig):
         _check_whole("seed", self.seed, 0)
         if self.image_size is not None:
             _check_whole("image_size", self.image_size, 1)
+            if self.image_size > MAX_IMAGE_SIDE:  # its image set could not be read again (tokens.ImageSource)
+                raise ValueError(f"image_size must be at most {MAX_IMAGE_SIDE} pixels, not {self.image_size:,}")
         if not isinstance(self.prefix_tokens, bool):
             raise ValueError(f"prefix_tokens must be true or false, not {_brief(self.prefix_tokens)}")
         if not (_is_number(self.lr) and self.lr > 0):
