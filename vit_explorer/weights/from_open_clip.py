@@ -179,7 +179,10 @@ def _trunk_settings(timm_name, width: int, name: str) -> dict:
 
     if not isinstance(timm_name, str) or len(timm_name) > 200 or not timm.is_model(timm_name):
         raise CheckpointError(f"{name}'s image tower is a timm trunk, but its vision_cfg names no timm model we know")
-    settings = dict(_timm_trunk_settings(timm_name))
+    try:
+        settings = dict(_timm_trunk_settings(timm_name))
+    except Exception:  # a registered model that cannot be made on the meta device, or is no ViT
+        raise CheckpointError(f"{name}'s vision_cfg names {timm_name[:60]}, which is not a timm ViT we read") from None
     return settings if settings.pop("embed_dim") == width else {}
 
 
