@@ -1,7 +1,8 @@
 """Inference speed against timm's fused ViT, measured in the same run.
 
 Prints, for ViT-B/16, ViT-Ti/16 and DINOv3 ViT-B/16 (rotary positions, registers, LayerScale) at
-224 px, batch 1, on the CPU (or --device):
+224 px (and, asked for with --model, the VLM towers SigLIP So400m/14 at 378 px and CLIP ViT-L/14
+at 336), batch 1, on the CPU (or --device):
   forward ratio  = our plain forward / timm's forward          (goal <= 1.05)
   capture ratio  = vx.capture (every layer and head) / timm's   (goal <= 1.15)
 Timings are interleaved round by round so that load from other processes hits all three alike;
@@ -29,7 +30,18 @@ MODELS = {
     "ViT-Ti/16": ("vit_tiny_patch16_224", {}, dict(_PLAIN, embed_dim=192, depth=12, num_heads=3)),
     # timm's Eva; ours as the catalogue builds it, pooled on the class token as timm is asked to
     "DINOv3-B/16": ("vit_base_patch16_dinov3", dict(global_pool="token"), CATALOGUE["dinov3_vitb16"].config),
+    # VLM towers at their native sizes (So400m@384's conv reads 378 px of its 384)
+    "So400m/14-378": ("vit_so400m_patch14_siglip_378", {}, dict(
+        image_size=378, patch_size=14, num_classes=0, embed_dim=1152, depth=27, num_heads=16, mlp_ratio=3.7362,
+        class_token=False, global_pool="map",
+    )),
+    "CLIP-L/14-336": ("vit_large_patch14_clip_336", {}, dict(
+        image_size=336, patch_size=14, num_classes=0, embed_dim=1024, depth=24, num_heads=16, pre_norm=True,
+        patch_bias=False, layer_norm_eps=1e-5,
+    )),
 }
+# Measured unless asked for by name (--model): a So400m's three passes take a minute on 2 cores.
+OPTIONAL = ("So400m/14-378", "CLIP-L/14-336")
 
 
 def seconds(fn, device: torch.device) -> float:
@@ -48,7 +60,7 @@ def bench(name: str, rounds: int, device: torch.device) -> dict[str, float]:
     ours = vx.ViT(vx.ViTConfig(**fields))
     ours.load_state_dict(from_timm_eva(reference.state_dict()))  # a plain ViT's names are unchanged
     ours.eval().to(device)
-    x = torch.randn(1, 3, 224, 224, device=device)
+    x = torch.randn(1, 3, *vx.ViTConfig(**fields).img_size, device=device)
 
     def timm_forward():
         with torch.inference_mode():
@@ -79,11 +91,11 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device(args.device)
     print(f"torch {torch.__version__}, timm {timm.__version__}, device {device}, "
-          f"{torch.get_num_threads()} threads, batch 1, 224x224, median of {args.rounds} rounds")
-    print(f"{'model':<12} {'timm ms':>8} {'ours ms':>8} {'capture ms':>10} {'forward ratio':>14} {'capture ratio':>14}")
-    for name in args.model or MODELS:
+          f"{torch.get_num_threads()} threads, batch 1, each model's size, median of {args.rounds} rounds")
+    print(f"{'model':<14} {'timm ms':>8} {'ours ms':>8} {'capture ms':>10} {'forward ratio':>14} {'capture ratio':>14}")
+    for name in args.model or [name for name in MODELS if name not in OPTIONAL]:
         t = bench(name, args.rounds, device)
-        print(f"{name:<12} {t['timm'] * 1e3:8.1f} {t['forward'] * 1e3:8.1f} {t['capture'] * 1e3:10.1f} "
+        print(f"{name:<14} {t['timm'] * 1e3:8.1f} {t['forward'] * 1e3:8.1f} {t['capture'] * 1e3:10.1f} "
               f"{t['forward'] / t['timm']:13.3f}x {t['capture'] / t['timm']:13.3f}x")
 
 

@@ -124,16 +124,23 @@ def _read_keys(path: Path, keys: list[str], budget: int, name: str) -> dict[str,
             size = sum(_bytes(piece) for piece in slices.values())
             if size > budget:
                 raise CheckpointError(f"{name}'s vision tower is over {MAX_CHECKPOINT_BYTES // 2**30} GB, which we do not load")
-            return {key: file.get_tensor(key) for key in keys}
+            # float32 (as the model holds them) one tensor at a time: a half-precision copy of the
+            # whole tower never lies beside the float32 one.
+            return {key: _float(file.get_tensor(key)) for key in keys}
     except SafetensorError as error:
         raise CheckpointError(f"{path.name} in {name} is truncated or not a valid safetensors file ({error})") from None
+
+
+def _float(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.float() if tensor.is_floating_point() else tensor
 
 
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 
 
 def _bytes(piece) -> int:
+    """What a tensor will hold once read: float32 for any floating dtype."""
     count = 1
     for side in piece.get_shape():
         count *= side
-    return count * _DTYPE_BYTES.get(piece.get_dtype(), 8)
+    return count * max(4, _DTYPE_BYTES.get(piece.get_dtype(), 8))
