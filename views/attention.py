@@ -55,6 +55,9 @@ previous.button("Previous", on_click=step_layer, args=(-1,), disabled=state["lay
 layer = slider.slider("Layer", 0, depth - 1, **layer_widget)
 following.button("Next", on_click=step_layer, args=(1,), disabled=state["layer"] == depth - 1,
                  icon=":material/chevron_right:", width="stretch")
+read_note = models.language_model_layer_note(config, layer)  # a VLM's tower: the layer its language model reads
+if read_note:
+    st.caption(read_note)
 
 controls, picker = st.columns([2, 1])
 with controls:

@@ -24,6 +24,7 @@ in_words = words.words_model(selection.model_key) if headless else None  # CLIP,
 rotary = config.rope_type is not None
 added = config.abs_pos_embed
 head_dim, gated = config.head_dim, config.swiglu_mlp
+reads = models.language_model_reads(config, (grid_h, grid_w))  # a VLM's tower: what its language model reads
 
 st.title("Pipeline")
 st.page_link(
@@ -51,11 +52,13 @@ steps = [
     ("Add position embeddings" if added else "Positions: nothing added (rotations in attention)"
      if rotary else "Positions: none", f"({tokens}, {dim})"),
     (f"{config.depth} encoder layers", f"({tokens}, {dim}); attention ({config.num_heads}, {tokens}, {tokens}) each"),
-    ("Pool, norm and projection: the image among the texts", f"({dim},) -> ({in_words.embed_dim},)")
-    if in_words else ("Pool and norm: the image's feature vector", f"({dim},)")
-    if headless else ("Pool, norm and classification head", f"({dim},) -> ({config.num_classes},)"),
-    ("Top-5 prediction in words", "5 labels") if in_words else
-    ("Top-5 prediction", "none: no classifier" if headless else "5 classes"),
+    *([("What the language model reads", reads[1])] if reads else [
+        ("Pool, norm and projection: the image among the texts", f"({dim},) -> ({in_words.embed_dim},)")
+        if in_words else ("Pool and norm: the image's feature vector", f"({dim},)")
+        if headless else ("Pool, norm and classification head", f"({dim},) -> ({config.num_classes},)"),
+        ("Top-5 prediction in words", "5 labels") if in_words else
+        ("Top-5 prediction", "none: no classifier" if headless else "5 classes"),
+    ]),
 ]
 st.dataframe(
     {"step": [f"{i}. {name}" for i, (name, _) in enumerate(steps, 1)], "shape": [s for _, s in steps]},
@@ -206,7 +209,11 @@ else:
     st.plotly_chart(selection.memo("logit lens", compute=lambda: figures.logit_lens_figure(selection.logit_lens(), names)))
 
 pooled = models.pooled_output(config)
-if in_words:
+if reads is not None:
+    st.subheader("8. What the language model reads")
+    st.write(reads[0])
+    st.code(reads[1])
+elif in_words:
     st.subheader("8. Pool, norm and projection: the image among the texts")
     st.write(
         f"The model keeps one vector, {pooled}, normalised, and carries it into the {in_words.embed_dim}"

@@ -63,6 +63,12 @@ def test_the_tower_of_a_vlm_folder_matches_its_own(tmp_path, kind):
     if kind == "paligemma":  # a SigLIP tower with its pool (PaliGemma's own reads the tokens)
         torch.testing.assert_close(captured.logits, expected.pooler_output, atol=1e-4, rtol=1e-4)
     assert model.config.num_heads == 4 and model.config.class_token == (kind == "llava")
+    # What the language model reads (capture's tokens: 0 the embeddings, 3 after the final norm):
+    # LLaVA the penultimate layer without the class token, OneVision the last layer's output,
+    # PaliGemma and Gemma 3 the normed tokens, Gemma 3's 16 averaged 2 x 2 into its 4 a picture.
+    expected = {"llava": (1, True, 1), "llava_onevision": (2, False, 1), "paligemma": (3, False, 1), "gemma3": (3, False, 2)}
+    config = model.config
+    assert (config.language_model_layer, config.language_model_drops_class_token, config.language_model_pooling) == expected[kind]
 
 
 def test_a_vlm_folder_without_a_tower_or_of_an_unknown_kind_is_a_sentence(tmp_path):

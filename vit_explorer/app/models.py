@@ -239,6 +239,51 @@ def pooled_output(config) -> str:
     }[config.global_pool]
 
 
+def language_model_reads(config, grid_size: tuple[int, int]) -> tuple[str, str] | None:
+    """(a sentence, the shapes) of what a VLM's language model reads of its vision tower at this
+    grid; None for a model that is no VLM's tower."""
+    layer = config.language_model_layer
+    if layer is None:
+        return None
+    block = min(layer, config.depth) - 1  # layers counted from 0, as the Attention page's slider does
+    which = (
+        "the last layer's output through the final norm" if layer > config.depth
+        else "the last layer's output" if layer == config.depth
+        else ("the penultimate layer's output" if layer == config.depth - 1 else f"layer {block}'s output")
+        + f" (layer {block} on the Attention page)"
+    )
+    patches = grid_size[0] * grid_size[1]
+    dropped = config.language_model_drops_class_token and config.class_token
+    tokens = patches + (0 if dropped else config.num_prefix_tokens)
+    pooling = config.language_model_pooling
+    sentence = (
+        f"This is the vision tower of a vision-language model: its language model reads {which}"
+        + (", without the class token" if dropped else "") + f", {tokens:,} image tokens of {config.embed_dim} numbers"
+        + (f", which its projector averages {pooling} x {pooling} at a time into {tokens // pooling**2:,}" if pooling > 1 else "")
+        + ", and its projector maps each into the language model's own embedding space, where they stand"
+        " beside the words of the prompt. Nothing here is a prediction: the tower describes, the language model answers."
+    )
+    shapes = (
+        f"({patches + config.num_prefix_tokens}, {config.embed_dim})"
+        + (f" -> drop the class token -> ({tokens}, {config.embed_dim})" if dropped else "")
+        + (f" -> pool {pooling}x{pooling} -> ({tokens // pooling**2}, {config.embed_dim})" if pooling > 1 else "")
+        + " -> projector -> the language model"
+    )
+    return sentence, shapes
+
+
+def language_model_layer_note(config, layer: int) -> str | None:
+    """A VLM tower's note beside a layer picker (layers counted from 0): which layer's output the
+    language model reads, and whether it is this one; None for a model that is no VLM's tower."""
+    if config.language_model_layer is None:
+        return None
+    read = min(config.language_model_layer, config.depth) - 1
+    after_norm = " through the final norm" if config.language_model_layer > config.depth else ""
+    if layer == read:
+        return f"This layer's output is what the language model reads{after_norm}."
+    return f"The language model reads layer {read}'s output{after_norm}, {'after' if layer < read else 'before'} this one."
+
+
 # Model labels longer than this are cut in the sidebar's picker (and in its open list): a name is
 # shortened in the middle (its start and end tell checkpoints apart), the whole label shown below.
 MAX_LABEL = 34

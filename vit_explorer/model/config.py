@@ -108,6 +108,12 @@ class ViTConfig(_JsonConfig):
     fc_norm: bool | None = None  # None: a norm after pooling iff global_pool == "mean" (timm)
     init_values: float | None = None  # LayerScale init; None disables LayerScale
     layer_norm_eps: float = 1e-6
+    # A VLM's vision tower (weights/from_vlm.py): which of capture's tokens its language model reads
+    # (0 the embeddings, depth the last block's output, depth + 1 those after the final norm; None:
+    # no VLM's tower), whether without the class token, and its projector's average pooling per side.
+    language_model_layer: int | None = None
+    language_model_drops_class_token: bool = False
+    language_model_pooling: int = 1
     pre_norm: bool = False  # a LayerNorm (norm_pre) on the tokens before the first block (CLIP)
     final_norm: bool = True  # the LayerNorm after the last block (InternViT-300M, PE spatial have none)
     patch_bias: bool = True  # the patch embedding's bias (CLIP has none)
@@ -222,10 +228,15 @@ class ViTConfig(_JsonConfig):
         flags = (
             "qkv_bias", "class_token", "dist_token", "no_embed_class", "pre_norm", "patch_bias", "abs_pos_embed",
             "qkv_fused", "scale_attn_inner", "swiglu_mlp", "scale_mlp", "pool_include_prefix", "final_norm",
+            "language_model_drops_class_token",
         )
         for name in flags:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, not {_brief(getattr(self, name))}")
+        _check_whole("language_model_pooling", self.language_model_pooling, 1)
+        # Not checked against depth: a copy with fewer blocks (build's shape check) keeps it; its reader checks it.
+        if self.language_model_layer is not None:
+            _check_whole("language_model_layer", self.language_model_layer, 0)
         if self.attn_pool_num_heads is not None:
             _check_whole("attn_pool_num_heads", self.attn_pool_num_heads, 1)
             if self.embed_dim % self.attn_pool_num_heads:

@@ -76,6 +76,7 @@ def load_model(path: str | os.PathLike, **overrides) -> ViT:
         if from_vlm.is_vlm(hf_config):  # a VLM's folder: its vision tower alone
             tower = from_vlm.tower_config(hf_config, path.name)
             converted, known = from_huggingface.convert(from_vlm.read_tower(path, path.name), tower, path.name)
+            known.update(from_vlm.language_model_reads(hf_config, path.name))
             return _model_from_state(converted, known, overrides, path.name)
         state = from_huggingface.read_weights(path)
         if from_timm.is_folder_config(hf_config):

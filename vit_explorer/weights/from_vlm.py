@@ -11,6 +11,7 @@ in some).
 """
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -64,6 +65,34 @@ def tower_config(hf_config: dict, name: str) -> dict:
         )
     preprocessing = {key: hf_config[key] for key in ("image_mean", "image_std") if key in hf_config}
     return {**preprocessing, **vision}
+
+
+def language_model_reads(hf_config: dict, name: str) -> dict:
+    """The ViTConfig fields that say what the language model reads of the tower: LLaVA's
+    vision_feature_layer (-2, the penultimate block's output) without the class token
+    ("default"); PaliGemma's and Gemma 3's the tokens after the final norm, Gemma 3's projector
+    averaging them down to mm_tokens_per_image."""
+    vision = hf_config["vision_config"]
+    depth = vision.get("num_hidden_layers")
+    if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
+        raise CheckpointError(f"{name}'s vision_config has no num_hidden_layers")
+    if hf_config["model_type"].startswith("llava"):
+        layer = hf_config.get("vision_feature_layer", -2)
+        if not isinstance(layer, int) or isinstance(layer, bool) or not -depth - 1 <= layer <= depth:
+            raise CheckpointError(f"{name}'s vision_feature_layer {layer!r} is not one layer of its {depth}")
+        return {
+            "language_model_layer": layer % (depth + 1),
+            "language_model_drops_class_token": hf_config.get("vision_feature_select_strategy", "default") == "default",
+        }
+    fields = {"language_model_layer": depth + 1}
+    if hf_config["model_type"] == "gemma3":
+        side = vision.get("image_size", 0) // max(vision.get("patch_size", 1), 1)
+        per_image = hf_config.get("mm_tokens_per_image", 256)
+        kept = math.isqrt(per_image) if isinstance(per_image, int) and per_image > 0 else 0
+        if kept < 1 or kept * kept != per_image or side % kept:
+            raise CheckpointError(f"{name}'s mm_tokens_per_image {per_image!r} is no square that divides its grid")
+        fields["language_model_pooling"] = side // kept
+    return fields
 
 
 def read_tower(folder: Path, name: str) -> dict[str, torch.Tensor]:
