@@ -85,7 +85,11 @@ def test_perception_encoder_matches_timm(tmp_path):
     x = _images()
     torch.testing.assert_close(model.forward_features(x), reference.forward_features(x), atol=1e-5, rtol=1e-5)
     captured = vx.capture(model, x)
-    torch.testing.assert_close(captured.logits, reference(x), atol=1e-5, rtol=1e-5)
+    # Its head is the projection into its text tower's space, not classes: left out, the output is
+    # the pooled vector.
+    assert model.config.num_classes == 0
+    pooled = reference.forward_head(reference.forward_features(x), pre_logits=True)
+    torch.testing.assert_close(captured.logits, pooled, atol=1e-5, rtol=1e-5)
     # The probe reads every token: its maps are over the patches, its query weighs every token.
     assert captured.pool_attentions.shape[-1] == captured.num_tokens
     assert analysis.pool_maps(captured).shape == (8, 4, 4)

@@ -108,7 +108,7 @@ def _convert(
         return from_torchvision.convert(state)
     if from_eva.recognises(state):
         return from_eva.convert(state, path.name)
-    return from_timm.convert(state)
+    return from_timm.convert(state, path.name)
 
 
 def _model_from_state(

@@ -15,9 +15,13 @@ from . import from_eva
 _FOLDER_ARGS = ("num_heads", "depth", "embed_dim")
 
 
-def convert(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict]:
+def convert(state: dict[str, torch.Tensor], name: str) -> tuple[dict[str, torch.Tensor], dict]:
     """(our state dict, config fields the shapes cannot tell): nothing to rename or add; the mean
-    and std are what the structure tells, else timm's default (normalization.py)."""
+    and std are what the structure tells, else timm's default (normalization.py). A Perception
+    Encoder core's head is its projection into its text tower's space, not classes: it is left
+    out, and the model's output is the pooled vector (timm's pre-logits)."""
+    if from_eva.perception_encoder(state, name) is not None:
+        return {key: value for key, value in state.items() if not key.startswith("head.")}, {}
     return dict(state), {}
 
 
@@ -33,7 +37,7 @@ def convert_folder(
     model_args and pretrained_cfg the heads and mean/std; every value is checked as a ViTConfig
     field, and depth and width against the tensors (infer.py)."""
     name = f"{folder_name} ({timm_config['architecture'][:60]})"
-    converted, known = from_eva.convert(state, name) if from_eva.recognises(state) else convert(state)
+    converted, known = from_eva.convert(state, name) if from_eva.recognises(state) else convert(state, name)
     arguments, pretrained = timm_config.get("model_args"), timm_config.get("pretrained_cfg")
     if isinstance(arguments, dict):
         known.update({field: arguments[field] for field in _FOLDER_ARGS if field in arguments})
