@@ -38,7 +38,6 @@ from ..text.descriptions import DESCRIPTIONS
 from ..text.tokenizers import TOKENIZER_FILE
 from ..text.towers import MAX_LABEL_CHARACTERS, MAX_LABELS
 from ..weights import catalogue
-from ..weights import from_open_clip
 from . import costs, jobs, models
 from .memo import memo, shared_results, with_spinner
 from .selection import ImageSet, Selection, prediction_caveats, unreadable_photo_reason
@@ -273,7 +272,8 @@ def class_embeddings_settings(model: ImageTextModel, config, folder: Path, path:
     return {
         "folder": str(folder), "path": str(path), "prompts": prompts,
         "forwards": round(prompts * per_prompt / costs.forward_cost(config), 1),
-        "file_bytes": (folder / from_open_clip.WEIGHTS_FILE).stat().st_size,
+        # The folder's weights, read whole: open_clip's one file, a Hugging Face folder's file or shards.
+        "file_bytes": sum(path.stat().st_size for path in folder.glob("*.safetensors") if path.name != CLASS_EMBEDDINGS_FILE),
         "tokenizer_bytes": (folder / TOKENIZER_FILE).stat().st_size if (folder / TOKENIZER_FILE).is_file() else 0,
         "text_parameters": parameters, "context_length": context, "width": width,
         "heads": int(getattr(text, "heads", 1)), "embed_dim": model.embed_dim,
