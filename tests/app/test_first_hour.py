@@ -55,3 +55,19 @@ def test_an_uploaded_open_clip_folder_survives_a_reload(tmp_path):
     assert not again.exception and errors(again) == []
     assert again.session_state["model_key"] == model_key
     assert again.query_params[session.MODEL_PARAM] == address
+
+
+def test_the_readmes_page_table_lists_every_page_of_the_navigation():
+    import ast
+
+    from vit_explorer.app import lesson
+
+    calls = [node for node in ast.walk(ast.parse((ROOT / "app.py").read_text())) if isinstance(node, ast.Call)]
+    titles = [keyword.value.value for call in calls if getattr(call.func, "attr", None) == "Page"
+              for keyword in call.keywords if keyword.arg == "title"]
+    readme = (ROOT / "README.md").read_text()
+    rows = readme[readme.index("| page | what it shows |"):].split("\n\n")[0].splitlines()[2:]
+    table = [row.split(" | ")[0].removeprefix("| ") for row in rows]
+    assert len(titles) > 10 and sorted(table) == sorted(titles)
+    numbers = dict(enumerate("zero one two three four five six seven eight nine ten eleven twelve thirteen".split()))
+    assert f"| Lesson | {numbers[len(lesson.STEPS)]} steps" in readme
