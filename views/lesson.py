@@ -433,7 +433,8 @@ def prediction() -> None:
         said = words.prediction(selection)
         if said is not None:
             (best, score), *_ = said.top(1)
-            st.write(f"For your image it says **{best}**, with {answers.percents(score)[0]}.")
+            if words.chooses(said):
+                st.write(f"For your image it says **{best}**, with {answers.percents(score)[0]}.")
             for caveat in words.caveats(selection, said):
                 st.warning(caveat)
             st.plotly_chart(words.top_labels_figure(selection, said))
@@ -572,14 +573,14 @@ def which_map() -> None:
         + "one head's mask. They disagree, and attention is not explanation. A map claims that its brightest patches"
         f" matter, so test the claim: take those patches out first (their tokens dropped, nothing painted over) and"
         f" watch {score} fall. The map that makes it fall fastest shows best what the model used; a random order is"
-        " the floor any map should beat."
+        " the floor any map should beat. Then the other way round: keep only those patches and watch it rise."
     )
     st.markdown("**Before you look:** which map will make the score fall fastest?")
     guess = st.selectbox(
         "Your guess", choices, index=None, placeholder="a map",
         **lesson.answer_widget("map", selection),
     )
-    curves = faithfulness.curves(selection, tested, "drop", ("deletion",), label="Test the maps", ask=True)
+    curves = faithfulness.curves(selection, tested, "drop", faithfulness.CURVES, label="Test the maps", ask=True)
     if curves is None or guess is None:
         if guess is not None:
             st.caption("Your guess is in: the answer shows as soon as every map has been tested.")
@@ -597,15 +598,16 @@ def which_map() -> None:
     st.write(
         f"**{verdict}.** {faithfulness.reading(curves)}"
         + (f" No better than chance: {', '.join(beaten)}." if beaten and best != faithfulness.RANDOM else "")
+        + f" {faithfulness.insertion_opinion(curves)}"
     )
     st.plotly_chart(selection.memo("lesson faithfulness", *tested.key, compute=lambda: figures.faithfulness_figure(
         curves.fractions, curves.curves, curves.names, curves.what, curves.percent,
     )))
     st.dataframe(faithfulness.areas_table(curves), hide_index=True)
     st.caption(
-        "The area under each curve is the score's mean as the patches go, 0 to 1: the smaller, the truer the map."
-        " One image says little: try another, or the insertion curves and the mean-colour comparison on the"
-        " Attention page."
+        "The area under each curve is the score's mean as the patches go, 0 to 1: for deletion the smaller, for"
+        f" insertion the larger, the truer the map. {faithfulness.RANDOM_FLOOR} One image says little: try another,"
+        " or the mean-colour comparison on the Attention page."
     )
     ask_again_button("map")
     lesson.explore_button("views/attention.py", "Attention")

@@ -49,6 +49,7 @@ LABELS_WIDGET = "words_labels_box"
 LABELS_TEXT = "words_labels_text"
 LABELS = "words_labels"
 LABELS_ERROR = "words_labels_error"
+LABELS_MERGED = "words_labels_merged"  # the sentence saying which labels typed twice are scored once
 CLASS_EMBEDDINGS_FILE = "imagenet_class_embeddings.safetensors"
 IMAGENET_IDENTITY = "ImageNet classes x templates"  # what the class embeddings job reads: no image
 
@@ -133,6 +134,7 @@ def _labels_typed() -> None:
     state = st.session_state
     text = state[LABELS_WIDGET]
     state.pop(LABELS_ERROR, None)
+    state.pop(LABELS_MERGED, None)
     if not text.strip():
         state[LABELS], state[LABELS_TEXT] = None, ""
         return
@@ -143,6 +145,11 @@ def _labels_typed() -> None:
         state[LABELS_ERROR] = f"Those labels were not taken: {error}; the prediction is still over {still}."
         return  # the box shows the labels in force again (labels_box)
     state[LABELS], state[LABELS_TEXT] = labels, ", ".join(labels)
+    typed = [part.strip() for part in text.replace("\n", ",").split(",") if part.strip()]
+    repeated = list(dict.fromkeys(label for index, label in enumerate(typed) if label in typed[:index]))
+    if repeated:
+        names = ", ".join(f"'{label}'" for label in repeated)
+        state[LABELS_MERGED] = f"{names} {'was' if len(repeated) == 1 else 'were'} typed more than once and {'is' if len(repeated) == 1 else 'are'} scored once."
 
 
 def labels_box(model_key: str) -> None:
@@ -164,6 +171,8 @@ def labels_box(model_key: str) -> None:
     )
     if LABELS_ERROR in state:
         st.error(state[LABELS_ERROR])
+    if LABELS_MERGED in state:
+        st.caption(state[LABELS_MERGED])
 
 
 def labels_id(labels: tuple[str, ...] | None) -> str:
@@ -311,9 +320,21 @@ def top_labels_figure(selection: Selection, predicted: zero_shot.Prediction):
     ))
 
 
+def chooses(predicted: zero_shot.Prediction) -> bool:
+    """Whether the scores choose between labels: not one label under CLIP's softmax, which gives
+    it 100% whatever the image (a SigLIP's sigmoid scores one label on its own)."""
+    return predicted.scoring != "softmax" or len(predicted.labels) > 1
+
+
 def caveats(selection: Selection, predicted: zero_shot.Prediction) -> list[str]:
     """Why a prediction in words says little: a picture the model cannot read; for CLIP's softmax
-    also a top label no likelier than a guess (SigLIP's sigmoids are not shares of one)."""
+    also one label alone, or a top label no likelier than a guess (SigLIP's sigmoids are not
+    shares of one)."""
+    if not chooses(predicted):
+        return [
+            f"With one label there is nothing to choose between: the softmax gives '{predicted.labels[0]}' 100%"
+            " whatever the image; type two labels or more."
+        ]
     if predicted.scoring == "softmax":
         return prediction_caveats(selection, predicted.scores)
     reason = unreadable_photo_reason(selection)
