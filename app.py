@@ -11,6 +11,7 @@ import streamlit as st
 
 from vit_explorer.app import images, lesson, models, runs, session, uploads, words
 from vit_explorer.app.selection import unreadable_photo_reason
+from vit_explorer.training.pace import time_left
 
 # The icon is served by the app itself: a :material/...: or emoji icon is fetched from a font
 # server, which a classroom without internet cannot reach.
@@ -222,7 +223,7 @@ with st.sidebar:
         if set(running) != set(active) or queued != waiting:
             st.rerun()  # a run has ended or started: the model picker can offer it now
         for run_id, run in running.items():
-            st.progress(run.progress, text=f"Training {run_id}: {run.progress:.0%}")
+            st.progress(run.progress, text=f"Training {run_id}: {run.progress:.0%}{time_left(run.eta_seconds)} ({run.doing})")
         if queued:
             st.caption(f"Waiting for a free slot: {', '.join(queued)}.")
 
