@@ -246,3 +246,21 @@ def insertion_opinion(result: fa.Faithfulness) -> str:
         " image answers neither for good."
     )
 
+
+def lesson_answer(result: fa.Faithfulness, guess: str) -> str:
+    """The Lesson's answer to "which map makes the score fall fastest?": right or not, what the
+    deletion curves read, the maps no better than chance, and what insertion says."""
+    areas, best = result.areas("deletion"), result.best("deletion")
+    if best == RANDOM:
+        verdict = "No map beats a random order on this image: for this model, believe none of them"
+    elif best == guess:
+        verdict = f"Right: {guess} makes the score fall fastest"
+    else:
+        verdict = f"Not this time: {best} makes the score fall fastest, not {guess}"
+    beaten = [name for name in result.names if name != RANDOM and areas[name] >= areas[RANDOM]]
+    return (
+        f"**{verdict}.** {reading(result)}"
+        + (f" No better than chance: {', '.join(beaten)}." if beaten and best != RANDOM else "")
+        + f" {insertion_opinion(result)}"
+    )
+
