@@ -148,8 +148,8 @@ def _labels_typed() -> None:
     typed = [part.strip() for part in text.replace("\n", ",").split(",") if part.strip()]
     repeated = list(dict.fromkeys(label for index, label in enumerate(typed) if label in typed[:index]))
     if repeated:
-        names = ", ".join(f"'{label}'" for label in repeated)
-        state[LABELS_MERGED] = f"{names} {'was' if len(repeated) == 1 else 'were'} typed more than once and {'is' if len(repeated) == 1 else 'are'} scored once."
+        names, one = ", ".join(f"'{label}'" for label in repeated), len(repeated) == 1
+        state[LABELS_MERGED] = f"{names} {'was' if one else 'were'} typed more than once and {'is' if one else 'are'} scored once."
 
 
 def labels_box(model_key: str) -> None:
@@ -282,7 +282,7 @@ def class_embeddings_settings(model: ImageTextModel, config, folder: Path, path:
         "folder": str(folder), "path": str(path), "prompts": prompts,
         "forwards": round(prompts * per_prompt / costs.forward_cost(config), 1),
         # The folder's weights, read whole: open_clip's one file, a Hugging Face folder's file or shards.
-        "file_bytes": sum(path.stat().st_size for path in folder.glob("*.safetensors") if path.name != CLASS_EMBEDDINGS_FILE),
+        "file_bytes": sum(file.stat().st_size for file in folder.glob("*.safetensors") if file.name != CLASS_EMBEDDINGS_FILE),
         "tokenizer_bytes": (folder / TOKENIZER_FILE).stat().st_size if (folder / TOKENIZER_FILE).is_file() else 0,
         "text_parameters": parameters, "context_length": context, "width": width,
         "heads": int(getattr(text, "heads", 1)), "embed_dim": model.embed_dim,
