@@ -5,12 +5,17 @@ navigation. The views/ draw, vit_explorer computes, vit_explorer.app caches. The
 called pages/: Streamlit would take that for a legacy multipage app and could run a page
 without this script, that is without the sidebar and the session state it sets up.
 """
+from pathlib import Path
+
 import streamlit as st
 
 from vit_explorer.app import images, lesson, models, runs, session, uploads, words
 from vit_explorer.app.selection import unreadable_photo_reason
+from vit_explorer.training.pace import time_left
 
-st.set_page_config(page_title="ViT Explorer", page_icon=":material/grid_view:", layout="wide")
+# The icon is served by the app itself: a :material/...: or emoji icon is fetched from a font
+# server, which a classroom without internet cannot reach.
+st.set_page_config(page_title="ViT Explorer", page_icon=str(Path(__file__).parent / "assets" / "icon.png"), layout="wide")
 session.init_state()
 state = st.session_state
 
@@ -218,7 +223,7 @@ with st.sidebar:
         if set(running) != set(active) or queued != waiting:
             st.rerun()  # a run has ended or started: the model picker can offer it now
         for run_id, run in running.items():
-            st.progress(run.progress, text=f"Training {run_id}: {run.progress:.0%}")
+            st.progress(run.progress, text=f"Training {run_id}: {run.progress:.0%}{time_left(run.eta_seconds)} ({run.doing})")
         if queued:
             st.caption(f"Waiting for a free slot: {', '.join(queued)}.")
 

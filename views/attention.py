@@ -318,6 +318,8 @@ if in_words is not None:
                 image, similarities, prompts,
             )))
             st.caption("Each patch takes the colour of the prompt whose cosine with it is the largest of the maps above.")
+            for caveat in word_maps.best_prompt_caveats(selection, similarities, prompts):
+                st.warning(caveat)
         traced = st.selectbox(
             "Prompt to trace back to the patches", list(range(len(prompts))), format_func=lambda index: prompts[index],
             **session.keep("word_traced", 0, lambda index: 0 <= index < len(prompts)),
@@ -388,7 +390,7 @@ else:
             f"{faithfulness.verdict(tested_curves)} The area is the curve's mean height over the share of patches"
             f" removed or kept, 0 to 1; {len(tested_curves.fractions) - 1} steps; rollout: {fusion} of the heads"
             + (f", the weakest {discard:.0%} discarded" if discard else "")
-            + f"; the mask: the patches holding {mass:.0%} of the sharpest head's attention."
+            + f"; the mask: the patches holding {mass:.0%} of the sharpest head's attention. {faithfulness.RANDOM_FLOOR}"
         )
 
 st.subheader("How far and how focused each head looks")

@@ -1,14 +1,14 @@
 """Lesson: the sidebar's image through the sidebar's model in eleven steps, from the photo to the
-prediction, one experiment and which map to believe; where a step asks a question, the learner answers first and the
-model's own numbers for this image answer after."""
+prediction, one experiment and which map to believe; where a step asks a question, the learner
+answers first and the model's own numbers for this image answer after (app/lesson.py keeps the
+state and says what the steps say of the model)."""
 import math
 
 import streamlit as st
 
 from vit_explorer import analysis, figures
-from vit_explorer.model import ablation
 from vit_explorer.analysis import answers
-from vit_explorer.model import rope
+from vit_explorer.model import ablation, rope
 from vit_explorer.app import costs, faithfulness, jobs, lesson, models, session, word_maps, words
 from vit_explorer.app.memo import memo
 from vit_explorer.app.selection import prediction_caveats, uniform_attention_caveat
@@ -67,21 +67,6 @@ def ask_again_button(question: str) -> None:
               icon=":material/replay:")
 
 
-def predicted(knock_out=None):
-    """(scores (C,), their names, the key of a knock-out figure of them) of what the model says:
-    its classifier's probabilities, or for a model with a text tower its prediction in words over
-    the sidebar's labels (with ``knock_out``: of the pass without it); None for a headless model,
-    or while ImageNet's class embeddings are computed (their button or progress drawn instead)."""
-    if not headless:
-        scores = probabilities if knock_out is None else selection.knock_out_capture(knock_out).logits[0].softmax(-1)
-        return scores, names, ("knock-out top-k",)
-    if in_words is None:
-        return None
-    said = words.prediction(selection, knock_out)
-    labels = words.session_labels()
-    return None if said is None else (said.scores, said.labels, ("words knock-out top-k", words.labels_id(labels)))
-
-
 # --- the steps -----------------------------------------------------------------------------------
 
 def photo() -> None:
@@ -120,40 +105,8 @@ def vectors() -> None:
 
 
 def positions() -> None:
-    parts = []
-    if config.class_token:
-        parts.append(
-            "One more token joins the patches, in front: a learned class token. It belongs to no patch and"
-            " starts the same for every image; through the layers it gathers what the classifier reads."
-        )
-    else:
-        parts.append(f"This model has no class token: at the end it reads {models.pooled_output(config)}.")
-    if config.dist_token:
-        parts.append("A distillation token follows it (DeiT), trained to agree with a teacher network.")
-    if config.reg_tokens:
-        parts.append(
-            f"{config.reg_tokens} register tokens follow: scratch space with no patch of their own, which"
-            " keeps the patch tokens free of artefacts (Darcet et al. 2023)."
-        )
+    st.write(lesson.positions_sentences(config))
     rotary, added = config.rope_type is not None, config.abs_pos_embed
-    if added:
-        parts.append(
-            "Attention by itself ignores where a token came from, so a learned position vector is added to"
-            " each patch's token" + (" (and the model turns its queries and keys by position too)." if rotary else ".")
-        )
-    elif rotary:
-        parts.append(
-            "Attention by itself ignores where a token came from. This model adds nothing to the tokens:"
-            f" in every layer it turns each patch's query and key, cut into {head_dim // 2} pairs of numbers,"
-            " by angles computed from the patch's row and column (rotary positions), so that a score sees"
-            " where two patches are relative to each other."
-        )
-    else:
-        parts.append(
-            "Attention by itself ignores where a token came from, and this model has no positions: it reads a bag"
-            " of patches."
-        )
-    st.write(" ".join(parts))
     left, right = st.columns(2) if added else (st.container(), st.container())  # the angles need the width
     left.plotly_chart(selection.memo("lesson layer 0 tokens", compute=lambda: figures.token_matrix(
         result.tokens[0, 0], prefix, "The tokens entering layer 0", class_token=config.class_token,
@@ -350,7 +303,7 @@ def mlp() -> None:
     figs = inside_figures(middle, 0)
     st.plotly_chart(figs["mlp_units"])
     st.plotly_chart(figs["mlp_residual"])
-    said = predicted()
+    said = lesson.predicted(selection)
     if said is None:
         if not in_words:  # in words: the class embeddings' button or progress is drawn instead
             st.info(models.NO_CLASSIFIER.format(what="This step's question (will the prediction survive without the MLP?)"))
@@ -372,7 +325,7 @@ def mlp() -> None:
         )
         if guess is not None:
             knock_out = ablation.KnockOut(mlp=(middle,))
-            knocked = predicted(knock_out)[0]
+            knocked = lesson.predicted(selection, knock_out)[0]
             survives = answers.prediction_survives(intact_scores, knocked)
             winner = int(knocked.argmax())
             intact, without = answers.percents(float(intact_scores[top]), float(knocked[top]))
@@ -433,7 +386,8 @@ def prediction() -> None:
         said = words.prediction(selection)
         if said is not None:
             (best, score), *_ = said.top(1)
-            st.write(f"For your image it says **{best}**, with {answers.percents(score)[0]}.")
+            if words.chooses(said):
+                st.write(f"For your image it says **{best}**, with {answers.percents(score)[0]}.")
             for caveat in words.caveats(selection, said):
                 st.warning(caveat)
             st.plotly_chart(words.top_labels_figure(selection, said))
@@ -506,11 +460,11 @@ def experiment() -> None:
             result.logits[0], knocked.logits[0]
         ))
         st.metric("Cosine between the pooled features, intact and knocked out", f"{cosine:.6f}")
-        said = predicted()
+        said = lesson.predicted(selection)
         if said is not None:  # in words: what the model says without that head
             intact_scores, said_names, figure_key = said
             st.plotly_chart(selection.memo(*figure_key, knock_out, compute=lambda: figures.knockout_topk(
-                intact_scores, predicted(knock_out)[0], said_names, what=knock_out.describe(),
+                intact_scores, lesson.predicted(selection, knock_out)[0], said_names, what=knock_out.describe(),
             )))
             st.caption(words.about(selection.model_key))
     else:
@@ -572,40 +526,28 @@ def which_map() -> None:
         + "one head's mask. They disagree, and attention is not explanation. A map claims that its brightest patches"
         f" matter, so test the claim: take those patches out first (their tokens dropped, nothing painted over) and"
         f" watch {score} fall. The map that makes it fall fastest shows best what the model used; a random order is"
-        " the floor any map should beat."
+        " the floor any map should beat. Then the other way round: keep only those patches and watch it rise."
     )
     st.markdown("**Before you look:** which map will make the score fall fastest?")
     guess = st.selectbox(
         "Your guess", choices, index=None, placeholder="a map",
         **lesson.answer_widget("map", selection),
     )
-    curves = faithfulness.curves(selection, tested, "drop", ("deletion",), label="Test the maps", ask=True)
+    curves = faithfulness.curves(selection, tested, "drop", faithfulness.CURVES, label="Test the maps", ask=True)
     if curves is None or guess is None:
         if guess is not None:
             st.caption("Your guess is in: the answer shows as soon as every map has been tested.")
         lesson.explore_button("views/attention.py", "Attention")
         return
-    areas = curves.areas("deletion")
-    best = curves.best("deletion")
-    if best == faithfulness.RANDOM:
-        verdict = "No map beats a random order on this image: for this model, believe none of them"
-    elif best == guess:
-        verdict = f"Right: {guess} makes the score fall fastest"
-    else:
-        verdict = f"Not this time: {best} makes the score fall fastest, not {guess}"
-    beaten = [name for name in choices if areas[name] >= areas[faithfulness.RANDOM]]
-    st.write(
-        f"**{verdict}.** {faithfulness.reading(curves)}"
-        + (f" No better than chance: {', '.join(beaten)}." if beaten and best != faithfulness.RANDOM else "")
-    )
+    st.write(faithfulness.lesson_answer(curves, guess))
     st.plotly_chart(selection.memo("lesson faithfulness", *tested.key, compute=lambda: figures.faithfulness_figure(
         curves.fractions, curves.curves, curves.names, curves.what, curves.percent,
     )))
     st.dataframe(faithfulness.areas_table(curves), hide_index=True)
     st.caption(
-        "The area under each curve is the score's mean as the patches go, 0 to 1: the smaller, the truer the map."
-        " One image says little: try another, or the insertion curves and the mean-colour comparison on the"
-        " Attention page."
+        "The area under each curve is the score's mean as the patches go, 0 to 1: for deletion the smaller, for"
+        f" insertion the larger, the truer the map. {faithfulness.RANDOM_FLOOR} One image says little: try another,"
+        " or the mean-colour comparison on the Attention page."
     )
     ask_again_button("map")
     lesson.explore_button("views/attention.py", "Attention")

@@ -227,7 +227,8 @@ elif in_words:
     predicted = words.prediction(selection)
     if predicted is not None:
         (best, score), *_ = predicted.top(1)
-        st.write(f"The model says **{best}** with {score:.1%}.")
+        if words.chooses(predicted):
+            st.write(f"The model says **{best}** with {score:.1%}.")
         for caveat in words.caveats(selection, predicted):
             st.warning(caveat)
         st.plotly_chart(words.top_labels_figure(selection, predicted))

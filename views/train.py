@@ -11,6 +11,7 @@ from vit_explorer.app.memo import memo
 from vit_explorer.model.config import POSITIONS, PRESETS, TrainConfig, ViTConfig, parse_patch_sizes
 from vit_explorer.data.datasets import SHAPE_CLASSES, native_image_size
 from vit_explorer.features.train import SAETrainConfig
+from vit_explorer.training.pace import time_left
 from vit_explorer.training.runs import ordinal
 from vit_explorer.training.evaluation import accuracy_by_image_size, scaled_image_sizes
 from vit_explorer.training.train import model_config
@@ -251,8 +252,8 @@ def live_view() -> None:
         st.progress(progress, text=f"{run_id} stopping at {progress:.0%}: it ends after its current step,"
                     " then measures its test accuracy and writes its checkpoint")
     else:
-        eta_text = f", about {eta:.0f} s left" if eta is not None and status == "running" else ""
-        st.progress(progress, text=f"{run_id} {status}: {progress:.0%}{eta_text}")
+        doing = f" ({run.doing})" if status == "running" else ""
+        st.progress(progress, text=f"{run_id} {status}: {progress:.0%}{time_left(eta) if status == 'running' else ''}{doing}")
     if runs.someone_elses_run(run_id):
         st.caption("Someone else launched this run: you can watch it, only they can stop it.")
     elif status in ("pending", "running") and not stopping and runs.owns_run(run_id):

@@ -306,3 +306,33 @@ def test_the_lesson_in_chromium(server, shots):
         student.reload()  # the address is still the link
         student.get_by_role("heading", name=re.compile(r"^5\. How a head decides")).wait_for()
         browser.close()
+
+
+def test_no_request_leaves_the_server_with_the_network_cut(server, shots):
+    """An offline classroom: every request a walk through the pages makes goes to the app's own
+    server (the page icon included: a :material: or emoji icon is fetched from a font server)."""
+    outside = []
+
+    def cut(route):
+        if route.request.url.startswith(server):
+            route.continue_()
+        else:
+            outside.append(route.request.url)
+            route.abort("internetdisconnected")
+
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(**CHROMIUM_LAUNCH)
+        context = browser.new_context(viewport={"width": 1400, "height": 2000})
+        context.route("**/*", cut)
+        page = context.new_page()
+        page.set_default_timeout(60_000)
+        page.goto(server)
+        page.get_by_role("heading", name="Pipeline", level=1).wait_for()
+        settle(page)
+        for title in ("Lesson", "Attention"):
+            go_to(page, title)
+        page.screenshot(path=shots / "offline.png", full_page=True)
+        icon = page.locator('link[rel~="icon"]').first.get_attribute("href")
+        browser.close()
+    assert outside == []
+    assert not icon.startswith("http") or icon.startswith(server), icon

@@ -9,7 +9,7 @@ import torch
 
 import vit_explorer as vx
 from vit_explorer.analysis import attribution, faithfulness as fa, query_map, streamed_rollout
-from vit_explorer.app import costs, jobs, lesson
+from vit_explorer.app import costs, faithfulness, jobs, lesson
 from vit_explorer.app.images import resolve_image
 from vit_explorer.model.capture import layer_attentions
 
@@ -128,13 +128,13 @@ def test_a_headless_dinov3_shaped_models_curves_follow_the_cosine_with_the_intac
     assert "The embedding's cosine with the intact one" in title
 
 
-def test_the_lessons_last_step_asks_which_map_and_answers_with_the_deletion_curves(tiny_default):
+def test_the_lessons_last_step_asks_which_map_and_answers_with_the_deletion_and_insertion_curves(tiny_default):
     app = open_app("views/lesson.py")
     app.selectbox(key="lesson_step_picker").set_value(len(lesson.STEPS)).run()
     assert app.subheader[0].value == f"{len(lesson.STEPS)}. Which map should you believe?"
     said = " ".join(element.value for element in app.markdown)
     assert "which map will make the score fall fastest?" in said and "Removing the" not in said
-    expected = by_hand(tiny_default, curves=("deletion",))
+    expected = by_hand(tiny_default)
     guess = next(name for name in expected.names if name != expected.best("deletion"))
     app.selectbox(key="lesson_answer_map").set_value(guess).run()
     assert not app.exception
@@ -145,6 +145,7 @@ def test_the_lessons_last_step_asks_which_map_and_answers_with_the_deletion_curv
     else:
         assert f"**Not this time: {best} makes the score fall fastest, not {guess}.**" in said
     assert expected.reading(0.1) in said
+    assert faithfulness.insertion_opinion(expected) in said
     assert_shown(app, expected)
     app.selectbox(key="lesson_answer_map").set_value(best if best != fa.RANDOM else guess).run()
     assert ("**Right:" in " ".join(e.value for e in app.markdown)) == (best != fa.RANDOM)

@@ -23,6 +23,7 @@ import torch
 
 from ..analysis import faithfulness as fa
 from ..analysis import pool_maps, pool_rollout_map, query_map
+from ..analysis.answers import numbers, percents
 from ..text.maps import text_score
 from . import costs, jobs, word_maps, words
 from .memo import shared_results
@@ -181,8 +182,19 @@ def areas_table(result: fa.Faithfulness) -> list[dict]:
     ]
 
 
+# Said wherever a map is measured against the random order: what the floor is, and is not.
+RANDOM_FLOOR = (
+    "The random order is one order drawn with a fixed seed, not an average of many: a map that beats it"
+    " narrowly might not beat another."
+)
+# Keeping this share of the way from no patch to the whole image's score with a random tenth of the
+# patches: the model answers from almost any few patches, and insertion cannot rank the maps.
+KEPT_ANSWER = 0.5
+
+
 def verdict(result: fa.Faithfulness) -> str:
-    """Which map each curve favours, in a sentence (the random order named as such)."""
+    """Which map each curve favours, in a sentence (the random order named as such), and why
+    insertion favours the random order when it does."""
     parts = []
     for curve, extreme in (("deletion", "smallest"), ("insertion", "largest")):
         if curve in result.curves:
@@ -192,9 +204,63 @@ def verdict(result: fa.Faithfulness) -> str:
                 f"the {curve} curves favour {best} (the {extreme} area)"
             )
     text = "; ".join(parts)
-    return text[0].upper() + text[1:] + "."
+    return text[0].upper() + text[1:] + "." + (f" {why_chance(result)}" if why_chance(result) else "")
+
+
+def why_chance(result: fa.Faithfulness) -> str | None:
+    """Why the insertion curves favour the random order, where a few random patches already give
+    the model its answer back (KEPT_ANSWER); None otherwise."""
+    if "insertion" not in result.curves or result.best("insertion") != RANDOM:
+        return None
+    step = result.step_at(READING_SHARE)
+    kept = float(result.curves["insertion"][result.names.index(RANDOM), step])
+    span = result.intact - result.empty
+    if span == 0 or (kept - result.empty) / span < KEPT_ANSWER:
+        return None
+    shown = percents(result.empty, kept, result.intact) if result.percent else numbers(result.empty, kept, result.intact)
+    return (
+        f"Why: keeping only a random {float(result.fractions[step]):.0%} of the patches already takes {result.what} from"
+        f" {shown[0]} to {shown[1]} (the whole image: {shown[2]}): the model gives its answer from almost any few"
+        " patches, so keeping a map's brightest first cannot do better."
+    )
 
 
 def reading(result: fa.Faithfulness) -> str:
     """The one-sentence reading of the first curve computed (deletion if there)."""
     return result.reading(READING_SHARE, next(iter(result.curves)))
+
+
+def insertion_opinion(result: fa.Faithfulness) -> str:
+    """What the insertion curves say beside the deletion curves' answer (both computed), in a
+    sentence or two: they agree, they favour another map, or no map beats chance, and why."""
+    deleted, inserted = result.best("deletion"), result.best("insertion")
+    if inserted == RANDOM:
+        return " ".join(filter(None, (
+            "Keeping only the brightest patches (insertion) favours no map over a random order.", why_chance(result),
+        )))
+    if inserted == deleted:
+        return f"Keeping only the brightest patches (insertion) agrees: {inserted} brings the score back fastest."
+    return (
+        f"Keeping only the brightest patches (insertion) tells another story: {inserted} brings the score back"
+        f" fastest. The two tests ask different questions (what the model needs, what it can do with), and one"
+        " image answers neither for good."
+    )
+
+
+def lesson_answer(result: fa.Faithfulness, guess: str) -> str:
+    """The Lesson's answer to "which map makes the score fall fastest?": right or not, what the
+    deletion curves read, the maps no better than chance, and what insertion says."""
+    areas, best = result.areas("deletion"), result.best("deletion")
+    if best == RANDOM:
+        verdict = "No map beats a random order on this image: for this model, believe none of them"
+    elif best == guess:
+        verdict = f"Right: {guess} makes the score fall fastest"
+    else:
+        verdict = f"Not this time: {best} makes the score fall fastest, not {guess}"
+    beaten = [name for name in result.names if name != RANDOM and areas[name] >= areas[RANDOM]]
+    return (
+        f"**{verdict}.** {reading(result)}"
+        + (f" No better than chance: {', '.join(beaten)}." if beaten and best != RANDOM else "")
+        + f" {insertion_opinion(result)}"
+    )
+

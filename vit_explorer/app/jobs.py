@@ -19,12 +19,21 @@ from ..analysis.test_time_registers import RegisterNeurons
 from ..model.ablation import HeadSweep
 from ..model.capture import Capture
 from ..serving.jobs import JobBoard, JobRefused, JobSpec, JobStatus
+from ..training.pace import time_left
 from . import costs, models, runs
 from .images import SHAPE_SAMPLES
 from .memo import memo, shared_results
 from .selection import ImageSet, Selection
 
 FOLLOW_SECONDS = 1.0  # how often a followed job's place and progress are drawn again
+# What each kind of job is doing, for its progress bar (serving.job_kinds.KINDS).
+DOING = {
+    "head sweep": "knocking out each head in turn", "views": "computing model B's views",
+    "rollout": "rolling out the attention through every layer", "head statistics": "measuring every head's distance and entropy",
+    "tokens": "reading the images", "head types": "measuring every head on the pictures",
+    "register neurons": "looking for the neurons that write the outliers", "patch sizes": "trying every patch size",
+    "class embeddings": "writing ImageNet's classes through the text tower", "faithfulness": "removing the patches in each map's order",
+}
 
 
 @st.cache_resource
@@ -269,4 +278,7 @@ def _draw(status: JobStatus) -> None:
             " server, so that the pages stay quick for everybody."
         )
     else:
-        st.progress(status.progress, text=f"Computing beside the server: {status.progress:.0%}")
+        doing = DOING.get(status.kind, "computing")
+        st.progress(status.progress, text=(
+            f"Computing beside the server: {status.progress:.0%}{time_left(status.seconds_left)} ({doing})"
+        ))

@@ -1,7 +1,8 @@
 """The Lesson page's state: the step it shows (read from the address when a session starts, so
 that a teacher's link opens that step, and written back on every run), the learner's answers to
 its questions (this session's only, per model, sizes and image: another image asks again), the
-teacher's link to a step, and the buttons that open another page on what a step showed."""
+teacher's link to a step, the buttons that open another page on what a step showed, and what
+the steps say of the model (its prefix tokens and positions, its prediction)."""
 from __future__ import annotations
 
 import urllib.parse
@@ -10,7 +11,7 @@ from typing import Any
 
 import streamlit as st
 
-from . import session
+from . import models, session, words
 from .selection import Selection
 
 PAGE = "views/lesson.py"
@@ -111,3 +112,58 @@ def explore_button(page: str, title: str, **kept: Any) -> None:
     and query the step showed."""
     if st.button(f"Explore this on its page: {title}", icon=":material/open_in_new:", key="lesson_explore"):
         session.open_page(page, **kept)
+
+
+def positions_sentences(config) -> str:
+    """What the step on the class token and the positions says of this model: its prefix tokens,
+    and whether its positions are added, rotary or none."""
+    parts = []
+    if config.class_token:
+        parts.append(
+            "One more token joins the patches, in front: a learned class token. It belongs to no patch and"
+            " starts the same for every image; through the layers it gathers what the classifier reads."
+        )
+    else:
+        parts.append(f"This model has no class token: at the end it reads {models.pooled_output(config)}.")
+    if config.dist_token:
+        parts.append("A distillation token follows it (DeiT), trained to agree with a teacher network.")
+    if config.reg_tokens:
+        parts.append(
+            f"{config.reg_tokens} register tokens follow: scratch space with no patch of their own, which"
+            " keeps the patch tokens free of artefacts (Darcet et al. 2023)."
+        )
+    rotary, added = config.rope_type is not None, config.abs_pos_embed
+    if added:
+        parts.append(
+            "Attention by itself ignores where a token came from, so a learned position vector is added to"
+            " each patch's token" + (" (and the model turns its queries and keys by position too)." if rotary else ".")
+        )
+    elif rotary:
+        parts.append(
+            "Attention by itself ignores where a token came from. This model adds nothing to the tokens:"
+            f" in every layer it turns each patch's query and key, cut into {config.head_dim // 2} pairs of numbers,"
+            " by angles computed from the patch's row and column (rotary positions), so that a score sees"
+            " where two patches are relative to each other."
+        )
+    else:
+        parts.append(
+            "Attention by itself ignores where a token came from, and this model has no positions: it reads a bag"
+            " of patches."
+        )
+    return " ".join(parts)
+
+
+def predicted(selection: Selection, knock_out=None):
+    """(scores (C,), their names, the key of a knock-out figure of them) of what the model says:
+    its classifier's probabilities, or for a model with a text tower its prediction in words over
+    the sidebar's labels (with ``knock_out``: of the pass without it); None for a headless model
+    without one, or while ImageNet's class embeddings are computed (their button or progress drawn
+    instead)."""
+    if selection.config.num_classes:
+        captured = selection.capture() if knock_out is None else selection.knock_out_capture(knock_out)
+        return captured.logits[0].softmax(-1), selection.class_names(), ("knock-out top-k",)
+    if words.words_model(selection.model_key) is None:
+        return None
+    said = words.prediction(selection, knock_out)
+    return None if said is None else (said.scores, said.labels, ("words knock-out top-k", words.labels_id(words.session_labels())))
+

@@ -21,7 +21,7 @@ from ..model.config import NORMALIZATIONS
 from ..model.vit import ViT
 from ..serving.cache import ByteBoundedCache, nbytes
 from ..training import train
-from ..weights import catalogue
+from ..weights import catalogue, from_open_clip
 from ..weights import load_model, load_pretrained, resize_model
 from ..weights.normalization import renormalized
 from . import runs
@@ -48,8 +48,13 @@ NO_CLASSIFIER = (
 
 
 def default_weights() -> Path:
-    """The shipped shapes model, or the checkpoint that VIT_EXPLORER_DEFAULT_MODEL names."""
-    return Path(os.environ.get("VIT_EXPLORER_DEFAULT_MODEL") or train.DEFAULT_WEIGHTS)
+    """The shipped shapes model, or the checkpoint that VIT_EXPLORER_DEFAULT_MODEL names: a file,
+    or a folder (Hugging Face, open_clip: a CLIP or SigLIP with its words). An open_clip folder's
+    weights file stands for its folder, where its config and tokenizer are."""
+    path = Path(os.environ.get("VIT_EXPLORER_DEFAULT_MODEL") or train.DEFAULT_WEIGHTS)
+    if path.name == from_open_clip.WEIGHTS_FILE and from_open_clip.is_folder(path.parent):
+        return path.parent
+    return path
 
 
 @st.cache_resource
@@ -64,9 +69,9 @@ def base_model(model_key: str) -> ViT:
         kind, _, reference = model_key.partition(":")
         if kind == DEFAULT_MODEL:
             weights = default_weights()
-            if not weights.is_file():
+            if not weights.exists():
                 raise FileNotFoundError(
-                    f"the default model {weights} is missing; train it with"
+                    "the default model (VIT_EXPLORER_DEFAULT_MODEL) is missing; train it with"
                     " `python -m vit_explorer train` or upload a checkpoint"
                 )
             model = load_model(weights)

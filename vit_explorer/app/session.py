@@ -11,7 +11,7 @@ from typing import Any
 import streamlit as st
 
 from ..model.ablation import MODES, KnockOut
-from ..weights import catalogue
+from ..weights import catalogue, from_open_clip
 from . import images, models, runs, uploads
 from .selection import Selection
 
@@ -73,8 +73,9 @@ def _model_in_address() -> str:
     if kind == "upload" and reference.isalnum():
         folder = uploads.UPLOADS_DIR / reference
         files = sorted(folder.iterdir()) if folder.is_dir() and not folder.is_symlink() else []
-        # As uploads.add_checkpoint_upload keeps them: a Hugging Face folder, else its one file.
-        path = folder if (folder / "config.json").is_file() else files[0] if len(files) == 1 else None
+        # As uploads.add_checkpoint_upload keeps them: a Hugging Face or open_clip folder, else its one file.
+        is_folder = any((folder / name).is_file() for name in ("config.json", from_open_clip.CONFIG_FILE))
+        path = folder if is_folder else files[0] if len(files) == 1 else None
         if path is not None:
             model_key = f"file:{path}"
             st.session_state["uploaded_models"].setdefault(model_key, "Uploaded checkpoint")

@@ -20,12 +20,14 @@ from ..text import ImageTextModel, parse_labels
 from ..text import maps
 from ..text.zero_shot import LABEL_TEMPLATE
 from . import words
-from .selection import ImageSet, Selection
+from .selection import ImageSet, Selection, uniform_attention_caveat
 
 DEFAULT_PROMPTS = "a cat, a dog, a rocket"
 READ_AS = LABEL_TEMPLATE.format("{prompt}")  # how each prompt goes through the text tower
 # Maps drawn at once: a grid of that many panels, each prompt a colour of its own in the best-prompt map.
 MAX_PROMPTS = 12
+# A prompt most like at least this share of the patches says little about where it is.
+MOST_PATCHES = 0.9
 
 
 def model_for(selection: Selection) -> ImageTextModel | None:
@@ -45,6 +47,25 @@ def read_prompts(text: str) -> tuple[tuple[str, ...], str | None]:
     if len(prompts) <= MAX_PROMPTS:
         return prompts, None
     return prompts[:MAX_PROMPTS], f"The first {MAX_PROMPTS} of your {len(prompts)} prompts are mapped."
+
+
+def best_prompt_caveats(selection: Selection, similarities: np.ndarray, prompts: tuple[str, ...]) -> list[str]:
+    """Why the best-prompt map of ``similarities`` (T, gh, gw) says little, one sentence each, said
+    beside it: one prompt taking nearly every patch, or heads that pick no token out (the page's
+    top says so too, far from this map)."""
+    said = []
+    counts = np.bincount(similarities.argmax(axis=0).reshape(-1), minlength=len(prompts))
+    top = int(counts.argmax())
+    if counts[top] >= MOST_PATCHES * counts.sum():
+        said.append(
+            f"'{prompts[top]}' is the closest prompt for {counts[top]} of the {counts.sum()} patches: it is nearer than the"
+            " others to what every patch shares, so this map says little about where each prompt is; the per-prompt"
+            " colour scale above shows where each is strongest."
+        )
+    uniform = uniform_attention_caveat(selection)
+    if uniform is not None:
+        said.append(f"Read little into these maps: {uniform[0].lower()}{uniform[1:]}")
+    return said
 
 
 def how(model: ImageTextModel, detail: bool = False) -> str:

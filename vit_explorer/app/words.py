@@ -38,7 +38,6 @@ from ..text.descriptions import DESCRIPTIONS
 from ..text.tokenizers import TOKENIZER_FILE
 from ..text.towers import MAX_LABEL_CHARACTERS, MAX_LABELS
 from ..weights import catalogue
-from ..weights import from_open_clip
 from . import costs, jobs, models
 from .memo import memo, shared_results, with_spinner
 from .selection import ImageSet, Selection, prediction_caveats, unreadable_photo_reason
@@ -50,6 +49,7 @@ LABELS_WIDGET = "words_labels_box"
 LABELS_TEXT = "words_labels_text"
 LABELS = "words_labels"
 LABELS_ERROR = "words_labels_error"
+LABELS_MERGED = "words_labels_merged"  # the sentence saying which labels typed twice are scored once
 CLASS_EMBEDDINGS_FILE = "imagenet_class_embeddings.safetensors"
 IMAGENET_IDENTITY = "ImageNet classes x templates"  # what the class embeddings job reads: no image
 
@@ -134,6 +134,7 @@ def _labels_typed() -> None:
     state = st.session_state
     text = state[LABELS_WIDGET]
     state.pop(LABELS_ERROR, None)
+    state.pop(LABELS_MERGED, None)
     if not text.strip():
         state[LABELS], state[LABELS_TEXT] = None, ""
         return
@@ -144,6 +145,11 @@ def _labels_typed() -> None:
         state[LABELS_ERROR] = f"Those labels were not taken: {error}; the prediction is still over {still}."
         return  # the box shows the labels in force again (labels_box)
     state[LABELS], state[LABELS_TEXT] = labels, ", ".join(labels)
+    typed = [part.strip() for part in text.replace("\n", ",").split(",") if part.strip()]
+    repeated = list(dict.fromkeys(label for index, label in enumerate(typed) if label in typed[:index]))
+    if repeated:
+        names, one = ", ".join(f"'{label}'" for label in repeated), len(repeated) == 1
+        state[LABELS_MERGED] = f"{names} {'was' if one else 'were'} typed more than once and {'is' if one else 'are'} scored once."
 
 
 def labels_box(model_key: str) -> None:
@@ -165,6 +171,8 @@ def labels_box(model_key: str) -> None:
     )
     if LABELS_ERROR in state:
         st.error(state[LABELS_ERROR])
+    if LABELS_MERGED in state:
+        st.caption(state[LABELS_MERGED])
 
 
 def labels_id(labels: tuple[str, ...] | None) -> str:
@@ -273,7 +281,8 @@ def class_embeddings_settings(model: ImageTextModel, config, folder: Path, path:
     return {
         "folder": str(folder), "path": str(path), "prompts": prompts,
         "forwards": round(prompts * per_prompt / costs.forward_cost(config), 1),
-        "file_bytes": (folder / from_open_clip.WEIGHTS_FILE).stat().st_size,
+        # The folder's weights, read whole: open_clip's one file, a Hugging Face folder's file or shards.
+        "file_bytes": sum(file.stat().st_size for file in folder.glob("*.safetensors") if file.name != CLASS_EMBEDDINGS_FILE),
         "tokenizer_bytes": (folder / TOKENIZER_FILE).stat().st_size if (folder / TOKENIZER_FILE).is_file() else 0,
         "text_parameters": parameters, "context_length": context, "width": width,
         "heads": int(getattr(text, "heads", 1)), "embed_dim": model.embed_dim,
@@ -311,9 +320,21 @@ def top_labels_figure(selection: Selection, predicted: zero_shot.Prediction):
     ))
 
 
+def chooses(predicted: zero_shot.Prediction) -> bool:
+    """Whether the scores choose between labels: not one label under CLIP's softmax, which gives
+    it 100% whatever the image (a SigLIP's sigmoid scores one label on its own)."""
+    return predicted.scoring != "softmax" or len(predicted.labels) > 1
+
+
 def caveats(selection: Selection, predicted: zero_shot.Prediction) -> list[str]:
     """Why a prediction in words says little: a picture the model cannot read; for CLIP's softmax
-    also a top label no likelier than a guess (SigLIP's sigmoids are not shares of one)."""
+    also one label alone, or a top label no likelier than a guess (SigLIP's sigmoids are not
+    shares of one)."""
+    if not chooses(predicted):
+        return [
+            f"With one label there is nothing to choose between: the softmax gives '{predicted.labels[0]}' 100%"
+            " whatever the image; type two labels or more."
+        ]
     if predicted.scoring == "softmax":
         return prediction_caveats(selection, predicted.scores)
     reason = unreadable_photo_reason(selection)

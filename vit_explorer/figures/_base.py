@@ -25,6 +25,15 @@ from PIL import Image
 # many-coloured scale laid half-transparent over the image (Inferno at 0.6) made its pale zero and
 # its darkest top look the same over white.
 ATTENTION_SCALE = [[0.0, "rgba(220,20,60,0)"], [1.0, "rgba(220,20,60,1)"]]
+# The same in gold (the query outline is cyan), for a picture on which crimson would hide
+# (attention_scale): over the shapes' dark red ring the steered heads' crimson was lost.
+CONTRAST_SCALE = [[0.0, "rgba(255,214,0,0)"], [1.0, "rgba(255,214,0,1)"]]
+# Gold is chosen where it stands out from the attended patches this many times as much as
+# crimson, lightness counted 1.5 times (a faint crimson over a dark patch is dark too). Over the
+# bundled pictures: crimson on the shapes and on the astronaut and cat, gold on the red coffee
+# cup and the night sky's rocket; gold over black, dark grey, red or navy, crimson over mid grey.
+CONTRAST_GAIN = 1.45
+LIGHTNESS_WEIGHT = 1.5
 VALUE_SCALE = "Viridis"
 SIMILARITY_SCALE = "RdBu_r"  # red = similar, blue = opposite
 CELL_PIXELS = 240  # on-screen size of one image panel in a grid of panels
@@ -309,3 +318,41 @@ def token_labels(
     named = (["CLS"] if class_token else []) + (["DIST"] if dist_token else [])
     registers = [f"reg {index + 1}" for index in range(num_prefix_tokens - len(named))]
     return named + registers + [f"patch {i}" for i in range(num_tokens - num_prefix_tokens)]
+
+
+def _lab(rgb: np.ndarray) -> np.ndarray:
+    """(..., 3) sRGB 0-255 -> CIELAB (D65): distances there follow what the eye tells apart."""
+    linear = np.asarray(rgb, dtype=np.float64) / 255
+    linear = np.where(linear > 0.04045, ((linear + 0.055) / 1.055) ** 2.4, linear / 12.92)
+    xyz = linear @ np.array([[0.4124, 0.3576, 0.1805], [0.2126, 0.7152, 0.0722], [0.0193, 0.1192, 0.9505]]).T
+    xyz = xyz / np.array([0.9505, 1.0, 1.089])
+    f = np.where(xyz > 0.008856, np.cbrt(xyz), 7.787 * xyz + 16 / 116)
+    return np.stack([116 * f[..., 1] - 16, 500 * (f[..., 0] - f[..., 1]), 200 * (f[..., 1] - f[..., 2])], axis=-1)
+
+
+def attention_scale(image: np.ndarray, maps) -> list:
+    """ATTENTION_SCALE, or CONTRAST_SCALE where crimson would hide in the picture: the distance
+    (CIELAB, lightness weighted LIGHTNESS_WEIGHT) of each colour from the patches of the (H, W, 3)
+    picture, averaged with the maps' (gh, gw) or (M, gh, gw) weights; crimson unless gold's is
+    CONTRAST_GAIN times as large."""
+    weights = np.clip(np.nan_to_num(_float_array(maps)), 0, None)
+    weights = weights.reshape(-1, *weights.shape[-2:]).mean(0)  # (gh, gw)
+    if weights.sum() <= 0:
+        weights = np.ones_like(weights)
+    grid_h, grid_w = weights.shape
+    patches = _lab(np.asarray(Image.fromarray(image).resize((grid_w, grid_h), Image.BOX)).reshape(-1, 3))
+
+    def contrast(colour: tuple[int, int, int]) -> float:
+        difference = (patches - _lab(np.array(colour))) * np.array([LIGHTNESS_WEIGHT, 1.0, 1.0])
+        return float(np.average(np.linalg.norm(difference, axis=-1), weights=weights.reshape(-1)))
+
+    return CONTRAST_SCALE if contrast((255, 214, 0)) > CONTRAST_GAIN * contrast((220, 20, 60)) else ATTENTION_SCALE
+
+
+def distinct_names(names: Sequence[str], indices: Sequence[int]) -> list[str]:
+    """The names of ``indices`` as a bar chart's categories: a name shown twice (ImageNet has two
+    'missile' classes and two 'sunglasses') gets its index, else plotly draws both bars on one
+    row and the chart shows one label and one bar fewer than it says."""
+    shown = [str(names[index]) for index in indices]
+    return [f"{name} (#{index})" if shown.count(name) > 1 else name for name, index in zip(shown, indices)]
+

@@ -10,8 +10,8 @@ import plotly.graph_objects as go
 
 from ._base import (
     _scale,
-    ATTENTION_SCALE, VALUE_SCALE, CELL_PIXELS, MARGIN, _array, _float_array, _rgb_uint8, _check_map,
-    attention_top, image_data_uri, _image_trace, _patch_heatmap, _panel_height, _subplots,
+    VALUE_SCALE, CELL_PIXELS, MARGIN, _array, _float_array, _rgb_uint8, _check_map,
+    attention_scale, attention_top, image_data_uri, _image_trace, _patch_heatmap, _panel_height, _subplots,
     _image_axis_layout, _on_axes, _title, figure,
     token_labels,
 )
@@ -39,19 +39,20 @@ def _query_outline(patch: int | None, grid_size: tuple[int, int], image_size: tu
 
 def attention_overlay(
     image, attention_map, opacity: float = 0.85, title: str = "Attention", value_name: str = "attention",
-    query_patch: int | None = None, weights: bool = False, top: float | None = None,
+    query_patch: int | None = None, weights: bool = False, top: float | None = None, colorscale: list | None = None,
 ) -> go.Figure:
     """A (gh, gw) map (attention, rollout, relevance) laid over the image, one cell per patch, on
     a scale from 0 (transparent) to its largest value (or ``top``, to share another map's scale);
     ``query_patch`` (row-major) is outlined. ``weights``: the map is one query's weights over the
     patches (attention, rollout), so the scale reaches at least a few times the uniform weight and
-    even attention stays pale."""
+    even attention stays pale. The colour: crimson, or gold where crimson would hide
+    (``colorscale``: another figure's, to compare the two; by default :func:`attention_scale`)."""
     image = _rgb_uint8(image)
     attention_map = _check_map(_float_array(attention_map))
     if top is None:
         top = overlay_top(attention_map, weights)
     heatmap = _patch_heatmap(
-        attention_map, image.shape[:2], value_name, colorscale=ATTENTION_SCALE, zmin=0, zmax=top,
+        attention_map, image.shape[:2], value_name, colorscale=colorscale or attention_scale(image, attention_map), zmin=0, zmax=top,
         opacity=opacity, colorbar=dict(title=dict(text=f"{value_name}<br>(0 = clear)")),
     )
     return figure([_image_trace(image, hover=False), heatmap], dict(
@@ -114,7 +115,7 @@ def heads_height(image_shape: tuple[int, ...], heads: int, columns: int) -> int:
 def attention_heads_grid(
     image, maps, opacity: float = 0.85, layer: int | str | None = None, columns: int = 4,
     query: str = "class token", query_patch: int | None = None, scale: str = "shared",
-    top: float | None = None, panel: str = "head", **layout,
+    top: float | None = None, panel: str = "head", colorscale: list | None = None, **layout,
 ) -> go.Figure:
     """Every head's attention map (H, gh, gw) over the image, one panel per head, each from 0
     (transparent) up: on one shared scale so that heads can be compared (``scale="shared"``), or
@@ -123,25 +124,27 @@ def attention_heads_grid(
     ``query_patch`` (row-major index, None for a token without a patch) is outlined in every panel.
     ``top`` sets the shared scale's top (another grid's, to compare two on one scale); ``layout``
     adds to the figure's layout last (a caller's own title, margin, height). ``panel`` names what
-    the maps are one of ("layer": one query's map per layer, say; the caller then titles it)."""
+    the maps are one of ("layer": one query's map per layer, say; the caller then titles it).
+    ``colorscale``: as :func:`attention_overlay`'s, one for every panel."""
     image = _rgb_uint8(image)
     maps = _float_array(maps)
     if maps.ndim != 3:
         raise ValueError(f"maps must be (H, gh, gw), not {maps.shape}")
+    colorscale = colorscale or attention_scale(image, maps)
     if scale not in HEAD_SCALES:
         raise ValueError(f"scale must be one of {HEAD_SCALES}, not {scale!r}")
     shared = scale == "shared"
     uniform = 1 / maps[0].size  # each patch's weight under uniform attention (a bound: prefix tokens share it)
     colours = (
         [dict(coloraxis="coloraxis")] * len(maps) if shared
-        else [dict(colorscale=ATTENTION_SCALE, zmin=0, zmax=attention_top(head_map, uniform), showscale=False)
+        else [dict(colorscale=colorscale, zmin=0, zmax=attention_top(head_map, uniform), showscale=False)
               for head_map in maps]
     )
     how = "one colour scale shared by all heads" if shared else "each head on its own scale, 0 to its max"
     layout = {"title": _title(f"Attention of the {query} in {_where(layer)}, per head ({how})"), **layout}
     if shared:
         layout["coloraxis"] = dict(
-            colorscale=ATTENTION_SCALE, cmin=0, cmax=top if top is not None else attention_top(maps, uniform),
+            colorscale=colorscale, cmin=0, cmax=top if top is not None else attention_top(maps, uniform),
             colorbar=dict(title=dict(text=f"attention<br>(all {panel}s,<br>0 = clear)")),
         )
     return _head_panels(image, [

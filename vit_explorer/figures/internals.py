@@ -11,8 +11,8 @@ import plotly.graph_objects as go
 
 from ._base import (
     _scale,
-    ATTENTION_SCALE, MARGIN, SIMILARITY_SCALE, _float_array, _image_trace, _patch_heatmap, _rgb_uint8, _title,
-    attention_top, figure,
+    MARGIN, SIMILARITY_SCALE, _float_array, _image_trace, _patch_heatmap, _rgb_uint8, _title,
+    attention_scale, attention_top, figure,
 )
 from .attention import QUERY_COLOUR, _query_outline
 
@@ -107,20 +107,25 @@ def token_values_on_grid(
         raise ValueError(
             f"{values.shape[0]} values do not fit {num_prefix_tokens} prefix tokens and a {grid_h}x{grid_w} grid"
         )
+    patches = values[num_prefix_tokens:].reshape(grid_h, grid_w)
+    # The bars share the colour bar's range, so that a prefix token's bar compares with the patches'
+    # colours (a class token at 0.009 filled its panel when the bars had a range of their own).
     if centred:
         limit = _symmetric_limit(values)
         colours = dict(colorscale=_scale(SIMILARITY_SCALE), zmin=-limit, zmax=limit, opacity=0.85)
-        colour_title = value_name
+        colour_title, bar_range, bar_colour = value_name, [-limit, limit], "#e45756"
     else:
-        colours = dict(colorscale=ATTENTION_SCALE, zmin=0.0, zmax=attention_top(values, 1 / values.shape[0]))
-        colour_title = f"{value_name}<br>(0 = clear)"
+        top = attention_top(values, 1 / values.shape[0])
+        scale = attention_scale(image, patches)
+        colours = dict(colorscale=scale, zmin=0.0, zmax=top)
+        colour_title, bar_range, bar_colour = f"{value_name}<br>(0 = clear)", [0.0, top], scale[-1][1]
     height, width = image.shape[:2]
-    grid_domain = (0.0, 0.7) if num_prefix_tokens else (0.0, 1.0)
+    grid_domain = (0.0, 0.62) if num_prefix_tokens else (0.0, 1.0)
     traces = [
         _image_trace(image, hover=False),
         _patch_heatmap(
-            values[num_prefix_tokens:].reshape(grid_h, grid_w), (height, width), value_name,
-            colorbar=dict(title=dict(text=colour_title), thickness=12, x=grid_domain[1] + 0.01), **colours,
+            patches, (height, width), value_name,
+            colorbar=dict(title=dict(text=colour_title), thickness=12, x=grid_domain[1] + 0.01, len=1.0), **colours,
         ),
     ]
     layout = dict(
@@ -131,15 +136,15 @@ def token_values_on_grid(
     annotations = []
     if num_prefix_tokens:
         traces.append(dict(
-            type="bar", x=list(prefix_labels), y=values[:num_prefix_tokens], marker=dict(color="#e45756"),
+            type="bar", x=list(prefix_labels), y=values[:num_prefix_tokens], marker=dict(color=bar_colour),
             showlegend=False,
             xaxis="x2", yaxis="y2", hovertemplate=f"%{{x}}<br>{value_name} %{{y:.4g}}<extra></extra>",
         ))
         layout.update(
-            xaxis2=dict(domain=(0.84, 1.0), anchor="y2"),
-            yaxis2=dict(anchor="x2", title=dict(text=value_name), side="right"),
+            xaxis2=dict(domain=(0.8, 1.0), anchor="y2"),
+            yaxis2=dict(anchor="x2", title=dict(text=value_name), side="right", range=bar_range, automargin=True),
         )
-        annotations = [_panel_title("patch tokens", 0.35), _panel_title("prefix tokens", 0.92)]
+        annotations = [_panel_title("patch tokens", 0.31), _panel_title("prefix tokens", 0.9)]
     return figure(traces, dict(
         title=_title(title), margin=MARGIN, shapes=shapes, annotations=annotations, **layout,
     ))

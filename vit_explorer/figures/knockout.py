@@ -6,7 +6,7 @@ from collections.abc import Sequence
 import numpy as np
 import plotly.graph_objects as go
 
-from ._base import MARGIN, _float_array, _title, attention_top, figure, _scale
+from ._base import MARGIN, _float_array, _rgb_uint8, _title, attention_scale, attention_top, distinct_names, figure, _scale
 from .attention import attention_heads_grid, attention_overlay, overlay_top
 from .predictions import _class_names
 
@@ -23,7 +23,7 @@ def knockout_topk(
     intact, knocked = _float_array(intact).reshape(-1), _float_array(knocked).reshape(-1)
     names = _class_names(intact.shape[0], class_names)
     top = np.argsort(-knocked, kind="stable")[:k]
-    labels = [names[i] for i in top]
+    labels = distinct_names(names, top.tolist())
     change = 100 * (knocked[top] - intact[top])
     return figure([
         dict(
@@ -95,9 +95,10 @@ def intact_and_knocked_heads(
     one colour scale, so that a head that looks elsewhere after the knock-out shows it."""
     maps = [_float_array(intact_maps), _float_array(knocked_maps)]
     top = max(attention_top(head_maps, 1 / head_maps[0].size) for head_maps in maps)
+    colorscale = attention_scale(_rgb_uint8(image), np.concatenate(maps))
     figs = [
         attention_heads_grid(
-            image, head_maps, layer=layer, query=query, columns=columns, top=top,
+            image, head_maps, layer=layer, query=query, columns=columns, top=top, colorscale=colorscale,
             title=_title(f"{label}: attention of the {query} in layer {layer}, per head (one scale for both grids)"),
         )
         for head_maps, label in zip(maps, ("Intact", f"With {what}"))
@@ -108,9 +109,11 @@ def intact_and_knocked_heads(
 def intact_and_knocked_rollouts(image, intact_map, knocked_map, query: str, what: str) -> tuple[go.Figure, go.Figure]:
     """Rollout maps (gh, gw) intact and knocked out over the image, on one scale."""
     top = max(overlay_top(rollout, weights=True) for rollout in (intact_map, knocked_map))
+    colorscale = attention_scale(_rgb_uint8(image), np.stack([_float_array(intact_map), _float_array(knocked_map)]))
     figs = [
         attention_overlay(
             image, rollout, title=f"{label}: rollout to the {query}", value_name="rollout", weights=True, top=top,
+            colorscale=colorscale,
         )
         for rollout, label in ((intact_map, "Intact"), (knocked_map, f"With {what}"))
     ]

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 import numpy as np
 import plotly.graph_objects as go
 
-from ._base import VALUE_SCALE, MARGIN, _float_array, _title, figure, _scale
+from ._base import VALUE_SCALE, MARGIN, _float_array, _title, distinct_names, figure, _scale
 
 
 def _class_names(count: int, class_names: Sequence[str] | None) -> list[str]:
@@ -46,7 +46,7 @@ def topk_bar(probs, class_names: Sequence[str] | None = None, k: int = 5) -> go.
     names = _class_names(probs.shape[0], class_names)
     top = np.argsort(-probs, kind="stable")[:k]
     return figure([dict(
-        type="bar", x=probs[top], y=[names[i] for i in top], orientation="h",
+        type="bar", x=probs[top], y=distinct_names(names, top.tolist()), orientation="h",
         text=[f"{100 * probs[i]:.1f}%" for i in top], textposition="auto",
         marker=dict(color="#4c78a8"), hovertemplate="%{y}: %{x:.4f}<extra></extra>",
     )], dict(

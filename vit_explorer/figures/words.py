@@ -13,7 +13,7 @@ import plotly.graph_objects as go
 
 from ._base import (
     ATTENTION_SCALE, CELL_PIXELS, MARGIN, _float_array, _image_axis_layout, _image_trace, _on_axes, _panel_height,
-    _patch_heatmap, _rgb_uint8, _subplots, _title, figure, image_data_uri,
+    _patch_heatmap, _rgb_uint8, _subplots, _title, attention_scale, distinct_names, figure, image_data_uri,
 )
 from .attention import attention_overlay
 
@@ -46,7 +46,7 @@ def similarity_grid(
 ) -> go.Figure:
     """Each prompt's dense similarity map (T, gh, gw), the cosine of every patch with the prompt's
     text embedding, over the image, one panel per prompt: clear at the lowest cosine shown and
-    crimson at the highest, on one scale for every prompt (``scale="shared"``: prompts compare) or
+    crimson (or gold, attention_scale) at the highest, on one scale for every prompt (``scale="shared"``: prompts compare) or
     each from its own lowest to its highest (``"per prompt"``: where each word is, however faint).
     ``how``: how the patches were carried into the texts' space, for the title."""
     image = _rgb_uint8(image)
@@ -61,10 +61,11 @@ def similarity_grid(
         horizontal_spacing=0.02, vertical_spacing=0.06 if rows > 1 else 0.0,
     )
     shared = scale == "shared"
+    colorscale = attention_scale(image, maps - maps.min())  # weighed where the cosines are highest
     if shared:
         low, high = _range(maps)
         layout["coloraxis"] = dict(
-            colorscale=ATTENTION_SCALE, cmin=low, cmax=high,
+            colorscale=colorscale, cmin=low, cmax=high,
             colorbar=dict(title=dict(text="cosine<br>(lowest<br>= clear)")),
         )
     source = image_data_uri(image)
@@ -75,7 +76,7 @@ def similarity_grid(
             colour = dict(coloraxis="coloraxis")
         else:
             low, high = _range(values)
-            colour = dict(colorscale=ATTENTION_SCALE, zmin=low, zmax=high, showscale=False)
+            colour = dict(colorscale=colorscale, zmin=low, zmax=high, showscale=False)
         traces += [
             _on_axes(dict(type="image", source=source, hoverinfo="skip"), suffix),
             _on_axes(_patch_heatmap(values, image.shape[:2], "cosine", _short(prompt), opacity=opacity, **colour), suffix),
@@ -177,7 +178,7 @@ def zero_shot_bar(scores, labels: Sequence[str], scoring: str, k: int = 5) -> go
         raise ValueError(f"scoring must be one of {tuple(SCORINGS)}, not {scoring!r}")
     top = np.argsort(-scores, kind="stable")[:k]
     return figure([dict(
-        type="bar", x=scores[top], y=[_short(labels[index]) for index in top], orientation="h",
+        type="bar", x=scores[top], y=distinct_names([_short(label) for label in labels], top.tolist()), orientation="h",
         text=[f"{100 * scores[index]:.1f}%" for index in top], textposition="auto",
         marker=dict(color="#4c78a8"), hovertemplate="%{y}: %{x:.4f}<extra></extra>",
     )], dict(

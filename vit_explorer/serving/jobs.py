@@ -33,6 +33,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -44,6 +45,7 @@ from ..model.vit import ViT
 from ..resources import child_python_path
 from ..training.admission import GB, available_memory, environment_number, limit_memory
 from ..training.priority import run_below_the_servers
+from ..training.pace import Pace
 from ..training.run import process_identity
 from ..training.runs import ordinal
 from .job_kinds import KINDS
@@ -86,6 +88,8 @@ class JobStatus:
     progress: float = 0.0  # running: the share done
     error: str | None = None  # failed: why, in one sentence
     forwards: float = 0.0  # its estimate
+    seconds_left: float | None = None  # running: at its pace so far (training.pace), once known
+    kind: str = ""  # what it computes (job_kinds.KINDS)
 
     @property
     def waiting(self) -> str:
@@ -229,18 +233,18 @@ class JobBoard:
 
     def _status(self, key: str, record: dict, state: str, jobs: dict) -> JobStatus:
         files = self._files(key)
-        place = progress = error = None
+        place = progress = error = left = None
         if state == "queued":
             place = [k for k, (_, s) in jobs.items() if s == "queued"].index(key) + 1
         elif state == "running":
             with contextlib.suppress(OSError, ValueError):
-                progress = float(files["progress"].read_text())
+                progress, left = read_progress(files["progress"])
         elif state == "failed":
             with contextlib.suppress(OSError):
                 error = files["error"].read_text()
         return JobStatus(
             state=state, owners=tuple(record["owners"]), place=place, progress=progress or 0.0,
-            error=error, forwards=record["forwards"],
+            error=error, forwards=record["forwards"], seconds_left=left, kind=record["spec"]["kind"],
         )
 
     # --- what the servers ask -------------------------------------------------------------------
@@ -368,6 +372,28 @@ def _sentence(error: BaseException) -> str:
     return f"The computation failed ({type(error).__name__}{': ' + first_line if first_line else ''}); run it again."
 
 
+def progress_reporter(folder: Path, clock: Callable[[], float] | None = None) -> Callable[[float], None]:
+    """What a worker's computation calls with its share done: writes the share and the time left
+    at its pace (training.pace, from its first report: loading the model is no step) to the job's
+    progress file, and raises Cancelled once the job was cancelled."""
+    pace, cancel = Pace(clock), folder / "cancel"
+
+    def progress(share: float) -> None:
+        if cancel.exists():
+            raise Cancelled
+        pace.update(share)
+        left = pace.seconds_left
+        _write_whole(folder / "progress", f"{share:.4f}{'' if left is None else f' {left:.1f}'}".encode())
+
+    return progress
+
+
+def read_progress(path: Path) -> tuple[float, float | None]:
+    """(the share done, the seconds left or None) from a progress file (progress_reporter)."""
+    share, _, seconds = path.read_text().partition(" ")
+    return float(share), float(seconds) if seconds else None
+
+
 def _work(folder: str) -> None:
     """A worker's whole life: load the model, compute, report progress, write the result or why
     not. Nothing it does reaches a server but its files."""
@@ -376,13 +402,8 @@ def _work(folder: str) -> None:
     inherited = resource.getrlimit(resource.RLIMIT_DATA)
     record = json.loads((folder / "record.json").read_text())
     torch.set_num_threads(record["threads"])
-    spec, cancel = record["spec"], folder / "cancel"
-
-    def progress(share: float) -> None:
-        if cancel.exists():
-            raise Cancelled
-        _write_whole(folder / "progress", f"{share:.4f}".encode())
-
+    spec = record["spec"]
+    progress = progress_reporter(folder)
     try:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if device.type == "cpu":

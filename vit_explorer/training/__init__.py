@@ -7,4 +7,5 @@
     evaluation.py   a trained model tested afterwards (another patch or image size, several sizes)
     train.py        the loop: a generator of events, checkpoints and their sidecar, model_config
     priority.py     a run's or a job's process below the app servers (nice 15, its autogroup too)
+    pace.py         how long is left of a run or a job, from its share done, and in words
 """

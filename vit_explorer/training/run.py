@@ -31,6 +31,7 @@ from ..model.config import TrainConfig
 from ..model.devices import resolve_device
 from ..resources import child_python_path
 from .admission import limit_memory, memory_status
+from .pace import Pace
 from .priority import run_below_the_servers
 from .train import (
     DoneEvent, EpochEvent, Event, SnapshotEvent, StepEvent, TrainingError, check_run_name, checkpoint_paths,
@@ -302,7 +303,7 @@ class TrainingRun:
         self._latest_snapshot: SnapshotEvent | None = None
         self._done: DoneEvent | SAEDoneEvent | None = None
         self._progress = 0.0
-        self._pace_from: tuple[float, float] | None = None  # (time, progress) at the first step
+        self._pace = Pace()  # from the first step: loading and capturing before it are no step
         if isinstance(config, TrainConfig) and config.resume:
             with contextlib.suppress(TrainingError, OSError):
                 self._steps, self._epochs = saved_history(checkpoint_paths(config)["checkpoint"])
@@ -407,8 +408,7 @@ class TrainingRun:
             if isinstance(event, (StepEvent, SAEStepEvent)):
                 self._steps.append(asdict(event))
                 self._progress = event.step / event.total_steps
-                if self._pace_from is None:
-                    self._pace_from = (time.perf_counter(), self._progress)
+                self._pace.update(self._progress)
             elif isinstance(event, EpochEvent):
                 self._epochs.append(asdict(event))
             elif isinstance(event, SnapshotEvent):
@@ -470,7 +470,9 @@ class TrainingRun:
                 if not caught_up:  # the pace is measured from now, not from the steps read at once
                     caught_up = True
                     with self._lock:
-                        self._pace_from = (time.perf_counter(), self._progress) if self._steps else None
+                        self._pace = Pace()
+                        if self._steps:
+                            self._pace.update(self._progress)
                 if alive and self._followed_here:
                     with contextlib.suppress(OSError, ValueError):  # gone meanwhile
                         peak = memory_status("VmHWM", pid)
@@ -544,13 +546,17 @@ class TrainingRun:
         with self._lock:
             if self._status == "finished":
                 return 0.0
-            if self._status != "running" or self._pace_from is None:
-                return None
-            started, progress_then = self._pace_from
-            if self._progress <= progress_then:
-                return None
-            rate = (self._progress - progress_then) / (time.perf_counter() - started)
-            return (1 - self._progress) / rate
+            return self._pace.seconds_left if self._status == "running" else None
+
+    @property
+    def doing(self) -> str:
+        """What the run is doing, in words: before its first step, what takes that long."""
+        with self._lock:
+            if self._steps or self._status != "running":
+                return "training"
+        if isinstance(self.config, SAETrainConfig):
+            return f"capturing layer {self.config.layer}'s tokens"
+        return "preparing its data"
 
     @property
     def history(self) -> dict[str, list[dict]]:

@@ -19,6 +19,9 @@ is read.
     normalization.py     the mean and std: the publisher's, the structure's, or assumed (and said)
     build.py             the tensors checked against that config, then the model built
     resize.py            resize_model: another patch size and/or image size
+    catalogue.py         the pretrained models: where each lives once downloaded, its download;
+                         entries.py (what each is), entry_checks.py (a download against its entry),
+                         downloads.py (one file fetched: deadline, size limit, DownloadError)
 
 A new source or family gets a reader beside the others, recognised in :func:`_convert` (or by
 its model type in from_huggingface), and teaches infer.py its shapes.

@@ -1,0 +1,218 @@
+"""The catalogue's entries: the well-known pretrained ViTs, each with its source, card, licence and
+the architecture its file must fit (:class:`CatalogueEntry`, :data:`CATALOGUE`). Where an entry is
+downloaded to and how is weights/catalogue.py's; what a download is checked against is
+weights/entry_checks.py's."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from ..model.config import IMAGENET_MEAN, IMAGENET_STD, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, ViTConfig
+from . import from_open_clip
+
+_IMAGENET = dict(mean=IMAGENET_MEAN, std=IMAGENET_STD)
+_VIT_S = dict(embed_dim=384, depth=12, num_heads=6)
+_VIT_B = dict(embed_dim=768, depth=12, num_heads=12)
+# timm's DINOv3 (Eva): rotary positions only, 4 registers, LayerScale, no qkv bias, eps 1e-5; the
+# rotary periods rounded to bfloat16 as the original weights keep them (weights/from_eva.py).
+_DINOV3 = dict(
+    patch_size=16, num_classes=0, reg_tokens=4, init_values=1e-5, qkv_bias=False, layer_norm_eps=1e-5,
+    rope_type="dinov3", abs_pos_embed=False, rope_periods_dtype="bfloat16", **_IMAGENET,
+)
+# SigLIP and SigLIP 2: big_vision trains with JAX's gelu, the tanh approximation (as transformers runs it).
+_SIGLIP_B = dict(
+    image_size=224, patch_size=16, num_classes=0, class_token=False, global_pool="map", act_layer="gelu_tanh", **_VIT_B,
+)
+DINOV3_LICENCE = "DINOv3 License (Meta), not Apache: github.com/facebookresearch/dinov3/blob/main/LICENSE.md"
+
+# A timm repository's image tower.
+TIMM_FILE = "model.safetensors"
+# A SigLIP's Hugging Face tokenizer beside its open_clip files (open_clip writes them with
+# save_pretrained); special_tokens_map.json is taken where the server has one.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+OPTIONAL_TOKENIZER_FILES = ("special_tokens_map.json",)
+
+
+@dataclass(frozen=True)
+class CatalogueEntry:
+    """One pretrained model: where it lives, what it is, and the architecture its file must fit."""
+
+    title: str  # short name for menus
+    source: str  # "timm/<name>" (a Hugging Face Hub repository) or "torchvision:<name>"
+    # The download's size. timm files: parameters x 4 bytes (fp32 safetensors), computed from the
+    # architecture, the header's few kilobytes aside; open_clip's: both towers' (the weights file,
+    # its config and tokenizer aside); torchvision: its weights' metadata.
+    size_bytes: int
+    trained_on: str
+    attention: str  # what its attention is known to look like: the model card's second half
+    config: dict = field(default_factory=dict)  # ViTConfig fields; the rest are the defaults
+    imagenet_classes: bool = False  # its head scores the 1000 ImageNet-1k classes
+    drop_keys: tuple[str, ...] = ()  # tensors of the file that are no part of our model
+    licence: str = "Apache-2.0"  # the weights' licence, as their publisher gives it
+    # Not an open-source licence: the app asks the person to accept it before downloading.
+    terms_to_accept: bool = False
+    eva_names: bool = False  # the file names its tensors as timm's Eva does (model.from_timm_eva)
+    # A CLIP or SigLIP whose repository holds open_clip's files (both towers): open_clip's model
+    # config of the two (the name of one of its configs, or the config itself), which the download
+    # is checked against, whatever the downloaded open_clip_config.json says. None: timm's file of
+    # the image tower alone. size_bytes is then both towers' weights.
+    open_clip: str | dict | None = None
+    tokenizer: bool = False  # its text tower reads the Hugging Face tokenizer of its repository
+
+    @property
+    def card(self) -> str:
+        return f"{self.title}: trained on {self.trained_on}. {self.attention} Licence: {self.licence}."
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        """The files of its Hub repository that a download brings, every one needed, the weights
+        last (timm entries; torchvision's is its own)."""
+        if self.open_clip is None:
+            return (TIMM_FILE,)
+        tokenizer = TOKENIZER_FILES if self.tokenizer else ()
+        return (from_open_clip.CONFIG_FILE, *tokenizer, from_open_clip.WEIGHTS_FILE)
+
+    def open_clip_config(self) -> dict:
+        """open_clip's model config of both towers (importing open_clip, seconds: only to check or
+        load a download)."""
+        if isinstance(self.open_clip, dict):
+            return json.loads(json.dumps(self.open_clip))
+        import open_clip
+
+        config = open_clip.get_model_config(self.open_clip)
+        if config is None:
+            raise KeyError(f"open_clip has no model config {self.open_clip!r}")
+        return json.loads(json.dumps(config))
+
+    def config_without_names(self) -> ViTConfig:
+        return ViTConfig(**self.config)
+
+    def vit_config(self) -> ViTConfig:
+        class_names = imagenet_class_names() if self.imagenet_classes else None
+        return ViTConfig(**self.config, class_names=class_names)
+
+
+CATALOGUE: dict[str, CatalogueEntry] = {
+    "vit_b_16": CatalogueEntry(
+        "ImageNet ViT-B/16 (torchvision)", "torchvision:vit_b_16", 346_328_924,
+        "ImageNet-1k, supervised (torchvision's recipe)",
+        "Supervised ViTs attend diffusely: the class token spreads over the object and background"
+        " alike, and rollout is needed to see the object.",
+        imagenet_classes=True, licence="BSD-3-Clause (torchvision)",
+    ),
+    "dino_vits16": CatalogueEntry(
+        "DINO ViT-S/16", "timm/vit_small_patch16_224.dino", 86_662_656,
+        "ImageNet-1k images without labels (DINO self-distillation)",
+        "Its class token finds the object without ever seeing a label: last-layer heads segment"
+        " the foreground, some heads one part each.",
+        config=dict(image_size=224, patch_size=16, num_classes=0, **_VIT_S, **_IMAGENET),
+    ),
+    "dino_vits8": CatalogueEntry(
+        "DINO ViT-S/8", "timm/vit_small_patch8_224.dino", 86_681_088,
+        "ImageNet-1k images without labels (DINO self-distillation)",
+        "The sharpest DINO maps (784 patches): the class token's heads trace object outlines.",
+        config=dict(image_size=224, patch_size=8, num_classes=0, **_VIT_S, **_IMAGENET),
+    ),
+    "dino_vitb16": CatalogueEntry(
+        "DINO ViT-B/16", "timm/vit_base_patch16_224.dino", 343_194_624,
+        "ImageNet-1k images without labels (DINO self-distillation)",
+        "Like DINO ViT-S/16 with twice the heads: the class token segments the object.",
+        config=dict(image_size=224, patch_size=16, num_classes=0, **_VIT_B, **_IMAGENET),
+    ),
+    "dinov2_vits14_reg": CatalogueEntry(
+        "DINOv2 ViT-S/14 with registers", "timm/vit_small_patch14_reg4_dinov2.lvd142m", 88_229_376,
+        "LVD-142M, 142 million curated images without labels (DINOv2), at 518x518",
+        "Clean, object-centred maps and token PCA that parts objects; the 4 registers take the"
+        " high-norm artifact tokens that DINOv2 without registers puts on background patches.",
+        config=dict(
+            image_size=518, patch_size=14, num_classes=0, reg_tokens=4, no_embed_class=True,
+            init_values=1e-5, **_VIT_S, **_IMAGENET,
+        ),
+    ),
+    "deit_s": CatalogueEntry(
+        "DeiT-S", "timm/deit_small_patch16_224.fb_in1k", 88_202_656,
+        "ImageNet-1k, supervised with strong augmentation (DeiT)",
+        "Supervised: the class token's attention covers the object but leaks onto context that"
+        " predicts the class.",
+        config=dict(image_size=224, patch_size=16, num_classes=1000, **_VIT_S, **_IMAGENET),
+        imagenet_classes=True,
+    ),
+    "deit3_s": CatalogueEntry(
+        "DeiT III-S", "timm/deit3_small_patch16_224.fb_in1k", 88_237_984,
+        "ImageNet-1k, supervised (DeiT III recipe, LayerScale)",
+        "Supervised and long-trained: sharper than DeiT, with high-norm artifact tokens in late"
+        " layers that grab attention.",
+        config=dict(
+            image_size=224, patch_size=16, num_classes=1000, no_embed_class=True, init_values=1e-6,
+            **_VIT_S, **_IMAGENET,
+        ),
+        imagenet_classes=True,
+    ),
+    "augreg_vitb16": CatalogueEntry(
+        "AugReg ViT-B/16 (21k -> 1k)", "timm/vit_base_patch16_224.augreg2_in21k_ft_in1k", 346_270_624,
+        "ImageNet-21k, then fine-tuned on ImageNet-1k (AugReg, supervised)",
+        "The original ViT recipe: early heads mix local and global, the class token's maps are"
+        " diffuse; rollout shows the object.",
+        config=dict(image_size=224, patch_size=16, num_classes=1000, **_VIT_B),
+        imagenet_classes=True,
+    ),
+    # CLIP and SigLIP: open_clip's files of the repositories open_clip itself loads them from
+    # (open_clip/pretrained.py), both towers; the pages explore the image tower, headless (no
+    # classes: the projection into the text space is the words' own, vit_explorer.text).
+    "clip_vitb16": CatalogueEntry(
+        "CLIP ViT-B/16 (OpenAI)", "timm/vit_base_patch16_clip_224.openai", 598_482_948,
+        "400 million image-text pairs from the web (OpenAI CLIP, contrastive)",
+        "Its text tower comes with it (no classes: texts score the image). Its attention is known"
+        " to be noisy, with a few background tokens that everyone reads.",
+        config=dict(
+            image_size=224, patch_size=16, num_classes=0, pre_norm=True, patch_bias=False,
+            act_layer="quick_gelu", layer_norm_eps=1e-5, mean=OPENAI_CLIP_MEAN,
+            std=OPENAI_CLIP_STD, **_VIT_B,
+        ),
+        open_clip="ViT-B-16-quickgelu",  # ViT-B-16 as OpenAI trained it, with QuickGELU
+    ),
+    "siglip_vitb16": CatalogueEntry(
+        "SigLIP ViT-B/16", "timm/ViT-B-16-SigLIP", 812_623_880,
+        "WebLI image-text pairs (Google SigLIP, sigmoid contrastive loss)",
+        "Its text tower comes with it. No class token: an attention-pool head's probe query"
+        " gathers the image, and its attention is shown where a class token's would be.",
+        config=_SIGLIP_B, open_clip="ViT-B-16-SigLIP", tokenizer=True,
+    ),
+    "siglip2_vitb16": CatalogueEntry(
+        "SigLIP 2 ViT-B/16", "timm/ViT-B-16-SigLIP2", 1_500_751_880,
+        "WebLI image-text pairs (Google SigLIP 2: sigmoid loss, captioning, self-distillation and"
+        " masked prediction)",
+        "Its text tower comes with it (Gemma's 256,000-token vocabulary, most of the download)."
+        " SigLIP's architecture (an attention-pool probe, no class token), trained also for dense"
+        " features: its patch tokens and maps are cleaner than SigLIP's.",
+        config=_SIGLIP_B, open_clip="ViT-B-16-SigLIP2", tokenizer=True,
+    ),
+    "dinov3_vits16": CatalogueEntry(
+        "DINOv3 ViT-S/16", "timm/vit_small_patch16_dinov3.lvd1689m", 86_347_776,
+        "LVD-1689M, 1.7 billion curated web images without labels (DINOv3, distilled from its 7B)",
+        "Dense features kept sharp to the last layer: token PCA and patch similarity part objects; 4"
+        " registers take the high-norm tokens, and rotary positions make any image size native.",
+        config=dict(image_size=224, **_VIT_S, **_DINOV3), licence=DINOV3_LICENCE, terms_to_accept=True, eva_names=True,
+    ),
+    "dinov3_vitb16": CatalogueEntry(
+        "DINOv3 ViT-B/16", "timm/vit_base_patch16_dinov3.lvd1689m", 342_564_864,
+        "LVD-1689M, 1.7 billion curated web images without labels (DINOv3, distilled from its 7B)",
+        "Like DINOv3 ViT-S/16 with twice the heads: clean, object-centred maps at any image size.",
+        config=dict(image_size=224, **_VIT_B, **_DINOV3), licence=DINOV3_LICENCE, terms_to_accept=True, eva_names=True,
+    ),
+}
+
+
+
+def imagenet_class_names() -> tuple[str, ...]:
+    """The 1000 ImageNet-1k class names in the usual index order (shipped with torchvision)."""
+    import torchvision.models
+
+    return tuple(torchvision.models.ViT_B_16_Weights.IMAGENET1K_V1.meta["categories"])
+
+
+def entry(name: str) -> CatalogueEntry:
+    if name not in CATALOGUE:
+        raise KeyError(name)
+    return CATALOGUE[name]
+
