@@ -35,6 +35,9 @@ SITES = {"resid": "residual stream", "attn": "attention output", "mlp": "MLP out
 DIRECTIONS = ("denoising", "noising")
 # Patched copies run in one batch.
 PATCH_BATCH = 16
+# Attribution patching in forward passes: the paired runs (two images in one batch), then one
+# forward and one backward (about two forwards' work) of the patched run.
+ATTRIBUTION_FORWARDS = 5.0
 # The normalised metric's difference below which two runs count as the same answer.
 SAME_ANSWER = 1e-6
 
@@ -75,6 +78,16 @@ def pooled_cosine(reference: torch.Tensor) -> Metric:
     return Metric("cosine to the clean picture's pooled feature", lambda out: F.cosine_similarity(
         out, reference.to(out.device, out.dtype), dim=-1,
     ))
+
+
+def metric_from(spec: tuple, class_names: Sequence[str], clean_output: torch.Tensor) -> Metric:
+    """The metric a plain tuple names (what a job's settings carry): ("classes", a, b), the logit
+    difference, or ("cosine",), the pooled cosine to ``clean_output`` (D,)."""
+    if spec[0] == "classes":
+        return class_difference(int(spec[1]), int(spec[2]), class_names)
+    if spec[0] == "cosine":
+        return pooled_cosine(clean_output)
+    raise AnalysisError(f"The metric must be a difference of two classes or the pooled cosine, not {spec[0]!r}.")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,110 @@
+"""The Patching page (AppTest): a painted region or another picture as the corrupted run, the
+attribution and exact heat maps with their agreement, a clicked cell's patched run, path patching,
+exact patching as a job for a model where it is not quick, and each bad input a sentence."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import vit_explorer as vx
+from vit_explorer.analysis import patching
+from vit_explorer.app import costs, jobs, models
+
+from apptest import (  # noqa: F401 (tiny_default: autouse)
+    decoded, errors, figure_titles, open_app, run_until, tiny_default, tiny_model, title_matching, widget,
+)
+
+PAGE = "views/patching.py"
+
+
+def exact_map(app) -> np.ndarray:
+    spec = next(chart for chart in app.get("plotly_chart") if "Exact: " in chart.proto.spec).proto.spec
+    return np.asarray(decoded(json.loads(spec)["data"][0]["z"]), dtype=float)
+
+
+def test_the_page_patches_a_painted_region_and_draws_both_maps():
+    app = open_app(PAGE)
+    assert errors(app) == [] and app.title[0].value == "Patching"
+    assert all(w.help for w in [*app.main.radio, *app.main.selectbox, *app.main.slider, *app.main.number_input])
+    titles = figure_titles(app)
+    assert all(title.strip() for title in titles)
+    title_matching(app, "^Attribution: residual stream per layer x token \\(denoising\\)$")
+    title_matching(app, "^Exact: residual stream per layer x token \\(denoising\\)$")
+    title_matching(app, "^residual stream: the estimate against exact patching, cell by cell \\(correlation")
+    assert any("correlate at" in markdown.value for markdown in app.markdown)
+    # The exact map is the analysis' own on the same two pictures.
+    model = models.base_model(models.DEFAULT_MODEL)
+    clean = vx.preprocess(vx.shapes_sample(4, 32)[0], model.config)
+    runs = patching.paired_runs(model, clean, patching.painted(clean, (2, 6, 2, 6), 4))
+    top = int(runs.outputs[0].argmax())
+    names = list(model.config.class_names)
+    second = int(runs.outputs[1].argmax())
+    b = second if second != top else int(runs.outputs[0].topk(2).indices[1])
+    expected = patching.exact_patching(model, runs, patching.class_difference(top, b, names), "resid")
+    np.testing.assert_allclose(exact_map(app).reshape(expected.shape), expected.numpy(), atol=1e-4)
+    # Painted patches only differ at layer 0: the other tokens' cells are exactly 0 there.
+    painted = {1 + row * 8 + column for row in range(2, 6) for column in range(2, 6)}
+    assert all(expected[0, token] == 0 for token in range(expected.shape[1]) if token not in painted)
+
+
+def test_sites_directions_a_clicked_cell_and_path_patching():
+    app = open_app(PAGE)
+    widget(app.radio, "Site").set_value("head").run()
+    assert errors(app) == []
+    title_matching(app, "^Exact: head output per layer x head \\(denoising\\)$")
+    widget(app.number_input, "Layer").set_value(2).run()
+    widget(app.number_input, "Head").set_value(1).run()
+    assert errors(app) == []
+    title_matching(app, "^Top-5 with layer 2 head 1 \\(head output\\) patched, against the clean and corrupted runs$")
+    assert any(metric.label.startswith("Restored with layer 2 head 1") for metric in app.metric)
+    receiver = next(box for box in app.selectbox if "reaches the output through" in box.label)
+    assert receiver.options[0] == "the MLPs only"
+    assert any(metric.label == "Restored through that path alone" for metric in app.metric)
+    widget(app.radio, "Direction").set_value("noising").run()
+    assert errors(app) == []
+    title_matching(app, "^Exact: head output per layer x head \\(noising\\)$")
+
+
+def test_another_picture_of_another_size_is_resized_and_said_so():
+    app = open_app(PAGE)
+    widget(app.radio, "Corrupted picture").set_value("picture").run()
+    widget(app.selectbox, "The corrupted picture").set_value("photo:chelsea.png").run()
+    assert errors(app) == []
+    assert any("each was resized to the model's 32x32" in info.value for info in app.info)
+
+
+def test_bad_inputs_are_a_sentence_each():
+    app = open_app(PAGE)
+    widget(app.slider, "Painted patch rows").set_value((0, 8)).run()
+    widget(app.slider, "Painted patch columns").set_value((0, 8)).run()
+    assert [error.value for error in app.error] == [
+        "The painted region covers the whole picture, so nothing of the clean picture is left to find: paint a smaller region."
+    ]
+    widget(app.slider, "Painted patch columns").set_value((0, 4)).run()
+    widget(app.selectbox, "minus the logit of").set_value(widget(app.selectbox, "Metric: the logit of").value).run()
+    assert len(app.error) == 1 and "same value" in app.error[0].value and "nothing to patch" in app.error[0].value
+
+
+def test_exact_patching_is_a_job_where_it_is_not_quick(monkeypatch):
+    monkeypatch.setattr(costs, "QUICK_COST", 0.0)  # nothing is quick: attribution and exact are jobs
+    app = open_app(PAGE)
+    assert errors(app) == []
+    labels = [button.label for button in app.button]
+    assert "Estimate every cell" in labels and "Patch every cell" in labels
+    widget(app.button, "Patch every cell").click().run()
+    run_until(app, lambda app: any("Exact: " in chart.proto.spec for chart in app.get("plotly_chart")))
+    assert errors(app) == []
+    title_matching(app, "^Exact: residual stream per layer x token")
+
+
+def test_a_headless_model_patches_the_pooled_cosine(tmp_path):
+    path = tmp_path / "headless.safetensors"
+    vx.save_model(tiny_model(num_classes=0, class_names=None), path)
+    app = open_app(PAGE)
+    app.file_uploader(key="checkpoint_upload").set_value((path.name, path.read_bytes(), "application/octet-stream")).run()
+    app.switch_page(PAGE).run()
+    assert not app.exception and errors(app) == []
+    assert any("cosine of the pooled feature" in caption.value for caption in app.main.caption)
+    title_matching(app, "^Exact: residual stream per layer x token")
+    assert not any("Top-5" in title for title in figure_titles(app))
