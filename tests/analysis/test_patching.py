@@ -203,3 +203,20 @@ def test_bad_inputs_are_one_sentence_each():
     note = patching.size_note(Image.new("RGB", (30, 20)), Image.new("RGB", (40, 40)), (8, 8))
     assert note.startswith("The corrupted picture is 40x40 pixels and the clean one 30x20") and "8x8" in note
     assert patching.size_note(Image.new("RGB", (30, 20)), Image.new("RGB", (30, 20)), (8, 8)) is None
+
+
+def test_exact_patching_runs_each_cell_from_its_layer_on_and_skips_cells_that_agree(monkeypatch):
+    model = randomize(vx.ViT(tiny_config(depth=3)))
+    clean = torch.randn(1, 3, 16, 16, generator=torch.Generator().manual_seed(3))
+    runs = patching.paired_runs(model, clean, patching.painted(clean, (0, 2, 0, 1), 4))  # 2 of 16 patches
+    layer_of = {block: layer for layer, block in enumerate(model.blocks)}
+    ran = []  # (layer, images) of every block call
+    original = vx.model.vit.Block.forward
+    monkeypatch.setattr(vx.model.vit.Block, "forward", lambda block, x, *args: ran.append((layer_of[block], x.shape[0])) or original(block, x, *args))
+    patching.exact_outputs(model, runs, "resid", batch_size=8)
+    # Layer 0: the two painted patches only; layers 1 and 2: all 17 tokens, in batches of 8, each
+    # batch through the blocks from its layer on.
+    assert [images for layer, images in ran if layer == 0] == [2]
+    assert [images for layer, images in ran if layer == 1] == [2, 8, 8, 1]
+    assert [images for layer, images in ran if layer == 2] == [2, 8, 8, 1, 8, 8, 1]
+    assert sum(images for _, images in ran) / 3 == pytest.approx(patching.exact_passes(model, runs, "resid"))

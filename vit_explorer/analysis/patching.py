@@ -156,6 +156,13 @@ def exact_cost(config, site: str, tokens: int | None = None) -> float:
     return 2 + units * sum(depth - layer for layer in range(depth)) / depth
 
 
+def exact_passes(model: ViT, runs: PairedRuns, site: str) -> float:
+    """The passes :func:`exact_outputs` runs for these two runs, in whole passes of the model: each
+    cell whose runs differ at layer L runs the blocks from L on."""
+    units, depth = _units(model, runs, site), model.config.depth
+    return sum(int(_changed(runs, site, layer).sum()) * (depth - layer) for layer in range(depth)) / depth
+
+
 def exact_outputs(
     model: ViT, runs: PairedRuns, site: str, direction: str = "denoising",
     progress: Callable[[float], None] | None = None, batch_size: int = PATCH_BATCH,
