@@ -150,7 +150,7 @@ if estimates is not None:
         )))
 
 st.subheader("Exact patching: each cell its own pass")
-forwards = patching.exact_forwards(selection, site)
+forwards = patching.exact_forwards(selection, corruption, site)
 seconds = costs.pass_times().seconds(config)
 st.write(
     f"Each cell of the {SITES[site]} patched alone, its pass run from the patched layer on (the layers below are"
@@ -212,12 +212,13 @@ else:
     sender = (picked // heads, picked % heads)
     later = [(receiving_layer, receiving) for receiving_layer in range(sender[0] + 1, depth) for receiving in range(heads)]
     receivers = [None, *later]
-    receiver = st.selectbox(
+    receiver = st.selectbox(  # a pass of its own: run when a path is chosen
         f"Head {sender[1]} of layer {sender[0]} (the largest on the head map) reaches the output through",
-        range(len(receivers)),
+        range(len(receivers)), index=None, placeholder="choose a path",
         format_func=lambda index: "the MLPs only" if receivers[index] is None else f"head {receivers[index][1]} of layer {receivers[index][0]} only",
         help="Only that path gets the patched head's change; the residual stream and every other component keep the patched run's.",
-        **session.keep("patching_receiver", 0, lambda value: 0 <= value < len(receivers)),
+        key=f"patching_receiver_{sender}",
     )
-    value = patching.path(selection, corruption, spec, sender, receivers[receiver], direction)
-    st.metric("Restored through that path alone", f"{value:.3f}")
+    if receiver is not None:
+        value = patching.path(selection, corruption, spec, sender, receivers[receiver], direction)
+        st.metric("Restored through that path alone", f"{value:.3f}")

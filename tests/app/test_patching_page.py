@@ -2,6 +2,7 @@
 attribution and exact heat maps with their agreement, a clicked cell's patched run, path patching,
 exact patching as a job for a model where it is not quick, and each bad input a sentence."""
 import json
+import re
 
 import numpy as np
 import pytest
@@ -59,8 +60,20 @@ def test_sites_directions_a_clicked_cell_and_path_patching():
     title_matching(app, "^Top-5 with layer 2 head 1 \\(head output\\) patched, against the clean and corrupted runs$")
     assert any(metric.label.startswith("Restored with layer 2 head 1") for metric in app.metric)
     receiver = next(box for box in app.selectbox if "reaches the output through" in box.label)
-    assert receiver.options[0] == "the MLPs only"
-    assert any(metric.label == "Restored through that path alone" for metric in app.metric)
+    assert receiver.options[0] == "the MLPs only" and receiver.value is None  # a pass of its own: asked for
+    assert not any(metric.label == "Restored through that path alone" for metric in app.metric)
+    receiver.set_value(0).run()
+    assert errors(app) == []
+    (shown,) = [metric for metric in app.metric if metric.label == "Restored through that path alone"]
+    sender = re.match(r"Head (\d+) of layer (\d+)", receiver.label).groups()
+    model = models.base_model(models.DEFAULT_MODEL)
+    clean = vx.preprocess(vx.shapes_sample(4, 32)[0], model.config)
+    runs = patching.paired_runs(model, clean, patching.painted(clean, (2, 6, 2, 6), 4))
+    top, second = runs.outputs[0].topk(2).indices.tolist()
+    corrupted_top = int(runs.outputs[1].argmax())
+    metric = patching.class_difference(top, corrupted_top if corrupted_top != top else second, list(model.config.class_names))
+    expected = patching.path_patching(model, runs, metric, (int(sender[1]), int(sender[0])), None)
+    assert shown.value == f"{expected:.3f}"
     widget(app.radio, "Direction").set_value("noising").run()
     assert errors(app) == []
     title_matching(app, "^Exact: head output per layer x head \\(noising\\)$")

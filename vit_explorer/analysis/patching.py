@@ -147,11 +147,11 @@ def _changed(runs: PairedRuns, site: str, layer: int) -> torch.Tensor:
     return different.flatten(1).any(dim=1).cpu()
 
 
-def exact_cost(config, site: str, tokens: int | None = None) -> float:
+def exact_cost(config, site: str) -> float:
     """Exact patching of ``site`` in forward passes of the model: the paired runs (two), then per
     layer one pass per cell from that layer on, (L + 1) / 2 passes a cell in all (at most: cells
     whose runs agree need none)."""
-    units = config.num_heads if site == "head" else (tokens or config.num_tokens)
+    units = config.num_heads if site == "head" else config.num_tokens
     depth = config.depth
     return 2 + units * sum(depth - layer for layer in range(depth)) / depth
 
@@ -159,7 +159,7 @@ def exact_cost(config, site: str, tokens: int | None = None) -> float:
 def exact_passes(model: ViT, runs: PairedRuns, site: str) -> float:
     """The passes :func:`exact_outputs` runs for these two runs, in whole passes of the model: each
     cell whose runs differ at layer L runs the blocks from L on."""
-    units, depth = _units(model, runs, site), model.config.depth
+    depth = model.config.depth
     return sum(int(_changed(runs, site, layer).sum()) * (depth - layer) for layer in range(depth)) / depth
 
 
@@ -168,8 +168,7 @@ def exact_outputs(
     progress: Callable[[float], None] | None = None, batch_size: int = PATCH_BATCH,
 ) -> torch.Tensor:
     """(L, units, classes or D) the model's output with each cell of ``site`` patched alone, on
-    the CPU (the metric is applied by :func:`exact_patching`, or by the server that
-    asked a job for these). ``progress`` gets the share done after each batch."""
+    the CPU (:func:`exact_patching` scores them). ``progress`` gets the share done after each batch."""
     base, source = _roles(direction)
     units = _units(model, runs, site)
     depth = model.config.depth
@@ -200,13 +199,11 @@ def exact_outputs(
 
 def exact_patching(
     model: ViT, runs: PairedRuns, metric: Metric, site: str, direction: str = "denoising",
-    progress: Callable[[float], None] | None = None, outputs: torch.Tensor | None = None,
+    progress: Callable[[float], None] | None = None,
 ) -> torch.Tensor:
-    """(L, units): the normalised metric with each cell of ``site`` patched alone (``outputs``:
-    :func:`exact_outputs` computed already, by a job)."""
+    """(L, units): the normalised metric with each cell of ``site`` patched alone."""
     normalise = runs.normaliser(metric)
-    if outputs is None:
-        outputs = exact_outputs(model, runs, site, direction, progress)
+    outputs = exact_outputs(model, runs, site, direction, progress)
     depth, units = outputs.shape[:2]
     return normalise(metric.score(outputs.flatten(0, 1))).reshape(depth, units)
 

@@ -71,14 +71,15 @@ def attribution(selection: Selection, corruption: Corruption, spec: tuple, direc
     ))
 
 
-def exact_forwards(selection: Selection, site: str) -> float:
-    return patching.exact_cost(selection.config, site)
+def exact_forwards(selection: Selection, corruption: Corruption, site: str) -> float:
+    """Exact patching's passes for these two pictures (cells that agree need none)."""
+    return patching.exact_passes(selection.model, runs(selection, corruption), site)
 
 
 def exact(selection: Selection, corruption: Corruption, spec: tuple, site: str, direction: str) -> torch.Tensor | None:
     """Exact patching of ``site``: here when quick, else a job (None until it is done)."""
     key = (*selection.key, "patching exact", corruption.identity, spec, site, direction)
-    if costs.is_heavy(selection.config, forwards=exact_forwards(selection, site), timed=False):
+    if costs.is_heavy(selection.config, forwards=exact_forwards(selection, corruption, site), timed=False):
         return _job(selection, corruption, key, "Patch every cell", metric=list(spec), direction=direction, site=site)
     paired = runs(selection, corruption)
     return selection.memo(*key[len(selection.key):], compute=lambda: patching.exact_patching(
