@@ -5,7 +5,7 @@ import streamlit as st
 from vit_explorer import analysis, figures
 from vit_explorer.analysis import AnalysisError
 from vit_explorer.analysis.patching import DIRECTIONS, SITES, agreement, ATTRIBUTION_FORWARDS
-from vit_explorer.app import costs, images, patching, session
+from vit_explorer.app import costs, images, patching, session, words
 
 selection = session.selection()
 config = selection.config
@@ -85,6 +85,19 @@ if config.num_classes:
                        lambda value: 0 <= value < config.num_classes),
     )
     spec = ("classes", a, b)
+elif words.words_model(selection.model_key) is not None:
+    a_column, b_column = st.columns(2)
+    first = a_column.text_input(
+        "Metric: the score of", help="A label the clean picture should match better (read as 'a photo of ...').",
+        **session.keep("patching_word_a", "a cat"),
+    ).strip()
+    second = b_column.text_input(
+        "minus the score of", help="The label it is told apart from.", **session.keep("patching_word_b", "a dog"),
+    ).strip()
+    if not first or not second or first == second:
+        st.error("Type two different labels: the metric is the first one's score minus the second's.")
+        st.stop()
+    spec = ("words", first, second)
 else:
     st.caption(
         "This model has no classification head: the metric is the cosine of the pooled feature to the clean"

@@ -11,6 +11,7 @@ import torch
 import vit_explorer as vx
 from vit_explorer.analysis import patching
 from vit_explorer.app import costs, jobs, models
+from vit_explorer.serving import job_kinds
 
 from apptest import (  # noqa: F401 (tiny_default: autouse)
     decoded, errors, figure_titles, open_app, run_until, tiny_default, tiny_model, title_matching, widget,
@@ -121,3 +122,32 @@ def test_a_headless_model_patches_the_pooled_cosine(tmp_path):
     assert any("cosine of the pooled feature" in caption.value for caption in app.main.caption)
     title_matching(app, "^Exact: residual stream per layer x token")
     assert not any("Top-5" in title for title in figure_titles(app))
+
+
+def test_a_clip_patches_the_difference_of_two_labels_scores(tmp_path):
+    from apptest import open_words_app
+    from textmodels import SMALL_CLIP, open_clip_folder
+    from vit_explorer.text import load_image_text_model, zero_shot
+
+    folder = tmp_path / "clip"
+    open_clip_folder(folder, SMALL_CLIP)
+    app = open_words_app(folder, PAGE)
+    assert errors(app) == []
+    widget(app.text_input, "Metric: the score of").set_value("a rocket").run()
+    assert errors(app) == []
+    assert any("score of 'a rocket' - score of 'a dog'" in caption.value for caption in app.main.caption)
+    # The exact map scores the patched runs with the two labels, as analysis.patching does by hand.
+    both = load_image_text_model(folder)
+    config = both.image.config
+    clean = vx.preprocess(vx.shapes_sample(4, config.img_size)[0], config)
+    runs = patching.paired_runs(both.image, clean, patching.painted(clean, (1, 3, 1, 3), config.patch_size))  # the 4 x 4 grid's middle
+    metric = zero_shot.score_difference(both, both.embed_texts(zero_shot.label_prompts(["a rocket", "a dog"])), ("a rocket", "a dog"))
+    expected = patching.exact_patching(both.image, runs, metric, "resid")
+    np.testing.assert_allclose(exact_map(app).reshape(expected.shape), expected.numpy(), atol=1e-4)
+    # A job (a large CLIP's) gets the labels' embeddings and reads the projection from the folder.
+    settings = dict(metric=["words", "a rocket", "a dog"], folder=str(folder), site="resid", direction="denoising",
+                    texts=both.embed_texts(zero_shot.label_prompts(["a rocket", "a dog"])).tolist())
+    arrays = job_kinds.KINDS["patching"].compute(both.image, runs.images, settings, lambda share: None)
+    np.testing.assert_allclose(arrays["values"], expected.numpy(), atol=1e-4)
+    widget(app.text_input, "minus the score of").set_value("a rocket").run()
+    assert [error.value for error in app.error] == ["Type two different labels: the metric is the first one's score minus the second's."]

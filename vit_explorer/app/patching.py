@@ -13,7 +13,8 @@ from ..data.images import preprocess
 from ..model.capture import Capture, capture
 from ..model.patching import Patch
 from ..model.patching import patching as patched
-from . import costs, images, jobs
+from ..text.zero_shot import score_difference
+from . import costs, images, jobs, words
 from .selection import Selection
 
 
@@ -49,11 +50,22 @@ def runs(selection: Selection, corruption: Corruption) -> PairedRuns:
 
 
 def metric(selection: Selection, spec: tuple, paired: PairedRuns) -> patching.Metric:
-    return patching.metric_from(spec, selection.class_names(), paired.outputs[0])
+    """The metric ``spec`` names: analysis.patching.metric_from's, or ("words", first, second) for a
+    model with a text tower (the two labels' scores, their embeddings made once for everybody)."""
+    if spec[0] != "words":
+        return patching.metric_from(spec, selection.class_names(), paired.outputs[0])
+    labels = tuple(spec[1:])
+    return score_difference(words.words_model(selection.model_key), words.label_embeddings(selection.model_key, labels), labels)
 
 
 def _job(selection: Selection, corruption: Corruption, key: tuple, label: str, **settings):
-    """The "patching" job of these settings, for the two pictures; its value once done, else None."""
+    """The "patching" job of these settings, for the two pictures; its value once done, else None.
+    A metric in words travels as the labels' embeddings and the folder the projection is read from."""
+    if settings["metric"][0] == "words":
+        settings.update(
+            folder=str(words.text_folder(selection.model_key)),
+            texts=words.label_embeddings(selection.model_key, tuple(settings["metric"][1:])).tolist(),
+        )
     x = torch.cat([selection.model_input(), corrupted_input(selection, corruption)[0]])
     spec = jobs.job_spec(selection, "patching", f"{selection.image_key}\n{corruption.identity}", **settings)
     values = jobs.as_job(selection, spec, (key,), label, x=x)

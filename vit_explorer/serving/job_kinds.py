@@ -318,12 +318,17 @@ def _class_embeddings_memory(config, settings: dict) -> int:
 
 def _patching(model: ViT, x: torch.Tensor, settings: dict, progress: Callable[[float], None]) -> dict:
     """The clean and corrupted pictures ``x`` (2, C, H, W) patched (analysis.patching) with the
-    metric ``settings["metric"]`` (analysis.patching.metric_from) in ``settings["direction"]``:
+    metric ``settings["metric"]`` (analysis.patching.metric_from, or two labels' scores) in ``settings["direction"]``:
     exact patching of ``settings["site"]``, or with None attribution patching of every site."""
     runs = paired_runs(model, x[:1], x[1:])
     config = model.config
     names = config.class_names or [str(index) for index in range(config.num_classes)]
-    metric = metric_from(tuple(settings["metric"]), names, runs.outputs[0])
+    spec = tuple(settings["metric"])
+    if spec[0] == "words":  # the labels' embeddings given, the projection read from the folder
+        both = load_image_text_model(settings["folder"], image=model)
+        metric = zero_shot.score_difference(both, torch.tensor(settings["texts"]), spec[1:])
+    else:
+        metric = metric_from(spec, names, runs.outputs[0])
     if settings["site"] is None:
         estimates = attribution_patching(model, runs, metric, settings["direction"])
         progress(1.0)
