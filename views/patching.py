@@ -149,18 +149,6 @@ site = st.radio(
 )
 if estimates is not None:
     heat_map(estimates[site], site, "Attribution", "patching_attribution_click")
-    if site == "resid":
-        shown = st.slider(
-            "Layer on the picture", 0, depth - 1, help="The residual stream entering this layer, on the patch grid.",
-            **session.keep("patching_grid_layer", 0, lambda value: 0 <= value < depth),
-        )
-        st.plotly_chart(selection.memo("patching grid", corruption.identity, spec, direction, shown, compute=lambda: (
-            figures.token_values_on_grid(
-                selection.display_image(), estimates["resid"][shown], (grid_h, grid_w), prefix, token_names[:prefix],
-                title=f"Attribution: residual stream entering layer {shown}, on the picture", value_name="restored",
-                centred=True,
-            )
-        )))
 
 st.subheader("Exact patching: each cell its own pass")
 forwards = patching.exact_forwards(selection, corruption, site)
@@ -186,6 +174,19 @@ if exact is not None:
         st.plotly_chart(selection.memo("patching agreement", corruption.identity, spec, direction, site, compute=lambda: (
             figures.patching_agreement(exact, estimates[site], SITES[site], correlation)
         )))
+
+if site == "resid" and (exact is not None or estimates is not None):
+    how, values = ("Exact", exact) if exact is not None else ("Attribution", estimates["resid"])
+    shown = st.slider(
+        "Layer on the picture", 0, depth - 1, help="The residual stream entering this layer, on the patch grid.",
+        **session.keep("patching_grid_layer", 0, lambda value: 0 <= value < depth),
+    )
+    st.plotly_chart(selection.memo("patching grid", corruption.identity, spec, direction, how, shown, compute=lambda: (
+        figures.token_values_on_grid(
+            selection.display_image(), values[shown], (grid_h, grid_w), prefix, token_names[:prefix],
+            title=f"{how}: residual stream entering layer {shown}, on the picture", value_name="restored", centred=True,
+        )
+    )))
 
 st.subheader("The patched run of one cell")
 cells = len(CELL_NAMES[site][1])

@@ -35,6 +35,9 @@ def test_the_page_patches_a_painted_region_and_draws_both_maps():
     title_matching(app, "^Exact: residual stream per layer x token \\(denoising\\)$")
     title_matching(app, "^residual stream: the estimate against exact patching, cell by cell \\(correlation")
     assert any("correlate at" in markdown.value for markdown in app.markdown)
+    title_matching(app, "^Exact: residual stream entering layer 0, on the picture$")
+    widget(app.slider, "Layer on the picture").set_value(3).run()
+    title_matching(app, "^Exact: residual stream entering layer 3, on the picture$")
     # The exact map is the analysis' own on the same two pictures.
     model = models.base_model(models.DEFAULT_MODEL)
     clean = vx.preprocess(vx.shapes_sample(4, 32)[0], model.config)
