@@ -2,6 +2,8 @@
 one layer and one head is found there; exact patching against nnsight's interventions on timm's
 ViT with the same weights; attribution patching against finite differences; path patching's
 truth; each bad input a sentence."""
+import threading
+
 import pytest
 import torch
 
@@ -220,3 +222,21 @@ def test_exact_patching_runs_each_cell_from_its_layer_on_and_skips_cells_that_ag
     assert [images for layer, images in ran if layer == 1] == [2, 8, 8, 1]
     assert [images for layer, images in ran if layer == 2] == [2, 8, 8, 1, 8, 8, 1]
     assert sum(images for _, images in ran) / 3 == pytest.approx(patching.exact_passes(model, runs, "resid"))
+
+
+def test_a_patch_reaches_only_the_passes_of_its_own_call():
+    model = randomize(vx.ViT(tiny_config()))
+    x = torch.randn(1, 3, 16, 16, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        plain = model(x)
+        everything = torch.ones(1, 17, dtype=torch.bool)
+        other_thread = []
+        with vx.model.patching.patching(vx.model.patching.Patch(model, replace={("resid", 1): (everything, torch.zeros(1, 17, 32))})):
+            patched = model(x)
+            thread = threading.Thread(target=lambda: other_thread.append(model(x)))
+            thread.start()
+            thread.join()
+        after = model(x)
+    assert not torch.allclose(patched, plain)
+    torch.testing.assert_close(other_thread[0], plain)
+    torch.testing.assert_close(after, plain)
