@@ -212,16 +212,36 @@ def test_exact_patching_runs_each_cell_from_its_layer_on_and_skips_cells_that_ag
     clean = torch.randn(1, 3, 16, 16, generator=torch.Generator().manual_seed(3))
     runs = patching.paired_runs(model, clean, patching.painted(clean, (0, 2, 0, 1), 4))  # 2 of 16 patches
     layer_of = {block: layer for layer, block in enumerate(model.blocks)}
-    ran = []  # (layer, images) of every block call
-    original = vx.model.vit.Block.forward
+    ran, rows = [], []  # (layer, images) of every whole block; images of every last block for the class token
+    original, original_rows = vx.model.vit.Block.forward, vx.model.patching._last_block_rows
     monkeypatch.setattr(vx.model.vit.Block, "forward", lambda block, x, *args: ran.append((layer_of[block], x.shape[0])) or original(block, x, *args))
+    monkeypatch.setattr(vx.model.patching, "_last_block_rows", lambda model, x, *args: rows.append(x.shape[0]) or original_rows(model, x, *args))
     patching.exact_outputs(model, runs, "resid", batch_size=8)
     # Layer 0: the two painted patches only; layers 1 and 2: all 17 tokens, in batches of 8, each
-    # batch through the blocks from its layer on.
+    # batch through the blocks from its layer on, the last for the class token's row only.
     assert [images for layer, images in ran if layer == 0] == [2]
     assert [images for layer, images in ran if layer == 1] == [2, 8, 8, 1]
-    assert [images for layer, images in ran if layer == 2] == [2, 8, 8, 1, 8, 8, 1]
-    assert sum(images for _, images in ran) / 3 == pytest.approx(patching.exact_passes(model, runs, "resid"))
+    assert [images for layer, images in ran if layer == 2] == []
+    assert rows == [2, 8, 8, 1, 8, 8, 1]
+    counted = sum(images for _, images in ran) + vx.model.patching.ROWS_SHARE * sum(rows)
+    assert counted / 3 == pytest.approx(patching.exact_passes(model, runs, "resid"))
+
+
+@pytest.mark.parametrize("site", ["resid", "head"])
+def test_a_mean_pooled_model_runs_its_last_block_whole_and_matches_nnsight(site):
+    config = tiny_config(image_size=8, depth=2, class_token=False, global_pool="mean")
+    ours = randomize(vx.ViT(config))
+    twin = timm_twin(config)
+    twin.load_state_dict(ours.state_dict())
+    clean, corrupted = torch.randn(2, 1, 3, 8, 8, generator=torch.Generator().manual_seed(5))
+    runs = patching.paired_runs(ours, clean, corrupted)
+    metric = patching.class_difference(0, 4, [str(c) for c in range(5)])
+    mine, normalise = patching.exact_patching(ours, runs, metric, site), runs.normaliser(metric)
+    assert patching.exact_passes(ours, runs, site) == pytest.approx(mine.numel() * 1.5 / 2)  # whole blocks
+    for layer in range(config.depth):
+        for unit in range(mine.shape[1]):
+            out = nnsight_patched(twin, clean, corrupted, site, layer, unit, config.num_heads)
+            assert float(mine[layer, unit]) == pytest.approx(float(normalise(metric.score(out))[0]), abs=1e-4)
 
 
 def test_a_patch_reaches_only_the_passes_of_its_own_call():
@@ -240,3 +260,14 @@ def test_a_patch_reaches_only_the_passes_of_its_own_call():
     assert not torch.allclose(patched, plain)
     torch.testing.assert_close(other_thread[0], plain)
     torch.testing.assert_close(after, plain)
+
+
+@pytest.mark.parametrize("changes", [{}, dict(dist_token=True), dict(reg_tokens=2), dict(class_token=False, global_pool="mean")])
+def test_the_rest_of_a_pass_from_any_layer_is_the_models_own(changes):
+    model = randomize(vx.ViT(tiny_config(depth=3, **changes)))
+    x = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        captured = vx.capture(model, x, layers=())
+        for start in range(3):
+            rest = vx.model.patching.rest_of_pass(model, captured.tokens[:, start], start)
+            torch.testing.assert_close(rest, captured.logits, atol=1e-5, rtol=1e-5)

@@ -8,8 +8,9 @@ and 1 the clean one. Denoising copies clean into corrupted (is this enough to re
 answer?), noising corrupted into clean (is this needed for it?).
 
 - :func:`exact_patching`: every (layer, token) of a site, or every (layer, head), each its own
-  pass from the patched layer on (the layers below are the cached run's), in batches; a cell
-  whose two activations are equal needs no pass (patching it changes nothing).
+  pass from the patched layer on (the layers below are the cached run's), the last block for the
+  class token only where the head reads nothing else, in batches; a cell whose two activations
+  are equal needs no pass (patching it changes nothing).
 - :func:`attribution_patching`: the first-order estimate of every cell at once (Nanda 2023):
   (source - base) . d metric / d activation, one forward and one backward of the patched run.
 - :func:`path_patching`: one head's effect through one later head only, or through the MLPs only.
@@ -25,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from ..model.patching import Patch, patching
+from ..model.patching import ROWS_SHARE, Patch, patching, pooled_rows, rest_of_pass
 from ..model.recorder import eval_mode
 from ..model.vit import ViT
 from .checks import AnalysisError
@@ -158,9 +159,11 @@ def exact_cost(config, site: str) -> float:
 
 def exact_passes(model: ViT, runs: PairedRuns, site: str) -> float:
     """The passes :func:`exact_outputs` runs for these two runs, in whole passes of the model: each
-    cell whose runs differ at layer L runs the blocks from L on."""
+    cell whose runs differ at layer L runs the blocks from L on, the last for the class token's
+    row only where the head reads nothing else (model.patching.rest_of_pass)."""
     depth = model.config.depth
-    return sum(int(_changed(runs, site, layer).sum()) * (depth - layer) for layer in range(depth)) / depth
+    last = 1.0 if pooled_rows(model) is None else ROWS_SHARE
+    return sum(int(_changed(runs, site, layer).sum()) * (depth - layer - 1 + last) for layer in range(depth)) / depth
 
 
 def exact_outputs(
@@ -186,8 +189,7 @@ def exact_outputs(
                 mask = torch.zeros(len(chunk), units, dtype=torch.bool)
                 mask[torch.arange(len(chunk)), chunk] = True
                 with patching(Patch(model, replace={(site, layer): (mask, values)})):
-                    out = model.forward_blocks(tokens.expand(len(chunk), -1, -1), layer, grid_size=runs.grid_size)
-                    results[layer, chunk] = model.forward_head(out).cpu()
+                    results[layer, chunk] = rest_of_pass(model, tokens.expand(len(chunk), -1, -1), layer, runs.grid_size).cpu()
                 done += len(chunk) * (depth - layer)
                 if progress is not None:
                     progress(done / total)
