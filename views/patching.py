@@ -28,6 +28,10 @@ st.write(
     " for its own pass."
 )
 
+problem = patching.size_problem(config)
+if problem:
+    st.error(problem)
+    st.stop()
 kind = st.radio(
     "Corrupted picture", list(KINDS), format_func=KINDS.get, horizontal=True,
     help="The clean picture is the sidebar's; the corrupted one differs where you say.",

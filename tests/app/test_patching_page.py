@@ -154,3 +154,10 @@ def test_a_clip_patches_the_difference_of_two_labels_scores(tmp_path):
     np.testing.assert_allclose(arrays["values"], expected.numpy(), atol=1e-4)
     widget(app.text_input, "minus the score of").set_value("a rocket").run()
     assert [error.value for error in app.error] == ["Type two different labels: the metric is the first one's score minus the second's."]
+
+
+def test_a_size_whose_runs_would_not_fit_a_view_is_refused_in_a_sentence(monkeypatch):
+    monkeypatch.setattr(models, "MAX_VIEW_BYTES", 2**16)
+    app = open_app(PAGE)
+    (error,) = [error.value for error in app.main.error]
+    assert error.startswith("Patching keeps both pictures' activations at every layer,") and "choose a smaller" in error

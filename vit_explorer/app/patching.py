@@ -14,7 +14,7 @@ from ..model.capture import Capture, capture
 from ..model.patching import Patch
 from ..model.patching import patching as patched
 from ..text.zero_shot import score_difference
-from . import costs, images, jobs, words
+from . import costs, images, jobs, models, words
 from .selection import Selection
 
 
@@ -40,6 +40,22 @@ def corrupted_input(selection: Selection, corruption: Corruption) -> tuple[torch
     _, picture = images.resolve_image(corruption.image_key, selection.config.img_size)
     note = patching.size_note(selection.image, picture, selection.config.img_size)
     return preprocess(picture, selection.config), note
+
+
+def runs_bytes(config) -> int:
+    """What :func:`runs` holds: both runs' activations at every site and layer, float32."""
+    return 4 * 2 * len(patching.SITES) * config.depth * config.num_tokens * config.embed_dim
+
+
+def size_problem(config) -> str | None:
+    """Why this model cannot be patched at its current sizes in the server, in a sentence; None if it can."""
+    held = runs_bytes(config)
+    if held <= models.MAX_VIEW_BYTES:
+        return None
+    return (
+        f"Patching keeps both pictures' activations at every layer, {held / 2**20:.0f} MB at these sizes, more than"
+        f" the {models.MAX_VIEW_BYTES / 2**20:.0f} MB this app allows a view; choose a smaller input or a larger patch size."
+    )
 
 
 def runs(selection: Selection, corruption: Corruption) -> PairedRuns:
