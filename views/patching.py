@@ -4,6 +4,7 @@ import streamlit as st
 
 from vit_explorer import analysis, figures
 from vit_explorer.analysis import AnalysisError
+from vit_explorer.text import LabelError
 from vit_explorer.analysis.patching import DIRECTIONS, SITES, agreement, ATTRIBUTION_FORWARDS
 from vit_explorer.app import costs, images, patching, session, words
 
@@ -116,7 +117,7 @@ direction = st.radio(
 try:
     metric = patching.metric(selection, spec, runs)
     runs.normaliser(metric)
-except AnalysisError as problem:
+except (AnalysisError, LabelError) as problem:
     st.error(str(problem))
     st.stop()
 st.caption(f"Metric: the {metric.name}, normalised so that 0 is the corrupted run and 1 the clean one.")

@@ -152,6 +152,9 @@ def test_a_clip_patches_the_difference_of_two_labels_scores(tmp_path):
                     texts=both.embed_texts(zero_shot.label_prompts(["a rocket", "a dog"])).tolist())
     arrays = job_kinds.KINDS["patching"].compute(both.image, runs.images, settings, lambda share: None)
     np.testing.assert_allclose(arrays["values"], expected.numpy(), atol=1e-4)
+    widget(app.text_input, "minus the score of").set_value("a" * 400).run()
+    (error,) = [error.value for error in app.main.error]
+    assert error.startswith("a label of 400 characters is too long")
     widget(app.text_input, "minus the score of").set_value("a rocket").run()
     assert [error.value for error in app.error] == ["Type two different labels: the metric is the first one's score minus the second's."]
 

@@ -13,6 +13,7 @@ from ..data.images import preprocess
 from ..model.capture import Capture, capture
 from ..model.patching import Patch
 from ..model.patching import patching as patched
+from ..text.towers import check_labels
 from ..text.zero_shot import score_difference
 from . import costs, images, jobs, models, words
 from .selection import Selection
@@ -71,6 +72,7 @@ def metric(selection: Selection, spec: tuple, paired: PairedRuns) -> patching.Me
     if spec[0] != "words":
         return patching.metric_from(spec, selection.class_names(), paired.outputs[0])
     labels = tuple(spec[1:])
+    check_labels(list(labels))  # a LabelError, one sentence, before anything is embedded
     return score_difference(words.words_model(selection.model_key), words.label_embeddings(selection.model_key, labels), labels)
 
 
