@@ -9,7 +9,7 @@ Sites of layer L, with TransformerLens's hook names:
     attn     the attention branch's output, before layer scale (hook_attn_out) (B, N, D)
     mlp      the MLP branch's output (hook_mlp_out)                            (B, N, D)
     head     each head's output before the projection (attn.hook_z)            (B, nh, N, hd)
-    mlp_in   the residual the MLP reads, before its norm (hook_resid_mid)      (B, N, D)
+    mlp_in   what the MLP reads, before its norm; the residual stream keeps its own (B, N, D)
 
 The patch rides :data:`vit_explorer.model.vit.ACTIVE_PATCH` for the passes of this call only, as a
 knock-out does, so that the shared model is never hooked. :func:`rest_of_pass` runs a patched pass
