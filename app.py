@@ -34,6 +34,7 @@ pages = {"Learn": [
     st.Page("views/probe.py", title="Probe", icon=":material/ads_click:", url_path="probe"),
     st.Page("views/head_types.py", title="Head types", icon=":material/category:", url_path="heads"),
     st.Page("views/knockout.py", title="Knock-out", icon=":material/block:", url_path="knockout"),
+    st.Page("views/patching.py", title="Patching", icon=":material/swap_horiz:", url_path="patching"),
     st.Page("views/registers.py", title="Registers", icon=":material/move_down:", url_path="registers"),
     st.Page("views/features.py", title="Features", icon=":material/scatter_plot:", url_path="features"),
     st.Page("views/compare.py", title="Compare", icon=":material/compare:"),

@@ -437,12 +437,12 @@ def lesson_steps(app: AppTest, steps: Steps) -> None:
 
 VIEWS = (
     "views/pipeline.py", "views/patches.py", "views/attention.py", "views/inside.py", IMAGES, HEADS, KNOCKOUT,
-    REGISTERS, COMPARE, LESSON, "views/features.py",
+    REGISTERS, COMPARE, LESSON, "views/features.py", "views/patching.py",
 )
 # What a page draws in place of work that is a job (a button) or waits to be asked for (a switch).
 JOB_BUTTONS = (
     "Run model B", "Measure the heads", "Read the pictures", "Compare all", "Search the photos", "Run the sweep",
-    "Roll the attention out", "Measure every head",
+    "Roll the attention out", "Measure every head", "Estimate every cell", "Patch every cell",
 )
 ASKED_SWITCHES = ("Compute the attribution", "Read the picture", "Compute the relevance")
 SETTINGS = {  # name -> (the model's size, its patch size in the app, its input size)

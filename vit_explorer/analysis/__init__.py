@@ -19,6 +19,8 @@ say otherwise.
     answers.py              the Lesson's questions answered from the model's numbers
     faithfulness.py         is this map true? deletion and insertion curves of any maps
     probe.py                a probe a person labels: a logistic regression segmenting every patch
+    patching.py             activation patching between a clean and a corrupted picture: exact,
+                            attribution (the gradient estimate) and path patching
 
 The functions of the first six are importable from the package itself (``analysis.rollout``'s
 ``attention_rollout`` as ``vit_explorer.analysis.attention_rollout``), as they were when this was

@@ -33,6 +33,7 @@ DOING = {
     "tokens": "reading the images", "head types": "measuring every head on the pictures",
     "register neurons": "looking for the neurons that write the outliers", "patch sizes": "trying every patch size",
     "class embeddings": "writing ImageNet's classes through the text tower", "faithfulness": "removing the patches in each map's order",
+    "patching": "running the picture again with one activation patched at a time",
 }
 
 
@@ -233,7 +234,7 @@ def as_job(
                 st.rerun()  # drawn again as asked: the button gone, the job followed
             return None
     if status is not None and status.state in ("queued", "running"):
-        _follow(spec.key, keys)
+        _follow(spec.key, keys, costs.pass_times().seconds(selection.config))
     return None
 
 
@@ -253,15 +254,16 @@ def _kept(job_key: str, keys: tuple[tuple, ...]) -> tuple:
 
 
 @st.fragment(run_every=FOLLOW_SECONDS)
-def _follow(job_key: str, keys: tuple[tuple, ...]) -> None:
-    """The job's place in the queue or its progress, and Cancel for those who asked; the whole page
-    again once it has ended (its results, or why not)."""
+def _follow(job_key: str, keys: tuple[tuple, ...], pass_seconds: float | None = None) -> None:
+    """The job's place in the queue or its progress (and the time left, from ``pass_seconds``: a
+    pass of its model timed on this server), and Cancel for those who asked; the whole page again
+    once it has ended (its results, or why not)."""
     status = job_board().status(job_key)
     if status is None or status.state in ("done", "failed"):
         if status is not None and status.state == "done":
             _kept(job_key, keys)
         st.rerun()
-    _draw(status)
+    _draw(status, pass_seconds)
     token = st.session_state.get("owner_token")
     if token in status.owners and st.button(
         "Cancel", icon=":material/stop:", key=f"cancel_job_{job_key}",
@@ -271,7 +273,7 @@ def _follow(job_key: str, keys: tuple[tuple, ...]) -> None:
         st.rerun()
 
 
-def _draw(status: JobStatus) -> None:
+def _draw(status: JobStatus, pass_seconds: float | None = None) -> None:
     if status.state == "queued":
         st.info(
             f"Waiting for its turn: {status.waiting}. Heavy computations run one after another beside the"
@@ -279,6 +281,9 @@ def _draw(status: JobStatus) -> None:
         )
     else:
         doing = DOING.get(status.kind, "computing")
+        seconds_left = status.seconds_left
+        if seconds_left is None and pass_seconds is not None:  # before the worker's own pace: its passes left
+            seconds_left = (1 - status.progress) * status.forwards * pass_seconds
         st.progress(status.progress, text=(
-            f"Computing beside the server: {status.progress:.0%}{time_left(status.seconds_left)} ({doing})"
+            f"Computing beside the server: {status.progress:.0%}{time_left(seconds_left)} ({doing})"
         ))

@@ -63,6 +63,18 @@ def add_inspect(subparsers) -> None:
                         " curve's area and scores) and a sentence in the summary; MODE: drop the patches' tokens"
                         " (default) or paint them with the image's mean. About 100 forward passes' worth of"
                         " tokens (a second on the shipped model, some ten on a ViT-B/16 on a CPU)")
+    parser.add_argument("--patch", metavar="CORRUPTED",
+                        help="also patch activations between IMAGE (clean) and this corrupted picture: the heat"
+                        " maps per layer x token (residual stream, attention and MLP outputs) and per layer x head"
+                        " (PNG) and patching.csv, from attribution patching (about 5 passes), with --exact also"
+                        " from exact patching (a pass per cell from its layer on)")
+    parser.add_argument("--metric",
+                        help="with --patch: two classes as \"cat-dog\", the first's logit minus the second's"
+                        " (default: the clean picture's prediction minus the corrupted one's; a headless model"
+                        " always uses the cosine of the pooled feature to the clean picture's)")
+    parser.add_argument("--direction", choices=("denoising", "noising"), default="denoising",
+                        help="with --patch: clean into corrupted (default) or corrupted into clean")
+    parser.add_argument("--exact", action="store_true", help="with --patch: exact patching of every cell too")
     parser.set_defaults(run=_run_inspect)
 
 
@@ -138,7 +150,14 @@ def _inspect(args: argparse.Namespace, texts: list[str] | None, writer) -> int:
         curves = _faithfulness(model, x, captured, tested, args.faithfulness, score)
         figs["faithfulness"] = _faithfulness_figure(curves)
         summary = f"{summary}; {_faithfulness_summary(curves)}"
+    patched = None
+    if args.patch is not None:
+        patching_figures, patched, said = _inspect_patching(model, x, args)
+        figs.update(patching_figures)
+        summary = f"{summary}; {said}"
     written = _write_inspected(figs, Path(args.out), args.format, writer)
+    if patched is not None:
+        written.append(_write_patching(Path(args.out), patched))
     if curves is not None:
         written.append(_write_faithfulness(Path(args.out), curves))
     if types is not None:
@@ -411,6 +430,70 @@ def _write_faithfulness(out: Path, curves) -> Path:
         for curve, scores in curves.curves.items():
             for name, area, values in zip(curves.names, curves.area(curve).tolist(), scores.tolist()):
                 writer.writerow([curve, name, f"{area:.6f}", *(f"{value:.6f}" for value in values)])
+    return path
+
+
+def _inspect_patching(model, x, args: argparse.Namespace) -> tuple[dict, dict, str]:
+    """Activation patching between the image and ``args.patch`` (analysis.patching): the heat maps
+    by file name, the maps by (method, site) and a line for the summary."""
+    from .. import figures
+    from ..analysis import AnalysisError, patching
+    from ..data.images import load_image, preprocess
+
+    config = model.config
+    names = list(config.class_names or [f"class {index}" for index in range(config.num_classes)])
+    if args.metric and not config.num_classes:
+        raise AnalysisError("This model has no classes, so its metric is the pooled cosine: leave out --metric.")
+    metric = patching.named_difference(args.metric, names) if args.metric else None
+    clean, corrupted = load_image(args.image), load_image(args.patch)
+    runs = patching.paired_runs(model, x, preprocess(corrupted, config))
+    note = patching.size_note(clean, corrupted, config.img_size)
+    if note:
+        print(note, file=sys.stderr)
+    if not config.num_classes:
+        metric = patching.pooled_cosine(runs.outputs[0])
+    elif metric is None:
+        first, second = runs.outputs[0].topk(min(2, config.num_classes)).indices.tolist() + [0] * (2 - min(2, config.num_classes))
+        corrupted_top = int(runs.outputs[1].argmax())
+        metric = patching.class_difference(first, corrupted_top if corrupted_top != first else second, names)
+    maps = {("attribution", site): values for site, values in patching.attribution_patching(model, runs, metric, args.direction).items()}
+    if args.exact:
+        for site in patching.SITES:
+            maps[("exact", site)] = patching.exact_patching(model, runs, metric, site, args.direction)
+    tokens = runs.activations[("resid", 0)].shape[1]
+    figs = {}
+    for (method, site), values in maps.items():
+        cell = "head" if site == "head" else "token"
+        figs[f"patching_{method}_{site}"] = figures.patching_heatmap(
+            values, cell, f"{method.capitalize()}: {patching.SITES[site]} per layer x {cell} ({args.direction}, {metric.name})",
+            None if site == "head" else [str(token) for token in range(tokens)],
+        )
+        if method == "exact":
+            figs[f"patching_agreement_{site}"] = figures.patching_agreement(
+                values, maps[("attribution", site)], patching.SITES[site], patching.agreement(values, maps[("attribution", site)]),
+            )
+    method = "exact" if args.exact else "attribution"
+    untouched = 0.0 if args.direction == "denoising" else 1.0
+    heads = maps[(method, "head")]
+    layer, head = divmod(int((heads - untouched).abs().argmax()), config.num_heads)
+    said = f"patching ({metric.name}, {args.direction}, {method}): the largest head is head {head} of layer {layer}"
+    if args.exact:
+        correlation = patching.agreement(maps[("exact", "resid")], maps[("attribution", "resid")])
+        said = f"{said}; attribution against exact on the residual stream: correlation {correlation:.2f}"
+    return figs, maps, said
+
+
+def _write_patching(out: Path, maps: dict) -> Path:
+    """patching.csv: a row per method, site, layer and cell (token or head), its normalised value."""
+    import csv
+
+    path = out / "patching.csv"
+    with open(path, "w", newline="") as file:
+        writer = csv.writer(file)
+        writer.writerow(["method", "site", "layer", "cell", "value"])
+        for (method, site), values in maps.items():
+            for layer, row in enumerate(values.tolist()):
+                writer.writerows([method, site, layer, cell, f"{value:.6f}"] for cell, value in enumerate(row))
     return path
 
 

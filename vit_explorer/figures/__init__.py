@@ -25,6 +25,7 @@ from .internals import (
     softmax_scale_figures, token_values_on_grid, vector_strips,
 )
 from .knockout import head_sweep_grid, intact_and_knocked_heads, intact_and_knocked_rollouts, knockout_topk
+from .patching import patched_topk, patching_agreement, patching_heatmap
 from .patches import image_with_grid, input_image, patch_picker, patch_sequence, patch_size_tradeoff
 from .predictions import logit_lens_figure, topk_bar
 from .probe import LABEL_COLOURS, probe_layers_figure, probe_picker, probe_segmentation_grid
@@ -50,6 +51,7 @@ __all__ = [
     "head_sources_figure", "inside_layer_figures", "key_value_matrices", "mlp_activations_figure",
     "softmax_scale_figure", "softmax_scale_figures", "token_values_on_grid", "vector_strips",
     "head_sweep_grid", "intact_and_knocked_heads", "intact_and_knocked_rollouts", "knockout_topk",
+    "patched_topk", "patching_agreement", "patching_heatmap",
     "image_with_grid", "input_image", "patch_picker", "patch_sequence", "patch_size_tradeoff",
     "logit_lens_figure", "topk_bar",
     "LABEL_COLOURS", "probe_layers_figure", "probe_picker", "probe_segmentation_grid",

@@ -34,6 +34,10 @@ ACTIVE_REGISTER: ContextVar[Any] = ContextVar("vit_explorer_register", default=N
 # vit_explorer.features.steering): the tokens leaving one block edited (some sparse-autoencoder
 # latents scaled) before the next block reads them, for that pass only.
 ACTIVE_STEERING: ContextVar[Any] = ContextVar("vit_explorer_steering", default=None)
+# The activation patch of the forward pass running in this context, if one asked (see
+# vit_explorer.model.patching): some tokens' or heads' activations at some sites replaced by another
+# run's, or recorded with their gradients, for that pass only.
+ACTIVE_PATCH: ContextVar[Any] = ContextVar("vit_explorer_patch", default=None)
 
 
 def active(variable: ContextVar[Any]) -> Any:
@@ -275,6 +279,9 @@ class Attention(nn.Module):
         knock_out = active(ACTIVE_KNOCKOUT)
         if knock_out is not None:
             x = knock_out.heads(self, x)  # the knocked-out heads' outputs, before the projection
+        patch = active(ACTIVE_PATCH)
+        if patch is not None:
+            x = patch.edit(self, "head", x)  # some heads' outputs from another run, before the projection
         x = rearrange(x, "b nh n hd -> b n (nh hd)")
         return self.proj_drop(self.proj(self.norm(x)))
 
@@ -403,11 +410,18 @@ class Block(nn.Module):
         # gets every intermediate of this very pass; the arithmetic is the one-line block's.
         # ``rope``: the grid's rotary tables, for a model with rotary positions (ViT.rope_tables).
         # ``packing``: x holds several sequences one after the other (vit_explorer.model.packing).
+        patch = active(ACTIVE_PATCH)
+        if patch is not None:  # the tokens entering this block, its branches' outputs: from another run
+            x = patch.edit(self, "resid", x)
         normed = self.norm1(x)
         attended = self.attn(normed, rope, packing)
+        if patch is not None:
+            attended = patch.edit(self, "attn", attended)
         middle = x + self.drop_path1(self.ls1(attended))
-        normed_middle = self.norm2(middle)
+        normed_middle = self.norm2(middle if patch is None else patch.edit(self, "mlp_in", middle))
         mlp_out = self.mlp(normed_middle)
+        if patch is not None:
+            mlp_out = patch.edit(self, "mlp", mlp_out)
         out = middle + self.drop_path2(self.ls2(mlp_out))
         recorder = active(ACTIVE_RECORDER)
         if recorder is not None:

@@ -14,6 +14,8 @@ how a server decodes the arrays the worker wrote.
                        (app/words.py: the prediction in words)
     faithfulness       the passes of one image's deletion / insertion curves (the Attention
                        page, the Lesson): the outputs on every set of kept patches, scored there
+    patching           a clean and a corrupted picture: attribution patching of every site, or
+                       exact patching of one (the Patching page)
 
 A new kind is a compute and a decode function here and an entry in ``KINDS``; the board
 (vit_explorer.serving.jobs) queues and runs it like the others.
@@ -31,6 +33,9 @@ from ..analysis import captured_head_statistics, streamed_rollout
 from ..analysis.head_types import HeadTypes, classify_heads_from_tokens, held_floats
 from ..analysis.image_set import NormOutliers
 from ..analysis.faithfulness import BATCH_TOKENS, curve_rows, kept_outputs
+from ..analysis.patching import (
+    ATTRIBUTION_FORWARDS, PATCH_BATCH, SITES, attribution_patching, exact_cost, exact_patching, metric_from, paired_runs,
+)
 from ..analysis.patch_sizes import PlannedSize, held_out_accuracy, held_out_set, predictions
 from ..analysis.test_time_registers import SEARCH_PASSES, RegisterNeurons, find_register_neurons
 from ..model import cost
@@ -311,6 +316,40 @@ def _class_embeddings_memory(config, settings: dict) -> int:
     )
 
 
+def _patching(model: ViT, x: torch.Tensor, settings: dict, progress: Callable[[float], None]) -> dict:
+    """The clean and corrupted pictures ``x`` (2, C, H, W) patched (analysis.patching) with the
+    metric ``settings["metric"]`` (analysis.patching.metric_from, or two labels' scores) in ``settings["direction"]``:
+    exact patching of ``settings["site"]``, or with None attribution patching of every site."""
+    runs = paired_runs(model, x[:1], x[1:])
+    config = model.config
+    names = config.class_names or [str(index) for index in range(config.num_classes)]
+    spec = tuple(settings["metric"])
+    if spec[0] == "words":  # the labels' embeddings given, the projection read from the folder
+        both = load_image_text_model(settings["folder"], image=model)
+        metric = zero_shot.score_difference(both, torch.tensor(settings["texts"]), spec[1:])
+    else:
+        metric = metric_from(spec, names, runs.outputs[0])
+    if settings["site"] is None:
+        estimates = attribution_patching(model, runs, metric, settings["direction"])
+        progress(1.0)
+        return {f"values.{site}": values.numpy() for site, values in estimates.items()}
+    return {"values": exact_patching(model, runs, metric, settings["site"], settings["direction"], progress).numpy()}
+
+
+def _decoded_patching(arrays: dict) -> tuple:
+    """(the exact map (L, cells),) or (attribution's {site: (L, cells)},)."""
+    if "values" in arrays:
+        return (torch.from_numpy(arrays["values"]),)
+    return ({site: torch.from_numpy(arrays[f"values.{site}"]) for site in SITES},)
+
+
+def _patching_memory(config, settings: dict) -> int:
+    """Both runs' activations at every site kept, and a batch of patched copies (attribution:
+    one pass with its graph, counted as that batch)."""
+    kept = 2 * len(SITES) * config.depth * config.num_tokens * config.embed_dim
+    return inference_memory(config, PATCH_BATCH, kept_floats=kept)
+
+
 def _passes(config, macs: float) -> float:
     """``macs`` multiply-adds in passes of the model at ``config``'s sizes (model.cost: what the
     server's views count, app.costs)."""
@@ -380,6 +419,13 @@ KINDS = {
     "class embeddings": Kind(
         forwards=lambda config, settings: settings["forwards"], memory=_class_embeddings_memory,
         compute=_class_embeddings, decode=lambda arrays: (torch.from_numpy(arrays["embeddings"]),),
+    ),
+    # The paired runs, then attribution (one forward, one backward) or every cell's pass of one site.
+    "patching": Kind(
+        forwards=lambda config, settings: (
+            ATTRIBUTION_FORWARDS if settings["site"] is None else exact_cost(config, settings["site"])
+        ),
+        memory=_patching_memory, compute=_patching, decode=_decoded_patching,
     ),
     # The curves' passes (analysis.faithfulness.planned_forwards, counted by the server that asks).
     "faithfulness": Kind(

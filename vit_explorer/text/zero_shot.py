@@ -18,6 +18,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from ..analysis.patching import Metric
 from .towers import ImageTextModel, check_labels
 
 LABEL_TEMPLATE = "a photo of {}."
@@ -109,3 +110,15 @@ def load_class_embeddings(path: Path, classes: tuple[str, ...], templates: tuple
     except (OSError, SafetensorError, KeyError, ValueError):
         return None
     return embeddings if tuple(embeddings.shape) == (len(classes), embed_dim) else None
+
+
+def score_difference(model: ImageTextModel, texts: torch.Tensor, labels: tuple[str, str]) -> Metric:
+    """Activation patching's metric for a CLIP or SigLIP (analysis.patching): the score of the
+    first label minus the second's, ``texts`` (2, E) their unit embeddings, from the pooled output."""
+    texts = texts.detach()
+
+    def score(pooled: torch.Tensor) -> torch.Tensor:
+        logits = model.logits(model.project_image(pooled), texts.to(pooled.device).float())
+        return (logits[:, 0] - logits[:, 1]).to(pooled.dtype)
+
+    return Metric(f"score of {labels[0]!r} - score of {labels[1]!r}", score)
