@@ -13,7 +13,9 @@ from vit_explorer.features import train as sae_training
 from vit_explorer.features.index import load_index
 from vit_explorer.features.sae import load_sae
 from vit_explorer.features.tokens import ImageSource, layer_tokens, model_input
-from vit_explorer.features.train import SAEDoneEvent, SAEStepEvent, SAETrainConfig, model_identity, train_sae
+from vit_explorer.features.train import (
+    SAECaptureEvent, SAEDoneEvent, SAEStepEvent, SAETrainConfig, model_identity, train_sae,
+)
 
 from helpers import randomize, tiny_config
 
@@ -41,7 +43,10 @@ def all_tokens(model, layer: int) -> torch.Tensor:
 
 def test_a_run_writes_a_dictionary_and_an_index_that_agree_with_brute_force(weights, tmp_path):
     events = list(train_sae(run_config(weights, tmp_path)))
-    *steps, done = events
+    captures = [event for event in events if isinstance(event, SAECaptureEvent)]
+    *steps, done = events[len(captures):]
+    # Before the first step, the capture says how far it is: from none to every image.
+    assert captures[0].images == 0 and captures[-1].images == captures[-1].total_images == IMAGES
     total = math.ceil(IMAGES * PATCHES / 128)
     assert all(isinstance(event, SAEStepEvent) for event in steps) and isinstance(done, SAEDoneEvent)
     assert [event.step for event in steps] == [3, 6, total] and {event.total_steps for event in steps} == {total}
@@ -97,7 +102,9 @@ def test_a_run_in_chunks_captures_at_most_a_chunk_and_indexes_every_image(weight
     monkeypatch.setattr(sae_training, "source_tokens", recording)
     chunk = 10  # images whose tokens fit the buffer
     events = list(train_sae(run_config(weights, tmp_path, epochs=2, buffer_bytes=chunk * PATCHES * WIDTH * 4)))
-    *steps, done = events
+    *steps, done = [event for event in events if not isinstance(event, SAECaptureEvent)]
+    # Only the capture before the first step reports (the steps' own events follow the rest).
+    assert [(event.images, event.total_images) for event in events if isinstance(event, SAECaptureEvent)] == [(0, chunk), (chunk, chunk)]
     assert max(len(indices) for indices in captured) == chunk
     assert len(captured) == 2 * math.ceil(IMAGES / chunk)  # every chunk again each epoch
     first, second = torch.cat(captured[: len(captured) // 2]), torch.cat(captured[len(captured) // 2:])
@@ -119,11 +126,11 @@ def test_a_stopped_run_still_writes_both_files(weights, tmp_path):
     stop = threading.Event()
     stop.set()
     events = list(train_sae(run_config(weights, tmp_path, prefix_tokens=True, name="stopped"), stop=stop))
-    assert [type(event) for event in events] == [SAEStepEvent, SAEDoneEvent]
-    assert events[0].step == 1 and events[1].stopped
-    _, card = load_sae(events[1].path)
+    assert [type(event) for event in events] == [SAECaptureEvent, SAECaptureEvent, SAEStepEvent, SAEDoneEvent]
+    assert events[2].step == 1 and events[3].stopped
+    _, card = load_sae(events[3].path)
     assert card["stopped"] and card["prefix_tokens"]
-    index = load_index(events[1].index_path)
+    index = load_index(events[3].index_path)
     assert index.num_prefix_tokens == 1 and index.tokens_seen == IMAGES * (PATCHES + 1)
 
 

@@ -140,6 +140,12 @@ class SAEStepEvent:
 
 
 @dataclass
+class SAECaptureEvent:
+    images: int  # images whose tokens are captured so far, before the first step (0: starting)
+    total_images: int  # the images captured before the first step (the first chunk)
+
+
+@dataclass
 class SAEDoneEvent:
     path: str  # the dictionary
     index_path: str
@@ -297,9 +303,10 @@ def _model(config: SAETrainConfig, model: ViT | None, device: torch.device) -> V
 
 def train_sae(
     config: SAETrainConfig, stop: threading.Event | None = None, model: ViT | None = None
-) -> Iterator[SAEStepEvent | SAEDoneEvent]:
-    """Train as ``config`` says, yielding an SAEStepEvent every ``log_every`` steps (and at each
-    epoch's end) and finally an SAEDoneEvent, with the dictionary and its index on disk. Setting
+) -> Iterator[SAECaptureEvent | SAEStepEvent | SAEDoneEvent]:
+    """Train as ``config`` says, yielding SAECaptureEvents while the tokens of the first chunk are
+    captured, an SAEStepEvent every ``log_every`` steps (and at each epoch's end) and finally an
+    SAEDoneEvent, with the dictionary and its index on disk. Setting
     ``stop`` ends training after the current step; both files are still written. ``model``: the
     ViT of ``config.weights`` already loaded (the card still names the file)."""
     started = time.perf_counter()
@@ -311,7 +318,7 @@ def train_sae(
             dist.destroy_process_group()
 
 
-def _train(config, stop, model, rank, world, device, started) -> Iterator[SAEStepEvent | SAEDoneEvent]:
+def _train(config, stop, model, rank, world, device, started) -> Iterator[SAECaptureEvent | SAEStepEvent | SAEDoneEvent]:
     model = _model(config, model, device)
     depth, width = model.config.depth, model.config.embed_dim
     if config.layer >= depth:
@@ -327,8 +334,19 @@ def _train(config, stop, model, rank, world, device, started) -> Iterator[SAESte
     total_steps = steps_per_epoch * config.epochs
     capture_images = max(1, CAPTURE_TOKENS // model.config.num_tokens)
 
-    def capture(indices: torch.Tensor) -> torch.Tensor:
-        return source_tokens(model, source, indices, config.layer, config.prefix_tokens, capture_images, device)
+    def capture(indices: torch.Tensor, report: bool) -> Iterator[SAECaptureEvent]:
+        """The tokens of images ``indices`` (the generator's return value), a pass of images at a
+        time; with ``report`` an event after each, since nothing else moves before the first step."""
+        out = torch.empty(len(indices) * per_image, width, device=device)
+        if report:
+            yield SAECaptureEvent(images=0, total_images=len(indices))
+        for start in range(0, len(indices), capture_images):
+            piece = indices[start : start + capture_images]
+            rows = slice(start * per_image, (start + len(piece)) * per_image)
+            out[rows] = source_tokens(model, source, piece, config.layer, config.prefix_tokens, capture_images, device)
+            if report:
+                yield SAECaptureEvent(images=start + len(piece), total_images=len(indices))
+        return out
 
     with torch.random.fork_rng(devices=[]):  # the same initial dictionary on every rank; others' RNG untouched
         torch.manual_seed(config.seed)
@@ -340,7 +358,7 @@ def _train(config, stop, model, rank, world, device, started) -> Iterator[SAESte
         epoch_sums = interval = None
         for number, chunk in enumerate(order.split(chunk_images)):
             # One chunk holds the whole share: captured once, reshuffled every epoch.
-            tokens = held if held is not None else capture(chunk)  # (chunk * P, D)
+            tokens = held if held is not None else (yield from capture(chunk, report=trainer is None))  # (chunk * P, D)
             if chunk_images >= len(shard):
                 held = tokens
             if trainer is None:

@@ -26,12 +26,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..features.train import SAEDoneEvent, SAEStepEvent, SAETrainConfig, train_sae
+from ..features.train import SAECaptureEvent, SAEDoneEvent, SAEStepEvent, SAETrainConfig, train_sae
 from ..model.config import TrainConfig
 from ..model.devices import resolve_device
 from ..resources import child_python_path
 from .admission import limit_memory, memory_status
-from .pace import Pace
+from .pace import Pace, time_left
 from .priority import run_below_the_servers
 from .train import (
     DoneEvent, EpochEvent, Event, SnapshotEvent, StepEvent, TrainingError, check_run_name, checkpoint_paths,
@@ -43,7 +43,7 @@ RunConfig = TrainConfig | SAETrainConfig
 KINDS = {"vit": TrainConfig, "sae": SAETrainConfig}  # a run's kind, as its record and its process name it
 # Events-file names of the events that are not a ViT run's snapshot
 EVENT_NAMES = {StepEvent: "step", EpochEvent: "epoch", DoneEvent: "done", SAEStepEvent: "sae_step",
-               SAEDoneEvent: "sae_done"}
+               SAECaptureEvent: "sae_capture", SAEDoneEvent: "sae_done"}
 
 
 def run_kind(config: RunConfig) -> str:
@@ -304,6 +304,8 @@ class TrainingRun:
         self._done: DoneEvent | SAEDoneEvent | None = None
         self._progress = 0.0
         self._pace = Pace()  # from the first step: loading and capturing before it are no step
+        self._captured: SAECaptureEvent | None = None  # an SAE run's capture before its first step
+        self._capture_pace = Pace()
         if isinstance(config, TrainConfig) and config.resume:
             with contextlib.suppress(TrainingError, OSError):
                 self._steps, self._epochs = saved_history(checkpoint_paths(config)["checkpoint"])
@@ -409,6 +411,9 @@ class TrainingRun:
                 self._steps.append(asdict(event))
                 self._progress = event.step / event.total_steps
                 self._pace.update(self._progress)
+            elif isinstance(event, SAECaptureEvent):
+                self._captured = event
+                self._capture_pace.update(event.images / max(event.total_images, 1))
             elif isinstance(event, EpochEvent):
                 self._epochs.append(asdict(event))
             elif isinstance(event, SnapshotEvent):
@@ -554,8 +559,13 @@ class TrainingRun:
         with self._lock:
             if self._steps or self._status != "running":
                 return "training"
+            captured, seconds = self._captured, self._capture_pace.seconds_left
         if isinstance(self.config, SAETrainConfig):
-            return f"capturing layer {self.config.layer}'s tokens"
+            doing = f"capturing layer {self.config.layer}'s tokens"
+            if captured is None:
+                return doing
+            left = time_left(seconds)
+            return f"{doing}: {captured.images:,} of {captured.total_images:,} images{left and left + ' for them'}, then training"
         return "preparing its data"
 
     @property
