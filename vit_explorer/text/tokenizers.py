@@ -2,21 +2,41 @@
 Hugging Face tokenizer a model's folder brings (SigLIP's SentencePiece, SigLIP 2's Gemma).
 
 A folder's tokenizer is untrusted input like its weights: only the fast tokenizer's JSON is read
-(no pickle, no code, nothing from the network), bounded in size, and a file that is not one is a
-sentence, never a traceback.
+(no pickle, no code, nothing from the network), bounded in size; its tokenizer_config.json may
+name no other file; the tokenizer.json is first counted, built and tried in a child process with
+an address-space and a time limit (tokenizer_check.py), because the Rust parser can abort or hang
+the whole process; only then does the server read it. Anything that still fails, Rust panics
+included, is a CheckpointError sentence that names no server path.
 """
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Protocol
 
 import torch
 
-from ..weights.checks import CheckpointError
+from ..weights.checks import CheckpointError, folder_file, read_json, without_paths
 
 TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+SPECIAL_TOKENS_FILE = "special_tokens_map.json"
 # Gemma's 256,000-token vocabulary (SigLIP 2) is 34 MB of JSON; ten times that is no tokenizer.
 MAX_TOKENIZER_BYTES = 128 * 2**20
+# Counted before the Rust parser allocates them: Gemma's 262,144 pieces are the most of any real
+# tokenizer (the server then holds ~0.5 GB while it reads one this size).
+MAX_PIECES = 400_000
+MAX_MERGES = 1_000_000
+MAX_ADDED_TOKENS = 20_000
+MAX_STRINGS = 4 * (MAX_PIECES + MAX_MERGES + MAX_ADDED_TOKENS)  # counted on the bytes, before parsing
+CHILD_BYTES = 2 * 2**30  # the child's address space beyond the interpreter's own
+CHILD_SECONDS = 20
+CHECK_SCRIPT = Path(__file__).with_name("tokenizer_check.py")
+# What the child tries the tokenizer on: a label, the longest text a page embeds, odd characters.
+TRIALS = ["a photo", "a photo of " + "a tabby cat " * 24 + ".", "Ünïcödé 猫 🚀 </s> <pad> \t\n"]
 
 
 class Tokenizer(Protocol):
@@ -37,24 +57,83 @@ def folder_tokenizer(folder: Path, context_length: int, text_cfg: dict) -> Token
     text_cfg says (SigLIP: "canonicalize")."""
     from open_clip.tokenizer import HFTokenizer
 
-    path = folder / TOKENIZER_FILE
-    if not path.is_file() or path.is_symlink():
+    if not os.path.lexists(folder / TOKENIZER_FILE):
         raise CheckpointError(
             f"{folder.name} names a Hugging Face tokenizer but has no {TOKENIZER_FILE} beside its weights"
         )
+    path = folder_file(folder, TOKENIZER_FILE, TOKENIZER_FILE)
     if path.stat().st_size > MAX_TOKENIZER_BYTES:
         raise CheckpointError(f"{folder.name}'s {TOKENIZER_FILE} is over {MAX_TOKENIZER_BYTES >> 20} MB, which no tokenizer is")
     kwargs = text_cfg.get("tokenizer_kwargs") or {}
     clean = kwargs.get("clean", "whitespace") if isinstance(kwargs, dict) else "whitespace"
     if clean not in ("canonicalize", "lower", "whitespace"):
         raise CheckpointError(f"{folder.name}'s text_cfg asks for a text cleaning we do not know ({clean!r})")
+    check_side_files(folder)
+    check_in_child(path, folder.name)
     try:
         tokenizer = HFTokenizer(
             str(folder), context_length=context_length, clean=clean, local_files_only=True,
             trust_remote_code=False, use_fast=True,
         )
         tokenizer(["a photo"])  # a file that parses but cannot tokenize fails here, not on a page
-    except Exception as error:  # transformers raises anything from OSError to a Rust panic's text
-        reason = str(error).strip().splitlines()[0][:160] if str(error).strip() else type(error).__name__
+    except BaseException as error:  # transformers raises anything from OSError to a Rust panic
+        if not is_parser_failure(error):
+            raise
+        reason = without_paths((str(error).strip().splitlines() or [type(error).__name__])[0][:160], folder)
         raise CheckpointError(f"{folder.name}'s {TOKENIZER_FILE} is not a tokenizer we can read ({reason})") from None
     return tokenizer
+
+
+def is_parser_failure(error: BaseException) -> bool:
+    """Whether a parser's exception is the input's fault: any Exception, and pyo3's PanicException,
+    which is a BaseException (a Rust panic) that ``except Exception`` does not catch."""
+    return isinstance(error, Exception) or type(error).__name__ == "PanicException"
+
+
+def check_side_files(folder: Path) -> None:
+    """tokenizer_config.json and special_tokens_map.json, which transformers reads beside
+    tokenizer.json: inside the folder, JSON objects, and naming no file but tokenizer.json
+    (transformers would read a file a config names, wherever it is, in its place)."""
+    for name in (TOKENIZER_CONFIG_FILE, SPECIAL_TOKENS_FILE):
+        if not os.path.lexists(folder / name):
+            continue
+        settings = read_json(folder_file(folder, name, name), name, folder.name)
+        if not isinstance(settings, dict):
+            raise CheckpointError(f"{name} in {folder.name} is not a JSON object of settings")
+        for key, value in settings.items():
+            if not (key.endswith(("_file", "_files")) or key == "auto_map") or value in (None, [], {}):
+                continue
+            for file_name in value if isinstance(value, list) else [value]:
+                if isinstance(file_name, str):  # outside the folder: the same sentence as a shard's
+                    folder_file(folder, file_name, f"{key} in {name}")
+            if not (key == "tokenizer_file" and value == TOKENIZER_FILE):
+                raise CheckpointError(
+                    f"{name} in {folder.name} names another file to read ({key}), which we do not: only {TOKENIZER_FILE}"
+                )
+
+
+def check_in_child(path: Path, name: str) -> None:
+    """Count, build and try ``path`` (a tokenizer.json) in a child process with an address-space
+    and a time limit (tokenizer_check.py): what would crash or hang the server ends the child."""
+    limits = {
+        "pieces": MAX_PIECES, "merges": MAX_MERGES, "added tokens": MAX_ADDED_TOKENS,
+        "strings": MAX_STRINGS, "bytes": CHILD_BYTES, "seconds": CHILD_SECONDS, "trials": TRIALS,
+    }
+    environment = {"PATH": os.environ.get("PATH", ""), "TOKENIZERS_PARALLELISM": "false", "RAYON_NUM_THREADS": "1"}
+    try:
+        done = subprocess.run(
+            [sys.executable, "-I", str(CHECK_SCRIPT), str(path), json.dumps(limits)],
+            capture_output=True, text=True, timeout=2 * CHILD_SECONDS, env=environment, stdin=subprocess.DEVNULL,
+        )
+        answer = json.loads(done.stdout.splitlines()[-1]) if done.stdout.strip() else None
+    except subprocess.TimeoutExpired:
+        answer = None
+    except ValueError:
+        answer = None
+    if not isinstance(answer, dict) or "refused" not in answer:
+        raise CheckpointError(
+            f"{name}'s {TOKENIZER_FILE} could not be read within {CHILD_SECONDS} s and"
+            f" {CHILD_BYTES >> 20:,} MB, which any tokenizer is"
+        )
+    if answer["refused"]:
+        raise CheckpointError(f"{name}'s {TOKENIZER_FILE} {without_paths(str(answer['refused']), path.parent)}")

@@ -298,5 +298,29 @@ def read_json(path: Path, what: str, folder_name: str):
         )
     try:
         return json.loads(path.read_bytes())
-    except (ValueError, RecursionError, UnicodeDecodeError):  # JSONDecodeError is a ValueError
+    except (ValueError, RecursionError, MemoryError, UnicodeDecodeError):  # JSONDecodeError is a ValueError
         raise CheckpointError(f"{what} in {folder_name} is not valid JSON") from None
+
+
+def links_inside(folder: Path, limit: int = MAX_TENSORS) -> None:
+    """Refuse a folder holding a link that leads outside it (at any depth, ``limit`` entries at
+    most): a library reading the folder (transformers' tokenizer files, chat templates) opens
+    whatever it finds there, so nothing in it may lead elsewhere."""
+    seen = 0
+    for root, folders, files in os.walk(folder):
+        seen += len(folders) + len(files)
+        if seen > limit:
+            raise CheckpointError(f"{folder.name} holds over {limit:,} files, far more than a model's folder")
+        for entry in (*folders, *files):
+            path = Path(root, entry)
+            if path.is_symlink() and not Path(os.path.realpath(path)).is_relative_to(os.path.realpath(folder)):
+                raise CheckpointError(f"{path.relative_to(folder)} in {folder.name} leads outside the model folder, which is refused")
+
+
+def without_paths(message: str, folder: Path | None = None) -> str:
+    """A library's error text with the server's paths taken out: ``folder`` (as given or
+    resolved) becomes its name, any other absolute path "..."."""
+    forms = () if folder is None else {str(folder), os.path.abspath(folder), os.path.realpath(folder)}
+    for form in sorted(forms, key=len, reverse=True):
+        message = message.replace(form, folder.name)
+    return re.sub(r"(?<![\w.~-])/[^\s'\"`,;)]*", "...", message)
