@@ -84,7 +84,7 @@ def _unigram(pieces: list | bytes, **parts) -> dict | bytes:
 
 def _many_pieces(count: int, distinct: bool) -> bytes:
     """A tokenizer.json of ``count`` pieces, written as bytes (10**7 pieces: 80 MB, under the byte limit)."""
-    head = b'{"version": "1.0", "model": {"type": "Unigram", "unk_id": 0, "vocab": [["<unk>", 0.0], '
+    head = b'{"version": "1.0", "added_tokens": [], "model": {"type": "Unigram", "unk_id": 0, "vocab": [["<unk>", 0.0], '
     body = b", ".join(b'["p%d", -1.0]' % index for index in range(count)) if distinct else b'["a",0],' * (count - 1) + b'["a",0]'
     return head + body + b"]}}"
 
