@@ -146,7 +146,7 @@ def _corpus(root: Path) -> dict[str, tuple[Path, str]]:
         _write(folder, "tokenizer.json", "{}")
         _write(folder, "tokenizer_config.json", _read(folder, "tokenizer_config.json") | {key.split()[0]: value})
     shutil.copy(outside / "tokenizer.json", outside / "tokenizer.1.0.0.json")
-    folder = case("tokenizer_config fast_tokenizer_files inside", r"names another file to read \(fast_tokenizer_files\)")
+    folder = case("tokenizer_config fast_tokenizer_files inside", r"names other tokenizer files to read \(fast_tokenizer_files\)")
     shutil.copy(folder / "tokenizer.json", folder / "tokenizer.1.0.0.json")
     _write(folder, "tokenizer_config.json", _read(folder, "tokenizer_config.json") | {"fast_tokenizer_files": ["tokenizer.1.0.0.json"]})
     _write(case("tokenizer_config nested 100,000 deep", r"tokenizer_config.json in .* is not valid JSON"),
@@ -243,7 +243,11 @@ def test_the_corpus_would_load_without_its_one_hostile_change(tmp_path):
     pieces is refused in the tokenizer's child, never parsed by this process."""
     from vit_explorer.text import load_image_text_model
 
-    assert load_image_text_model(siglip_folder(tmp_path / "siglip")).scoring == "sigmoid"
+    siglip = siglip_folder(tmp_path / "siglip")
+    # What published tokenizer configs hold and transformers does not open: kept, not refused.
+    legacy = {"special_tokens_map_file": "/home/author/.cache/special_tokens_map.json", "name_or_path": "/home/author/m"}
+    _write(siglip, "tokenizer_config.json", _read(siglip, "tokenizer_config.json") | legacy | {"tokenizer_file": "tokenizer.json"})
+    assert load_image_text_model(siglip).scoring == "sigmoid"
     clip = tmp_path / "clip"
     open_clip_folder(clip, SMALL_CLIP)
     assert load_image_text_model(clip).scoring == "softmax"

@@ -35,6 +35,8 @@ MAX_STRINGS = 4 * (MAX_PIECES + MAX_MERGES + MAX_ADDED_TOKENS)  # counted on the
 CHILD_BYTES = 2 * 2**30  # the child's address space beyond the interpreter's own
 CHILD_SECONDS = 20
 CHECK_SCRIPT = Path(__file__).with_name("tokenizer_check.py")
+# The files a tokenizer config may name for transformers to open (its older names included).
+_NAMED_FILES = ("tokenizer_file", "vocab_file", "merges_file", "spm_file", "added_tokens_file", "chat_template_file")
 # What the child tries the tokenizer on: a label, the longest text a page embeds, odd characters.
 TRIALS = ["a photo", "a photo of " + "a tabby cat " * 24 + ".", "Ünïcödé 猫 🚀 </s> <pad> \t\n"]
 
@@ -92,24 +94,24 @@ def is_parser_failure(error: BaseException) -> bool:
 
 def check_side_files(folder: Path) -> None:
     """tokenizer_config.json and special_tokens_map.json, which transformers reads beside
-    tokenizer.json: inside the folder, JSON objects, and naming no file but tokenizer.json
-    (transformers would read a file a config names, wherever it is, in its place)."""
+    tokenizer.json: inside the folder, JSON objects, every file they name inside the folder, and
+    no other tokenizer file named (transformers reads fast_tokenizer_files' in place of ours)."""
     for name in (TOKENIZER_CONFIG_FILE, SPECIAL_TOKENS_FILE):
         if not os.path.lexists(folder / name):
             continue
         settings = read_json(folder_file(folder, name, name), name, folder.name)
         if not isinstance(settings, dict):
             raise CheckpointError(f"{name} in {folder.name} is not a JSON object of settings")
-        for key, value in settings.items():
-            if not (key.endswith(("_file", "_files")) or key == "auto_map") or value in (None, [], {}):
-                continue
+        for key in (*_NAMED_FILES, "fast_tokenizer_files"):
+            value = settings.get(key)
             for file_name in value if isinstance(value, list) else [value]:
-                if isinstance(file_name, str):  # outside the folder: the same sentence as a shard's
-                    folder_file(folder, file_name, f"{key} in {name}")
-            if not (key == "tokenizer_file" and value == TOKENIZER_FILE):
-                raise CheckpointError(
-                    f"{name} in {folder.name} names another file to read ({key}), which we do not: only {TOKENIZER_FILE}"
-                )
+                if file_name is not None:  # outside the folder: the same sentence as a shard's
+                    folder_file(folder, file_name, f"{key} in {name}", must_exist=False)
+        if settings.get("fast_tokenizer_files"):
+            raise CheckpointError(
+                f"{name} in {folder.name} names other tokenizer files to read (fast_tokenizer_files), which we do not:"
+                f" only {TOKENIZER_FILE}"
+            )
 
 
 def check_in_child(path: Path, name: str) -> None:

@@ -267,10 +267,11 @@ def _unwrap(loaded: object, name: str) -> dict[str, torch.Tensor]:
 # ----------------------------------------------------------------------------- model folders
 
 
-def folder_file(folder: Path, relative, what: str) -> Path:
+def folder_file(folder: Path, relative, what: str, must_exist: bool = True) -> Path:
     """The file ``relative`` names inside ``folder``; refused if it leads outside the folder
     (``..``, an absolute path, a symlink out), before anything there is opened, and in the same
-    words whether or not such a file exists, so that an upload cannot probe the server's disk."""
+    words whether or not such a file exists, so that an upload cannot probe the server's disk;
+    ``must_exist``: also refused if it is not a file there."""
     outside = CheckpointError(
         f"{what} in {folder.name} leads outside the model folder, which is refused"
     )
@@ -283,7 +284,7 @@ def folder_file(folder: Path, relative, what: str) -> Path:
     target = Path(os.path.realpath(folder / relative))
     if not target.is_relative_to(inside):
         raise outside
-    if not target.is_file():
+    if must_exist and not target.is_file():
         raise CheckpointError(
             f"{what} in {folder.name} is {_brief(relative)}, which is not a file in the folder"
         )
