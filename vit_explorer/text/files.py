@@ -11,8 +11,10 @@ nothing.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import os
 import re
 from pathlib import Path
 
@@ -23,7 +25,7 @@ from ..model.vit import ViT
 from ..weights import from_huggingface, from_huggingface_text, from_open_clip
 from ..weights import load_model
 from ..weights.checks import MAX_BLOCKS, CheckpointError, links_inside, read_tensors, without_paths
-from .tokenizers import MAX_PIECES, TOKENIZER_FILE, clip_tokenizer, folder_tokenizer
+from .tokenizers import MAX_PIECES, TOKENIZER_FILE, TokenizerCheck, clip_tokenizer, folder_tokenizer, tokenizer_path
 from .towers import ImageTextModel
 
 MAX_CONTEXT_LENGTH = 512
@@ -61,39 +63,45 @@ def load_image_text_model(folder: str | Path, image: ViT | None = None) -> Image
 def _from_open_clip(folder: Path, image: ViT | None) -> ImageTextModel:
     config = from_open_clip.read_config(folder)
     model_cfg = config["model_cfg"]
-    if image is None:
-        state, _ = read_tensors(from_open_clip.weights_path(folder))
-        image = load_model(folder)
-        _, projection = from_open_clip.image_tower(state, folder.name)
-    else:  # the image tower is loaded (and its file checked): the rest of the file only
-        state = from_open_clip.read_text_tensors(from_open_clip.weights_path(folder))
-        projection = from_open_clip.projection(state)
     text_cfg = _open_clip_text_cfg(model_cfg, folder.name)
-    weights = from_open_clip.text_tower(state, bool(model_cfg.get("custom_text")))
-    text = _text_tower(weights, text_cfg, model_cfg.get("embed_dim"), bool(model_cfg.get("quick_gelu")), folder.name)
-    if text_cfg.get("hf_tokenizer_name"):
-        tokenizer = folder_tokenizer(folder, text_cfg["context_length"], text_cfg)
-    else:
-        tokenizer = clip_tokenizer(text_cfg["context_length"])
+    with _tokenizer_check(folder, bool(text_cfg.get("hf_tokenizer_name"))) as check:
+        if image is None:
+            state, _ = read_tensors(from_open_clip.weights_path(folder))
+            image = load_model(folder)
+            _, projection = from_open_clip.image_tower(state, folder.name)
+        else:  # the image tower is loaded (and its file checked): the rest of the file only
+            state = from_open_clip.read_text_tensors(from_open_clip.weights_path(folder))
+            projection = from_open_clip.projection(state)
+        weights = from_open_clip.text_tower(state, bool(model_cfg.get("custom_text")))
+        text = _text_tower(weights, text_cfg, model_cfg.get("embed_dim"), bool(model_cfg.get("quick_gelu")), folder.name)
+        if check is not None:
+            tokenizer = folder_tokenizer(folder, text_cfg["context_length"], text_cfg, check)
+        else:
+            tokenizer = clip_tokenizer(text_cfg["context_length"])
     return _image_text_model(folder.name, state, image, projection, text, tokenizer, text_cfg["context_length"])
 
 
 def _from_huggingface(folder: Path, image: ViT | None) -> ImageTextModel:
     hf_config = from_huggingface.read_config(folder, folder.name)
     text_cfg, embed_dim, quick_gelu = from_huggingface_text.text_settings(hf_config, folder.name)
-    state = from_huggingface.read_weights(folder)
-    if image is None:
-        image = load_model(folder)
-    projection = from_huggingface_text.image_projection(state, folder.name)
-    text = _text_tower(from_huggingface_text.text_tower(state, folder.name), text_cfg, embed_dim, quick_gelu, folder.name)
-    context_length = text_cfg["context_length"]
-    if not (folder / TOKENIZER_FILE).exists() and hf_config["model_type"] == "clip" \
-            and text_cfg["vocab_size"] == CLIP_VOCAB_SIZE:
-        # A CLIP folder with only the slow tokenizer's files: the same byte-pair encoding.
-        tokenizer = clip_tokenizer(context_length)
-    else:
-        tokenizer = folder_tokenizer(folder, context_length, text_cfg)
+    # A CLIP folder with only the slow tokenizer's files: the same byte-pair encoding as open_clip's.
+    slow_clip = not os.path.lexists(folder / TOKENIZER_FILE) and hf_config["model_type"] == "clip" \
+        and text_cfg["vocab_size"] == CLIP_VOCAB_SIZE
+    with _tokenizer_check(folder, not slow_clip) as check:
+        state = from_huggingface.read_weights(folder)
+        if image is None:
+            image = load_model(folder)
+        projection = from_huggingface_text.image_projection(state, folder.name)
+        text = _text_tower(from_huggingface_text.text_tower(state, folder.name), text_cfg, embed_dim, quick_gelu, folder.name)
+        context_length = text_cfg["context_length"]
+        tokenizer = clip_tokenizer(context_length) if check is None else folder_tokenizer(folder, context_length, text_cfg, check)
     return _image_text_model(folder.name, state, image, projection, text, tokenizer, context_length)
+
+
+def _tokenizer_check(folder: Path, wanted: bool) -> TokenizerCheck | contextlib.nullcontext:
+    """The folder's tokenizer.json checked in its child process from now on, beside the weights'
+    reading (it costs the load little more than the longer of the two); None when not ``wanted``."""
+    return TokenizerCheck(tokenizer_path(folder), folder.name) if wanted else contextlib.nullcontext()
 
 
 def _image_text_model(name, state, image, projection, text, tokenizer, context_length) -> ImageTextModel:

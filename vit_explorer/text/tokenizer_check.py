@@ -4,9 +4,9 @@ standard library only, never torch: a tenth of a second).
 
 Hugging Face's tokenizers parse in Rust: ten million short pieces end the whole process in the
 allocator's abort, a malformed normaliser or template in a panic, a backtracking pattern in a
-hang. Here the pieces are counted first (the JSON parsed by Python, the model not yet built), then
-the tokenizer built and tried on a few texts, under an address-space and a CPU-time limit: a
-crash, a hang or a refusal ends this process only. One JSON line on stdout says what was found:
+hang. Here the strings are counted on the bytes first (an upper bound on the pieces and merges),
+then the tokenizer built, its pieces counted and tried on a few texts, under an address-space and
+a CPU-time limit: a crash, a hang or a refusal ends this process only. One JSON line on stdout says what was found:
 {"refused": a sentence or null}.
 
     python tokenizer_check.py TOKENIZER_JSON LIMITS_JSON
@@ -21,40 +21,31 @@ def _refuse(sentence: str) -> None:
     sys.exit(0)
 
 
-def _count(pieces) -> int:
-    return len(pieces) if isinstance(pieces, (dict, list)) else 0
-
-
 def check(path: str, limits: dict) -> None:
     with open(path, "rb") as file:
         text = file.read()
-    # An upper bound on the strings it holds, before Python's parser makes an object of each.
+    # An upper bound on the pieces, merges and tokens it holds (each one string at least), counted
+    # on the bytes before any parser allocates them.
     strings = (text.count(b'"') - text.count(b'\\"')) // 2
     if strings > limits["strings"]:
         _refuse(f"holds {strings:,} strings, more than any tokenizer we read ({limits['strings']:,})")
-    try:
-        content = json.loads(text)
-    except (ValueError, RecursionError):
-        _refuse("is not a tokenizer we can read (it is not JSON)")
-    model = content.get("model") if isinstance(content, dict) else None
-    if not isinstance(model, dict):
-        _refuse("is not a tokenizer we can read (it has no model)")
-    counts = {
-        "pieces": _count(model.get("vocab")), "merges": _count(model.get("merges")),
-        "added tokens": _count(content.get("added_tokens")),
-    }
-    for what, count in counts.items():
-        if count > limits[what]:
-            _refuse(f"holds {count:,} {what}, more than any tokenizer we read ({limits[what]:,})")
-    del content, model
     from tokenizers import Tokenizer
 
     try:
         tokenizer = Tokenizer.from_str(text.decode("utf-8"))
         del text
+        counts = {
+            "pieces": tokenizer.get_vocab_size(with_added_tokens=False),
+            "added tokens": len(tokenizer.get_added_tokens_decoder()),
+        }
+        for what, count in counts.items():
+            if count > limits[what]:
+                _refuse(f"holds {count:,} {what}, more than any tokenizer we read ({limits[what]:,})")
         for trial in limits["trials"]:
             tokenizer.encode(trial)
     except BaseException as error:  # a Rust panic (pyo3's PanicException) is a BaseException
+        if isinstance(error, SystemExit):
+            raise
         reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:160]
         _refuse(f"is not a tokenizer we can read ({reason})")
     print(json.dumps({"refused": None}), flush=True)
