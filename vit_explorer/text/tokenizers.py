@@ -40,8 +40,9 @@ CHILD_SECONDS = 20
 CHECK_SCRIPT = Path(__file__).with_name("tokenizer_check.py")
 # The files a tokenizer config may name for transformers to open (its older names included).
 _NAMED_FILES = ("tokenizer_file", "vocab_file", "merges_file", "spm_file", "added_tokens_file", "chat_template_file")
-# What the child tries the tokenizer on: a label, the longest text a page embeds, odd characters.
-TRIALS = ["a photo", "a photo of " + "a tabby cat " * 24 + ".", "Ünïcödé 猫 🚀 </s> <pad> \t\n"]
+# What the child tries the tokenizer on: a label, the longest text a page embeds, odd characters,
+# a run a backtracking pattern could stall on.
+TRIALS = ["a photo", "a photo of " + "a tabby cat " * 24 + ".", "Ünïcödé 猫 🚀 </s> <pad> \t\n", "a" * 288 + "!"]
 
 
 class Tokenizer(Protocol):
