@@ -5,9 +5,11 @@ transformers CLIPModel / SiglipModel folder (vit_explorer.weights.from_huggingfa
 The image tower is read as every checkpoint is (``load_model``: renamed to ours, its config
 inferred from the shapes, the publisher's normalisation); the text tower is open_clip's own
 TextTransformer made from the folder's text_cfg (a Hugging Face config.json's text_config
-translated into one), first on the meta device, so that a config that claims more than the
-file holds, or a text tower whose embedding does not meet the image's, is a sentence and costs
-nothing.
+translated into one), its sizes bounded and its layers compared with the file's first, then made
+on the meta device, so that a config that claims more than the file holds, or a text tower whose
+embedding does not meet the image's, is a sentence and costs nothing. Nothing outside the folder
+is read (no link out of it), and its tokenizer.json is checked in a child process beside the
+weights' reading (tokenizers.TokenizerCheck).
 """
 from __future__ import annotations
 
