@@ -289,7 +289,7 @@ if in_words is not None:
         **session.keep("word_prompts", word_maps.DEFAULT_PROMPTS),
     )
     try:
-        prompts, left_out = word_maps.read_prompts(prompts_text)
+        prompts, left_out = word_maps.read_prompts(prompts_text, selection.model_key)
     except LabelError as error:
         st.warning(f"Those prompts cannot be mapped: {error}.")
         prompts, left_out = (), None

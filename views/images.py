@@ -231,7 +231,7 @@ if in_words is not None:
         **session.keep("word_set_prompt", word_maps.DEFAULT_PROMPTS.split(",")[0]),
     )
     try:
-        (prompt,) = word_maps.read_prompts(prompt_text.replace(",", " "))[0]  # one prompt, commas and all
+        (prompt,) = word_maps.read_prompts(prompt_text.replace(",", " "), selection.model_key)[0]  # one prompt, commas and all
     except LabelError as error:
         st.warning(f"That prompt cannot be mapped: {error}.")
     else:

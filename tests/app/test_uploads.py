@@ -198,7 +198,7 @@ def test_an_open_clip_folder_is_kept_as_a_folder_and_selected_with_both_towers(t
 
 @pytest.mark.parametrize("kind, expected", [
     ("open_clip folder whose tokenizer is not one", "Could not load that model: the upload's tokenizer.json is not a tokenizer we can read"),
-    ("open_clip folder whose text tower does not fit", "Could not load that model: the upload's text tower does not fit its text_cfg (missing: transformer.resblocks.2."),
+    ("open_clip folder whose text tower does not fit", "Could not load that model: the upload's text_cfg says 3 layers, but its file holds 2."),
     ("open_clip folder without its weights", "An open_clip model needs its open_clip_model.safetensors beside its open_clip_config.json."),
     ("open_clip folder with another file", "An open_clip model's upload takes open_clip_config.json, open_clip_model.safetensors and its"
                                            " tokenizer's files (tokenizer.json, tokenizer_config.json, special_tokens_map.json), not pytorch_model.bin."),
@@ -319,3 +319,32 @@ def test_a_checkpoint_removed_by_the_quota_says_so_and_leaves_the_picker(monkeyp
     models.shared_models().clear()  # out of the model cache too: nothing asks for it any more
     app.run()
     assert not app.exception and errors(app) == [] and len(app.sidebar.warning) == 0
+
+
+@pytest.mark.parametrize("hostile", ["a tokenizer that panics", "a tokenizer config naming a file outside"])
+def test_a_hostile_open_clip_upload_is_one_sentence_and_every_other_session_renders(tmp_path, hostile):
+    """What the words side reads of an upload (tests/text/test_hostile_words.py has the corpus):
+    refused in a sentence that names no server path, and the other sessions' pages render."""
+    folder = open_clip_upload(tmp_path, "siglip")
+    if hostile == "a tokenizer that panics":  # pyo3's PanicException, a BaseException
+        tokenizer = json.loads((folder / "tokenizer.json").read_text())
+        tokenizer["normalizer"] = {"type": "Precompiled", "precompiled_charsmap": "AAAAAP8AAAA="}
+        (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
+    else:  # the folder's own tokenizer.json a 2-byte stub, transformers sent elsewhere
+        (folder / "tokenizer.json").write_text("{}")
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+        (folder / "tokenizer_config.json").write_text(json.dumps(config | {"fast_tokenizer_files": ["/etc/hostname"]}))
+    other = open_app("views/attention.py")
+    assert not other.exception and errors(other) == []
+    app = open_app("views/attention.py")
+    uploader(app, "checkpoint_upload").set_value(folder_files(folder)).run()
+    assert not app.exception
+    (error,) = errors(app)
+    assert error.startswith("Could not load that model: the upload's tokenizer") or "leads outside" in error, error
+    assert "\n" not in error and str(uploads.UPLOADS_DIR) not in error and "/etc" not in error, error
+    assert app.session_state["model_key"] == "default"
+    for page in ("views/pipeline.py", "views/attention.py"):
+        other.switch_page(page).run()
+        assert not other.exception and errors(other) == []
+    app.run()
+    assert not app.exception

@@ -123,9 +123,13 @@ def test_a_text_tower_that_does_not_fit_its_image_tower_is_a_sentence(tmp_path):
 def test_a_config_claiming_more_than_the_file_holds_allocates_nothing(tmp_path):
     folder = _small(tmp_path, "siglip")
     config = json.loads((folder / "config.json").read_text())
-    config["text_config"]["vocab_size"] = 10**9  # 256 GB of embedding if it were built
+    config["text_config"]["vocab_size"] = 300_000  # more than the file holds
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="text tower does not fit its text_cfg.*token_embedding"):
+        load_image_text_model(folder)
+    config["text_config"]["vocab_size"] = 10**9  # 256 GB of embedding if it were built
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="text_cfg vocab_size must be a whole number from 1 to 400,000"):
         load_image_text_model(folder)
     config["text_config"]["hidden_act"] = "relu"
     (folder / "config.json").write_text(json.dumps(config))

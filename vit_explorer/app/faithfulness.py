@@ -64,9 +64,11 @@ def _top_label(selection: Selection) -> tuple[tuple[str, ...] | None, int, str, 
     labels = words.session_labels()
     if not words.embeddings_kept(selection.model_key, labels):
         return None
-    said = words.prediction(selection)
+    said = words.prediction(selection)  # None too when this model cannot read the labels
+    if said is None:
+        return None
     texts = words.label_embeddings(selection.model_key, labels)
-    if said is None or texts is None:
+    if texts is None:
         return None
     top = int(said.scores.argmax())
     return labels, top, said.labels[top], texts[top]

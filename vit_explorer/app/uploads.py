@@ -19,6 +19,7 @@ from streamlit.runtime.scriptrunner import get_script_run_ctx
 from ..data.images import load_image
 from ..serving.cache import trim_to_quota
 from ..text import load_image_text_model
+from ..text.tokenizers import is_parser_failure
 from ..weights import catalogue, from_open_clip
 from . import models
 
@@ -176,7 +177,11 @@ def _loading_problem(model_key: str, names: Sequence[str], text: bool = False) -
         if text:  # the loaders name a folder by its name: here the upload's digest, which says nothing
             return f"Could not load that model: {str(error).replace(Path(model_key).name, 'the upload')}."
         return f"Could not load that model: {error}."
-    except Exception:  # a hostile file may break a loader anywhere: the page must not break with it
+    except BaseException as error:
+        # A hostile file may break a loader anywhere, a Rust panic (a BaseException) too: the page
+        # must not break with it; Streamlit's own control flow (a rerun, a stop) goes on.
+        if not is_parser_failure(error):
+            raise
         return f"Could not load {', '.join(names)}: it is not a checkpoint this app can read."
     return None
 

@@ -40,13 +40,16 @@ def model_for(selection: Selection) -> ImageTextModel | None:
     return replace(model, image=selection.model)
 
 
-def read_prompts(text: str) -> tuple[tuple[str, ...], str | None]:
-    """The prompts typed ("a cat, a dog, a rocket"), checked (text.LabelError: one sentence), the
-    first MAX_PROMPTS of them; and a sentence when some were left out, else None."""
+def read_prompts(text: str, model_key: str) -> tuple[tuple[str, ...], str | None]:
+    """The prompts typed ("a cat, a dog, a rocket"), checked (text.LabelError: one sentence, also
+    when ``model_key``'s tokenizer cannot read them: they are embedded here, once for everybody),
+    the first MAX_PROMPTS of them; and a sentence when some were left out, else None."""
     prompts = tuple(parse_labels(text))
-    if len(prompts) <= MAX_PROMPTS:
-        return prompts, None
-    return prompts[:MAX_PROMPTS], f"The first {MAX_PROMPTS} of your {len(prompts)} prompts are mapped."
+    left_out = None
+    if len(prompts) > MAX_PROMPTS:
+        prompts, left_out = prompts[:MAX_PROMPTS], f"The first {MAX_PROMPTS} of your {len(prompts)} prompts are mapped."
+    words.label_embeddings(model_key, prompts)  # as the maps ask for them (memoised)
+    return prompts, left_out
 
 
 def best_prompt_caveats(selection: Selection, similarities: np.ndarray, prompts: tuple[str, ...]) -> list[str]:

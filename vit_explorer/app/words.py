@@ -152,6 +152,15 @@ def _labels_typed() -> None:
         state[LABELS_MERGED] = f"{names} {'was' if one else 'were'} typed more than once and {'is' if one else 'are'} scored once."
 
 
+def _labels_not_read(error: LabelError) -> None:
+    """Labels taken but that this model cannot embed: back to ImageNet's classes, and the sentence
+    why beside the labels box (now, and on the next runs until other labels are typed)."""
+    state = st.session_state
+    state[LABELS_ERROR] = f"This model could not read your labels: {error}; the prediction is over ImageNet's classes."
+    state[LABELS], state[LABELS_TEXT] = None, ""
+    st.sidebar.error(state[LABELS_ERROR])
+
+
 def labels_box(model_key: str) -> None:
     """The sidebar's "Labels" text box, for a model with a text tower only (or the sentence saying
     why its text tower does not load); empty means ImageNet's classes."""
@@ -300,7 +309,11 @@ def prediction(selection: Selection, knock_out: KnockOut | None = None) -> zero_
     if model is None:
         return None
     labels = session_labels()
-    texts = label_embeddings(selection.model_key, labels)
+    try:
+        texts = label_embeddings(selection.model_key, labels)
+    except LabelError as error:  # labels this model's tokenizer cannot read: said beside the box
+        _labels_not_read(error)
+        return None
     if texts is None:
         return None
     if knock_out is not None and knock_out.is_empty:

@@ -343,10 +343,10 @@ def _has_text_tower(weights: str) -> bool:
 def _inspect_texts(given: list[str], weights: str) -> list[str]:
     """The texts of --text, each stripped and kept once, checked (one sentence for none, too many
     or too long), for a model folder that has a text tower (else one sentence)."""
-    from ..text.towers import check_labels
+    from ..text.towers import LABEL_TEMPLATE, check_labels
 
     texts = list(dict.fromkeys(text.strip() for text in given if text.strip()))
-    check_labels(texts)
+    check_labels(texts, LABEL_TEMPLATE)  # each is embedded as a label is
     if not _has_text_tower(weights):
         raise ValueError(
             f"--text needs a model with a text tower (a CLIP or SigLIP folder as open_clip writes it, with"

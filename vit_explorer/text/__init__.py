@@ -1,6 +1,7 @@
 """What the model says in words: CLIP's and SigLIP's text towers beside our image tower.
 
     tokenizers.py   CLIP's BPE (inside open_clip) or a folder's Hugging Face tokenizer, checked
+    tokenizer_check.py  a tokenizer.json counted, built and tried in a capped child process
     towers.py       ImageTextModel: both towers, the image and text embeddings, the score
     files.py        both towers from an open_clip folder or a Hugging Face CLIP / SigLIP folder,
                     checked before anything is allocated

@@ -5,27 +5,39 @@ transformers CLIPModel / SiglipModel folder (vit_explorer.weights.from_huggingfa
 The image tower is read as every checkpoint is (``load_model``: renamed to ours, its config
 inferred from the shapes, the publisher's normalisation); the text tower is open_clip's own
 TextTransformer made from the folder's text_cfg (a Hugging Face config.json's text_config
-translated into one), first on the meta device, so that a config that claims more than the
-file holds, or a text tower whose embedding does not meet the image's, is a sentence and costs
-nothing.
+translated into one), its sizes bounded and its layers compared with the file's first, then made
+on the meta device, so that a config that claims more than the file holds, or a text tower whose
+embedding does not meet the image's, is a sentence and costs nothing. Nothing outside the folder
+is read (no link out of it), and its tokenizer.json is checked in a child process beside the
+weights' reading (tokenizers.TokenizerCheck).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import os
+import re
 from pathlib import Path
 
 import torch
 
+from ..model.config import _brief
 from ..model.vit import ViT
 from ..weights import from_huggingface, from_huggingface_text, from_open_clip
 from ..weights import load_model
-from ..weights.checks import CheckpointError, read_tensors
-from .tokenizers import TOKENIZER_FILE, clip_tokenizer, folder_tokenizer
+from ..weights.checks import MAX_BLOCKS, CheckpointError, links_inside, read_tensors, without_paths
+from .tokenizers import MAX_PIECES, TOKENIZER_FILE, TokenizerCheck, clip_tokenizer, folder_tokenizer, tokenizer_path
 from .towers import ImageTextModel
 
 MAX_CONTEXT_LENGTH = 512
 CLIP_VOCAB_SIZE = 49408  # OpenAI's byte-pair vocabulary, which open_clip ships
+# Bounds on a text_cfg, checked before open_clip makes its tower (even on the meta device each
+# layer costs milliseconds): far above the largest published (bigG: 32 layers, 1280 wide, 20 heads).
+MAX_TEXT_WIDTH = 8192
+MAX_MLP_RATIO = 16
+MAX_VOCAB = MAX_PIECES
+_BLOCK = re.compile(r"^transformer\.resblocks\.(\d+)\.")
 
 
 def is_image_text_folder(path: str | Path) -> bool:
@@ -38,6 +50,8 @@ def load_image_text_model(folder: str | Path, image: ViT | None = None) -> Image
     """Both towers of the open_clip or Hugging Face folder ``folder``; ``image``: its image tower
     when the caller has it already (the app's shared model), else read from the folder."""
     folder = Path(folder)
+    if folder.is_dir():
+        links_inside(folder)  # transformers reads what it finds in the folder: nothing may lead out
     if from_open_clip.is_folder(folder):
         return _from_open_clip(folder, image)
     if from_huggingface_text.is_folder(folder):
@@ -51,39 +65,45 @@ def load_image_text_model(folder: str | Path, image: ViT | None = None) -> Image
 def _from_open_clip(folder: Path, image: ViT | None) -> ImageTextModel:
     config = from_open_clip.read_config(folder)
     model_cfg = config["model_cfg"]
-    if image is None:
-        state, _ = read_tensors(folder / from_open_clip.WEIGHTS_FILE)
-        image = load_model(folder)
-        _, projection = from_open_clip.image_tower(state, folder.name)
-    else:  # the image tower is loaded (and its file checked): the rest of the file only
-        state = from_open_clip.read_text_tensors(folder / from_open_clip.WEIGHTS_FILE)
-        projection = from_open_clip.projection(state)
     text_cfg = _open_clip_text_cfg(model_cfg, folder.name)
-    weights = from_open_clip.text_tower(state, bool(model_cfg.get("custom_text")))
-    text = _text_tower(weights, text_cfg, model_cfg.get("embed_dim"), bool(model_cfg.get("quick_gelu")), folder.name)
-    if text_cfg.get("hf_tokenizer_name"):
-        tokenizer = folder_tokenizer(folder, text_cfg["context_length"], text_cfg)
-    else:
-        tokenizer = clip_tokenizer(text_cfg["context_length"])
+    with _tokenizer_check(folder, bool(text_cfg.get("hf_tokenizer_name"))) as check:
+        if image is None:
+            state, _ = read_tensors(from_open_clip.weights_path(folder))
+            image = load_model(folder)
+            _, projection = from_open_clip.image_tower(state, folder.name)
+        else:  # the image tower is loaded (and its file checked): the rest of the file only
+            state = from_open_clip.read_text_tensors(from_open_clip.weights_path(folder))
+            projection = from_open_clip.projection(state)
+        weights = from_open_clip.text_tower(state, bool(model_cfg.get("custom_text")))
+        text = _text_tower(weights, text_cfg, model_cfg.get("embed_dim"), bool(model_cfg.get("quick_gelu")), folder.name)
+        if check is not None:
+            tokenizer = folder_tokenizer(folder, text_cfg["context_length"], text_cfg, check)
+        else:
+            tokenizer = clip_tokenizer(text_cfg["context_length"])
     return _image_text_model(folder.name, state, image, projection, text, tokenizer, text_cfg["context_length"])
 
 
 def _from_huggingface(folder: Path, image: ViT | None) -> ImageTextModel:
     hf_config = from_huggingface.read_config(folder, folder.name)
     text_cfg, embed_dim, quick_gelu = from_huggingface_text.text_settings(hf_config, folder.name)
-    state = from_huggingface.read_weights(folder)
-    if image is None:
-        image = load_model(folder)
-    projection = from_huggingface_text.image_projection(state, folder.name)
-    text = _text_tower(from_huggingface_text.text_tower(state, folder.name), text_cfg, embed_dim, quick_gelu, folder.name)
-    context_length = text_cfg["context_length"]
-    if not (folder / TOKENIZER_FILE).exists() and hf_config["model_type"] == "clip" \
-            and text_cfg["vocab_size"] == CLIP_VOCAB_SIZE:
-        # A CLIP folder with only the slow tokenizer's files: the same byte-pair encoding.
-        tokenizer = clip_tokenizer(context_length)
-    else:
-        tokenizer = folder_tokenizer(folder, context_length, text_cfg)
+    # A CLIP folder with only the slow tokenizer's files: the same byte-pair encoding as open_clip's.
+    slow_clip = not os.path.lexists(folder / TOKENIZER_FILE) and hf_config["model_type"] == "clip" \
+        and text_cfg["vocab_size"] == CLIP_VOCAB_SIZE
+    with _tokenizer_check(folder, not slow_clip) as check:
+        state = from_huggingface.read_weights(folder)
+        if image is None:
+            image = load_model(folder)
+        projection = from_huggingface_text.image_projection(state, folder.name)
+        text = _text_tower(from_huggingface_text.text_tower(state, folder.name), text_cfg, embed_dim, quick_gelu, folder.name)
+        context_length = text_cfg["context_length"]
+        tokenizer = clip_tokenizer(context_length) if check is None else folder_tokenizer(folder, context_length, text_cfg, check)
     return _image_text_model(folder.name, state, image, projection, text, tokenizer, context_length)
+
+
+def _tokenizer_check(folder: Path, wanted: bool) -> TokenizerCheck | contextlib.nullcontext:
+    """The folder's tokenizer.json checked in its child process from now on, beside the weights'
+    reading (it costs the load little more than the longer of the two); None when not ``wanted``."""
+    return TokenizerCheck(tokenizer_path(folder), folder.name) if wanted else contextlib.nullcontext()
 
 
 def _image_text_model(name, state, image, projection, text, tokenizer, context_length) -> ImageTextModel:
@@ -134,11 +154,13 @@ def _text_tower(
     and compared with them first, so that a config claiming more than the file holds costs nothing."""
     from open_clip.model import _build_text_tower  # open_clip's own factory
 
+    _check_text_size(weights, text_cfg, embed_dim, name)
     try:
         with torch.device("meta"):
             skeleton = _build_text_tower(embed_dim, text_cfg, quick_gelu=quick_gelu)
-    except (TypeError, ValueError, AssertionError, RuntimeError) as error:
-        raise CheckpointError(f"{name}'s text_cfg does not describe a text tower open_clip can make ({error})") from None
+    except Exception as error:  # open_clip's asserts, a TypeError of an odd setting, ...
+        reason = without_paths((str(error).strip().splitlines() or [type(error).__name__])[0][:160])
+        raise CheckpointError(f"{name}'s text_cfg does not describe a text tower open_clip can make ({reason})") from None
     expected = {key: tuple(value.shape) for key, value in skeleton.state_dict().items()}
     found = {key: tuple(value.shape) for key, value in weights.items()}
     missing = sorted(set(expected) - set(found))
@@ -160,6 +182,31 @@ def _text_tower(
     if any(tensor.is_meta for tensor in (*skeleton.parameters(), *skeleton.buffers())):
         raise CheckpointError(f"{name}'s text tower has tensors its file does not give")
     return skeleton.eval().requires_grad_(False)
+
+
+def _check_text_size(weights: dict[str, torch.Tensor], text_cfg: dict, embed_dim, name: str) -> None:
+    """The sizes a text_cfg claims, bounded, and its layers those the file holds, before open_clip
+    makes anything (10**6 layers would take half an hour on the meta device)."""
+
+    def whole(value) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+    bounds = {
+        "layers": MAX_BLOCKS, "width": MAX_TEXT_WIDTH, "heads": MAX_TEXT_WIDTH, "vocab_size": MAX_VOCAB,
+    }
+    for key, bound in bounds.items():
+        value = text_cfg.get(key)
+        if value is not None and not (whole(value) and value <= bound):
+            raise CheckpointError(f"{name}'s text_cfg {key} must be a whole number from 1 to {bound:,}, not {_brief(value)}")
+    if not (whole(embed_dim) and embed_dim <= MAX_TEXT_WIDTH):
+        raise CheckpointError(f"{name}'s embed_dim must be a whole number from 1 to {MAX_TEXT_WIDTH:,}, not {_brief(embed_dim)}")
+    ratio = text_cfg.get("mlp_ratio", 4.0)
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= MAX_MLP_RATIO:
+        raise CheckpointError(f"{name}'s text_cfg mlp_ratio must be a number above 0 and at most {MAX_MLP_RATIO}, not {_brief(ratio)}")
+    blocks = {int(found.group(1)) for key in weights if (found := _BLOCK.match(key))}
+    layers = text_cfg.get("layers", 12)  # open_clip's CLIPTextCfg default
+    if blocks != set(range(layers)):
+        raise CheckpointError(f"{name}'s text_cfg says {layers} layers, but its file holds {len(blocks)}")
 
 
 def _scalar(state: dict[str, torch.Tensor], key: str, name: str, exp: bool = False) -> float:

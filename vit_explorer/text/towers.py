@@ -15,11 +15,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..model.vit import ViT
-from .tokenizers import Tokenizer
+from .tokenizers import Tokenizer, is_parser_failure
 
-# What one ask may hold: a class's labels fit, a pasted book does not.
+# What one ask may hold: a class's labels fit, a pasted book does not. One limit, on the text that
+# is embedded: a typed label is read as LABEL_TEMPLATE, so it may hold that much less.
 MAX_LABELS = 1000
-MAX_LABEL_CHARACTERS = 300
+MAX_TEXT_CHARACTERS = 300
+LABEL_TEMPLATE = "a photo of {}."
+MAX_LABEL_CHARACTERS = MAX_TEXT_CHARACTERS - len(LABEL_TEMPLATE.format(""))
 TEXT_BATCH = 64
 
 
@@ -28,27 +31,27 @@ class LabelError(ValueError):
 
 
 def parse_labels(text: str) -> list[str]:
-    """"cat, dog, rocket" (commas or new lines) -> ["cat", "dog", "rocket"], checked; duplicates
-    are kept once, in their first place."""
+    """"cat, dog, rocket" (commas or new lines) -> ["cat", "dog", "rocket"], checked as they will
+    be embedded (LABEL_TEMPLATE); duplicates are kept once, in their first place."""
     if len(text) > MAX_LABELS * (MAX_LABEL_CHARACTERS + 2):
         raise LabelError(
             f"that is {len(text):,} characters; type at most {MAX_LABELS} labels of up to {MAX_LABEL_CHARACTERS} characters each"
         )
     labels = list(dict.fromkeys(part.strip() for part in text.replace("\n", ",").split(",") if part.strip()))
-    check_labels(labels)
+    check_labels(labels, LABEL_TEMPLATE)
     return labels
 
 
-def check_labels(labels: list[str]) -> None:
+def check_labels(labels: list[str], template: str = "{}") -> None:
+    """Labels that fit what embed_texts takes once each is read as ``template``."""
     if not labels:
         raise LabelError("type at least one label, for example: a cat, a dog, a rocket")
     if len(labels) > MAX_LABELS:
         raise LabelError(f"{len(labels):,} labels is too many; at most {MAX_LABELS} are scored at once")
-    long = next((label for label in labels if len(label) > MAX_LABEL_CHARACTERS), None)
+    room = MAX_TEXT_CHARACTERS - len(template.format(""))
+    long = next((label for label in labels if len(label) > room), None)
     if long is not None:
-        raise LabelError(
-            f"a label of {len(long):,} characters is too long (at most {MAX_LABEL_CHARACTERS}): {long[:40]}..."
-        )
+        raise LabelError(f"a label of {len(long):,} characters is too long (at most {room}): {long[:40]}...")
 
 
 @dataclass(eq=False)
@@ -84,7 +87,12 @@ class ImageTextModel:
         return pooled @ self.image_projection.t().to(pooled.device)
 
     def tokenize(self, texts: list[str]) -> torch.Tensor:
-        return self.tokenizer(texts, context_length=self.context_length)
+        try:
+            return self.tokenizer(texts, context_length=self.context_length)
+        except BaseException as error:  # a Rust panic (a BaseException) on an odd text ends no page
+            if not is_parser_failure(error):
+                raise
+            raise LabelError("this model's tokenizer cannot read those texts") from None
 
     @torch.no_grad()
     def embed_texts(self, texts: list[str], progress=None) -> torch.Tensor:

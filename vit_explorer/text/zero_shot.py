@@ -19,9 +19,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from ..analysis.patching import Metric
-from .towers import ImageTextModel, check_labels
+from .towers import LABEL_TEMPLATE, ImageTextModel, check_labels
 
-LABEL_TEMPLATE = "a photo of {}."
 EMBEDDINGS_KEY = "class_embeddings"
 
 

@@ -67,8 +67,9 @@ def load_model(path: str | os.PathLike, **overrides) -> ViT:
     """
     path = Path(path)
     if from_open_clip.is_folder(path):  # a CLIP or SigLIP: its image tower (vit_explorer.text reads both)
-        state, _ = read_tensors(path / from_open_clip.WEIGHTS_FILE)
-        converted, known = from_open_clip.convert(state, from_open_clip.read_config(path), path.name)
+        config = from_open_clip.read_config(path)
+        state, _ = read_tensors(from_open_clip.weights_path(path))
+        converted, known = from_open_clip.convert(state, config, path.name)
         return _model_from_state(converted, known, overrides, path.name)
     if path.is_dir():
         if not os.path.lexists(path / "config.json"):

@@ -267,10 +267,11 @@ def _unwrap(loaded: object, name: str) -> dict[str, torch.Tensor]:
 # ----------------------------------------------------------------------------- model folders
 
 
-def folder_file(folder: Path, relative, what: str) -> Path:
+def folder_file(folder: Path, relative, what: str, must_exist: bool = True) -> Path:
     """The file ``relative`` names inside ``folder``; refused if it leads outside the folder
     (``..``, an absolute path, a symlink out), before anything there is opened, and in the same
-    words whether or not such a file exists, so that an upload cannot probe the server's disk."""
+    words whether or not such a file exists, so that an upload cannot probe the server's disk;
+    ``must_exist``: also refused if it is not a file there."""
     outside = CheckpointError(
         f"{what} in {folder.name} leads outside the model folder, which is refused"
     )
@@ -283,7 +284,7 @@ def folder_file(folder: Path, relative, what: str) -> Path:
     target = Path(os.path.realpath(folder / relative))
     if not target.is_relative_to(inside):
         raise outside
-    if not target.is_file():
+    if must_exist and not target.is_file():
         raise CheckpointError(
             f"{what} in {folder.name} is {_brief(relative)}, which is not a file in the folder"
         )
@@ -298,5 +299,29 @@ def read_json(path: Path, what: str, folder_name: str):
         )
     try:
         return json.loads(path.read_bytes())
-    except (ValueError, RecursionError, UnicodeDecodeError):  # JSONDecodeError is a ValueError
+    except (ValueError, RecursionError, MemoryError, UnicodeDecodeError):  # JSONDecodeError is a ValueError
         raise CheckpointError(f"{what} in {folder_name} is not valid JSON") from None
+
+
+def links_inside(folder: Path, limit: int = MAX_TENSORS) -> None:
+    """Refuse a folder holding a link that leads outside it (at any depth, ``limit`` entries at
+    most): a library reading the folder (transformers' tokenizer files, chat templates) opens
+    whatever it finds there, so nothing in it may lead elsewhere."""
+    seen = 0
+    for root, folders, files in os.walk(folder):
+        seen += len(folders) + len(files)
+        if seen > limit:
+            raise CheckpointError(f"{folder.name} holds over {limit:,} files, far more than a model's folder")
+        for entry in (*folders, *files):
+            path = Path(root, entry)
+            if path.is_symlink() and not Path(os.path.realpath(path)).is_relative_to(os.path.realpath(folder)):
+                raise CheckpointError(f"{path.relative_to(folder)} in {folder.name} leads outside the model folder, which is refused")
+
+
+def without_paths(message: str, folder: Path | None = None) -> str:
+    """A library's error text with the server's paths taken out: ``folder`` (as given or
+    resolved) becomes its name, any other absolute path "..."."""
+    forms = () if folder is None else {str(folder), os.path.abspath(folder), os.path.realpath(folder)}
+    for form in sorted(forms, key=len, reverse=True):
+        message = message.replace(form, folder.name)
+    return re.sub(r"(?<![\w.~-])/[^\s'\"`,;)]*", "...", message)

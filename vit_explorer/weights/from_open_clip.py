@@ -14,17 +14,17 @@ treats it as the image tower it is, and the words (vit_explorer.text) apply the 
 from __future__ import annotations
 
 import functools
-import json
+import os
 import re
 from pathlib import Path
 
 import torch
 
-from .checks import CheckpointError
+from .checks import MAX_HEADER_BYTES, CheckpointError, folder_file, read_json
 
 CONFIG_FILE = "open_clip_config.json"
 WEIGHTS_FILE = "open_clip_model.safetensors"
-MAX_CONFIG_BYTES = 1 << 20
+MAX_CONFIG_BYTES = MAX_HEADER_BYTES  # checks.read_json's bound
 
 # OpenAI's layout of the image tower, under "visual.", to our names.
 _OPENAI_NAMES = [
@@ -44,23 +44,22 @@ _OPENAI_NAMES = [
 
 
 def is_folder(path: Path) -> bool:
-    return path.is_dir() and (path / CONFIG_FILE).is_file()
+    return path.is_dir() and os.path.lexists(path / CONFIG_FILE)
 
 
 def read_config(folder: Path) -> dict:
     """The folder's open_clip_config.json: {"model_cfg": {...}, "preprocess_cfg": {...}}."""
-    path = folder / CONFIG_FILE
-    try:
-        if path.stat().st_size > MAX_CONFIG_BYTES:
-            raise CheckpointError(f"{folder.name}'s {CONFIG_FILE} is over {MAX_CONFIG_BYTES >> 10} KB, which no config is")
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        raise CheckpointError(f"{folder.name}'s {CONFIG_FILE} is not a JSON file") from None
+    config = read_json(folder_file(folder, CONFIG_FILE, CONFIG_FILE), CONFIG_FILE, folder.name)
     model_cfg = config.get("model_cfg") if isinstance(config, dict) else None
     if not isinstance(model_cfg, dict) or not isinstance(model_cfg.get("text_cfg"), dict) \
             or not isinstance(model_cfg.get("vision_cfg"), dict):
         raise CheckpointError(f"{folder.name}'s {CONFIG_FILE} has no model_cfg with a text_cfg and a vision_cfg")
     return config
+
+
+def weights_path(folder: Path) -> Path:
+    """The folder's open_clip_model.safetensors, refused if it leads outside the folder."""
+    return folder_file(folder, WEIGHTS_FILE, WEIGHTS_FILE)
 
 
 def is_openai_layout(state: dict[str, torch.Tensor]) -> bool:
