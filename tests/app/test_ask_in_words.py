@@ -63,7 +63,11 @@ def grid_values(trace: dict, grid: tuple[int, int]) -> np.ndarray:
 def test_ask_in_words_draws_each_prompts_map_the_best_prompt_and_the_relevance_as_text_maps_do(folders, name, path):
     app = open_words_app(folders[name], ATTENTION)
     assert "Ask in words" in [header.value for header in app.subheader]
-    assert errors(app) == [] and not app.warning
+    # Random weights: the best-prompt map may be one prompt's and the page says so (its caveats);
+    # nothing else is to be warned of.
+    assert errors(app) == [] and all(
+        "closest prompt" in warning.value or "Read little into these maps" in warning.value for warning in app.warning
+    )
     hand = ByHand(folders[name], app.session_state["image_key"])
     grid = hand.captured.grid_size
     expected = hand.similarities(PROMPTS)
