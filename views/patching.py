@@ -77,16 +77,18 @@ names = selection.class_names()
 if config.num_classes:
     clean_top, corrupted_top = (int(output.argmax()) for output in runs.outputs)
     second = int(runs.outputs[0].topk(2).indices[1]) if config.num_classes > 1 else clean_top
+    # Kept per pair of answers: another corrupted picture's answer starts the metric again from it.
+    answers = f"{clean_top}-{corrupted_top}"
     a_column, b_column = st.columns(2)
     a = a_column.selectbox(
         "Metric: the logit of", range(config.num_classes), format_func=lambda index: names[index],
         help="The class the clean picture should win (default: the clean run's prediction).",
-        **session.keep("patching_class_a", clean_top, lambda value: 0 <= value < config.num_classes),
+        **session.keep(f"patching_class_a:{answers}", clean_top, lambda value: 0 <= value < config.num_classes),
     )
     b = b_column.selectbox(
         "minus the logit of", range(config.num_classes), format_func=lambda index: names[index],
         help="The class it is told apart from (default: the corrupted run's prediction).",
-        **session.keep("patching_class_b", corrupted_top if corrupted_top != clean_top else second,
+        **session.keep(f"patching_class_b:{answers}", corrupted_top if corrupted_top != clean_top else second,
                        lambda value: 0 <= value < config.num_classes),
     )
     spec = ("classes", a, b)

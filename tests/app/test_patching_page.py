@@ -164,3 +164,30 @@ def test_a_size_whose_runs_would_not_fit_a_view_is_refused_in_a_sentence(monkeyp
     app = open_app(PAGE)
     (error,) = [error.value for error in app.main.error]
     assert error.startswith("Patching keeps both pictures' activations at every layer,") and "choose a smaller" in error
+
+
+def test_the_metric_follows_the_corrupted_runs_answer_until_one_is_chosen():
+    """Painted first, then another picture: the metric's second class is that picture's answer,
+    not the painted one's kept (a ring against a crescent read 'ring - circle' in Chromium)."""
+    app = open_app(PAGE)
+    model = models.base_model(models.DEFAULT_MODEL)
+    widget(app.radio, "Corrupted picture").set_value("picture").run()
+    chosen = widget(app.selectbox, "The corrupted picture").value
+    assert chosen.startswith("shapes:") or chosen.startswith("photo:")
+    clean = app.session_state["image_key"]
+    outputs = []
+    for key in (clean, chosen):
+        image = vx.shapes_sample(int(key.split(":")[1].split("@")[0]), 32)[0] if key.startswith("shapes:") else None
+        if image is None:
+            pytest.skip("the first other picture is a photo")
+        outputs.append(model(vx.preprocess(image, model.config))[0])
+    clean_top, corrupted_top = (int(output.argmax()) for output in outputs)
+    if corrupted_top == clean_top:
+        pytest.skip("the tiny model gives both pictures one answer")
+    assert widget(app.selectbox, "minus the logit of").value == corrupted_top
+    # A class chosen by hand stays while the answers do.
+    other = next(index for index in range(model.config.num_classes) if index not in (clean_top, corrupted_top))
+    widget(app.selectbox, "minus the logit of").set_value(other).run()
+    app.switch_page("views/pipeline.py").run()
+    app.switch_page(PAGE).run()
+    assert widget(app.selectbox, "minus the logit of").value == other
