@@ -71,3 +71,23 @@ def test_the_readmes_page_table_lists_every_page_of_the_navigation():
     assert len(titles) > 10 and sorted(table) == sorted(titles)
     numbers = dict(enumerate("zero one two three four five six seven eight nine ten eleven twelve thirteen".split()))
     assert f"| Lesson | {numbers[len(lesson.STEPS)]} steps" in readme
+
+
+def test_the_labels_survive_a_reload_and_travel_in_a_link(tmp_path, monkeypatch):
+    """Labels typed once are in the address: a reload (or a link a teacher sends the class) scores
+    the same labels; labels in an address are checked as if typed."""
+    monkeypatch.setenv("VIT_EXPLORER_DEFAULT_MODEL", str(clip_folder(tmp_path, "open_clip")))
+    app = open_app("views/pipeline.py")
+    app.text_input(key=words.LABELS_WIDGET).set_value("a cat, a dog, a rocket").run()
+    assert app.query_params[session.LABELS_PARAM] == "a cat, a dog, a rocket"
+    again = AppTest.from_file(APP, default_timeout=60)
+    again.query_params[session.LABELS_PARAM] = app.query_params[session.LABELS_PARAM]
+    again.switch_page("views/pipeline.py").run()
+    assert not again.exception and errors(again) == []
+    assert again.session_state[words.LABELS] == ("a cat", "a dog", "a rocket")
+    assert any("The model says" in markdown.value for markdown in again.markdown)
+    hostile = AppTest.from_file(APP, default_timeout=60)
+    hostile.query_params[session.LABELS_PARAM] = "x" * 5000
+    hostile.switch_page("views/pipeline.py").run()
+    assert not hostile.exception and hostile.session_state.get(words.LABELS) is None
+    assert any("were not taken" in error.value for error in hostile.sidebar.error)

@@ -1,5 +1,5 @@
 """A session's choices and where they are kept: its session state, the page address (owner
-token, image and model, across reloads and in a link sent to others), widget values kept across
+token, image, model and labels, across reloads and in a link sent to others), widget values kept across
 pages (and set to open another page on them), and the ``Selection`` they make (the sidebar's, and
 the Compare page's model B)."""
 from __future__ import annotations
@@ -12,11 +12,12 @@ import streamlit as st
 
 from ..model.ablation import MODES, KnockOut
 from ..weights import catalogue, from_open_clip
-from . import images, models, runs, uploads
+from . import images, models, runs, uploads, words
 from .selection import Selection
 
 IMAGE_PARAM = "image"  # the address parameter that keeps the chosen image across a reload
 MODEL_PARAM = "model"  # and the chosen model
+LABELS_PARAM = "labels"  # and the labels a model with a text tower scores
 
 
 def init_state() -> None:
@@ -32,6 +33,10 @@ def init_state() -> None:
         state["image_key"] = _image_in_address()
     if "owner_token" not in state and st.query_params.get(runs.OWNER_PARAM):
         state["owner_token"] = st.query_params[runs.OWNER_PARAM]
+    if "labels_read" not in state:  # a new session: the labels the address names, checked as if typed
+        state["labels_read"] = True
+        if st.query_params.get(LABELS_PARAM):
+            words.take_labels(st.query_params[LABELS_PARAM])
     uploads.forget_removed_uploads()
 
 
@@ -44,7 +49,9 @@ def keep_in_address() -> None:
     image_key = state["image_key"] if state["image_key"] != images.DEFAULT_IMAGE else None
     model = model_in_address(state["model_key"])
     model = model if model != models.DEFAULT_MODEL else None
-    for param, value in ((runs.OWNER_PARAM, state.get("owner_token")), (IMAGE_PARAM, image_key), (MODEL_PARAM, model)):
+    labels = state.get(words.LABELS_TEXT) or None
+    for param, value in ((runs.OWNER_PARAM, state.get("owner_token")), (IMAGE_PARAM, image_key), (MODEL_PARAM, model),
+                         (LABELS_PARAM, labels)):
         if value is None:
             st.query_params.pop(param, None)
         elif st.query_params.get(param) != value:

@@ -152,6 +152,13 @@ def _labels_typed() -> None:
         state[LABELS_MERGED] = f"{names} {'was' if one else 'were'} typed more than once and {'is' if one else 'are'} scored once."
 
 
+def take_labels(text: str) -> None:
+    """Labels from the page's address (a reload, or a link a teacher sends the class), taken and
+    checked as if typed in the box."""
+    st.session_state[LABELS_WIDGET] = text
+    _labels_typed()
+
+
 def _labels_not_read(error: LabelError) -> None:
     """Labels taken but that this model cannot embed: back to ImageNet's classes, and the sentence
     why beside the labels box (now, and on the next runs until other labels are typed)."""
