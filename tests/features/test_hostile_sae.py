@@ -15,8 +15,6 @@ import math
 import os
 import re
 import struct
-import subprocess
-import sys
 import zipfile
 import zlib
 from pathlib import Path
@@ -28,28 +26,22 @@ from safetensors.torch import save_file
 
 import vit_explorer as vx
 from vit_explorer.features.index import LatentIndex, load_index, save_index
-from vit_explorer.features.sae import CARD_KEY, SAE_KEY, SAEConfig, SparseAutoencoder, save_sae
+from vit_explorer.features.sae import CARD_KEY, SAE_KEY, SAEConfig, SparseAutoencoder
 from vit_explorer.features.train import model_identity
-from vit_explorer.resources import child_python_path
 
 from helpers import tiny_config
+from hostile import GROWTH_LIMIT_KB, run_capped
 
-GROWTH_LIMIT_KB = 256 * 1024  # per case; the address-space cap (1 GB) stops anything worse
 D, WIDTH, K, LAYER, IMAGES = 32, 64, 4, 1, 8  # the dictionary of the tiny model's layer 1
 GRID, TOP = (8, 8), 3  # tiny_config: 32 px images, 4 px patches
 
-# The child: caps its address space, records the files it opens (audit hook), reads each case.
+# The child's own part: each case read by its reader (tests/hostile.py caps and records it).
 CHILD = r"""
-import json, resource, signal, sys, time
 from pathlib import Path
 import vit_explorer as vx
 from vit_explorer.app import features
 from vit_explorer.features.index import load_index
 
-def hung(signum, frame):  # a hang guard, far above the fraction of a second a case takes
-    raise TimeoutError("still reading after 60 s")
-
-signal.signal(signal.SIGALRM, hung)
 root = Path(sys.argv[1]).parent
 model_file = root / "model.safetensors"
 model = vx.load_model(model_file)
@@ -74,34 +66,9 @@ def read(reader, path):
         return {"offered": offered, "skipped": skipped}
     raise vx.SAEError(skipped[0].partition(" was skipped: ")[2].removesuffix("."))
 
-def vm_size():
-    for line in open("/proc/self/status"):
-        if line.startswith("VmSize:"):
-            return int(line.split()[1]) * 1024
-
-cap = vm_size() + 2**30
-resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
-resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-opened = []
-def record_opens(event, args):
-    if event == "open" and isinstance(args[0], str):
-        opened.append(args[0])
-
-sys.addaudithook(record_opens)
+cap()
 for name, reader, path in json.load(open(sys.argv[1])):
-    opened.clear()
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    started = time.perf_counter()
-    signal.alarm(60)
-    try:
-        outcome = {"error": None, **read(reader, path)}
-    except BaseException as error:
-        outcome = {"error": type(error).__name__, "sae_error": isinstance(error, vx.SAEError), "message": str(error)}
-    signal.alarm(0)
-    outcome.update(
-        name=name, reader=reader, opened=list(opened), seconds=time.perf_counter() - started, growth_kb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before,
-    )
-    print(json.dumps(outcome), flush=True)
+    print(json.dumps({"name": name, "reader": reader, **outcome(read, vx.SAEError, reader, path)}), flush=True)
 """ % {"width": WIDTH, "images": IMAGES, "grid": GRID}
 
 # ----------------------------------------------------------------------------- building blocks
@@ -404,24 +371,8 @@ def _corpus(root: Path) -> list[tuple[str, str, Path, str]]:
 def outcomes(tmp_path_factory):
     root = tmp_path_factory.mktemp("hostile_sae")
     cases = _corpus(root)
-    listing = root / "cases.json"
-    listing.write_text(json.dumps([[name, reader, str(path)] for name, reader, path, _ in cases]))
-    environment = {**os.environ, "PYTHONPATH": child_python_path()}
-    child = subprocess.Popen(
-        [sys.executable, "-c", CHILD, str(listing)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment, cwd=root,
-    )
-    try:
-        stdout, stderr = child.communicate(timeout=600)  # the child's own guard ends a hung case
-    except subprocess.TimeoutExpired:
-        child.kill()
-        stdout, stderr = child.communicate()
-    results = {}
-    for line in stdout.splitlines():
-        if line.startswith("{"):  # beside what a library may print
-            result = json.loads(line)
-            results[result["name"], result["reader"]] = result
-    return root, cases, results, stderr[-3000:]
+    lines, stderr = run_capped(CHILD, [[name, reader, str(path)] for name, reader, path, _ in cases], root)
+    return root, cases, {(line["name"], line["reader"]): line for line in lines}, stderr
 
 
 def test_every_hostile_file_is_refused_in_one_sentence_cheaply(outcomes):
@@ -439,7 +390,7 @@ def test_every_hostile_file_is_refused_in_one_sentence_cheaply(outcomes):
                    and Path(opened).name != "model.safetensors"]  # the picker's model: its identity
         problems = [
             result["error"] is None and f"read without an error ({result})",
-            result["error"] is not None and not result["sae_error"] and f"{result['error']}: {message}",
+            result["error"] is not None and not result["expected_error"] and f"{result['error']}: {message}",
             not re.search(expected, message) and f"the sentence {message!r} does not match {expected!r}",
             ("\n" in message or str(root) in message or "/" in message) and f"not one sentence without a path: {message!r}",
             result["growth_kb"] >= GROWTH_LIMIT_KB and f"the process grew by {result['growth_kb'] // 1024} MB",

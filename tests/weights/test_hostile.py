@@ -15,8 +15,6 @@ import os
 import pickle
 import re
 import struct
-import subprocess
-import sys
 import zlib
 from pathlib import Path
 
@@ -25,55 +23,19 @@ import torch
 from safetensors.torch import save_file
 
 import vit_explorer as vx
-from vit_explorer.resources import child_python_path
 from vit_explorer.weights import CONFIG_KEY
 
 from helpers import randomize
+from hostile import GROWTH_LIMIT_KB, run_capped
 
-GROWTH_LIMIT_KB = 256 * 1024  # per case; the address-space cap (1 GB) stops anything worse
 
-# The child: caps its address space, records the files it opens (audit hook), and loads each case.
+# The child's own part: each case loaded with vx.load_model (tests/hostile.py caps and records it).
 CHILD = r"""
-import json, os, resource, signal, sys
 import vit_explorer as vx
 
-def hung(signum, frame):  # a hang guard, far above the fraction of a second a case takes
-    raise TimeoutError("still loading after 60 s")
-
-signal.signal(signal.SIGALRM, hung)
-
-def vm_size():
-    for line in open("/proc/self/status"):
-        if line.startswith("VmSize:"):
-            return int(line.split()[1]) * 1024
-
-cap = vm_size() + 2**30
-resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
-resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-opened = []
-def record_opens(event, args):
-    if event == "open" and isinstance(args[0], str):
-        opened.append(args[0])
-
-sys.addaudithook(record_opens)
+cap()
 for name, path in json.load(open(sys.argv[1])):
-    opened.clear()
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    signal.alarm(60)
-    try:
-        vx.load_model(path)
-        outcome = {"error": None}
-    except BaseException as error:
-        outcome = {
-            "error": type(error).__name__, "checkpoint_error": isinstance(error, vx.CheckpointError),
-            "message": str(error),
-        }
-    signal.alarm(0)
-    outcome.update(
-        name=name, opened=list(opened),
-        growth_kb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before,
-    )
-    print(json.dumps(outcome), flush=True)
+    print(json.dumps({"name": name, **outcome(vx.load_model, vx.CheckpointError, path)}), flush=True)
 """
 
 # ----------------------------------------------------------------------------- building blocks
@@ -428,23 +390,8 @@ def _corpus(root: Path) -> dict[str, tuple[Path, str]]:
 def outcomes(tmp_path_factory):
     root = tmp_path_factory.mktemp("hostile")
     cases = _corpus(root)
-    listing = root / "cases.json"
-    listing.write_text(json.dumps([[name, str(path)] for name, (path, _) in cases.items()]))
-    environment = {**os.environ, "PYTHONPATH": child_python_path()}
-    child = subprocess.Popen(
-        [sys.executable, "-c", CHILD, str(listing)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment, cwd=root,
-    )
-    try:
-        stdout, stderr = child.communicate(timeout=600)  # the child's own guard ends a hung case
-    except subprocess.TimeoutExpired:
-        child.kill()
-        stdout, stderr = child.communicate()
-    results = {}
-    for line in stdout.splitlines():
-        result = json.loads(line)
-        results[result["name"]] = result
-    return root, cases, results, stderr[-3000:]
+    lines, stderr = run_capped(CHILD, [[name, str(path)] for name, (path, _) in cases.items()], root)
+    return root, cases, {line["name"]: line for line in lines}, stderr
 
 
 CASE_NAMES = [
@@ -476,7 +423,7 @@ def test_hostile_upload_is_refused_in_one_sentence_cheaply(outcomes, name):
     result = results[name]
     folder = cases[name][0] if cases[name][0].is_dir() else cases[name][0].parent
     assert result["error"] is not None, "the hostile upload loaded as a model"
-    assert result["checkpoint_error"], f"{result['error']}: {result['message']}"
+    assert result["expected_error"], f"{result['error']}: {result['message']}"
     message = result["message"]
     assert "\n" not in message and "Errno" not in message and "Traceback" not in message, message
     assert re.search(cases[name][1], message), message
