@@ -41,6 +41,23 @@ def test_attention_over_a_red_or_dark_object_is_drawn_in_gold_and_over_a_pale_on
     assert scales(intact)[-1] == scales(knocked)[-1] == CONTRAST_SCALE
 
 
+def test_maps_over_several_pictures_choose_one_colour_for_all_of_them():
+    """A head's map on several pictures, a patch's correspondences and a prompt over a set: gold
+    where crimson would hide in the attended patches (the dark red ring twice), crimson over pale
+    ones; one colour for every panel of one scale."""
+    image, attended = ring()
+    pale = picture((200, 200, 200))
+    maps = np.stack([attended, attended])
+    for images, expected in (([image, image], CONTRAST_SCALE), ([pale, pale], ATTENTION_SCALE)):
+        drawn = (
+            figures.head_maps_grid(images, maps, ["a", "b"], "head 0"),
+            figures.correspondence_grid(images, 0.2 + 0.8 * maps, [0, 0], 0, 0, ["a", "b"], "tokens"),
+            figures.prompt_over_images(images, maps, "a ring", ["a", "b"], "the value path"),
+        )
+        for fig in drawn:
+            assert scales(fig) and all(scale == expected for scale in scales(fig))
+
+
 def test_a_prefix_tokens_bar_shares_the_colour_bars_range():
     image, attended = ring()
     values = np.concatenate([[0.009], 0.05 * attended.reshape(-1) / attended.max()])

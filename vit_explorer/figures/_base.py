@@ -349,6 +349,12 @@ def attention_scale(image: np.ndarray, maps) -> list:
     return CONTRAST_SCALE if contrast((255, 214, 0)) > CONTRAST_GAIN * contrast((220, 20, 60)) else ATTENTION_SCALE
 
 
+def shared_attention_scale(images: Sequence[np.ndarray], maps) -> list:
+    """:func:`attention_scale` of pictures of one size drawn side by side on one colour scale, each
+    with its (gh, gw) map: chosen over all of them, as if they were one wide picture."""
+    return attention_scale(np.concatenate(list(images), axis=1), np.concatenate(list(_float_array(maps)), axis=1))
+
+
 def distinct_names(names: Sequence[str], indices: Sequence[int]) -> list[str]:
     """The names of ``indices`` as a bar chart's categories: a name shown twice (ImageNet has two
     'missile' classes and two 'sunglasses') gets its index, else plotly draws both bars on one

@@ -8,8 +8,8 @@ import numpy as np
 import plotly.graph_objects as go
 
 from ._base import (
-    ATTENTION_SCALE, CELL_PIXELS, MARGIN, _float_array, _image_axis_layout, _image_trace, _on_axes, _panel_height,
-    _patch_heatmap, _rgb_uint8, _subplots, _title, attention_top, figure,
+    CELL_PIXELS, MARGIN, _float_array, _image_axis_layout, _image_trace, _on_axes, _panel_height,
+    _patch_heatmap, _rgb_uint8, _subplots, _title, attention_top, figure, shared_attention_scale,
 )
 from .attention import _query_outline
 
@@ -101,13 +101,14 @@ def head_maps_grid(
     top = attention_top(maps, 1 / maps[0].size)  # one scale: the heads' weights compare across images
     titles = [f"{label} (max {head_map.max():.2g})" for label, head_map in zip(labels, maps)]
     layout, cells = _subplots(1, count, titles, horizontal_spacing=0.01)
+    colorscale = shared_attention_scale(images, maps)
     traces, shapes = [], []
     for position, (image, head_map) in enumerate(zip(images, maps)):
         suffix = cells[1, position + 1]
         traces += [
             _on_axes(_image_trace(image, hover=False), suffix),
             _on_axes(_patch_heatmap(
-                head_map, image.shape[:2], label=labels[position], colorscale=ATTENTION_SCALE, zmin=0, zmax=top,
+                head_map, image.shape[:2], label=labels[position], colorscale=colorscale, zmin=0, zmax=top,
                 showscale=position == 0, colorbar=dict(title=dict(text="attention<br>(0 = clear)"), thickness=12),
             ), suffix),
         ]

@@ -11,8 +11,9 @@ from PIL import Image
 
 from ._base import (
     _scale,
-    ATTENTION_SCALE, CELL_PIXELS, MARGIN, SIMILARITY_SCALE, VALUE_SCALE, _float_array, _image_axis_layout,
+    CELL_PIXELS, MARGIN, SIMILARITY_SCALE, VALUE_SCALE, _float_array, _image_axis_layout,
     _image_trace, _on_axes, _panel_height, _patch_heatmap, _rgb_uint8, _subplots, _title, colour_mapped, figure,
+    shared_attention_scale,
 )
 
 MARK = "#00e5ff"  # the chosen patch and the best matches
@@ -163,12 +164,13 @@ def correspondence_grid(
         for index, label in enumerate(labels)
     ]
     layout, cells = _subplots(1, count, titles, horizontal_spacing=0.01)
+    colorscale = shared_attention_scale(images, np.clip(cosines - low, 0, None))  # weighed where they match
     traces, shapes = [], []
     for index, image in enumerate(images):
         suffix = cells[1, index + 1]
         traces.append(_on_axes(_image_trace(image, hover=False), suffix))
         traces.append(_on_axes(_patch_heatmap(
-            cosines[index], image.shape[:2], value_name="cosine", label=labels[index], colorscale=ATTENTION_SCALE,
+            cosines[index], image.shape[:2], value_name="cosine", label=labels[index], colorscale=colorscale,
             zmin=low, zmax=1.0, showscale=index == 0, colorbar=dict(title=dict(text="cosine"), thickness=12),
         ), suffix))
         row, patch_col = divmod(int(source_patch if index == source_image else best[index]), grid_w)

@@ -12,8 +12,9 @@ import plotly.colors as plotly_colors
 import plotly.graph_objects as go
 
 from ._base import (
-    ATTENTION_SCALE, CELL_PIXELS, MARGIN, _float_array, _image_axis_layout, _image_trace, _on_axes, _panel_height,
+    CELL_PIXELS, MARGIN, _float_array, _image_axis_layout, _image_trace, _on_axes, _panel_height,
     _patch_heatmap, _rgb_uint8, _subplots, _title, attention_scale, distinct_names, figure, image_data_uri,
+    shared_attention_scale,
 )
 from .attention import attention_overlay
 
@@ -149,13 +150,14 @@ def prompt_over_images(images: Sequence, similarities, prompt: str, labels: Sequ
     layout, cells = _subplots(
         1, count, [f"{label} (max {values.max():.3f})" for label, values in zip(labels, maps)], horizontal_spacing=0.01,
     )
+    colorscale = shared_attention_scale(images, maps - low)  # weighed where the cosines are highest
     traces = []
     for index, (image, values) in enumerate(zip(images, maps)):
         suffix = cells[1, index + 1]
         traces += [
             _on_axes(_image_trace(image, hover=False), suffix),
             _on_axes(_patch_heatmap(
-                values, image.shape[:2], "cosine", labels[index], colorscale=ATTENTION_SCALE, zmin=low, zmax=high,
+                values, image.shape[:2], "cosine", labels[index], colorscale=colorscale, zmin=low, zmax=high,
                 opacity=0.85, showscale=index == 0, colorbar=dict(title=dict(text="cosine"), thickness=12),
             ), suffix),
         ]
