@@ -31,11 +31,11 @@ MODELS = {
     # timm's Eva; ours as the catalogue builds it, pooled on the class token as timm is asked to
     "DINOv3-B/16": ("vit_base_patch16_dinov3", dict(global_pool="token"), CATALOGUE["dinov3_vitb16"].config),
     # VLM towers at their native sizes (So400m@384's conv reads 378 px of its 384)
-    "So400m/14-378": ("vit_so400m_patch14_siglip_378", {}, dict(
+    "So400m/14-378": ("vit_so400m_patch14_siglip_378", dict(num_classes=0), dict(
         image_size=378, patch_size=14, num_classes=0, embed_dim=1152, depth=27, num_heads=16, mlp_ratio=3.7362,
         class_token=False, global_pool="map",
     )),
-    "CLIP-L/14-336": ("vit_large_patch14_clip_336", {}, dict(
+    "CLIP-L/14-336": ("vit_large_patch14_clip_336", dict(num_classes=0), dict(
         image_size=336, patch_size=14, num_classes=0, embed_dim=1024, depth=24, num_heads=16, pre_norm=True,
         patch_bias=False, layer_norm_eps=1e-5,
     )),
