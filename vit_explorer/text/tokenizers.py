@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Protocol
@@ -138,6 +139,7 @@ def check_in_child(path: Path, name: str) -> None:
 # The digests of the tokenizer.json files a child has read: the same bytes are not checked again
 # (an upload's text tower is loaded twice: checked as it is kept, then by the page that asks).
 _READ: dict[str, None] = {}
+_READ_LOCK = threading.Lock()  # every session's thread adds and trims it
 MAX_REMEMBERED = 256
 
 
@@ -182,9 +184,10 @@ class TokenizerCheck:
             )
         if answer["refused"]:
             raise CheckpointError(f"{self.name}'s {TOKENIZER_FILE} {without_paths(str(answer['refused']), self.path.parent)}")
-        _READ[self.digest] = None
-        while len(_READ) > MAX_REMEMBERED:
-            del _READ[next(iter(_READ))]
+        with _READ_LOCK:
+            _READ[self.digest] = None
+            while len(_READ) > MAX_REMEMBERED:
+                del _READ[next(iter(_READ))]
 
     def close(self) -> None:
         if self.process is None:
