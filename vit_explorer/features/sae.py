@@ -1,10 +1,16 @@
 """A sparse autoencoder (SAE) over one layer's tokens: TopK activation (Gao et al. 2024), as saev and
-overcomplete train them for ViTs.
+overcomplete train them for ViTs, or BatchTopK (Bussmann et al. 2024), and optionally Matryoshka
+prefixes (Nabeshima 2024; Bussmann et al. 2025).
 
 The tokens ``x`` (D) of one layer are rescaled by the dictionary's ``input_scale`` (so that their
 mean squared norm is D whatever the model), centred by the decoder bias, encoded into ``width``
 latents of which the ``k`` largest positive ones are kept, and decoded as a sum of unit-norm
-directions (the rows of ``W_dec``) plus the bias. Plain PyTorch rather than a library: the module
+directions (the rows of ``W_dec``) plus the bias. A BatchTopK dictionary keeps the ``k * B`` largest
+of a training batch of B tokens (a token may use more or fewer than k) and, at inference, every
+latent above ``threshold``, the minimum kept activation averaged over training (so a token's code
+does not depend on its batch). A Matryoshka dictionary's ``prefixes`` (nested widths below
+``width``) were each trained to reconstruct the tokens alone: latents 0..m-1 are a dictionary too,
+the first ones the most general. Plain PyTorch rather than a library: the module
 is 40 lines, its encode/decode must run inside our own forward pass (steering, per call) and in a
 worker without the library's training stack, and its file is ours to check before anything is
 allocated (see ARCHITECTURE.md, Features).
@@ -35,6 +41,8 @@ SAE_KEY = "vit_explorer.sae"  # the metadata entry that marks one of our SAE fil
 CARD_KEY = "vit_explorer.sae_card"
 # A file may claim any size: what a dictionary may hold is bounded before anything is allocated.
 MAX_LATENTS = 2**20
+ACTIVATIONS = ("topk", "batchtopk")
+MAX_PREFIXES = 16  # Matryoshka's nested widths (each halving the last: 2**16 latents apart)
 MAX_WIDTH_BYTES = 2**31  # encoder and decoder together, float32
 
 
@@ -53,11 +61,25 @@ class SAEConfig(_JsonConfig):
     d_model: int
     width: int
     k: int = 32
+    activation: str = "topk"  # ACTIVATIONS; files written before BatchTopK read as "topk"
+    prefixes: tuple[int, ...] = ()  # Matryoshka: the nested widths below ``width``, increasing
 
     def __post_init__(self) -> None:
         _check_whole("d_model", self.d_model, 1)
         _check_whole("width", self.width, 1)
         _check_whole("k", self.k, 1)
+        if self.activation not in ACTIVATIONS:
+            raise SAEError(f"the activation must be one of {', '.join(ACTIVATIONS)}, not {_brief(self.activation)}")
+        if not isinstance(self.prefixes, (list, tuple)) or len(self.prefixes) > MAX_PREFIXES:
+            raise SAEError(f"the Matryoshka prefixes must be a list of at most {MAX_PREFIXES} widths,"
+                           f" not {_brief(self.prefixes)}")
+        for prefix in self.prefixes:
+            _check_whole("a Matryoshka prefix", prefix, 1)
+        widths = [*self.prefixes, self.width]
+        if any(a >= b for a, b in zip(widths, widths[1:])):
+            raise SAEError(f"the Matryoshka prefixes must increase and stay below the width ({self.width}),"
+                           f" not {_brief(list(self.prefixes))}")
+        object.__setattr__(self, "prefixes", tuple(self.prefixes))  # a file's JSON list back to a tuple
         if self.width > MAX_LATENTS or 2 * 4 * self.width * self.d_model > MAX_WIDTH_BYTES:
             raise SAEError(
                 f"a dictionary of {self.width:,} latents over {self.d_model:,} dimensions is larger than this"
@@ -67,7 +89,12 @@ class SAEConfig(_JsonConfig):
             raise SAEError(f"k ({self.k}) must be at most the number of latents ({self.width})")
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return {**dataclasses.asdict(self), "prefixes": list(self.prefixes)}
+
+    @property
+    def widths(self) -> tuple[int, ...]:
+        """The nested dictionaries' widths, the whole one last: (width,) without Matryoshka."""
+        return (*self.prefixes, self.width)
 
 
 def top_k(pre: torch.Tensor, k: int) -> torch.Tensor:
@@ -87,6 +114,8 @@ class SparseAutoencoder(nn.Module):
         self.b_dec = nn.Parameter(torch.zeros(d))
         # tokens * input_scale have a mean squared norm of d_model (set from the data before training)
         self.register_buffer("input_scale", torch.ones(()))
+        if config.activation == "batchtopk":  # the inference threshold, estimated while training
+            self.register_buffer("threshold", torch.zeros(()))
         nn.init.kaiming_uniform_(self.W_dec)
         with torch.no_grad():
             self.W_dec.div_(self.W_dec.norm(dim=1, keepdim=True))
@@ -97,8 +126,12 @@ class SparseAutoencoder(nn.Module):
         return (x * self.input_scale - self.b_dec) @ self.W_enc + self.b_enc
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
-        """(..., D) tokens -> (..., F) latents, ``k`` nonzero per token."""
-        return top_k(self.pre_activations(x), self.config.k)
+        """(..., D) tokens -> (..., F) latents: ``k`` nonzero per token (TopK), or those above the
+        threshold (BatchTopK at inference)."""
+        pre = self.pre_activations(x)
+        if self.config.activation == "batchtopk":
+            return pre * (pre > self.threshold.clamp(min=0))
+        return top_k(pre, self.config.k)
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """(..., F) latents -> (..., D) tokens, in the tokens' own scale."""
@@ -196,7 +229,8 @@ def read_card(path: str | Path) -> tuple[SAEConfig, dict]:
     if not isinstance(card, dict):
         raise SAEError("this SAE file's card is unreadable")
     expected = {"W_enc": [config.d_model, config.width], "W_dec": [config.width, config.d_model],
-                "b_enc": [config.width], "b_dec": [config.d_model], "input_scale": []}
+                "b_enc": [config.width], "b_dec": [config.d_model], "input_scale": [],
+                **({"threshold": []} if config.activation == "batchtopk" else {})}
     if shapes != expected or dtypes != {"F32"}:
         raise SAEError("this SAE file's tensors do not match the dictionary it describes")
     check_card(card, config)
@@ -222,6 +256,11 @@ def check_card(card: dict, config: SAEConfig) -> None:
                                                                  for key in ("name", "digest")), "a model's name and digest"),
         "metrics": (lambda value: isinstance(value, dict) and all(number(item) for item in value.values()),
                     "numbers by name"),
+        # features.evaluation.Evaluation.to_card: each named measure a number, or null where it does
+        # not apply (the loss recovered of a headless model)
+        "evaluation": (lambda value: isinstance(value, dict) and len(value) <= 32 and all(
+            isinstance(name, str) and len(name) <= 64 and (item is None or number(item)) for name, item in value.items()
+        ), "numbers by name"),
         "mean": (lambda value: isinstance(value, list) and len(value) == config.d_model
                  and all(_is_number(item) for item in value), f"{config.d_model} finite numbers"),
         "settings": (lambda value: isinstance(value, dict), "a run's settings"),
@@ -229,8 +268,10 @@ def check_card(card: dict, config: SAEConfig) -> None:
     for key, (valid, what) in checks.items():
         if key in card and not valid(card[key]):
             raise SAEError(f"this SAE file's card has {key} {_brief(card[key])}, not {what}")
-    if "images" in card:
-        images = card["images"]
+    for key in ("images", "evaluation_images"):  # what it was trained on, and measured on
+        if key not in card:
+            continue
+        images = card[key]
         try:
             check_source_name(images["dataset"])  # its own words would repeat the name
         except (ValueError, TypeError, KeyError):  # DatasetError is a ValueError
@@ -242,7 +283,8 @@ def check_card(card: dict, config: SAEConfig) -> None:
 
 
 def _weights_refused() -> SAEError:
-    return SAEError("this SAE file's weights are not all finite numbers (NaN or infinity), or its input scale is not positive")
+    return SAEError("this SAE file's weights are not all finite numbers (NaN or infinity), or its input scale is not"
+                    " positive")
 
 
 def check_weights(path: str | Path) -> None:
@@ -254,6 +296,8 @@ def check_weights(path: str | Path) -> None:
     try:
         with safe_open(str(path), framework="pt") as file:
             if not file.get_tensor("input_scale") > 0:
+                raise _weights_refused()
+            if "threshold" in file.keys() and not torch.isfinite(file.get_tensor("threshold")):
                 raise _weights_refused()
             for name in ("W_enc", "W_dec", "b_enc", "b_dec"):
                 part = file.get_slice(name)

@@ -38,11 +38,12 @@ from ..model.devices import distributed_setup
 from ..model.vit import ViT
 from ..weights import TORCHVISION_VITS, catalogue, load_model, load_pretrained, resize_model
 from .index import build_index, save_index
-from .sae import SAEConfig, SAEError, SparseAutoencoder, save_sae
+from .sae import ACTIVATIONS, MAX_PREFIXES, SAEConfig, SAEError, SparseAutoencoder, save_sae
 from .tokens import MAX_IMAGE_SIDE, ImageSource, check_source_name, source_tokens, tokens_per_image
 
 DEAD_AFTER_TOKENS = 10_000_000  # Gao et al.'s window; shorter runs use one epoch's tokens
 AUXK_COEFFICIENT = 1 / 32
+THRESHOLD_MOMENTUM = 0.99  # BatchTopK's threshold: an average over about the last 100 steps
 CAPTURE_TOKENS = 2**14  # tokens per capturing forward pass (and per index pass)
 DEVICES = ("auto", "cpu", "cuda", "mps")
 PRETRAINED = "pretrained:"  # weights naming a catalogue model, as the app's model keys do
@@ -70,6 +71,9 @@ class SAETrainConfig(_JsonConfig):
     buffer_bytes: int = 512 * 2**20  # training tokens held at once (per rank)
     log_every: int = 10  # steps between SAEStepEvents
     index_top: int = 16  # top tokens kept per latent in the index
+    activation: str = "topk"  # "topk" or "batchtopk" (sae.ACTIVATIONS)
+    matryoshka: int = 1  # nested dictionaries (1: none): widths F / 2**(n-1), ..., F / 2, F each trained alone
+    evaluation_images: int = 256  # images the finished dictionary is measured on (features.evaluation)
 
     def __post_init__(self) -> None:
         if not isinstance(self.weights, str) or not self.weights:
@@ -80,8 +84,13 @@ class SAETrainConfig(_JsonConfig):
         if not isinstance(self.dataset, str):
             raise ValueError(f"dataset must be the name of an image set, not {_brief(self.dataset)}")
         check_source_name(self.dataset)
-        for name in ("images", "expansion", "k", "epochs", "batch_size", "buffer_bytes", "log_every", "index_top"):
+        for name in ("images", "expansion", "k", "epochs", "batch_size", "buffer_bytes", "log_every", "index_top",
+                     "matryoshka", "evaluation_images"):
             _check_whole(name, getattr(self, name), 1)
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {', '.join(ACTIVATIONS)}, not {_brief(self.activation)}")
+        if self.matryoshka > MAX_PREFIXES + 1:
+            raise ValueError(f"matryoshka must be at most {MAX_PREFIXES + 1} nested dictionaries, not {self.matryoshka:,}")
         _check_whole("seed", self.seed, 0)
         if self.image_size is not None:
             _check_whole("image_size", self.image_size, 1)
@@ -105,6 +114,15 @@ class SAETrainConfig(_JsonConfig):
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    def prefixes(self, width: int) -> tuple[int, ...]:
+        """The Matryoshka prefixes of a dictionary of ``width`` latents: each half the next; a
+        SAEError sentence when the smallest would have fewer than ``k`` latents."""
+        prefixes = tuple(width >> level for level in range(self.matryoshka - 1, 0, -1))
+        if prefixes and prefixes[0] < self.k:
+            raise SAEError(f"{self.matryoshka} nested dictionaries of {width:,} latents make the smallest"
+                           f" {prefixes[0]:,} wide, fewer than k = {self.k}: choose fewer")
+        return prefixes
 
     @property
     def pretrained(self) -> str | None:
@@ -195,6 +213,7 @@ class SAETrainer:
         # mean at initialisation), so that the variance does not cancel out in floating point.
         self.reference = sae.b_dec.detach().clone()
         self.stats_dtype = torch.float32 if device.type == "mps" else torch.float64
+        self.threshold_steps = 0  # BatchTopK: the steps its threshold has averaged
 
     def dead(self) -> torch.Tensor:
         """(F,) bool: the latents that have not fired for the dead window."""
@@ -206,23 +225,28 @@ class SAETrainer:
         sae, dead = self.sae, self.dead()
         target = tokens * sae.input_scale  # (B, D) scaled
         pre = sae.pre_activations(tokens)  # (B, F)
-        values, indices = pre.topk(sae.config.k, dim=-1)  # (B, k)
-        values = values.clamp(min=0)
-        # The decode reads the k rows each token uses, not a (B, F) product with a matrix of zeros:
+        values, latents, rows = self._active(pre)  # (n,) each, token by token
+        # The decode reads the rows each token uses, not a (B, F) product with a matrix of zeros:
         # for a ViT-B/16 layer (12,288 latents, k = 32) a 384th of the multiply-adds.
-        decoded = F.embedding_bag(indices, sae.W_dec, per_sample_weights=values, mode="sum")  # (B, D)
-        error = decoded + sae.b_dec - target  # (B, D)
-        loss = error.pow(2).mean()
+        parts = self._decoded_parts(values, latents, rows, tokens.shape[0])  # per nested dictionary: (B, D) what its new latents add
+        error = sae.b_dec - target  # (B, D), becoming the whole dictionary's error
+        loss = 0.0
+        for part in parts:  # Matryoshka: every prefix reconstructs alone; else one part, the whole
+            error = error + part
+            loss = loss + error.pow(2).mean()
         if dead.any():
             loss = loss + AUXK_COEFFICIENT * self._auxk(pre, dead, -error.detach())
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        active = values > 0  # (B, k)
-        fired = torch.bincount(indices[active], minlength=sae.config.width)  # (F,)
+        active = values > 0  # (n,)
+        fired = torch.bincount(latents[active], minlength=sae.config.width)  # (F,)
+        smallest = values.detach()[active].min() if active.any() else values.new_zeros(())
         if self.world > 1:
-            fired, stop = self._all_reduce(fired, stop)
+            fired, stop, smallest = self._all_reduce(fired, stop, smallest)
         self.optimizer.step()
         sae.normalise_decoder()
+        if sae.config.activation == "batchtopk":
+            self._estimate_threshold(smallest)
         self.since_fired += tokens.shape[0] * self.world
         self.since_fired[fired > 0] = 0
         with torch.no_grad():
@@ -233,6 +257,48 @@ class SAETrainer:
             ])
             return torch.cat([sums, centred.sum(0)]), stop
 
+    def _active(self, pre: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The kept latents of pre-activations (B, F): values, latents and their tokens (n,), token
+        by token. TopK: each token's k largest (n = B k); BatchTopK: the batch's k B largest, however
+        they fall on its tokens (Bussmann et al. 2024)."""
+        batch, width = pre.shape
+        k = self.sae.config.k
+        if self.sae.config.activation == "topk":
+            values, latents = pre.topk(k, dim=-1)  # (B, k)
+            rows = torch.arange(batch, device=pre.device).repeat_interleave(k)
+            return values.clamp(min=0).flatten(), latents.flatten(), rows
+        values, positions = pre.clamp(min=0).flatten().topk(min(k * batch, pre.numel()))  # (k B,)
+        positions, order = positions.sort()  # token by token, as embedding_bag's bags
+        return values[order], positions % width, positions // width
+
+    def _decoded_parts(self, values: torch.Tensor, latents: torch.Tensor, rows: torch.Tensor, batch: int) -> list[torch.Tensor]:
+        """(B, D) what each nested dictionary's own latents add to every token (the first prefix's
+        latents, then those up to the next prefix, ...): one part without Matryoshka."""
+        starts = torch.arange(batch, device=rows.device)
+        widths = self.sae.config.widths
+        if len(widths) > 1:
+            group = torch.bucketize(latents, latents.new_tensor(widths), right=True)  # (n,) the part each is in
+            kept = [group == part for part in range(len(widths))]
+        else:
+            kept = [None]
+        parts = []
+        for mask in kept:
+            part_values, part_latents, part_rows = (values, latents, rows) if mask is None else (
+                values[mask], latents[mask], rows[mask])
+            offsets = torch.searchsorted(part_rows, starts)  # (B,) each token's first entry
+            parts.append(F.embedding_bag(part_latents, self.sae.W_dec, offsets, mode="sum",
+                                         per_sample_weights=part_values))
+        return parts
+
+    @torch.no_grad()
+    def _estimate_threshold(self, smallest: torch.Tensor) -> None:
+        """BatchTopK's inference threshold: the smallest activation a batch kept, averaged over the
+        run (an exponential average, so that the early steps' are forgotten)."""
+        threshold = self.sae.threshold
+        threshold.copy_(smallest if self.threshold_steps == 0 else
+                        THRESHOLD_MOMENTUM * threshold + (1 - THRESHOLD_MOMENTUM) * smallest)
+        self.threshold_steps += 1
+
     def _auxk(self, pre: torch.Tensor, dead: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """The dead latents' top ``d_model // 2`` pre-activations reconstruct what the live ones
         missed (normalised MSE): a gradient that brings dead latents back (Gao et al. 2024)."""
@@ -241,17 +307,18 @@ class SAETrainer:
         auxiliary = F.embedding_bag(indices, self.sae.W_dec, per_sample_weights=values.clamp(min=0), mode="sum")
         return (auxiliary - residual).pow(2).sum() / residual.pow(2).sum().clamp(min=1e-12)
 
-    def _all_reduce(self, fired: torch.Tensor, stop: bool) -> tuple[torch.Tensor, bool]:
-        """One all-reduce per step: the gradients (averaged), which latents fired and the stop flag."""
+    def _all_reduce(self, fired: torch.Tensor, stop: bool, smallest: torch.Tensor) -> tuple[torch.Tensor, bool, torch.Tensor]:
+        """One all-reduce per step: the gradients (averaged), which latents fired, the stop flag and
+        the smallest kept activation (averaged: BatchTopK's threshold is the same on every rank)."""
         parameters = [parameter for parameter in self.sae.parameters() if parameter.grad is not None]
         flat = torch.cat([parameter.grad.flatten() for parameter in parameters]
-                         + [fired.float(), fired.new_tensor([float(stop)], dtype=torch.float32)])
+                         + [fired.float(), fired.new_tensor([float(stop), float(smallest)], dtype=torch.float32)])
         dist.all_reduce(flat)
         offset = 0
         for parameter in parameters:
             parameter.grad.copy_(flat[offset : offset + parameter.numel()].view_as(parameter) / self.world)
             offset += parameter.numel()
-        return flat[offset:-1], bool(flat[-1] > 0)
+        return flat[offset:-2], bool(flat[-2] > 0), flat[-1] / self.world
 
     def metrics(self, sums: torch.Tensor) -> dict[str, float]:
         """explained_variance, mse (per token dimension, in the tokens' scale), l0 and dead_share of
@@ -350,7 +417,8 @@ def _train(config, stop, model, rank, world, device, started) -> Iterator[SAECap
 
     with torch.random.fork_rng(devices=[]):  # the same initial dictionary on every rank; others' RNG untouched
         torch.manual_seed(config.seed)
-        sae = SparseAutoencoder(SAEConfig(width, config.expansion * width, config.k)).to(device)
+        latents = config.expansion * width
+        sae = SparseAutoencoder(SAEConfig(width, latents, config.k, config.activation, config.prefixes(latents))).to(device)
     trainer, held, step, stopped = None, None, 0, False
     first_epoch = last_epoch = None
     for epoch in range(config.epochs):
