@@ -256,6 +256,25 @@ def _corpus(root: Path) -> list[tuple[str, str, Path, str]]:
               _card(model_path, model="vit"))
     _sae_file(sae_case("card prefix_tokens a string", "card has prefix_tokens 'yes', not true or false"),
               _card(model_path, prefix_tokens="yes"))
+    _sae_file(sae_case("card evaluation a list", "card has evaluation .*, not numbers by name"),
+              _card(model_path, evaluation=[0.5] * 5))
+    _sae_file(sae_case("card evaluation of strings", "card has evaluation .*, not numbers by name"),
+              _card(model_path, evaluation={"nmse": "0.1"}))
+    _sae_file(sae_case("card evaluation of 1,000 names", "card has evaluation .*, not numbers by name"),
+              _card(model_path, evaluation={f"m{index}": 0.0 for index in range(1000)}))
+    _sae_file(sae_case("card evaluation images unknown", "card names an unknown image set$"),
+              _card(model_path, evaluation_images={"dataset": "/etc/passwd", "count": 8, "image_size": [32, 32]}))
+    _sae_file(sae_case("config activation unknown", "a dictionary's activation must be one of topk, batchtopk, not 'relu'"),
+              _card(model_path), config=json.dumps({"d_model": D, "width": WIDTH, "k": K, "activation": "relu"}))
+    _sae_file(sae_case("config prefixes decreasing", "the Matryoshka prefixes must increase"),
+              _card(model_path), config=json.dumps({"d_model": D, "width": WIDTH, "k": K, "prefixes": [32, 16]}))
+    _sae_file(sae_case("config of 1,000 prefixes", "the Matryoshka prefixes must be a list of at most 16"),
+              _card(model_path), config=json.dumps({"d_model": D, "width": WIDTH, "k": K, "prefixes": [1] * 1000}))
+    batchtopk = SAEConfig(D, WIDTH, K, "batchtopk").to_json()
+    _sae_file(sae_case("batchtopk without its threshold", "tensors do not match the dictionary"), _card(model_path),
+              config=batchtopk)
+    _sae_file(sae_case("batchtopk threshold NaN", "weights are not all finite numbers"), _card(model_path),
+              {"threshold": torch.tensor(math.nan)}, config=batchtopk)
     images = {"dataset": "shapes", "count": IMAGES, "image_size": [32, 32], "seed": 0}
     for name, changed, expected in [
         ("image set 100,000 pixels wide", {"image_size": [32, 100_000]}, "image sides of at most 2048 pixels"),

@@ -10,6 +10,7 @@ import torch
 
 import vit_explorer as vx
 from vit_explorer.features import train as sae_training
+from vit_explorer.features.evaluation import Evaluation
 from vit_explorer.features.index import load_index
 from vit_explorer.features.sae import load_sae
 from vit_explorer.features.tokens import ImageSource, layer_tokens, model_input
@@ -31,7 +32,7 @@ def weights(tmp_path_factory):
 
 def run_config(weights, out_dir, **changes) -> SAETrainConfig:
     base = dict(weights=str(weights), layer=1, images=IMAGES, epochs=1, batch_size=128, expansion=4, k=4,
-                device="cpu", out_dir=str(out_dir), log_every=3, index_top=5)
+                device="cpu", out_dir=str(out_dir), log_every=3, index_top=5, evaluation_images=8)
     return SAETrainConfig(**{**base, **changes})
 
 
@@ -64,6 +65,11 @@ def test_a_run_writes_a_dictionary_and_an_index_that_agree_with_brute_force(weig
     assert card["model"] == model_identity(weights) and card["layer"] == 1 and card["depth"] == 3
     assert ImageSource.from_dict(card["images"]) == ImageSource("shapes", IMAGES, (16, 16))
     assert SAETrainConfig.from_dict(card["settings"]) == run_config(weights, tmp_path)
+    # Measured on 8 held-out shapes (the next seed's stream), the numbers on its card.
+    assert card["evaluation_images"] == ImageSource("shapes", 8, (16, 16), seed=1).to_dict()
+    measured = Evaluation.from_card(card["evaluation"])
+    assert measured.images == 8 and measured.tokens == 8 * PATCHES and 0 < measured.nmse < 1 and measured.l0 <= 4
+    assert 0 <= measured.prediction_kept <= 1 and measured.kl >= 0 and measured.pooled_cosine is None
     tokens = all_tokens(model, 1)
     assert np.allclose(card["mean"], tokens.mean(0).numpy(), atol=1e-4)  # every training token's mean
 
@@ -122,6 +128,19 @@ def test_a_run_in_chunks_captures_at_most_a_chunk_and_indexes_every_image(weight
     assert len(held) == 1  # all of them fit: captured once for three epochs
 
 
+def test_batchtopk_and_matryoshka_runs_are_rebuilt_from_their_files(weights, tmp_path):
+    done = list(train_sae(run_config(weights, tmp_path, activation="batchtopk", matryoshka=3, k=2)))[-1]
+    sae, card = load_sae(done.path, vx.load_model(weights), layer=1)
+    assert (sae.config.activation, sae.config.prefixes, sae.config.width) == ("batchtopk", (32, 64), 128)
+    assert sae.threshold > 0 and card["settings"]["activation"] == "batchtopk" and card["settings"]["matryoshka"] == 3
+    latents = sae.encode(all_tokens(vx.load_model(weights), 1)).detach()  # above the threshold, any number a token
+    assert torch.equal(latents > 0, (sae.pre_activations(all_tokens(vx.load_model(weights), 1)) > sae.threshold))
+    assert np.allclose(load_index(done.index_path).frequency, (latents > 0).double().mean(0).numpy())
+    # A file written before BatchTopK (the shipped dictionary) still reads as TopK.
+    shipped, _ = load_sae(vx.DEFAULT_WEIGHTS.with_name("sae_shapes_layer2.safetensors"))
+    assert (shipped.config.activation, shipped.config.prefixes) == ("topk", ()) and not hasattr(shipped, "threshold")
+
+
 def test_a_stopped_run_still_writes_both_files(weights, tmp_path):
     stop = threading.Event()
     stop.set()
@@ -160,6 +179,9 @@ def test_a_layer_the_model_lacks_is_refused(weights, tmp_path):
     (dict(prefix_tokens="yes"), "prefix_tokens must be true or false, not 'yes'"),
     (dict(image_size=0), "image_size must be a whole number of at least 1, not 0"),
     (dict(image_size=100_000), "image_size must be at most 2048 pixels, not 100,000"),
+    (dict(activation="relu"), "activation must be one of topk, batchtopk, not 'relu'"),
+    (dict(matryoshka=0), "matryoshka must be a whole number of at least 1, not 0"),
+    (dict(matryoshka=40), "matryoshka must be at most 17 nested dictionaries, not 40"),
 ])
 def test_bad_settings_are_one_sentence(changes, message):
     with pytest.raises(ValueError, match="^" + re.escape(message)):

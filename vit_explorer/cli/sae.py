@@ -1,12 +1,14 @@
 """python -m vit_explorer sae: train a sparse autoencoder on one layer's tokens over an image set, with
 a progress bar; under torchrun data-parallel. Writes the dictionary (with its card) and the index
-of each latent's top patches."""
+of each latent's top patches. ``--evaluate FILE`` measures a dictionary as the field does
+(features.evaluation), ``--stability A B`` matches two dictionaries' latents (features.stability)."""
 from __future__ import annotations
 
 import argparse
 
 
 def add_sae(subparsers) -> None:
+    from ..features.sae import ACTIVATIONS
     from ..features.train import SAETrainConfig
 
     defaults = SAETrainConfig(weights="default", layer=0)
@@ -21,10 +23,11 @@ def add_sae(subparsers) -> None:
     parser.add_argument("--weights", default="default",
                         help="checkpoint: ours, timm, torchvision or a Hugging Face folder, or pretrained:NAME (a"
                         " catalogue model, downloaded once); default: the shipped shapes model")
-    parser.add_argument("--layer", type=int, required=True, help="the layer whose output tokens it reads (0-based)")
+    parser.add_argument("--layer", type=int, help="the layer whose output tokens it reads (0-based); required to train")
     parser.add_argument("--dataset", default=defaults.dataset,
                         help="shapes, photos (the bundled photos), cifar10, mnist, fashionmnist, or folder:PATH")
-    parser.add_argument("--images", type=int, default=defaults.images, help=f"images (default {defaults.images})")
+    parser.add_argument("--images", type=int, help=f"images (default {defaults.images}; to evaluate,"
+                        f" {defaults.evaluation_images})")
     parser.add_argument("--image-size", type=int, help="image side in pixels (default: the model's)")
     parser.add_argument("--prefix-tokens", action="store_true", help="read the class token and registers too")
     parser.add_argument("--expansion", type=int, default=defaults.expansion,
@@ -37,10 +40,34 @@ def add_sae(subparsers) -> None:
     parser.add_argument("--device", default="auto", help="auto (cuda, then mps, then cpu), cpu, cuda, mps")
     parser.add_argument("--out", default=defaults.out_dir, help="folder for the files (default runs)")
     parser.add_argument("--name", help="file name without extension (default sae_<model>_layer<L>)")
+    parser.add_argument("--activation", choices=ACTIVATIONS, default=defaults.activation,
+                        help="topk: k latents per token; batchtopk: k per token on average over a batch, a"
+                        " threshold at inference (Bussmann et al. 2024)")
+    parser.add_argument("--matryoshka", type=int, default=defaults.matryoshka, metavar="N",
+                        help="N nested dictionaries (widths F/2^(N-1), ..., F/2, F), each trained to reconstruct"
+                        " alone (Bussmann et al. 2025); default 1: none")
+    parser.add_argument("--evaluate", metavar="FILE",
+                        help="measure the dictionary FILE instead of training: NMSE, L0, dead and dense latents, and"
+                        " the model with its reconstruction spliced in (--weights: its model, default the card's;"
+                        " --images: how many held-out images)")
+    parser.add_argument("--write-card", action="store_true",
+                        help="with --evaluate: also write the numbers on the dictionary's card")
+    parser.add_argument("--stability", nargs=2, metavar=("A", "B"),
+                        help="the share of A's latents matched one to one (Hungarian) to one of B's at cosine >= 0.9")
     parser.set_defaults(run=run_sae)
 
 
 def run_sae(args: argparse.Namespace) -> int:
+    if args.evaluate is not None:
+        return evaluate_sae(args)
+    if args.stability is not None:
+        return stability(args)
+    if args.layer is None:
+        raise ValueError("training a dictionary needs --layer (the layer whose tokens it reads)")
+    return train(args)
+
+
+def train(args: argparse.Namespace) -> int:
     import os
     import signal
     import threading
@@ -49,11 +76,13 @@ def run_sae(args: argparse.Namespace) -> int:
 
     from ..features.train import SAEDoneEvent, SAEStepEvent, SAETrainConfig, train_sae
 
+    defaults = SAETrainConfig(weights="default", layer=0)
+
     config = SAETrainConfig(
-        weights=args.weights, layer=args.layer, dataset=args.dataset, images=args.images,
+        weights=args.weights, layer=args.layer, dataset=args.dataset, images=args.images or defaults.images,
         image_size=args.image_size, prefix_tokens=args.prefix_tokens, expansion=args.expansion, k=args.k,
         epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, seed=args.seed, device=args.device,
-        out_dir=args.out, name=args.name,
+        out_dir=args.out, name=args.name, activation=args.activation, matryoshka=args.matryoshka,
     )
     show = int(os.environ.get("RANK", "0")) == 0  # under torchrun only rank 0 reports
     stop = threading.Event()
@@ -87,4 +116,68 @@ def run_sae(args: argparse.Namespace) -> int:
             bar.close()
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGINT, previous)
+    return 0
+
+
+def evaluate_sae(args: argparse.Namespace) -> int:
+    """Print the dictionary's evaluation on held-out images (features.evaluation.held_out)."""
+    from pathlib import Path
+
+    from tqdm import tqdm
+
+    from ..features.evaluation import evaluate, held_out, write_evaluation
+    from ..features.sae import SAEError, load_sae, read_card
+    from ..features.tokens import ImageSource
+    from ..features.train import PRETRAINED, SAETrainConfig, model_identity
+    from ..weights import load_model
+
+    _, card = read_card(args.evaluate)
+    if "images" not in card or "layer" not in card:
+        raise SAEError("this SAE file's card lacks its layer or image set, which every run writes")
+    model_card = card.get("model", {})
+    weights = args.weights if args.weights != "default" or "path" not in model_card else model_card["path"]
+    config = SAETrainConfig(weights=weights, layer=card["layer"])
+    if config.pretrained is None and not config.weights_path.exists():
+        raise SAEError(f"the model this dictionary was trained on ({model_card.get('name', '?')}) is not where its card"
+                       " says: pass its checkpoint with --weights")
+    if model_identity(config.weights_path)["digest"] != model_card.get("digest"):
+        raise SAEError("this dictionary was trained on another model than --weights (their digests differ)")
+    model = load_model(config.weights_path) if config.pretrained is None else None
+    if model is None:
+        from ..weights import load_pretrained
+
+        model = load_pretrained(weights.removeprefix(PRETRAINED))
+    sae, card = load_sae(args.evaluate, model)
+    trained_on = ImageSource.from_dict(card["images"])
+    source = held_out(trained_on, args.images or config.evaluation_images)
+    with tqdm(total=len(source), unit="image", desc="evaluate") as bar:
+        result = evaluate(sae, model, source, card["layer"], bool(card.get("prefix_tokens", False)),
+                          progress=lambda done, total: bar.update(done - bar.n))
+    which = "held-out" if source.seed != trained_on.seed else "training"
+    print(f"{Path(args.evaluate).name}, layer {card['layer']}, {which} {source.dataset} images: {result.summary()}")
+    if args.write_card:
+        write_evaluation(args.evaluate, result, source)
+        print("written on its card")
+    return 0
+
+
+def stability(args: argparse.Namespace) -> int:
+    """Print the share of latents two dictionaries of one layer share (features.stability)."""
+    import numpy as np
+
+    from ..features.sae import SAEError, load_sae
+    from ..features.stability import MATCHED, matched_cosines
+
+    (first, first_card), (second, second_card) = (load_sae(path) for path in args.stability)
+    for key in ("layer", "model"):
+        if first_card.get(key) is not None and second_card.get(key) is not None and (
+            first_card[key] != second_card[key] if key == "layer"
+            else first_card[key].get("digest") != second_card[key].get("digest")
+        ):
+            raise SAEError(f"these dictionaries read different {'layers' if key == 'layer' else 'models'}:"
+                           " their latents are not comparable")
+    cosines = matched_cosines(first, second)
+    share = float(np.mean(cosines >= MATCHED))
+    print(f"stability: {100 * share:.1f}% of {len(cosines):,} matched latents have a partner at cosine >= {MATCHED}"
+          f" (median matched cosine {float(np.median(cosines)):.3f})")
     return 0

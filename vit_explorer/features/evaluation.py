@@ -23,8 +23,11 @@ dictionaries of one model and layer, each further dictionary costs one forward p
 """
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +35,7 @@ import torch.nn.functional as F
 from ..model.patching import rest_of_pass
 from ..model.recorder import eval_mode
 from ..model.vit import ViT
-from .sae import SparseAutoencoder
+from .sae import CARD_KEY, SparseAutoencoder
 from .tokens import ImageSource, model_input
 
 DENSE_FREQUENCY = 0.1  # a latent active on more than this share of the tokens is dense
@@ -214,3 +217,20 @@ def held_out(source: ImageSource, count: int) -> ImageSource:
     if source.dataset == "shapes":
         return ImageSource("shapes", count, source.image_size, source.seed + 1)
     return ImageSource(source.dataset, min(count, len(source)), source.image_size, source.seed)
+
+
+def write_evaluation(path, result: Evaluation, source: ImageSource) -> None:
+    """Put ``result`` (measured on ``source``) on the card of the SAE file at ``path``, replacing the
+    file whole once the new one is written (its tensors unchanged)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    path = Path(path)
+    with safe_open(str(path), framework="pt") as file:
+        metadata = dict(file.metadata())
+    card = json.loads(metadata.get(CARD_KEY, "{}"))
+    card.update(evaluation=result.to_card(), evaluation_images=source.to_dict())
+    metadata[CARD_KEY] = json.dumps(card)
+    temporary = path.with_name(f".{path.name}.tmp")
+    save_file(load_file(str(path)), str(temporary), metadata=metadata)
+    os.replace(temporary, path)

@@ -216,14 +216,22 @@ def build_index(
         for indices, images in source.batches(batch_size, rank, world):
             tokens = layer_tokens(model, model_input(model, images), layer, prefix_tokens)  # (B, P, D)
             per_image = tokens.shape[1]
-            # The SAE's TopK as (B * P, k) values and latents, not scattered back to (B * P, F)
-            values, latents = sae.pre_activations(tokens.flatten(0, 1).to(device)).topk(sae.config.k, dim=-1)
+            values, latents = _active(sae, tokens.flatten(0, 1).to(device))
             image_of_token = indices.to(device).repeat_interleave(per_image)  # (B * P,)
             position = torch.arange(per_image, device=device).repeat(len(indices))
             partial.add(values, latents, image_of_token, position)
         if world > 1:
             partial.gathered(world)
     return partial.finish(model.grid_size(), model.num_prefix_tokens if prefix_tokens else 0)
+
+
+def _active(sae: SparseAutoencoder, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n, m) values and latents of tokens (n, D): each token's active latents (zeros pad the rest)."""
+    if sae.config.activation == "topk":  # (n, k), not scattered back to (n, F)
+        return sae.pre_activations(tokens).topk(sae.config.k, dim=-1)
+    latents = sae.encode(tokens)  # BatchTopK: above its threshold, as many as a token has
+    most = max(1, int((latents > 0).sum(-1).max()))
+    return latents.topk(most, dim=-1)
 
 
 def save_index(index: LatentIndex, path: str | Path) -> None:

@@ -69,7 +69,7 @@ class SAEConfig(_JsonConfig):
         _check_whole("width", self.width, 1)
         _check_whole("k", self.k, 1)
         if self.activation not in ACTIVATIONS:
-            raise SAEError(f"the activation must be one of {', '.join(ACTIVATIONS)}, not {_brief(self.activation)}")
+            raise SAEError(f"a dictionary's activation must be one of {', '.join(ACTIVATIONS)}, not {_brief(self.activation)}")
         if not isinstance(self.prefixes, (list, tuple)) or len(self.prefixes) > MAX_PREFIXES:
             raise SAEError(f"the Matryoshka prefixes must be a list of at most {MAX_PREFIXES} widths,"
                            f" not {_brief(self.prefixes)}")

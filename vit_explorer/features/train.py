@@ -15,6 +15,10 @@ the images (the remainder of a division by the ranks is left out of training, no
 gradients are averaged by one all-reduce per step, and rank 0 writes the index of the latents'
 top patches and the dictionary with its card (the index first, so that whoever finds the
 dictionary finds its index). Every rank yields the events.
+
+When it ends, rank 0 measures the dictionary on ``evaluation_images`` held-out images
+(features.evaluation: NMSE, L0, dead and dense shares, the model with it spliced in) and writes
+the numbers on its card.
 """
 from __future__ import annotations
 
@@ -37,6 +41,7 @@ from ..model.config import _brief, _check_whole, _is_number, _JsonConfig
 from ..model.devices import distributed_setup
 from ..model.vit import ViT
 from ..weights import TORCHVISION_VITS, catalogue, load_model, load_pretrained, resize_model
+from .evaluation import evaluate, held_out
 from .index import build_index, save_index
 from .sae import ACTIVATIONS, MAX_PREFIXES, SAEConfig, SAEError, SparseAutoencoder, save_sae
 from .tokens import MAX_IMAGE_SIDE, ImageSource, check_source_name, source_tokens, tokens_per_image
@@ -225,7 +230,7 @@ class SAETrainer:
         sae, dead = self.sae, self.dead()
         target = tokens * sae.input_scale  # (B, D) scaled
         pre = sae.pre_activations(tokens)  # (B, F)
-        values, latents, rows = self._active(pre)  # (n,) each, token by token
+        values, latents, rows = self._active(pre)
         # The decode reads the rows each token uses, not a (B, F) product with a matrix of zeros:
         # for a ViT-B/16 layer (12,288 latents, k = 32) a 384th of the multiply-adds.
         parts = self._decoded_parts(values, latents, rows, tokens.shape[0])  # per nested dictionary: (B, D) what its new latents add
@@ -238,9 +243,9 @@ class SAETrainer:
             loss = loss + AUXK_COEFFICIENT * self._auxk(pre, dead, -error.detach())
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        active = values > 0  # (n,)
+        active = values > 0
         fired = torch.bincount(latents[active], minlength=sae.config.width)  # (F,)
-        smallest = values.detach()[active].min() if active.any() else values.new_zeros(())
+        smallest = values.detach()[active].min() if rows is not None and active.any() else values.new_zeros(())
         if self.world > 1:
             fired, stop, smallest = self._all_reduce(fired, stop, smallest)
         self.optimizer.step()
@@ -257,38 +262,31 @@ class SAETrainer:
             ])
             return torch.cat([sums, centred.sum(0)]), stop
 
-    def _active(self, pre: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The kept latents of pre-activations (B, F): values, latents and their tokens (n,), token
-        by token. TopK: each token's k largest (n = B k); BatchTopK: the batch's k B largest, however
-        they fall on its tokens (Bussmann et al. 2024)."""
+    def _active(self, pre: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The kept latents of pre-activations (B, F): values and latents, and their tokens. TopK:
+        each token's k largest, (B, k) each, tokens None; BatchTopK: the batch's k B largest,
+        however they fall on its tokens (Bussmann et al. 2024), (k B,) each, token by token."""
         batch, width = pre.shape
         k = self.sae.config.k
         if self.sae.config.activation == "topk":
             values, latents = pre.topk(k, dim=-1)  # (B, k)
-            rows = torch.arange(batch, device=pre.device).repeat_interleave(k)
-            return values.clamp(min=0).flatten(), latents.flatten(), rows
+            return values.clamp(min=0), latents, None
         values, positions = pre.clamp(min=0).flatten().topk(min(k * batch, pre.numel()))  # (k B,)
         positions, order = positions.sort()  # token by token, as embedding_bag's bags
         return values[order], positions % width, positions // width
 
-    def _decoded_parts(self, values: torch.Tensor, latents: torch.Tensor, rows: torch.Tensor, batch: int) -> list[torch.Tensor]:
+    def _decoded_parts(self, values: torch.Tensor, latents: torch.Tensor, rows: torch.Tensor | None,
+                       batch: int) -> list[torch.Tensor]:
         """(B, D) what each nested dictionary's own latents add to every token (the first prefix's
         latents, then those up to the next prefix, ...): one part without Matryoshka."""
-        starts = torch.arange(batch, device=rows.device)
         widths = self.sae.config.widths
-        if len(widths) > 1:
-            group = torch.bucketize(latents, latents.new_tensor(widths), right=True)  # (n,) the part each is in
-            kept = [group == part for part in range(len(widths))]
-        else:
-            kept = [None]
-        parts = []
-        for mask in kept:
-            part_values, part_latents, part_rows = (values, latents, rows) if mask is None else (
-                values[mask], latents[mask], rows[mask])
-            offsets = torch.searchsorted(part_rows, starts)  # (B,) each token's first entry
-            parts.append(F.embedding_bag(part_latents, self.sae.W_dec, offsets, mode="sum",
-                                         per_sample_weights=part_values))
-        return parts
+        # (TopK: every token's k in a row of a (B, k) bag; BatchTopK: (B,) where each token's start)
+        offsets = None if rows is None else torch.searchsorted(rows, torch.arange(batch, device=rows.device))
+        if len(widths) == 1:
+            return [F.embedding_bag(latents, self.sae.W_dec, offsets, mode="sum", per_sample_weights=values)]
+        part = torch.bucketize(latents, latents.new_tensor(widths), right=True)  # which nested dictionary adds each
+        return [F.embedding_bag(latents, self.sae.W_dec, offsets, mode="sum", per_sample_weights=values * (part == index))
+                for index in range(len(widths))]
 
     @torch.no_grad()
     def _estimate_threshold(self, smallest: torch.Tensor) -> None:
@@ -472,11 +470,14 @@ def _finish(config, model, sae, trainer, source, first_epoch, last_epoch, stoppe
                         top=config.index_top, rank=rank, world=world)
     if rank == 0:
         save_index(index, paths["index"])
+        measured_on = held_out(source, config.evaluation_images)
+        evaluation = evaluate(sae, model, measured_on, config.layer, config.prefix_tokens, batch_size=capture_images)
         card = {
             "model": model_identity(config.weights_path), "embed_dim": model.config.embed_dim,
             "depth": model.config.depth, "layer": config.layer, "prefix_tokens": config.prefix_tokens,
             "images": source.to_dict(), "settings": config.to_dict(), "metrics": metrics,
             "mean": trainer.mean(first_epoch).tolist(), "stopped": stopped,
+            "evaluation": evaluation.to_card(), "evaluation_images": measured_on.to_dict(),
         }
         temporary = paths["dictionary"].with_name(f".{paths['dictionary'].name}.tmp")
         save_sae(sae, temporary, card)
