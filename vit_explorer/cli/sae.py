@@ -119,42 +119,52 @@ def train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _model_and_images(path: str, args: argparse.Namespace):
+    """(the model of the dictionary at ``path``, its card, the held-out images to measure it on):
+    --weights, or the checkpoint its card names, refused in a sentence unless its digest is the card's."""
+    from pathlib import Path
+
+    from ..features.evaluation import held_out
+    from ..features.sae import SAEError, read_card
+    from ..features.tokens import ImageSource
+    from ..features.train import SAETrainConfig, model_identity
+    from ..weights import load_model, load_pretrained
+
+    if not Path(path).exists():
+        raise SAEError(f"there is no file {path}")
+    _, card = read_card(path)
+    if "images" not in card or "layer" not in card:
+        raise SAEError("this SAE file's card lacks its layer or image set, which every run writes")
+    named = card.get("model", {})
+    weights = named["path"] if args.weights == "default" and "path" in named else args.weights
+    config = SAETrainConfig(weights=weights, layer=card["layer"])
+    if not config.weights_path.exists():
+        raise SAEError(f"the model this dictionary was trained on ({named.get('name', '?')}) is not where its card"
+                       " says: pass its checkpoint with --weights")
+    if model_identity(config.weights_path)["digest"] != named.get("digest"):
+        raise SAEError("this dictionary was trained on another model than --weights (their digests differ)")
+    model = load_model(config.weights_path) if config.pretrained is None else load_pretrained(config.pretrained)
+    trained_on = ImageSource.from_dict(card["images"])
+    return model, card, trained_on, held_out(trained_on, args.images or config.evaluation_images)
+
+
 def evaluate_sae(args: argparse.Namespace) -> int:
     """Print the dictionary's evaluation on held-out images (features.evaluation.held_out)."""
     from pathlib import Path
 
     from tqdm import tqdm
 
-    from ..features.evaluation import evaluate, held_out, write_evaluation
-    from ..features.sae import SAEError, load_sae, read_card
-    from ..features.tokens import ImageSource
-    from ..features.train import PRETRAINED, SAETrainConfig, model_identity
-    from ..weights import load_model
+    from ..features.evaluation import evaluate, write_evaluation
+    from ..features.sae import load_sae
 
-    _, card = read_card(args.evaluate)
-    if "images" not in card or "layer" not in card:
-        raise SAEError("this SAE file's card lacks its layer or image set, which every run writes")
-    model_card = card.get("model", {})
-    weights = args.weights if args.weights != "default" or "path" not in model_card else model_card["path"]
-    config = SAETrainConfig(weights=weights, layer=card["layer"])
-    if config.pretrained is None and not config.weights_path.exists():
-        raise SAEError(f"the model this dictionary was trained on ({model_card.get('name', '?')}) is not where its card"
-                       " says: pass its checkpoint with --weights")
-    if model_identity(config.weights_path)["digest"] != model_card.get("digest"):
-        raise SAEError("this dictionary was trained on another model than --weights (their digests differ)")
-    model = load_model(config.weights_path) if config.pretrained is None else None
-    if model is None:
-        from ..weights import load_pretrained
-
-        model = load_pretrained(weights.removeprefix(PRETRAINED))
+    model, card, trained_on, source = _model_and_images(args.evaluate, args)
     sae, card = load_sae(args.evaluate, model)
-    trained_on = ImageSource.from_dict(card["images"])
-    source = held_out(trained_on, args.images or config.evaluation_images)
     with tqdm(total=len(source), unit="image", desc="evaluate") as bar:
         result = evaluate(sae, model, source, card["layer"], bool(card.get("prefix_tokens", False)),
                           progress=lambda done, total: bar.update(done - bar.n))
     which = "held-out" if source.seed != trained_on.seed else "training"
-    print(f"{Path(args.evaluate).name}, layer {card['layer']}, {which} {source.dataset} images: {result.summary()}")
+    print(f"{Path(args.evaluate).name}, layer {card['layer']}, {len(source):,} {which} {source.dataset} images:"
+          f" {result.summary()}")
     if args.write_card:
         write_evaluation(args.evaluate, result, source)
         print("written on its card")
@@ -162,22 +172,24 @@ def evaluate_sae(args: argparse.Namespace) -> int:
 
 
 def stability(args: argparse.Namespace) -> int:
-    """Print the share of latents two dictionaries of one layer share (features.stability)."""
+    """Print how many latents two dictionaries of one layer share (features.stability), and of the
+    first one's firings on held-out tokens."""
     import numpy as np
+    import torch
 
     from ..features.sae import SAEError, load_sae
-    from ..features.stability import MATCHED, matched_cosines
+    from ..features.stability import MATCHED
+    from ..features.stability import stability as matched
+    from ..features.tokens import source_tokens
 
-    (first, first_card), (second, second_card) = (load_sae(path) for path in args.stability)
-    for key in ("layer", "model"):
-        if first_card.get(key) is not None and second_card.get(key) is not None and (
-            first_card[key] != second_card[key] if key == "layer"
-            else first_card[key].get("digest") != second_card[key].get("digest")
-        ):
-            raise SAEError(f"these dictionaries read different {'layers' if key == 'layer' else 'models'}:"
-                           " their latents are not comparable")
-    cosines = matched_cosines(first, second)
-    share = float(np.mean(cosines >= MATCHED))
-    print(f"stability: {100 * share:.1f}% of {len(cosines):,} matched latents have a partner at cosine >= {MATCHED}"
-          f" (median matched cosine {float(np.median(cosines)):.3f})")
+    model, card, _, source = _model_and_images(args.stability[0], args)
+    (first, _), (second, other) = (load_sae(path, model) for path in args.stability)
+    if other.get("layer") != card["layer"] or other.get("model", {}).get("digest") != card["model"].get("digest"):
+        raise SAEError("these dictionaries read different layers or models: their latents are not comparable")
+    prefix_tokens = bool(card.get("prefix_tokens", False))
+    tokens = source_tokens(model, source, torch.arange(len(source)), card["layer"], prefix_tokens, 64, "cpu")
+    found = matched(first, second, tokens)
+    print(f"stability: {100 * found.share:.1f}% of {len(found.cosines):,} latents have a partner at cosine >= {MATCHED}"
+          f" (median matched cosine {float(np.median(found.cosines)):.3f}); they carry {100 * found.used_share:.1f}% of"
+          f" the first one's firings on {len(source):,} held-out {source.dataset} images")
     return 0

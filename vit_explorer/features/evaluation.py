@@ -233,4 +233,5 @@ def write_evaluation(path, result: Evaluation, source: ImageSource) -> None:
     metadata[CARD_KEY] = json.dumps(card)
     temporary = path.with_name(f".{path.name}.tmp")
     save_file(load_file(str(path)), str(temporary), metadata=metadata)
+    os.chmod(temporary, path.stat().st_mode & 0o777)  # as readable as it was (safetensors writes 0600)
     os.replace(temporary, path)
