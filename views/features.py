@@ -55,6 +55,51 @@ st.caption(
     " of the latents never fired."
 )
 
+# --- How the field judges it: measured on held-out images, read from its card -----------------
+evaluation = features.measured(card)
+with st.expander("How good is this dictionary? (as SAE papers measure it)", expanded=False):
+    if evaluation is None:
+        st.info(
+            "This dictionary was not measured when it was trained (it is older than the measures). Measure it"
+            " with `python -m vit_explorer sae --evaluate FILE --write-card`."
+        )
+    else:
+        trained_on_images = card.get("evaluation_images", {})
+        st.caption(
+            f"On {evaluation.images:,} {trained_on_images.get('dataset', '')} images"
+            f"{' it never saw' if trained_on_images.get('seed') != trained_on.get('seed') else ''}"
+            f" ({evaluation.tokens:,} tokens). NMSE: the squared error left over the tokens' spread"
+            " (1 - explained variance). L0: latents active per token. Dead: never active on these tokens;"
+            f" dense: active on more than {100 * features.DENSE_FREQUENCY:.0f}% of them."
+        )
+        columns = st.columns(4)
+        columns[0].metric("NMSE", f"{evaluation.nmse:.3f}")
+        columns[1].metric("L0", f"{evaluation.l0:.1f}")
+        columns[2].metric("Dead latents", f"{100 * evaluation.dead_share:.1f}%")
+        columns[3].metric("Dense latents", f"{100 * evaluation.dense_share:.1f}%")
+        st.write(
+            "**Spliced in**: the model run with the dictionary's reconstruction in place of the tokens it reads"
+            f" at layer {layer}, the layers above unchanged."
+        )
+        columns = st.columns(3)
+        if evaluation.pooled_cosine is not None:
+            columns[0].metric("Pooled output's cosine with the clean one", f"{evaluation.pooled_cosine:.4f}")
+        else:
+            columns[0].metric("Predictions kept", f"{100 * evaluation.prediction_kept:.1f}%",
+                              help="Images whose top class is the same with the reconstruction spliced in.")
+            columns[1].metric("KL of the output", f"{evaluation.kl:.4f} nats",
+                              help="KL(clean || spliced) of the class probabilities, mean over the images.")
+            columns[2].metric("Loss recovered", f"{100 * evaluation.loss_recovered:.1f}%",
+                              help="(L_zero - L_sae) / (L_zero - L_clean), L the cross-entropy of the clean prediction"
+                              " and L_zero with those tokens set to zero (ViT-Prisma's % CE recovered).")
+    names, l0s, nmses = features.frontier(choices, layer)
+    if len(names) > 0:
+        st.plotly_chart(figures.sae_frontier(
+            names, l0s, nmses, f"Layer {layer}'s dictionaries: NMSE against L0 (lower left is better)",
+            chosen=choices[label].stem,
+        ))
+# ----------------------------------------------------------------------------------------------
+
 view = features.image_features(selection, chosen)
 st.subheader("How much of this image it explains")
 st.write(

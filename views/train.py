@@ -142,12 +142,26 @@ with st.expander("Or a sparse autoencoder on a layer of the sidebar's model"):
                                            help=f"{width} dimensions x this many latents.")
         sae_k = sae_right.number_input("Active latents per token (k)", 1, 256, 32)
         sae_epochs = sae_right.number_input("Passes over the tokens", 1, 50, 2, key="sae_epochs")
+        # The dictionary's kind: BatchTopK and Matryoshka beside TopK (features/sae.py)
+        sae_activation = sae_left.selectbox(
+            "Activation", ["topk", "batchtopk"], key="sae_activation",
+            format_func={"topk": "TopK: k latents every token", "batchtopk": "BatchTopK: k a token on average"}.get,
+            help="BatchTopK (Bussmann et al. 2024) keeps the k x batch largest over a batch while training, so a"
+            " token may use more or fewer, and a threshold learnt while training at inference.",
+        )
+        sae_matryoshka = sae_right.number_input(
+            "Nested dictionaries (Matryoshka)", 1, 8, 1, key="sae_matryoshka",
+            help="More than 1: the first latents are a dictionary of their own, trained to reconstruct alone"
+            " (widths halving: all, 1/2, 1/4, ...), the most general latents first (Bussmann et al. 2025).",
+        )
         if st.button("Launch the sparse autoencoder", type="primary"):
             try:
                 sae_config = SAETrainConfig(
                     weights=weights, layer=sae_layer, dataset=sae_dataset, images=sae_images,
                     expansion=expansion, k=sae_k, epochs=sae_epochs, log_every=5,
+                    activation=sae_activation, matryoshka=sae_matryoshka,
                 )
+                sae_config.prefixes(expansion * width)  # too many nested dictionaries: a sentence now, not in the run
                 state["watched_run"] = runs.start_run(sae_config)
             except (ValueError, RunRefused) as error:
                 st.error(f"Cannot train that: {error}")

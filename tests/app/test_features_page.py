@@ -2,6 +2,8 @@
 numbers are the dictionary's own on this image's capture, steering by 1 changes nothing and by 0
 changes the prediction, another model's dictionary is never offered; an SAE run launched from the
 Train page becomes one; and the shipped dictionary fits the shipped model."""
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -9,7 +11,8 @@ import torch
 import vit_explorer as vx
 from vit_explorer.app import images, models, runs, session
 from vit_explorer.data.datasets import shapes_sample
-from vit_explorer.features.sae import load_sae
+from vit_explorer.features.evaluation import Evaluation
+from vit_explorer.features.sae import load_sae, save_sae
 from vit_explorer.features.steering import Steering
 from vit_explorer.features.train import SAETrainConfig, model_identity, train_sae
 from vit_explorer.training import train
@@ -149,3 +152,36 @@ def test_steering_composes_with_the_knock_out_page_s_knock_out(dictionary):
                          intact=vx.capture(model, x))
     torch.testing.assert_close(resumed.logits, both.logits)
     assert not torch.allclose(both.logits, vx.capture(model, x, steering=Steering(sae, LAYER, {latent: 0.0})).logits)
+
+
+def test_the_dictionary_is_judged_as_the_field_judges_it_beside_its_layers_others(dictionary):
+    path = dictionary.paths()["dictionary"]
+    sae, card = load_sae(path)
+    older = {key: value for key, value in card.items() if key not in ("evaluation", "evaluation_images")}
+    save_sae(sae, path.with_name("sae_older.safetensors"), older)  # trained before the measures
+    os.utime(path.with_name("sae_older.safetensors"), (1, 1))  # the oldest: the page opens on the measured one
+    app = open_app(PAGE)
+    assert errors(app) == [] and not app.exception
+    measured = Evaluation.from_card(card["evaluation"])
+    assert measured.images == 256 and measured.prediction_kept is not None  # a run measures 256 held-out images
+    metrics = {metric.label: metric.value for metric in app.metric}
+    assert metrics["NMSE"] == f"{measured.nmse:.3f}" and metrics["L0"] == f"{measured.l0:.1f}"
+    assert metrics["Loss recovered"] == f"{100 * measured.loss_recovered:.1f}%"
+    assert metrics["Predictions kept"] == f"{100 * measured.prediction_kept:.1f}%"
+    (points,) = charts(app)[title_matching(app, "^Layer 1's dictionaries: NMSE against L0")]
+    assert points["text"] == ["sae_tiny"]  # the older one has no measures to place
+    assert decoded(points["x"]).tolist() == [measured.l0] and decoded(points["y"]).tolist() == [measured.nmse]
+    dictionaries = widget(app.selectbox, "Dictionary")
+    dictionaries.set_value(next(option for option in dictionaries.options if option.startswith("sae_older"))).run()
+    assert errors(app) == [] and any("sae --evaluate FILE --write-card" in info.value for info in app.info)
+
+
+def test_the_train_page_refuses_more_nested_dictionaries_than_fit_in_a_sentence():
+    app = open_app("views/train.py")
+    widget(app.number_input, "Latents per token dimension").set_value(1)
+    widget(app.number_input, "Active latents per token (k)").set_value(8)
+    widget(app.number_input, "Nested dictionaries (Matryoshka)").set_value(4)
+    widget(app.button, "Launch the sparse autoencoder").click().run()
+    assert errors(app) == ["Cannot train that: 4 nested dictionaries of 32 latents make the smallest 4 wide,"
+                           " fewer than k = 8: choose fewer"]
+    assert runs.training_runs() == {}

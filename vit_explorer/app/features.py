@@ -26,6 +26,7 @@ import torch
 from .. import resources
 from ..data.datasets import DEFAULT_DATA_ROOT, DatasetError
 from ..weights import catalogue
+from ..features.evaluation import DENSE_FREQUENCY, Evaluation  # noqa: F401 (DENSE_FREQUENCY: the page says it)
 from ..features.index import LatentIndex, load_index
 from ..features.sae import (
     NotAnSAEFile, SAEConfig, SAEError, SparseAutoencoder, check_fits, check_weights, load_sae, per_token_explained,
@@ -185,6 +186,32 @@ def _choice_label(path: Path, card: dict) -> str:
     explained = card.get("metrics", {}).get("explained_variance")
     shown = "" if explained is None else f", explains {100 * explained:.0f}%"
     return f"{path.stem} (layer {card['layer']}{shown})"
+
+
+def measured(card: dict) -> Evaluation | None:
+    """The evaluation on a dictionary's card (features.evaluation, written when its run ended or
+    by ``sae --evaluate --write-card``); None for a card without one."""
+    entry = card.get("evaluation")
+    return Evaluation.from_card(entry) if isinstance(entry, dict) else None
+
+
+def frontier(choices: dict[str, Path], layer: int) -> tuple[list[str], list[float], list[float]]:
+    """(names, L0s, NMSEs) of the offered dictionaries of ``layer`` that were measured: the points
+    of the sparsity-fidelity frontier, read from their cards (each read once per file version)."""
+    names, l0, nmse = [], [], []
+    for path in choices.values():
+        try:
+            read = _card(path, path.stat().st_mtime)
+        except OSError:  # gone since listed
+            continue
+        if not isinstance(read, tuple) or read[1].get("layer") != layer:
+            continue
+        evaluation = measured(read[1])
+        if evaluation is not None:
+            names.append(path.stem)
+            l0.append(evaluation.l0)
+            nmse.append(evaluation.nmse)
+    return names, l0, nmse
 
 
 def dictionary(path: Path, selection: Selection) -> Dictionary:

@@ -71,11 +71,17 @@ class Evaluation:
 
     @classmethod
     def from_card(cls, entry: dict) -> Evaluation | None:
-        """The evaluation on a card (checked by sae.check_card), None if it has none or an older one."""
+        """The evaluation on a card (its values numbers or null: sae.check_card), None unless it has
+        every measure of a classifier's or a headless model's."""
         try:
-            return cls(**entry)
-        except TypeError:
+            evaluation = cls(**entry)
+        except TypeError:  # names this version does not write
             return None
+        spliced = ((evaluation.pooled_cosine,) if evaluation.pooled_cosine is not None
+                   else (evaluation.prediction_kept, evaluation.kl, evaluation.loss_recovered))
+        always = (evaluation.images, evaluation.tokens, evaluation.nmse, evaluation.l0, evaluation.dead_share,
+                  evaluation.dense_share)
+        return evaluation if all(value is not None for value in (*always, *spliced)) else None
 
     def summary(self) -> str:
         """One line: the numbers as the field reports them."""

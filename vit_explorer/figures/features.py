@@ -100,3 +100,20 @@ def latent_histogram(counts, top: float, frequency: float, title: str) -> go.Fig
         xaxis=dict(title=dict(text="activation")), yaxis=dict(title=dict(text="tokens"), type="log"),
         height=300,
     ))
+
+
+def sae_frontier(names: Sequence[str], l0, nmse, title: str, chosen: str | None = None) -> go.Figure:
+    """The sparsity-fidelity frontier of a layer's dictionaries: each one's NMSE (lower: closer
+    reconstruction) against its L0 (active latents per token, fewer: sparser), ``chosen`` in
+    crimson. names: (n,); l0, nmse: (n,) measured on held-out images."""
+    l0, nmse = _float_array(l0).reshape(-1), _float_array(nmse).reshape(-1)
+    colours = ["crimson" if name == chosen else "#4c78a8" for name in names]
+    return figure([dict(
+        type="scatter", mode="markers+text", x=l0, y=nmse, text=list(names), textposition="top center",
+        marker=dict(color=colours, size=11), customdata=list(names),
+        hovertemplate="%{customdata}<br>L0 %{x:.1f}, NMSE %{y:.3f}<extra></extra>",
+    )], dict(
+        title=_title(title), margin=MARGIN, height=340,
+        xaxis=dict(title=dict(text="L0: active latents per token"), rangemode="tozero"),
+        yaxis=dict(title=dict(text="NMSE: |x - x̂|² / |x - mean|²"), rangemode="tozero"),
+    ))
