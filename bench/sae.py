@@ -7,6 +7,10 @@ same run (ratios), and whole runs in seconds on this machine.
   shape (encode, TopK, decode, MSE, Adam), interleaved on the same tokens (goal <= 1.0: as fast);
 - page: a latent's gallery from the index (goal <= 0.2 s), a latent's map on a captured image and a
   steered pass resumed from the capture, in forwards of the model (goals 0 and <= 1);
+- evaluation: a dictionary's spliced score (features.evaluation) in forwards per image, counted
+  (blocks run, a last block run for the pooled rows a quarter) and timed against plain forwards of
+  the same images (rendered in both), alone (clean, zero-ablated and spliced passes) and beside a reference shared by
+  the dictionaries of its layer (goal <= 2);
 - the shipped model: a run over 50,000 tokens, in seconds (goal <= 120 s on the 2-core CPU);
 - --vit-b16: a random ViT-B/16's layer 8 over --images images (16x width, k = 32) as one run, in
   minutes (goal <= 30 for 1,000 images on the 2-core CPU); long, so not by default.
@@ -17,22 +21,33 @@ same run (ratios), and whole runs in seconds on this machine.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 import vit_explorer as vx
+from vit_explorer.features.evaluation import evaluate, reference
 from vit_explorer.features.index import load_index
 from vit_explorer.features.sae import SAEConfig, SparseAutoencoder, load_sae, top_k
 from vit_explorer.features.tokens import ImageSource, layer_tokens, model_input
 from vit_explorer.features.train import SAETrainConfig, SAETrainer, initialise, train_sae
+from vit_explorer.model import patching
+from vit_explorer.model.vit import Block
 from vit_explorer.resources import shipped_weights
 
 SHIPPED_SAE = shipped_weights().with_name("sae_shapes_layer2.safetensors")
+
+
+def random_sae(d_model: int, seed: int) -> SparseAutoencoder:
+    """A ViT-B-sized dictionary (16 x, k = 32) that has not trained: what it costs, not what it finds."""
+    torch.manual_seed(seed)
+    return SparseAutoencoder(SAEConfig(d_model, 16 * d_model, 32)).eval()
 
 
 def median_seconds(fn, rounds: int) -> float:
@@ -128,6 +143,57 @@ def page_costs(rounds: int) -> tuple[float, float, float]:
             median_seconds(steered, rounds) / forward)
 
 
+@contextlib.contextmanager
+def counting_forwards(model: vx.ViT) -> Iterator[list[float]]:
+    """[forwards of ``model`` run in the block, per image of the batches]: each block's pass over a
+    batch counts batch / depth, a last block for the pooled rows only ROWS_SHARE of that."""
+    counted = [0.0]
+    depth = model.config.depth
+    block_forward, rows_forward = Block.forward, patching._last_block_rows
+
+    def block(self, x, *args, **kwargs):
+        counted[0] += x.shape[0] / depth
+        return block_forward(self, x, *args, **kwargs)
+
+    def rows(model_, x, *args, **kwargs):
+        counted[0] += x.shape[0] * patching.ROWS_SHARE / depth
+        return rows_forward(model_, x, *args, **kwargs)
+
+    Block.forward, patching._last_block_rows = block, rows
+    try:
+        yield counted
+    finally:
+        Block.forward, patching._last_block_rows = block_forward, rows_forward
+
+
+def evaluation_cost(model: vx.ViT, sae: SparseAutoencoder, layer: int, images: int, rounds: int) -> tuple[float, float, float]:
+    """(forwards per image counted alone, counted beside a shared reference, timed alone / plain forwards)."""
+    source = ImageSource("shapes", images, model.config.img_size, seed=1)
+    with counting_forwards(model) as alone:
+        evaluate(sae, model, source, layer, False)
+    compared = reference(model, source, layer, False)
+    with counting_forwards(model) as shared:
+        evaluate(sae, model, source, layer, False, compared=compared)
+
+    def forward():  # the same images rendered and run once, as the evaluation reads them
+        with torch.inference_mode():
+            model(model_input(model, source.images(torch.arange(images))))
+
+    timed, plain = interleaved(lambda: evaluate(sae, model, source, layer, False), forward, rounds)
+    return alone[0] / images, shared[0] / images, timed / plain
+
+
+def evaluation_rows(shipped: vx.ViT, big: vx.ViT, rounds: int) -> None:
+    shipped_sae, _ = load_sae(SHIPPED_SAE, shipped)
+    for name, model, sae, layer, images in (
+        ("shipped model and dictionary, layer 2", shipped, shipped_sae, 2, 256),
+        ("ViT-B/16, layer 2", big, random_sae(768, 2), 2, 4), ("ViT-B/16, layer 8", big, random_sae(768, 8), 8, 4),
+    ):
+        alone, shared, timed = evaluation_cost(model, sae, layer, images, max(3, rounds // 2))
+        print(f"spliced score, {name}: {alone:.2f} forwards per image counted ({timed:.2f} timed against plain"
+              f" forwards), {shared:.2f} beside a reference shared by its layer's dictionaries (goal <= 2)")
+
+
 def run_seconds(config: SAETrainConfig, model: vx.ViT | None = None) -> tuple[float, dict]:
     start = time.perf_counter()
     done = None
@@ -141,10 +207,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--vit-b16", action="store_true", help="also a ViT-B/16 layer as one run (long)")
     parser.add_argument("--images", type=int, default=1000, help="images of the ViT-B/16 run (default 1000)")
+    parser.add_argument("--evaluation-only", action="store_true", help="only the spliced score's cost")
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU")
     shipped = vx.load_model(shipped_weights())
     big = vit_b16()
+    if args.evaluation_only:
+        return evaluation_rows(shipped, big, args.rounds)
     for name, model, layer, images in (("shipped model", shipped, 2, 256), ("ViT-B/16", big, 8, 4)):
         ratio = capture_ratio(model, layer, images, args.rounds)
         print(f"capture of layer {layer}'s tokens / plain forwards, {name}: {ratio:.2f}  (goal <= 1.1)")
@@ -154,6 +223,7 @@ def main() -> None:
     gallery, latent_map, steered = page_costs(args.rounds)
     print(f"page, shipped model: a latent's gallery {gallery:.3f} s (goal <= 0.2), its map {latent_map:.2f} forwards"
           f" (goal 0: from the capture), a steered pass {steered:.2f} forwards (goal <= 1)")
+    evaluation_rows(shipped, big, args.rounds)
     with tempfile.TemporaryDirectory() as folder:
         config = SAETrainConfig(weights=str(shipped_weights()), layer=2, images=782, expansion=16, k=8, epochs=1,
                                 device="cpu", out_dir=folder)  # 782 x 64 = 50,048 tokens
