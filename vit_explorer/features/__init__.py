@@ -3,9 +3,13 @@ and images a person has, browsed through an index of each latent's top patches, 
 inside the forward pass for one call. The SAE, the tokens it reads, its training, its index and
 steering are kept apart, as saev keeps its nn, data and browser.
 
-    sae.py        the TopK sparse autoencoder, its config, its file (tensors + card) and checks
+    sae.py        the sparse autoencoder (TopK or BatchTopK, Matryoshka prefixes), its config, its file
+                  (tensors + card) and checks
     tokens.py     the images an SAE trains on (ImageSource) and one layer's tokens, in batches
     train.py      an SAE run: the loop as a generator of events, data-parallel under torchrun
     index.py      each latent's top-activating patches, how often it fires, its histogram
     steering.py   one latent scaled inside the forward pass at its layer, for one call
+    evaluation.py a dictionary judged as the field judges it: NMSE, L0, dead and dense latents, the
+                  model with its reconstruction spliced in (prediction kept, KL, loss recovered)
+    stability.py  two dictionaries' latents matched one to one (Hungarian): seed stability
 """

@@ -40,6 +40,7 @@ from .tokens import ImageSource, model_input
 
 DENSE_FREQUENCY = 0.1  # a latent active on more than this share of the tokens is dense
 EVALUATION_TOKENS = 2**14  # tokens per pass (images per pass: this over the tokens of one image)
+ENCODED_TOKENS = 2**12  # tokens encoded at once: (4,096, F) latents, 200 MB for a ViT-B's 12,288
 Progress = Callable[[int, int], None]  # (images done, images in all)
 
 
@@ -170,16 +171,19 @@ def evaluate(
         for total, count, x in _batches(model, source, indices, batch_size):
             tokens = _entering(model, x, layer)
             read = tokens[:, read_tokens(tokens, model.num_prefix_tokens, prefix_tokens)].float()  # (B, P, D)
-            reconstruction, latents = sae(read.to(device))
-            flat, error = read.flatten(0, 1).to(device).double(), (reconstruction - read.to(device)).flatten(0, 1)
-            centre = flat.mean(0) if centre is None else centre
-            centred = flat - centre
+            flat = read.flatten(0, 1).to(device)  # (B P, D)
+            reconstruction = torch.empty_like(flat)
+            for rows in torch.arange(flat.shape[0], device=device).split(ENCODED_TOKENS):  # (n, F) at a time
+                reconstruction[rows], latents = sae(flat[rows])
+                active = latents > 0
+                sums[2] += float(active.sum())
+                fired += active.sum(0).cpu()
+            centre = flat.double().mean(0) if centre is None else centre
+            centred = flat.double() - centre
             spread = centred.sum(0) if spread is None else spread + centred.sum(0)
-            active = latents.flatten(0, 1) > 0  # (B P, F)
-            sums += torch.stack([error.double().pow(2).sum(), centred.pow(2).sum(), active.sum().double()]).cpu()
-            fired += active.sum(0).cpu()
+            sums[:2] += torch.stack([(reconstruction - flat).double().pow(2).sum(), centred.pow(2).sum()]).cpu()
             count_tokens += flat.shape[0]
-            outputs.append(spliced(model, tokens, layer, reconstruction, prefix_tokens).float().cpu())
+            outputs.append(spliced(model, tokens, layer, reconstruction.view_as(read), prefix_tokens).float().cpu())
             if compared is None:
                 clean.append(rest(model, tokens, layer).float().cpu())
                 if classifier:
