@@ -65,6 +65,14 @@ def test_batchtopk_keeps_k_per_token_over_the_batch_and_recovers_the_directions(
         assert float(explained_variance(tokens, sae.decode(latents))) > 0.9
     per_token = (latents > 0).sum(-1).float()
     assert 2 <= per_token.mean() <= 4 and per_token.max() > 3  # k on average, more where a token needs it
+    # A run ends by estimating the threshold again with the finished encoder: each batch's smallest kept, averaged.
+    with torch.no_grad():
+        sae.threshold.fill_(10.0)
+        SAETrainer(sae, lr=4e-3).calibrate(tokens, 256, batches=8)
+        pre = sae.pre_activations(tokens[: 8 * 256]).clamp(min=0)
+        expected = torch.stack([batch.flatten().topk(3 * 256).values.min() for batch in pre.split(256)]).mean()
+        assert torch.allclose(sae.threshold, expected)
+        assert 2.7 <= (sae.encode(tokens) > 0).sum(-1).float().mean() <= 3.3
 
 
 def test_matryoshka_prefixes_each_reconstruct_at_their_own_width(planted, two_seeds):

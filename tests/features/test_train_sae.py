@@ -136,6 +136,8 @@ def test_batchtopk_and_matryoshka_runs_are_rebuilt_from_their_files(weights, tmp
     latents = sae.encode(all_tokens(vx.load_model(weights), 1)).detach()  # above the threshold, any number a token
     assert torch.equal(latents > 0, (sae.pre_activations(all_tokens(vx.load_model(weights), 1)) > sae.threshold))
     assert np.allclose(load_index(done.index_path).frequency, (latents > 0).double().mean(0).numpy())
+    # Its threshold, estimated again with the finished encoder, keeps about k = 2 a token on its tokens.
+    assert 1.6 <= (latents > 0).sum(-1).float().mean() <= 2.4
     # A file written before BatchTopK (the shipped dictionary) still reads as TopK.
     shipped, _ = load_sae(vx.DEFAULT_WEIGHTS.with_name("sae_shapes_layer2.safetensors"))
     assert (shipped.config.activation, shipped.config.prefixes) == ("topk", ()) and not hasattr(shipped, "threshold")
