@@ -5,6 +5,7 @@ import streamlit as st
 
 from vit_explorer import analysis, figures
 from vit_explorer.app import features, models, session
+from vit_explorer.features.evaluation import DENSE_FREQUENCY
 from vit_explorer.features.sae import SAEError
 from vit_explorer.model import ablation
 
@@ -70,7 +71,7 @@ with st.expander("How good is this dictionary? (as SAE papers measure it)", expa
             f"{' it never saw' if trained_on_images.get('seed') != trained_on.get('seed') else ''}"
             f" ({evaluation.tokens:,} tokens). NMSE: the squared error left over the tokens' spread"
             " (1 - explained variance). L0: latents active per token. Dead: never active on these tokens;"
-            f" dense: active on more than {100 * features.DENSE_FREQUENCY:.0f}% of them."
+            f" dense: active on more than {100 * DENSE_FREQUENCY:.0f}% of them."
         )
         columns = st.columns(4)
         columns[0].metric("NMSE", f"{evaluation.nmse:.3f}")

@@ -26,7 +26,7 @@ import torch
 from .. import resources
 from ..data.datasets import DEFAULT_DATA_ROOT, DatasetError
 from ..weights import catalogue
-from ..features.evaluation import DENSE_FREQUENCY, Evaluation  # noqa: F401 (DENSE_FREQUENCY: the page says it)
+from ..features.evaluation import Evaluation
 from ..features.index import LatentIndex, load_index
 from ..features.sae import (
     NotAnSAEFile, SAEConfig, SAEError, SparseAutoencoder, check_fits, check_weights, load_sae, per_token_explained,
