@@ -52,9 +52,11 @@ class Method:
     (several images read together), None for a method that needs more than those."""
 
     label: str  # its name in titles and captions
-    description: str  # what it changes, and whose it is, in a sentence
+    short: str  # what it changes, in a title's few words
+    description: str  # what it changes, and whose it is, in a caption's sentence
     function: Callable[..., torch.Tensor]
     from_tokens: Callable[..., torch.Tensor] | None = None
+    reads_out: bool = False  # the tokens it gives are read as the tower reads one token (_read_out)
 
 
 @torch.no_grad()
@@ -82,6 +84,32 @@ def method_entry(method: str) -> Method:
     if entry is None:
         raise OpenVocabularyError(f"{str(method)[:40]!r} is not a map method; choose one of {', '.join(METHODS)}")
     return entry
+
+
+def how(model: ImageTextModel, method: str, detail: bool = False) -> str:
+    """How ``method`` carries the patches into the texts' space, in a few words (a title's), or
+    with ``detail`` step by step (a caption's)."""
+    entry = method_entry(method)
+    if method == "maskclip":
+        if detail:
+            return (f"every patch goes along {maps.dense_path(model, detail=True)}: the path the model's pooling would"
+                    " take if it read that patch alone (MaskCLIP, Zhou et al., ECCV 2022)")
+        path = maps.dense_path(model)
+        return path if "MaskCLIP" in path else f"MaskCLIP: {path}"
+    if not detail:
+        return f"{entry.label}: {entry.short}"
+    if not entry.reads_out:
+        return f"{entry.label}: {entry.description}"
+    return (f"the last block is run again from the captured tokens as {entry.label} changes it ({entry.description}),"
+            f" and every patch it gives goes through {_reading(model)}, as the pooling reads one token")
+
+
+def _reading(model: ImageTextModel) -> str:
+    """What :func:`_read_out` does for this tower, in words."""
+    vit = model.image
+    if vit.attn_pool is not None:
+        return "the final norm, the attention pool's value and output projections and its MLP"
+    return "the final norm and the projection" if vit.config.global_pool == "cls" else "the final norms and the projection"
 
 
 def _maskclip_tokens(model, tokens, num_prefix_tokens, grid_size):
@@ -164,19 +192,24 @@ naclip, _naclip_tokens = _changed_block(_naclip_weights, keep_residual=False)
 # name -> Method; CLIP Surgery, ProxyCLIP and LeGrad join as their modules arrive.
 METHODS: dict[str, Method] = {
     "maskclip": Method(
-        "MaskCLIP", "the last block's value path, without its attention, residual and MLP (Zhou et al., ECCV 2022)",
+        "MaskCLIP", "the last block's value path",
+        "the last block's value path, without its attention, residual and MLP (Zhou et al., ECCV 2022)",
         lambda model, captured, proxy=None: maps.patch_embeddings(model, captured), _maskclip_tokens,
     ),
     "sclip": Method(
-        "SCLIP", "the last block with correlative self-attention, softmax(q q^T) + softmax(k k^T) (Wang et al., ECCV 2024)",
-        sclip, _sclip_tokens,
+        "SCLIP", "correlative self-attention",
+        "the last block with correlative self-attention, softmax(q q^T) + softmax(k k^T) (Wang et al., ECCV 2024)",
+        sclip, _sclip_tokens, reads_out=True,
     ),
     "clearclip": Method(
-        "ClearCLIP", "the last block's q-q attention alone, without its residual and MLP (Lan et al., ECCV 2024)",
-        clearclip, _clearclip_tokens,
+        "ClearCLIP", "q-q attention, no residual",
+        "the last block's q-q attention alone, without its residual and MLP (Lan et al., ECCV 2024)",
+        clearclip, _clearclip_tokens, reads_out=True,
     ),
     "naclip": Method(
-        "NACLIP", f"the last block's k-k attention plus a Gaussian neighbourhood (std {NACLIP_STD:g} patches), without"
-        " its residual and MLP (Hajimiri et al., WACV 2025)", naclip, _naclip_tokens,
+        "NACLIP", "k-k attention in a neighbourhood",
+        f"the last block's k-k attention plus a Gaussian neighbourhood (std {NACLIP_STD:g} patches), without its"
+        " residual and MLP (Hajimiri et al., WACV 2025)",
+        naclip, _naclip_tokens, reads_out=True,
     ),
 }
