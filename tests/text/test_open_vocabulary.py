@@ -22,6 +22,8 @@ from vit_explorer.text.open_vocabulary import METHODS, OpenVocabularyError, patc
 from vit_explorer.text.towers import ImageTextModel
 
 from helpers import counting_blocks
+from helpers import randomize as helpers_randomize
+from rotary import ROTARY, TINY, rotary_model
 from textmodels import SMALL_CLIP, open_clip_folder, siglip_folder
 
 
@@ -282,7 +284,7 @@ def test_several_images_tokens_give_each_image_its_capture_map(clip_pair):
     captured = vx.capture(model.image, x, layers=())
     for method in METHODS:
         single = patch_embeddings(model, vx.capture(model.image, x[1:], layers=()), method)
-        together = open_vocabulary.last_block(model, captured.tokens[:, -2:], captured.num_prefix_tokens, captured.grid_size, method)
+        together = open_vocabulary.last_block_embeddings(model, captured.tokens[:, -2:], captured.num_prefix_tokens, captured.grid_size, method)
         torch.testing.assert_close(together[1:], single, atol=1e-5, rtol=0)
 
 
@@ -363,3 +365,32 @@ def test_every_method_finds_the_planted_region(pool):
         planted[tuple(zip(*PLANTED))] = True
         iou = (found & planted).sum() / (found | planted).sum()
         assert iou >= 0.9, f"{method} ({pool}): IoU {iou:.2f}"
+
+
+def _vanilla_weights(q, k, scale, num_prefix_tokens, grid_size):
+    return (q @ k.transpose(-2, -1) * scale).softmax(-1)
+
+
+@pytest.mark.parametrize("family", ["registers, layer scale, non-square", *ROTARY])
+def test_the_changed_block_with_the_models_own_attention_is_the_models_last_block(family):
+    """The path every method shares (q, k, v from the captured tokens, rotated as the tower rotates
+    them, the heads' projection, LayerScale, residual and MLP, the tower's reading of a token)
+    with softmax(q k^T) put back gives what the tower's own last block gave: any tower, not only
+    the authors' OpenAI layout."""
+    if family in ROTARY:
+        vit = rotary_model(family)
+    else:
+        vit = helpers_randomize(vx.ViT(vx.ViTConfig(**TINY, reg_tokens=2, init_values=0.1)))
+    projection = torch.randn(16, vit.config.embed_dim, generator=torch.Generator().manual_seed(5))
+    model = ImageTextModel(
+        image=vit, image_projection=projection, text=None, tokenizer=None, context_length=0, scoring="softmax",
+        logit_scale=1.0, logit_bias=0.0,
+    )
+    captured = vx.capture(vit, torch.randn(2, 3, *vit.config.img_size, generator=torch.Generator().manual_seed(6)), layers=())
+    vanilla, _ = open_vocabulary._changed_block(_vanilla_weights, keep_residual=True)
+    expected = open_vocabulary._read_out(model, captured.tokens[:, -1, captured.num_prefix_tokens:])
+    torch.testing.assert_close(vanilla(model, captured), expected, atol=1e-5, rtol=0)
+    for method in METHODS:  # and each method's own attention changes it (MaskCLIP's mean pool reads the tokens as they are)
+        if method == "maskclip" and vit.config.global_pool == "mean":
+            continue
+        assert (patch_embeddings(model, captured, method) - expected).abs().max() > 1e-3, method

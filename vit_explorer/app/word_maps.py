@@ -139,7 +139,7 @@ def set_similarities(image_set: ImageSet, prompt: str, method: str = DEFAULT_MET
 
     def patches() -> torch.Tensor:
         last_two = torch.stack([image_set.tokens(-2), image_set.tokens(-1)], dim=1)  # (B, 2, N, D)
-        return open_vocabulary.last_block(
+        return open_vocabulary.last_block_embeddings(
             model_for(selection), last_two, selection.config.num_prefix_tokens, selection.config.grid_size, method,
         )
 

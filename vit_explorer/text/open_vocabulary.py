@@ -60,7 +60,7 @@ class Method:
 
 
 @torch.no_grad()
-def last_block(
+def last_block_embeddings(
     model: ImageTextModel, tokens: torch.Tensor, num_prefix_tokens: int, grid_size: tuple[int, int], method: str,
 ) -> torch.Tensor:
     """:func:`patch_embeddings` of ``method`` from the (B, 2, N, D) tokens entering and leaving the
@@ -109,7 +109,9 @@ def _reading(model: ImageTextModel) -> str:
     vit = model.image
     if vit.attn_pool is not None:
         return "the final norm, the attention pool's value and output projections and its MLP"
-    return "the final norm and the projection" if vit.config.global_pool == "cls" else "the final norms and the projection"
+    if vit.config.global_pool == "cls":
+        return "the final norm and the projection"
+    return "the norm after the mean pool and the projection"
 
 
 def _maskclip_tokens(model, tokens, num_prefix_tokens, grid_size):
@@ -118,13 +120,17 @@ def _maskclip_tokens(model, tokens, num_prefix_tokens, grid_size):
 
 def _attention(model: ImageTextModel, entering: torch.Tensor, grid_size: tuple[int, int], weights) -> torch.Tensor:
     """The last block's attention branch on ``entering`` (B, N, D) with its softmax(q k^T) replaced
-    by ``weights(q, k, scale)`` -> (B, nh, N, N): the branch's (B, N, D) output, before the residual."""
+    by ``weights(q, k, scale)`` -> (B, heads, N, N): the branch's (B, N, D) output, before the residual."""
     vit = model.image
     attn = vit.blocks[-1].attn
     q, k, v = attn._qkv(vit.blocks[-1].norm1(entering)).unbind(0)  # (B, nh, N, hd) each
     rope = vit.rope_tables(grid_size)
     q, k = attn.rotate(q, rope), attn.rotate(k, rope)
-    heads = weights(q.float(), k.float(), attn.scale).to(v.dtype) @ v  # (B, nh, N, hd)
+    # A head at a time: one (B, 1, N, N) weight matrix held (two for SCLIP), not every head's.
+    heads = torch.cat([
+        weights(q[:, head:head + 1].float(), k[:, head:head + 1].float(), attn.scale).to(v.dtype) @ v[:, head:head + 1]
+        for head in range(v.shape[1])
+    ], dim=1)  # (B, nh, N, hd)
     return vit.blocks[-1].ls1(attn.proj(attn.norm(rearrange(heads, "b nh n hd -> b n (nh hd)"))))
 
 
