@@ -24,7 +24,7 @@ from vit_explorer.text.towers import ImageTextModel
 from helpers import counting_blocks
 from helpers import randomize as helpers_randomize
 from rotary import ROTARY, TINY, rotary_model
-from textmodels import SMALL_CLIP, open_clip_folder, siglip_folder
+from textmodels import SMALL_CLIP, open_clip_folder
 
 
 # --- wangf3014/SCLIP @ b56bd30, clip/model.py, VisionTransformer (custom_attn verbatim) ---------
@@ -371,16 +371,22 @@ def _vanilla_weights(q, k, scale, num_prefix_tokens, grid_size):
     return (q @ k.transpose(-2, -1) * scale).softmax(-1)
 
 
-@pytest.mark.parametrize("family", ["registers, layer scale, non-square", *ROTARY])
+OTHER_TOWERS = {
+    "registers, layer scale, non-square": dict(reg_tokens=2, init_values=0.1),
+    "attention pool (SigLIP's)": dict(class_token=False, global_pool="map"),
+}
+
+
+@pytest.mark.parametrize("family", [*OTHER_TOWERS, *ROTARY])
 def test_the_changed_block_with_the_models_own_attention_is_the_models_last_block(family):
     """The path every method shares (q, k, v from the captured tokens, rotated as the tower rotates
     them, the heads' projection, LayerScale, residual and MLP, the tower's reading of a token)
     with softmax(q k^T) put back gives what the tower's own last block gave: any tower, not only
-    the authors' OpenAI layout."""
+    the authors' OpenAI layout. An attention pool reads each token as MaskCLIP reads it."""
     if family in ROTARY:
         vit = rotary_model(family)
     else:
-        vit = helpers_randomize(vx.ViT(vx.ViTConfig(**TINY, reg_tokens=2, init_values=0.1)))
+        vit = helpers_randomize(vx.ViT(vx.ViTConfig(**TINY, **OTHER_TOWERS[family])))
     projection = torch.randn(16, vit.config.embed_dim, generator=torch.Generator().manual_seed(5))
     model = ImageTextModel(
         image=vit, image_projection=projection, text=None, tokenizer=None, context_length=0, scoring="softmax",
@@ -390,7 +396,9 @@ def test_the_changed_block_with_the_models_own_attention_is_the_models_last_bloc
     vanilla, _ = open_vocabulary._changed_block(_vanilla_weights, keep_residual=True)
     expected = open_vocabulary._read_out(model, captured.tokens[:, -1, captured.num_prefix_tokens:])
     torch.testing.assert_close(vanilla(model, captured), expected, atol=1e-5, rtol=0)
-    for method in METHODS:  # and each method's own attention changes it (MaskCLIP's mean pool reads the tokens as they are)
-        if method == "maskclip" and vit.config.global_pool == "mean":
+    if vit.config.global_pool != "cls":  # MaskCLIP reads a pool's (or the mean's) tokens leaving the last block alike
+        torch.testing.assert_close(patch_embeddings(model, captured, "maskclip"), expected, atol=1e-5, rtol=0)
+    for method in METHODS:  # and each method's own attention changes it
+        if method == "maskclip" and vit.config.global_pool != "cls":
             continue
         assert (patch_embeddings(model, captured, method) - expected).abs().max() > 1e-3, method
