@@ -7,8 +7,9 @@ sidebar's labels are ("a photo of {label}.") and their embeddings shared with th
 (app.words.label_embeddings).
 
 Costs: the patches are carried into the texts' space once per image and method (the last block
-at most, re-run from the captured tokens), then each prompt costs a pass of the text tower and one small matrix product; a label's
-relevance is a forward and a backward pass of the image tower (about three forwards).
+at most, re-run from the captured tokens), then each prompt costs a pass of the text tower and one
+small matrix product; a label's relevance is a forward and a backward pass of the image tower
+(about three forwards).
 """
 from __future__ import annotations
 
