@@ -60,7 +60,7 @@ def add_inspect(subparsers) -> None:
     parser.add_argument("--method", choices=tuple(METHODS), default="maskclip",
                         help="with --text: how each text's dense similarity map reads the patches, each a change of"
                         " the last block re-run from the captured tokens: "
-                        + "; ".join(f"{name}: {entry.description}" for name, entry in METHODS.items()))
+                        + "; ".join(f"{name}: {entry.description}" for name, entry in METHODS.items()) + " (default: maskclip)")
     parser.add_argument("--faithfulness", nargs="?", const="drop", choices=("drop", "mean"), metavar="MODE",
                         help="also test every map written (the layer's attention, rollout, the attribution, the"
                         " sharpest head's mask, with --text the best text's relevance and similarity) by deletion"
