@@ -279,9 +279,9 @@ if in_words is not None:
     st.write(
         "This model has a text tower: type what to look for, and see where in the image each prompt is."
         " Every patch is carried into the space where the model compares images with texts, and"
-        " coloured by its cosine with each prompt (MaskCLIP, Zhou et al. 2022); each patch then takes the"
-        " colour of the prompt it is most like, and the attribution traces one prompt's score back to the"
-        " patches through every layer."
+        " coloured by its cosine with each prompt, by the open-vocabulary method chosen below (each changes"
+        " the model's last block for this map only); each patch then takes the colour of the prompt it is most"
+        " like, and the attribution traces one prompt's score back to the patches through every layer."
     )
     prompts_text = st.text_input(
         "Prompts (comma-separated)", placeholder=word_maps.DEFAULT_PROMPTS,
@@ -293,31 +293,37 @@ if in_words is not None:
     except LabelError as error:
         st.warning(f"Those prompts cannot be mapped: {error}.")
         prompts, left_out = (), None
+    method = st.selectbox(
+        "Map method", list(word_maps.METHODS), format_func=word_maps.method_label, help=word_maps.methods_help(),
+        **session.keep("word_method", word_maps.DEFAULT_METHOD, lambda option: option in word_maps.METHODS),
+    )
     if prompts:
         if left_out:
             st.caption(left_out)
-        how = word_maps.how(in_words)
+        how = word_maps.how(in_words, method=method)
         prompt_scale = st.radio(
             "Colour scale of the prompts", figures.PROMPT_SCALES, horizontal=True,
             help="Shared: one colour means one cosine for every prompt, so prompts compare. Per prompt: each from"
             " its own lowest cosine to its highest, which shows where a faint prompt is.",
             **session.keep("word_scale", "shared", lambda option: option in figures.PROMPT_SCALES),
         )
-        similarities = word_maps.similarities(selection, prompts)
+        similarities = word_maps.similarities(selection, prompts, method)
         prompts_id = words.labels_id(prompts)
-        st.plotly_chart(selection.memo("words similarity grid", prompts_id, prompt_scale, opacity, compute=lambda: (
+        st.plotly_chart(selection.memo("words similarity grid", prompts_id, method, prompt_scale, opacity, compute=lambda: (
             figures.similarity_grid(image, similarities, prompts, how, scale=prompt_scale, opacity=opacity)
         )))
         st.caption(
-            f"How each map is made: every patch goes along {word_maps.how(in_words, detail=True)}: the path the"
-            " model's pooling would take if it read that patch alone. The map is its cosine with the prompt's text"
-            " embedding, one small product once the image has been through the model."
+            f"How each map is made: {word_maps.how(in_words, detail=True, method=method)}. The map is its cosine with"
+            " the prompt's text embedding, one small product once the image has been through the model."
         )
         if len(prompts) > 1:
-            st.plotly_chart(selection.memo("words best prompt", prompts_id, compute=lambda: figures.best_prompt_map(
-                image, similarities, prompts,
+            st.plotly_chart(selection.memo("words best prompt", prompts_id, method, compute=lambda: figures.best_prompt_map(
+                image, similarities, prompts, how=how,
             )))
-            st.caption("Each patch takes the colour of the prompt whose cosine with it is the largest of the maps above.")
+            st.caption(
+                "Each patch takes the colour of the prompt whose cosine with it is the largest of the maps above"
+                f" ({word_maps.METHODS[method].label}'s)."
+            )
             for caveat in word_maps.best_prompt_caveats(selection, similarities, prompts):
                 st.warning(caveat)
         traced = st.selectbox(

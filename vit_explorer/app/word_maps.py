@@ -1,13 +1,15 @@
 """Where each word is, for the pages (vit_explorer.text.maps): each prompt's dense similarity over
-the patches, the relevance of one label's score, over one image (``Selection``) or several
-(``ImageSet``). Computed once for everybody through ``memo``, keyed by model, sizes, image and the
+the patches, by the open-vocabulary method a person picks (text.open_vocabulary.METHODS), the
+relevance of one label's score, over one image (``Selection``) or several (``ImageSet``).
+Computed once for everybody through ``memo``, keyed by model, sizes, image, method and the
 labels (their digest, app.words.labels_id), never by session; the prompts are read as the
 sidebar's labels are ("a photo of {label}.") and their embeddings shared with the prediction
 (app.words.label_embeddings).
 
-Costs: the patches are carried into the texts' space once per image (a fraction of the last
-block), then each prompt costs a pass of the text tower and one small matrix product; a label's
-relevance is a forward and a backward pass of the image tower (about three forwards).
+Costs: the patches are carried into the texts' space once per image and method (the last block
+at most, re-run from the captured tokens), then each prompt costs a pass of the text tower and one
+small matrix product; a label's relevance is a forward and a backward pass of the image tower
+(about three forwards).
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import numpy as np
 import torch
 
 from ..text import ImageTextModel, parse_labels
-from ..text import maps
+from ..text import maps, open_vocabulary
 from ..text.zero_shot import LABEL_TEMPLATE
 from . import words
 from .selection import ImageSet, Selection, uniform_attention_caveat
@@ -28,6 +30,10 @@ READ_AS = LABEL_TEMPLATE.format("{prompt}")  # how each prompt goes through the 
 MAX_PROMPTS = 12
 # A prompt most like at least this share of the patches says little about where it is.
 MOST_PATCHES = 0.9
+METHODS = open_vocabulary.METHODS
+# MaskCLIP stays the first map shown: the others' published gains are CLIP ViT-B/16's on benchmark
+# photos, not yet measured on SigLIP's or the catalogue's towers (bench.segment will say).
+DEFAULT_METHOD = "maskclip"
 
 
 def model_for(selection: Selection) -> ImageTextModel | None:
@@ -71,23 +77,35 @@ def best_prompt_caveats(selection: Selection, similarities: np.ndarray, prompts:
     return said
 
 
-def how(model: ImageTextModel, detail: bool = False) -> str:
+def how(model: ImageTextModel, detail: bool = False, method: str = DEFAULT_METHOD) -> str:
     """How the patches meet the texts, in a few words (a title's) or step by step (a caption's)."""
-    return maps.dense_path(model, detail)
+    return open_vocabulary.how(model, method, detail)
 
 
-def patch_embeddings(selection: Selection) -> torch.Tensor:
-    """(1, P, E) the image's patches in the texts' space (text.maps.patch_embeddings), from the
-    page's capture, once per model, sizes and image."""
-    return selection.memo("words patch embeddings", compute=lambda: maps.patch_embeddings(
-        model_for(selection), selection.capture()
+def method_label(method: str) -> str:
+    """A method as its choice reads: its name and what it changes."""
+    return f"{METHODS[method].label} ({METHODS[method].short})"
+
+
+def methods_help() -> str:
+    """Every method in a line, for the choice's help."""
+    return "  \n".join(f"{entry.label}: {entry.description}." for entry in METHODS.values())
+
+
+def patch_embeddings(selection: Selection, method: str = DEFAULT_METHOD) -> torch.Tensor:
+    """(1, P, E) the image's patches in the texts' space as ``method`` reads them
+    (text.open_vocabulary.patch_embeddings), from the page's capture, once per model, sizes, image
+    and method."""
+    return selection.memo("words patch embeddings", method, compute=lambda: open_vocabulary.patch_embeddings(
+        model_for(selection), selection.capture(), method,
     ))
 
 
-def similarities(selection: Selection, prompts: tuple[str, ...]) -> np.ndarray:
+def similarities(selection: Selection, prompts: tuple[str, ...], method: str = DEFAULT_METHOD) -> np.ndarray:
     """(T, gh, gw) each prompt's cosine with every patch of the image."""
-    return selection.memo("words similarities", words.labels_id(prompts), compute=lambda: maps.similarity_maps(
-        patch_embeddings(selection), words.label_embeddings(selection.model_key, prompts), selection.capture().grid_size,
+    return selection.memo("words similarities", words.labels_id(prompts), method, compute=lambda: maps.similarity_maps(
+        patch_embeddings(selection, method), words.label_embeddings(selection.model_key, prompts),
+        selection.capture().grid_size,
     )[0].numpy())
 
 
@@ -115,18 +133,20 @@ def relevance(selection: Selection, labels: tuple[str, ...] | None, index: int) 
     )
 
 
-def set_similarities(image_set: ImageSet, prompt: str) -> np.ndarray:
+def set_similarities(image_set: ImageSet, prompt: str, method: str = DEFAULT_METHOD) -> np.ndarray:
     """(B, gh, gw) one prompt's cosine with every patch of every image of the set, from the tokens
-    the set has read (ImageSet.image_tokens); the patches carried once per set."""
+    the set has read (ImageSet.image_tokens); the patches carried once per set and method."""
     selection = image_set.selection
 
     def patches() -> torch.Tensor:
         last_two = torch.stack([image_set.tokens(-2), image_set.tokens(-1)], dim=1)  # (B, 2, N, D)
-        return maps.last_block_embeddings(model_for(selection), last_two, selection.config.num_prefix_tokens)
+        return open_vocabulary.last_block_embeddings(
+            model_for(selection), last_two, selection.config.num_prefix_tokens, selection.config.grid_size, method,
+        )
 
     def compute() -> np.ndarray:
-        embedded = image_set.memo("words patch embeddings", compute=patches)
+        embedded = image_set.memo("words patch embeddings", method, compute=patches)
         texts = words.label_embeddings(selection.model_key, (prompt,))
         return maps.similarity_maps(embedded, texts, selection.config.grid_size)[:, 0].numpy()
 
-    return image_set.memo("words similarities", words.labels_id((prompt,)), compute=compute)
+    return image_set.memo("words similarities", words.labels_id((prompt,)), method, compute=compute)

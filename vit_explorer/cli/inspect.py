@@ -10,6 +10,7 @@ from typing import Any
 
 
 def add_inspect(subparsers) -> None:
+    from ..text.open_vocabulary import METHODS
     from ..training.train import DEFAULT_WEIGHTS
 
     parser = subparsers.add_parser(
@@ -56,6 +57,10 @@ def add_inspect(subparsers) -> None:
                         " over these texts (each read as 'a photo of TEXT.'), each text's dense similarity map, the"
                         " relevance map of its score and each patch's best text (the best"
                         f" {MAX_MAPPED_TEXTS} texts' maps); --tensors adds their arrays")
+    parser.add_argument("--method", choices=tuple(METHODS), default="maskclip",
+                        help="with --text: how each text's dense similarity map reads the patches, each a change of"
+                        " the last block re-run from the captured tokens: "
+                        + "; ".join(f"{name}: {entry.description}" for name, entry in METHODS.items()) + " (default: maskclip)")
     parser.add_argument("--faithfulness", nargs="?", const="drop", choices=("drop", "mean"), metavar="MODE",
                         help="also test every map written (the layer's attention, rollout, the attribution, the"
                         " sharpest head's mask, with --text the best text's relevance and similarity) by deletion"
@@ -83,6 +88,8 @@ MAX_MAPPED_TEXTS = 12  # texts whose maps are drawn (each relevance map costs ab
 
 def _run_inspect(args: argparse.Namespace) -> int:
     texts = None if args.text is None else _inspect_texts(args.text, args.weights)  # refused before any load
+    if args.method != "maskclip" and texts is None:
+        raise ValueError(f"--method {args.method} chooses how the maps of --text are made: give --text too")
     import torch
 
     writer = _png_writer(Path(args.out)) if args.format == "png" else None  # Chromium starts meanwhile
@@ -132,7 +139,7 @@ def _inspect(args: argparse.Namespace, texts: list[str] | None, writer) -> int:
     summary, tested = _inspect_figures(figs, arrays, model, x, captured, streamed, layer, inside, args)
     score = None
     if texts is not None:
-        word_figures, word_arrays, said, word_maps, score = _inspect_words(model, args.weights, x, captured, texts)
+        word_figures, word_arrays, said, word_maps, score = _inspect_words(model, args.weights, x, captured, texts, args.method)
         figs.update(word_figures)
         arrays.update(word_arrays)
         tested.update(word_maps)
@@ -355,26 +362,28 @@ def _inspect_texts(given: list[str], weights: str) -> list[str]:
     return texts
 
 
-def _inspect_words(model, folder: str, x, captured, texts: list[str]):
+def _inspect_words(model, folder: str, x, captured, texts: list[str], method: str = "maskclip"):
     """(figures, arrays for capture.npz, the line to print, the best text's relevance and
     similarity maps by name, and its score for --faithfulness: the image's cosine with it) of the
-    texts: the prediction over them, each one's dense similarity map, the relevance of its score
-    (the best MAX_MAPPED_TEXTS) and each patch's best text."""
+    texts: the prediction over them, each one's dense similarity map (by ``method``,
+    text.open_vocabulary), the relevance of its score (the best MAX_MAPPED_TEXTS) and each patch's
+    best text."""
     import numpy as np
 
     from .. import analysis, figures
     from ..text import load_image_text_model
-    from ..text import maps, zero_shot
+    from ..text import maps, open_vocabulary, zero_shot
 
     both = load_image_text_model(folder, image=model)
     embedded = both.embed_texts(zero_shot.label_prompts(texts))  # (T, E)
     predicted = zero_shot.predict(both, captured.logits, tuple(texts), embedded)
-    similarities = maps.similarity_maps(maps.patch_embeddings(both, captured), embedded, captured.grid_size)[0]
+    patches = open_vocabulary.patch_embeddings(both, captured, method)
+    similarities = maps.similarity_maps(patches, embedded, captured.grid_size)[0]
     mapped = predicted.scores.argsort(descending=True)[:MAX_MAPPED_TEXTS].tolist()  # the best first
     names = [texts[index] for index in mapped]
     relevances = {index: maps.relevance(both, x, embedded[index])[0] for index in mapped}  # (gh, gw) each
     image = analysis.display_image(x, model.config)
-    how = maps.dense_path(both)
+    how = open_vocabulary.how(both, method)
     figs = {
         "words_top5": figures.zero_shot_bar(predicted.scores, texts, predicted.scoring, k=5),
         "words_similarity": figures.similarity_grid(image, similarities[mapped], names, how),
@@ -382,15 +391,18 @@ def _inspect_words(model, folder: str, x, captured, texts: list[str]):
            for index in mapped},
     }
     if len(mapped) > 1:
-        figs["words_best_text"] = figures.best_prompt_map(image, similarities[mapped], names)
+        figs["words_best_text"] = figures.best_prompt_map(image, similarities[mapped], names, how=how)
     arrays = dict(
         text_scores=predicted.scores.numpy(), text_similarity=similarities.numpy(),
         text_relevance=np.stack([relevances[index].numpy() for index in mapped]), text_mapped=np.array(mapped),
     )
     (best, score), = predicted.top(1)
     shown = "" if len(mapped) == len(texts) else f", maps of the best {len(mapped)}"
+    label = open_vocabulary.METHODS[method].label
+    shown += "" if method == "maskclip" else f", maps by {label}"
     top = mapped[0]
-    tested = {f"relevance of '{texts[top]}'": relevances[top], f"similarity to '{texts[top]}'": similarities[top]}
+    by = "" if method == "maskclip" else f" ({label})"
+    tested = {f"relevance of '{texts[top]}'": relevances[top], f"similarity to '{texts[top]}'{by}": similarities[top]}
     scored = (maps.text_score(both, embedded[top]), f"the cosine with '{texts[top]}'")
     return figs, arrays, f"in words ({predicted.scoring} over {len(texts)} texts{shown}): {best} ({score:.1%})", tested, scored
 

@@ -101,9 +101,12 @@ def relevance_overlay(image, relevance, prompt: str, opacity: float = 0.85) -> g
     )
 
 
-def best_prompt_map(image, similarities, prompts: Sequence[str], opacity: float = BEST_OPACITY) -> go.Figure:
+def best_prompt_map(
+    image, similarities, prompts: Sequence[str], opacity: float = BEST_OPACITY, how: str | None = None,
+) -> go.Figure:
     """Each patch coloured by the prompt whose text it is most like (the largest of the (T, gh, gw)
-    similarities), a legend naming each prompt's colour; a patch's hover says its cosine with it."""
+    similarities), a legend naming each prompt's colour; a patch's hover says its cosine with it.
+    ``how``: how the patches were carried into the texts' space, for the title."""
     image = _rgb_uint8(image)
     maps = _check_maps(similarities, prompts, "similarities")
     count = len(prompts)
@@ -131,7 +134,7 @@ def best_prompt_map(image, similarities, prompts: Sequence[str], opacity: float 
         for prompt, colour, number in zip(prompts, colours, shown)
     ]
     return figure([_image_trace(image, hover=False), cells, *keys], dict(
-        **_image_axis_layout(), title=_title("Each patch coloured by the prompt it is most like"), margin=MARGIN,
+        **_image_axis_layout(), title=_title("Each patch coloured by the prompt it is most like" + (f" ({how})" if how else "")), margin=MARGIN,
         legend=dict(title=dict(text="prompt"), itemclick=False, itemdoubleclick=False),
     ))
 

@@ -7,6 +7,8 @@
                     checked before anything is allocated
     zero_shot.py    a prediction in words: ImageNet's classes with templates, or typed labels
     maps.py         where each text is: dense similarity, relevance, each patch's best prompt
+    open_vocabulary.py  the map methods (MaskCLIP, SCLIP, ClearCLIP, NACLIP): the last block
+                    changed for one call, re-run from the captured tokens
     heads.py        heads in words (TextSpan): what each late head writes, in descriptions
     descriptions.py the pool of short descriptions heads are described from
 """
