@@ -33,8 +33,7 @@ def class_probabilities(cosines: torch.Tensor, name_classes: Sequence[int], logi
     count = int(index.max()) + 1
     if count == len(name_classes):  # one name a class
         return probabilities
-    out = probabilities.new_zeros((probabilities.shape[0], count, *probabilities.shape[2:]))
-    return out.index_reduce_(1, index, probabilities, "amax", include_self=False)
+    return torch.stack([probabilities[:, index == number].amax(dim=1) for number in range(count)], dim=1)
 
 
 def label_pixels(probabilities: torch.Tensor, threshold: float = 0.0) -> torch.Tensor:
