@@ -27,13 +27,17 @@ def upsample(scores: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
 
 def class_probabilities(cosines: torch.Tensor, name_classes: Sequence[int], logit_scale: float = LOGIT_SCALE) -> torch.Tensor:
     """(B, Q, H, W) cosines of Q names -> (B, C, H, W): the softmax over the names at
-    ``logit_scale``, each class's the largest of its names' (``name_classes[q]``: name q's class)."""
+    ``logit_scale``, each class's the largest of its names' (``name_classes[q]``: name q's class;
+    a class without names, as a background that only the threshold gives, has probability 0)."""
     probabilities = (cosines.float() * logit_scale).softmax(dim=1)
     index = torch.as_tensor(name_classes, dtype=torch.long)
     count = int(index.max()) + 1
-    if count == len(name_classes):  # one name a class
+    if torch.equal(index, torch.arange(count)):  # one name a class
         return probabilities
-    return torch.stack([probabilities[:, index == number].amax(dim=1) for number in range(count)], dim=1)
+    empty = probabilities.new_zeros(probabilities[:, 0].shape)
+    return torch.stack([
+        probabilities[:, index == number].amax(dim=1) if (index == number).any() else empty for number in range(count)
+    ], dim=1)
 
 
 def label_pixels(probabilities: torch.Tensor, threshold: float = 0.0) -> torch.Tensor:
