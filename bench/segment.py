@@ -82,7 +82,7 @@ def measure(model: ImageTextModel, folder: LabelledFolder, texts: torch.Tensor, 
     """Every picture of ``folder`` segmented by every protocol; ``texts`` (Q, E) the names' unit embeddings."""
     classes = folder.classes
     for height, width in folder.sizes:  # refused before any picture is read
-        check_size(height, width, len(classes.names))
+        check_size(height, width, len(classes.names), any(protocol.pamr for protocol in protocols))
     counts = [np.zeros((len(classes), len(classes)), dtype=np.int64) for _ in protocols]
     blocks = [0] * len(protocols)
     depth = len(model.image.blocks)

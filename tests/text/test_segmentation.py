@@ -50,3 +50,12 @@ def test_windows_cover_the_picture_as_the_papers_place_them():
     assert passes(224, 224, Protocol(), (224, 224)) == 1
     assert passes(375, 500, Protocol(), (224, 224)) == 2  # VOC's usual 500 x 375 at the model's input: 224 x 299
     assert passes(375, 500, Protocol(short_side=336), (224, 224)) == 6  # at 336 x 448
+
+
+def test_a_picture_too_large_to_segment_is_a_sentence_before_anything_is_computed():
+    from vit_explorer.analysis import AnalysisError
+    from vit_explorer.text.segmentation import check_size
+
+    check_size(375, 500, 56, refine=True)  # VOC with its 56 names and PAMR: about 0.2 GB
+    with pytest.raises(AnalysisError, match=r"a 4000x3000 picture with 21 names needs .* GB of scores and PAMR"):
+        check_size(3000, 4000, 21, refine=True)

@@ -87,13 +87,16 @@ def windows(height: int, width: int, crop: tuple[int, int], stride: tuple[int, i
     return boxes
 
 
-def check_size(height: int, width: int, names: int) -> None:
-    """Refuse a picture whose cosines with ``names`` names would not fit MAX_SCORE_BYTES."""
-    held = 4 * names * height * width
+def check_size(height: int, width: int, names: int, refine: bool = False) -> None:
+    """Refuse a picture whose cosines with ``names`` names (and PAMR's neighbours of a few classes
+    at a time, with ``refine``) would not fit MAX_SCORE_BYTES."""
+    neighbours = 8 * len(pamr.DILATIONS)
+    held = 4 * height * width * (names + (neighbours * (min(names, pamr.CLASS_CHUNK) + 3) if refine else 0))
     if held > MAX_SCORE_BYTES:
         raise AnalysisError(
-            f"a {width}x{height} picture with {names} names needs {held / 2**30:.1f} GB of scores; at most"
-            f" {MAX_SCORE_BYTES / 2**30:.1f} GB: make the picture smaller or use fewer names"
+            f"a {width}x{height} picture with {names} names needs {held / 2**30:.1f} GB of scores"
+            f"{' and PAMR' if refine else ''}; at most {MAX_SCORE_BYTES / 2**30:.1f} GB: make the picture smaller"
+            " or use fewer names"
         )
 
 
@@ -150,7 +153,7 @@ def segment(model: ImageTextModel, image: Image.Image, texts: torch.Tensor, name
     config = model.image.config
     image = to_rgb(image)
     height, width = image.height, image.width
-    check_size(height, width, len(name_classes))
+    check_size(height, width, len(name_classes), protocol.pamr)
     mean, std = config.mean, config.std
     if protocol.slide:
         size = resized_size(height, width, protocol.short_side or min(config.img_size), tuple(config.img_size))
