@@ -61,12 +61,12 @@ def segment_by_words(prompts: tuple[str, ...]) -> None:
     mask_column, classes_column = st.columns(2)
     mask_column.download_button(
         "Download the mask", word_segments.mask_png(selection, prompts, threshold, pamr), file_name="mask.png",
-        mime="image/png", icon=":material/download:",
+        mime="image/png", icon=":material/download:", on_click="ignore",
         help="A PNG as large as the picture whose pixels are class indices: 0 the background, 1 the first prompt, ...",
     )
     classes_column.download_button(
         "Download the class list", word_segments.class_list(prompts), file_name="classes.txt", mime="text/plain",
-        icon=":material/download:", help="One class a line: its index in the mask, a tab, its name.",
+        icon=":material/download:", on_click="ignore", help="One class a line: its index in the mask, a tab, its name.",
     )
 
 
