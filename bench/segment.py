@@ -11,7 +11,7 @@ masks are PNGs of class indices named as their pictures, 255 unlabelled (VOC's S
 The protocol is vit_explorer.text.segmentation's and is printed before the table: by default the
 pictures' shorter side is brought to the model's input and read in windows half a window apart
 (one pass for a square picture at the input's size); --short-side 336 is the papers' (SCLIP's
-slide 224/112; NACLIP on VOC reads the whole picture at 336, which our square input cannot);
+slide 224/112), --whole --short-side 336 NACLIP's on VOC (the whole picture at its aspect ratio);
 --threshold 0.1 is their background rule on VOC21 and Context60. Each name is embedded with
 OpenAI's 80 ImageNet templates and averaged, as the papers do.
 
@@ -32,6 +32,7 @@ from tqdm import tqdm
 
 from vit_explorer.analysis import segmentation as scores
 from vit_explorer.data.labelled_folder import LabelledFolder, read_classes, read_labelled_folder
+from vit_explorer.model.vit import Block
 from vit_explorer.text import ImageTextModel, load_image_text_model
 from vit_explorer.text import open_vocabulary
 from vit_explorer.text.segmentation import Protocol, check_size, segment
@@ -54,16 +55,20 @@ def templates(name: str) -> tuple[str, ...]:
 
 
 @contextlib.contextmanager
-def counted_blocks(model: ImageTextModel):
-    """A counter of the image tower's blocks run while inside (this process's own model)."""
+def counted_blocks():
+    """A counter of the transformer blocks run while inside, of any ViT (a picture's resized copy
+    of the tower, a proxy's too), each image of a batch counted: a hook of this process only."""
     count = [0]
-    handles = [block.register_forward_pre_hook(lambda module, args: count.__setitem__(0, count[0] + args[0].shape[0]))
-               for block in model.image.blocks]
+
+    def hook(module, args):
+        if isinstance(module, Block):
+            count[0] += args[0].shape[0]
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(hook)
     try:
         yield count
     finally:
-        for handle in handles:
-            handle.remove()
+        handle.remove()
 
 
 @dataclass(frozen=True)
@@ -90,7 +95,7 @@ def measure(model: ImageTextModel, folder: LabelledFolder, texts: torch.Tensor, 
         for index in range(len(folder)):
             image, truth = folder.read(index)
             for number, protocol in enumerate(protocols):
-                with counted_blocks(model) as ran:
+                with counted_blocks() as ran:
                     predicted = segment(model, image, texts, classes.name_classes, protocol)
                 blocks[number] += ran[0]
                 counts[number] += scores.confusion(predicted, truth, len(classes))
@@ -120,8 +125,10 @@ def arguments(argv=None) -> argparse.Namespace:
     parser.add_argument("--classes", required=True, help="line i names class i, synonyms separated by commas")
     parser.add_argument("--method", action="append", choices=list(open_vocabulary.METHODS),
                         help="an open-vocabulary method; repeat for several (default: maskclip)")
-    parser.add_argument("--whole", action="store_true", help="squeeze each picture to the model's input (one pass) instead of sliding windows")
-    parser.add_argument("--short-side", type=int, default=None, help="slide: the shorter side before the windows (the papers: 336; default the model's input)")
+    parser.add_argument("--whole", action="store_true", help="one pass a picture instead of sliding windows: at its aspect"
+                        " ratio with --short-side (NACLIP on VOC), else squeezed to the model's input")
+    parser.add_argument("--short-side", type=int, default=None, help="the shorter side the picture is resized to (the papers:"
+                        " 336; default the model's input)")
     parser.add_argument("--threshold", type=float, default=0.0, help="class 0 where the best class's probability is below this (the papers: 0.1 on VOC21)")
     parser.add_argument("--logit-scale", type=float, default=scores.LOGIT_SCALE)
     parser.add_argument("--pamr", action="store_true", help="refine with PAMR (10 steps, dilations 8 and 16)")

@@ -15,10 +15,11 @@ def _iou(predicted: np.ndarray, truth: np.ndarray) -> float:
 
 @pytest.mark.parametrize("protocol", [
     Protocol(slide=False), Protocol(slide=True), Protocol(slide=True, pamr=True), Protocol(slide=False, threshold=0.9),
-], ids=["whole", "slide", "slide+pamr", "whole+threshold"])
+    Protocol(slide=False, short_side=64),  # 64 x 96: a 8 x 12 grid, the object on whole patches
+], ids=["whole", "slide", "slide+pamr", "whole+threshold", "whole at its aspect ratio"])
 def test_the_planted_object_is_found(protocol):
     model, obj, background = planted_clip()
-    height, width = 32, 48 if protocol.slide else 32  # sliding: two windows, 16 px apart
+    height, width = 32, 48 if protocol.slide or protocol.short_side else 32  # sliding: two windows, 16 px apart
     box = (8, 24, 16, 32)  # 2 x 2 patches
     picture = planted_picture(height, width, box)
     labels = segment(model, picture, torch.stack([background, obj]), [0, 1], protocol)
@@ -27,6 +28,7 @@ def test_the_planted_object_is_found(protocol):
     truth[box[0]:box[1], box[2]:box[3]] = True
     assert _iou(labels == 1, truth) >= 0.9
     assert _iou(labels == 0, ~truth) >= 0.9
+    assert model.image.config.img_size == (32, 32)  # a picture at its own size used a copy
 
 
 def test_a_high_threshold_leaves_uncertain_pixels_to_the_background():

@@ -6,7 +6,10 @@ The protocol (:class:`Protocol`, written out by :meth:`Protocol.describe`):
   ``short_side`` pixels (the papers: 336; here by default the model's input, so that a 224 px
   picture costs one pass), then reads it in windows of the model's input size, half a window
   apart (the papers' 224 and 112), each window's cosines up-sampled to it and the overlaps
-  averaged; ``whole`` squeezes the picture to the model's input (one pass, as the app's pages).
+  averaged. Without ``slide``, one pass: with a ``short_side``, the whole picture at its aspect
+  ratio, that short side, each side rounded to the patch size (NACLIP on VOC at 336), the
+  model's positions resampled for this picture (weights.resize_model: a new small model sharing
+  the weights); without, the picture squeezed to the model's input (as the app's pages).
 - the maps: each window's patches carried into the texts' space by an open-vocabulary method
   (text.open_vocabulary), their cosines with each name up-sampled (bilinear) to the picture.
 - optionally PAMR (analysis.pamr: 10 steps, dilations 8 and 16) on the cosines, with the picture.
@@ -18,7 +21,7 @@ Nothing here changes the model: every pass is a capture of this call.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -30,6 +33,7 @@ from ..analysis import pamr, segmentation
 from ..analysis.checks import AnalysisError
 from ..data.images import preprocess, to_rgb
 from ..model.capture import capture
+from ..weights.resize import resize_model
 from . import open_vocabulary
 from .maps import similarity_maps
 from .towers import ImageTextModel
@@ -58,6 +62,9 @@ class Protocol:
             short = self.short_side or min(input_size)
             read = (f"shorter side resized to {short} px (bilinear), read in {crop} windows"
                     f" {input_size[0] // 2} px apart, overlaps averaged")
+        elif self.short_side:
+            read = (f"whole at its aspect ratio, shorter side resized to {self.short_side} px (bilinear), sides rounded"
+                    " to the patch size, positions resampled to its grid (one pass)")
         else:
             read = f"squeezed whole to {crop} (one pass)"
         background = (f"class 0 where the best class's probability < {self.threshold:g}" if self.threshold
@@ -72,6 +79,13 @@ def resized_size(height: int, width: int, short_side: int, window: tuple[int, in
     Resize does), never smaller than one ``window`` (height, width)."""
     scale = max(short_side / min(height, width), window[0] / height, window[1] / width)
     return max(int(height * scale + 0.5), window[0]), max(int(width * scale + 0.5), window[1])
+
+
+def aspect_size(height: int, width: int, short_side: int, patch_size: int) -> tuple[int, int]:
+    """The picture's size with its shorter side ``short_side``, each side rounded to a whole
+    number of patches (at least one)."""
+    scale = short_side / min(height, width)
+    return tuple(max(patch_size, round(side * scale / patch_size) * patch_size) for side in (height, width))
 
 
 def windows(height: int, width: int, crop: tuple[int, int], stride: tuple[int, int]) -> list[tuple[int, int, int, int]]:
@@ -159,6 +173,11 @@ def segment(model: ImageTextModel, image: Image.Image, texts: torch.Tensor, name
         size = resized_size(height, width, protocol.short_side or min(config.img_size), tuple(config.img_size))
         pixels = normalized(image, size, mean, std)
         cosines = window_cosines(model, pixels, texts, protocol.method, proxy)
+    elif protocol.short_side:
+        size = aspect_size(height, width, protocol.short_side, config.patch_size)
+        pixels = normalized(image, size, mean, std)
+        at_size = replace(model, image=resize_model(model.image, image_size=size, share_weights=True))
+        cosines = patch_cosines(at_size, pixels, texts, protocol.method, proxy)
     else:
         pixels = preprocess(image, config)  # as the app's pages see it
         cosines = patch_cosines(model, pixels, texts, protocol.method, proxy)
