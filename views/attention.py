@@ -60,7 +60,7 @@ def segment_by_words(prompts: tuple[str, ...]) -> None:
     )))
     mask_column, classes_column = st.columns(2)
     mask_column.download_button(
-        "Download the mask", word_segments.mask_png(selection, prompts, threshold, pamr), file_name="mask.png",
+        "Download the mask", lambda: word_segments.mask_png(labels, selection.image.size, prompts), file_name="mask.png",
         mime="image/png", icon=":material/download:", on_click="ignore",
         help="A PNG as large as the picture whose pixels are class indices: 0 the background, 1 the first prompt, ...",
     )

@@ -39,8 +39,8 @@ def test_the_segment_view_draws_and_offers_the_mask_of_every_pixels_best_prompt(
     app = open_words_app(tmp_path / "clip", "views/attention.py")
     assert "Each pixel labelled by the prompt it is most like" in figure_titles(app)
     data, name = offered["Download the mask"]
-    assert name == "mask.png"
-    with Image.open(io.BytesIO(data)) as png:
+    assert name == "mask.png" and callable(data)  # encoded when clicked, not on every view
+    with Image.open(io.BytesIO(data())) as png:
         mask, classes = np.asarray(png), png.text["classes"]
     assert classes == "0\tbackground\n1\ta cat\n2\ta dog\n3\ta rocket\n"
     assert offered["Download the class list"] == (classes, "classes.txt")
@@ -55,12 +55,24 @@ def test_the_segment_view_draws_and_offers_the_mask_of_every_pixels_best_prompt(
     assert mask.shape == (picture.height, picture.width) and np.array_equal(mask, expected)
     # Every pixel below a probability of 1 is background; PAMR refines without a word of error.
     widget(app.slider, "Background below this probability").set_value(1.0).run()
-    with Image.open(io.BytesIO(offered["Download the mask"][0])) as png:
+    with Image.open(io.BytesIO(offered["Download the mask"][0]())) as png:
         assert not np.asarray(png).any()
     widget(app.slider, "Background below this probability").set_value(0.0)
     widget(app.toggle, "Refine along the picture's edges (PAMR)").set_value(True).run()
     assert not app.exception and not app.error
-    with Image.open(io.BytesIO(offered["Download the mask"][0])) as png:
+    with Image.open(io.BytesIO(offered["Download the mask"][0]())) as png:
         refined = np.asarray(png)
     assert refined.shape == mask.shape and set(np.unique(refined)) <= {1, 2, 3}
 
+
+
+def test_a_large_pictures_mask_is_computed_smaller_and_downloaded_at_the_pictures_size():
+    from vit_explorer.app import word_segments
+
+    assert word_segments.segmented_size(300, 451) == (300, 451)
+    height, width = word_segments.segmented_size(3000, 4000)
+    assert height * width <= word_segments.MAX_PIXELS and abs(width / height - 4 / 3) < 0.01
+    labels = np.array([[0, 1, 2], [2, 1, 0]], dtype=np.uint8)
+    with Image.open(io.BytesIO(word_segments.mask_png(labels, (6, 4), ("a", "b")))) as png:
+        assert png.mode == "L" and png.size == (6, 4) and png.text["classes"] == "0\tbackground\n1\ta\n2\tb\n"
+        assert np.array_equal(np.asarray(png), labels.repeat(2, axis=0).repeat(2, axis=1))

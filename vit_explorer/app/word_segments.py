@@ -57,17 +57,16 @@ def class_list(prompts: tuple[str, ...]) -> str:
     return "".join(f"{index}\t{name}\n" for index, name in enumerate((BACKGROUND, *prompts)))
 
 
-def mask_png(selection: Selection, prompts: tuple[str, ...], threshold: float, pamr: bool) -> bytes:
-    """The mask of :func:`segmentation` at the picture's own size (nearest neighbour), a greyscale
-    PNG whose pixels are class indices, the class list in its "classes" text chunk; encoded once."""
-    def encode() -> bytes:
-        mask = Image.fromarray(segmentation(selection, prompts, threshold, pamr))
-        if mask.size != selection.image.size:
-            mask = mask.resize(selection.image.size, Image.Resampling.NEAREST)
-        info = PngImagePlugin.PngInfo()
-        info.add_text("classes", class_list(prompts))
-        out = io.BytesIO()
-        mask.save(out, format="PNG", pnginfo=info)
-        return out.getvalue()
-
-    return selection.memo("words segmentation png", words.labels_id(prompts), threshold, pamr, compute=encode)
+def mask_png(labels: np.ndarray, size: tuple[int, int], prompts: tuple[str, ...]) -> bytes:
+    """The mask ``labels`` of :func:`segmentation` at the picture's ``size`` (width, height; nearest
+    neighbour), a greyscale PNG whose pixels are class indices, the class list in its "classes"
+    text chunk. The page's download button calls it on a click, in a thread of its own: it reads
+    only its arguments."""
+    mask = Image.fromarray(labels)
+    if mask.size != tuple(size):
+        mask = mask.resize(tuple(size), Image.Resampling.NEAREST)
+    info = PngImagePlugin.PngInfo()
+    info.add_text("classes", class_list(prompts))
+    out = io.BytesIO()
+    mask.save(out, format="PNG", pnginfo=info)
+    return out.getvalue()
