@@ -1,4 +1,4 @@
-# NACLIP's pamr.py (github.com/sinahmr/NACLIP), verbatim: the reference tests/analysis/test_segmentation.py
+# NACLIP's pamr.py (github.com/sinahmr/NACLIP), verbatim: the reference tests/analysis/test_pamr_and_miou.py
 # compares vit_explorer.analysis.pamr with.
 # Copyright 2020 TU Darmstadt
 # Licnese: Apache 2.0 License.

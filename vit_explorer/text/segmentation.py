@@ -38,7 +38,6 @@ from . import open_vocabulary
 from .maps import similarity_maps
 from .towers import ImageTextModel
 
-PAPERS_SHORT_SIDE = 336
 WINDOW_BATCH = 8  # windows captured together
 # The cosines of every name at the picture's size are held at once (PAMR's neighbours a few
 # classes at a time on top): a picture and names past this are refused before anything is computed.
@@ -51,7 +50,9 @@ class Protocol:
 
     method: str = "maskclip"
     slide: bool = True
-    short_side: int | None = None  # slide: the shorter side before the windows; None: the model's input's
+    # The shorter side the picture is resized to (slide, or whole at its aspect ratio); None: the
+    # model's input's for slide, the picture squeezed to the model's input for whole.
+    short_side: int | None = None
     logit_scale: float = segmentation.LOGIT_SCALE
     threshold: float = 0.0
     pamr: bool = False
@@ -150,9 +151,9 @@ def patch_cosines(model: ImageTextModel, pixels: torch.Tensor, texts: torch.Tens
     return similarity_maps(patches, texts, captured.grid_size)
 
 
-def label(cosines: torch.Tensor, picture: torch.Tensor | None, name_classes: Sequence[int], protocol: Protocol) -> np.ndarray:
-    """(1, Q, h, w) cosines -> (H, W) uint8 classes at ``picture``'s size (its (1, C, H, W)
-    normalised pixels, which PAMR follows), by the protocol's rule."""
+def label(cosines: torch.Tensor, picture: torch.Tensor, name_classes: Sequence[int], protocol: Protocol) -> np.ndarray:
+    """(1, Q, h, w) cosines -> (H, W) uint8 classes at ``picture``'s size, by the protocol's rule;
+    ``picture`` (1, C, H, W) the normalised pixels PAMR follows (C may be 0 without PAMR)."""
     cosines = segmentation.upsample(cosines, tuple(picture.shape[-2:]))
     if protocol.pamr:
         cosines = pamr.pamr(picture, cosines)
