@@ -3,7 +3,7 @@ by side, with the passes of the image tower each picture cost.
 
     python -m bench.segment --weights MODEL --folder images/ --masks masks/ --classes classes.txt \
         --method maskclip [--method naclip ...] [--whole] [--short-side 336] [--threshold 0.1] \
-        [--logit-scale 40] [--pamr] [--templates openai|simple|plain] [--limit N]
+        [--area-threshold 0.1] [--logit-scale 40] [--pamr] [--templates openai|simple|plain] [--limit N]
 
 MODEL is a CLIP or SigLIP folder (open_clip's or Hugging Face's). The classes file is the papers'
 (configs/cls_voc21.txt of SCLIP and NACLIP): line i names class i, synonyms separated by commas;
@@ -11,7 +11,7 @@ masks are PNGs of class indices named as their pictures, 255 unlabelled (VOC's S
 The protocol is vit_explorer.text.segmentation's and is printed before the table: by default the
 pictures' shorter side is brought to the model's input and read in windows half a window apart
 (one pass for a square picture at the input's size); --short-side 336 is the papers' (SCLIP's
-slide 224/112), --whole --short-side 336 NACLIP's on VOC (the whole picture at its aspect ratio);
+slide 224/112, with --area-threshold 0.1 --logit-scale 65 on VOC21), --whole --short-side 336 NACLIP's on VOC (the whole picture at its aspect ratio);
 --threshold 0.1 is their background rule on VOC21 and Context60. Each name is embedded with
 OpenAI's 80 ImageNet templates and averaged, as the papers do.
 
@@ -130,6 +130,8 @@ def arguments(argv=None) -> argparse.Namespace:
     parser.add_argument("--short-side", type=int, default=None, help="the shorter side the picture is resized to (the papers:"
                         " 336; default the model's input)")
     parser.add_argument("--threshold", type=float, default=0.0, help="class 0 where the best class's probability is below this (the papers: 0.1 on VOC21)")
+    parser.add_argument("--area-threshold", type=float, default=None, help="zero a class over at most this share of a"
+                        " picture's foreground first (SCLIP on VOC21: 0.1)")
     parser.add_argument("--logit-scale", type=float, default=scores.LOGIT_SCALE)
     parser.add_argument("--pamr", action="store_true", help="refine with PAMR (10 steps, dilations 8 and 16)")
     parser.add_argument("--templates", choices=list(TEMPLATES), default="openai")
@@ -144,6 +146,8 @@ def main(argv=None) -> int:
             raise ValueError(f"--short-side {args.short_side} is not between 16 and 4096 pixels")
         if not 0 <= args.threshold <= 1:
             raise ValueError(f"--threshold {args.threshold} is not a probability between 0 and 1")
+        if args.area_threshold is not None and not 0 <= args.area_threshold < 1:
+            raise ValueError(f"--area-threshold {args.area_threshold} is not a share between 0 and 1")
         classes = read_classes(args.classes)
         folder = read_labelled_folder(args.folder, args.masks, classes)
         if args.limit:
@@ -151,7 +155,7 @@ def main(argv=None) -> int:
         model = load_image_text_model(args.weights)
         protocols = [
             Protocol(method, slide=not args.whole, short_side=args.short_side, logit_scale=args.logit_scale,
-                     threshold=args.threshold, pamr=args.pamr)
+                     threshold=args.threshold, area_threshold=args.area_threshold, pamr=args.pamr)
             for method in dict.fromkeys(args.method or ["maskclip"])
         ]
         input_size = tuple(model.image.config.img_size)

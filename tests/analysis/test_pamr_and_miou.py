@@ -40,3 +40,16 @@ def test_mean_iou_counts_over_the_whole_set_and_skips_absent_classes_and_ignored
     np.testing.assert_allclose(ious[:2], [2 / 4, 3 / 5])
     assert np.isnan(ious[2]) and np.isnan(ious[3])
     assert segmentation.mean_iou(counts) == pytest.approx((2 / 4 + 3 / 5) / 2)
+
+
+def test_sclips_area_threshold_zeroes_a_class_over_too_little_of_the_foreground():
+    # 10 pixels: class 1 first on 6, class 2 on 1, class 0 on 3; SCLIP's area_thd 0.1 of the 7 foreground pixels.
+    first = [1, 1, 1, 1, 1, 1, 2, 0, 0, 0]
+    probabilities = torch.full((1, 3, 1, 10), 0.1)
+    for pixel, top in enumerate(first):
+        probabilities[0, top, 0, pixel] = 0.8
+    probabilities[0, 1, 0, 6] = 0.15  # where class 2 goes, class 1 is next
+    assert segmentation.label_pixels(probabilities).flatten().tolist() == first
+    # Class 2 holds 1/7 > 0.1 of the foreground: kept; at 0.2 it is zeroed and its pixel goes to class 1.
+    assert segmentation.label_pixels(probabilities, area_threshold=0.1).flatten().tolist() == first
+    assert segmentation.label_pixels(probabilities, area_threshold=0.2).flatten().tolist() == [1] * 7 + [0] * 3

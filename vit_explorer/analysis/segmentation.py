@@ -5,7 +5,8 @@ of a folder of predictions as mmseg's IoUMetric counts it.
 The rule: the cosines of every name (a class may have several, synonyms) times a logit scale go
 through a softmax over all names; a class's probability is its best name's; each pixel takes the
 class of largest probability, and class 0 (the background) where that probability is below a
-threshold (``prob_thd``: 0.1 on VOC21 and Context60, 0 elsewhere).
+threshold (``prob_thd``: 0.1 on VOC21 and Context60, 0 elsewhere); SCLIP on VOC21 also zeroes
+first the classes covering at most a share of the picture's foreground (``area_thd``: 0.1).
 """
 from __future__ import annotations
 
@@ -40,9 +41,16 @@ def class_probabilities(cosines: torch.Tensor, name_classes: Sequence[int], logi
     ], dim=1)
 
 
-def label_pixels(probabilities: torch.Tensor, threshold: float = 0.0) -> torch.Tensor:
+def label_pixels(probabilities: torch.Tensor, threshold: float = 0.0, area_threshold: float | None = None) -> torch.Tensor:
     """(B, C, H, W) class probabilities -> (B, H, W) classes: the most likely, 0 (the background)
-    where even that one's probability is below ``threshold``."""
+    where even that one's probability is below ``threshold``. ``area_threshold`` (SCLIP's
+    ``area_thd``, 0.1 on VOC21): a class other than 0 that would take no more than that share of
+    the pixels not given to class 0 is zeroed first, each picture on its own."""
+    if area_threshold is not None:
+        count = probabilities.shape[1]
+        first = F.one_hot(probabilities.argmax(dim=1), count).sum(dim=(1, 2))[:, 1:]  # (B, C - 1) pixels each
+        kept = (first > area_threshold * first.sum(dim=1, keepdim=True)).to(probabilities.dtype)
+        probabilities = torch.cat([probabilities[:, :1], probabilities[:, 1:] * kept[..., None, None]], dim=1)
     best, labels = probabilities.max(dim=1)
     return labels.masked_fill(best < threshold, 0)
 

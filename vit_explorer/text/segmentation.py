@@ -14,7 +14,8 @@ The protocol (:class:`Protocol`, written out by :meth:`Protocol.describe`):
   (text.open_vocabulary), their cosines with each name up-sampled (bilinear) to the picture.
 - optionally PAMR (analysis.pamr: 10 steps, dilations 8 and 16) on the cosines, with the picture.
 - the rule (analysis.segmentation): a softmax over every name at ``logit_scale`` (40), a class's
-  probability its best name's, class 0 (the background) below ``threshold``.
+  probability its best name's, class 0 (the background) below ``threshold`` (and, as SCLIP on
+  VOC21, a class over too small a share of the foreground zeroed: ``area_threshold``).
 
 Nothing here changes the model: every pass is a capture of this call.
 """
@@ -55,6 +56,7 @@ class Protocol:
     short_side: int | None = None
     logit_scale: float = segmentation.LOGIT_SCALE
     threshold: float = 0.0
+    area_threshold: float | None = None  # SCLIP's area_thd (0.1 on VOC21): see analysis.segmentation
     pamr: bool = False
 
     def describe(self, input_size: tuple[int, int]) -> str:
@@ -70,6 +72,8 @@ class Protocol:
             read = f"squeezed whole to {crop} (one pass)"
         background = (f"class 0 where the best class's probability < {self.threshold:g}" if self.threshold
                       else "no threshold (class 0 only where its names win)")
+        if self.area_threshold is not None:
+            background += f"; classes over at most {self.area_threshold:g} of the foreground zeroed first"
         refine = f"PAMR {pamr.STEPS} steps, dilations {pamr.DILATIONS}" if self.pamr else "no PAMR"
         return (f"{self.method}: {read}; cosines up-sampled bilinear to the picture; {refine}; softmax over the names"
                 f" at logit scale {self.logit_scale:g}, a class its best name; {background}")
@@ -158,7 +162,7 @@ def label(cosines: torch.Tensor, picture: torch.Tensor, name_classes: Sequence[i
     if protocol.pamr:
         cosines = pamr.pamr(picture, cosines)
     probabilities = segmentation.class_probabilities(cosines, name_classes, protocol.logit_scale)
-    return segmentation.label_pixels(probabilities, protocol.threshold)[0].numpy().astype(np.uint8)
+    return segmentation.label_pixels(probabilities, protocol.threshold, protocol.area_threshold)[0].numpy().astype(np.uint8)
 
 
 def segment(model: ImageTextModel, image: Image.Image, texts: torch.Tensor, name_classes: Sequence[int],
