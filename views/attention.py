@@ -2,7 +2,7 @@
 import streamlit as st
 
 from vit_explorer import analysis, figures
-from vit_explorer.app import costs, faithfulness, jobs, models, session, word_maps, words
+from vit_explorer.app import costs, faithfulness, jobs, models, session, word_maps, word_segments, words
 from vit_explorer.app.selection import prediction_caveats
 from vit_explorer.text import LabelError
 
@@ -33,6 +33,41 @@ def query_label(query: int) -> str:
         return "attention-pool probe"
     row, col = divmod(query, grid_w)
     return f"patch {query} (row {row}, col {col})"
+
+
+def segment_by_words(prompts: tuple[str, ...]) -> None:
+    """The Segment view of "Ask in words": every pixel labelled by its best prompt, the mask to download."""
+    st.markdown("**Segment by words**")
+    st.write(
+        "Every pixel of the picture takes the prompt its patch is most like, the maps up-sampled to the picture as"
+        " the training-free segmentation papers do (SCLIP, NACLIP): the cosines times 40 through a softmax over the"
+        " prompts, and a pixel whose best prompt's probability is below the threshold left to the background."
+    )
+    threshold_column, pamr_column = st.columns(2)
+    threshold = threshold_column.slider(
+        "Background below this probability", 0.0, 1.0, step=0.05,
+        help="0: every pixel takes a prompt. The papers use 0.1 on VOC, with the background named by a list of words.",
+        **session.keep("segment_threshold", 0.0, lambda value: 0.0 <= value <= 1.0),
+    )
+    pamr = pamr_column.toggle(
+        "Refine along the picture's edges (PAMR)",
+        help="Each pixel's scores replaced, ten times over, by its neighbours' of a like colour (Araslanov & Roth 2020).",
+        **session.keep("segment_pamr", False),
+    )
+    labels = word_segments.segmentation(selection, prompts, threshold, pamr)
+    st.plotly_chart(selection.memo("words segmentation map", words.labels_id(prompts), threshold, pamr, compute=lambda: (
+        figures.segmentation_map(word_segments.picture(selection, labels.shape), labels, (word_segments.BACKGROUND, *prompts))
+    )))
+    mask_column, classes_column = st.columns(2)
+    mask_column.download_button(
+        "Download the mask", lambda: word_segments.mask_png(labels, selection.image.size, prompts), file_name="mask.png",
+        mime="image/png", icon=":material/download:", on_click="ignore",
+        help="A PNG as large as the picture whose pixels are class indices: 0 the background, 1 the first prompt, ...",
+    )
+    classes_column.download_button(
+        "Download the class list", word_segments.class_list(prompts), file_name="classes.txt", mime="text/plain",
+        icon=":material/download:", on_click="ignore", help="One class a line: its index in the mask, a tab, its name.",
+    )
 
 
 def step_layer(delta: int) -> None:
@@ -326,6 +361,7 @@ if in_words is not None:
             )
             for caveat in word_maps.best_prompt_caveats(selection, similarities, prompts):
                 st.warning(caveat)
+        segment_by_words(prompts)
         traced = st.selectbox(
             "Prompt to trace back to the patches", list(range(len(prompts))), format_func=lambda index: prompts[index],
             **session.keep("word_traced", 0, lambda index: 0 <= index < len(prompts)),

@@ -33,7 +33,8 @@ from .registers import attention_drawn_figure, norms_by_layer_figure, register_n
 from .rope import offset_scores_figure, rotation_angles_figure
 from .training import accuracy_by_image_size_figure, sae_curves, training_curves
 from .words import (
-    PROMPT_SCALES, best_prompt_map, prompt_over_images, relevance_overlay, similarity_grid, zero_shot_bar,
+    PROMPT_SCALES, best_prompt_map, prompt_over_images, relevance_overlay, segmentation_map, similarity_grid,
+    zero_shot_bar,
 )
 
 __all__ = [
@@ -58,5 +59,6 @@ __all__ = [
     "attention_drawn_figure", "norms_by_layer_figure", "register_neurons_figure", "register_norms_figure",
     "offset_scores_figure", "rotation_angles_figure",
     "accuracy_by_image_size_figure", "sae_curves", "training_curves",
-    "PROMPT_SCALES", "best_prompt_map", "prompt_over_images", "relevance_overlay", "similarity_grid", "zero_shot_bar",
+    "PROMPT_SCALES", "best_prompt_map", "prompt_over_images", "relevance_overlay", "segmentation_map", "similarity_grid",
+    "zero_shot_bar",
 ]

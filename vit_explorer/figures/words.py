@@ -139,6 +139,34 @@ def best_prompt_map(
     ))
 
 
+def segmentation_map(image, labels, names: Sequence[str], opacity: float = BEST_OPACITY) -> go.Figure:
+    """The picture with every pixel coloured by its class of ``labels`` (H, W), class k in the
+    colour of prompt k - 1 of the best-prompt map, class 0 (``names[0]``, the background) left
+    clear; a legend names each colour and its share of the pixels."""
+    image = _rgb_uint8(image)
+    labels = np.asarray(labels)
+    if labels.shape != image.shape[:2]:
+        raise ValueError(f"one class a pixel is needed: labels {labels.shape}, picture {image.shape[:2]}")
+    count = len(names) - 1
+    if count > len(PROMPT_COLOURS):
+        raise ValueError(f"at most {len(PROMPT_COLOURS)} classes can be told apart by colour, not {count}")
+    colours = plotly_colors.convert_colors_to_same_type(list(PROMPT_COLOURS[:count]), "rgb")[0]
+    palette = np.array([(0, 0, 0), *map(plotly_colors.unlabel_rgb, colours)], dtype=np.float64)  # (classes, 3)
+    coloured = labels > 0
+    blended = image.astype(np.float64)
+    blended[coloured] = (1 - opacity) * blended[coloured] + opacity * palette[labels[coloured]]
+    shares = np.bincount(labels.reshape(-1), minlength=count + 1) / labels.size
+    keys = [
+        dict(type="scatter", x=[None], y=[None], mode="markers", name=f"{_short(name)} ({share:.0%} of the pixels)",
+             marker=dict(size=12, symbol="square", color=colour), showlegend=True, hoverinfo="skip")
+        for name, colour, share in zip(names, ["rgba(0,0,0,0)", *PROMPT_COLOURS[:count]], shares)
+    ]
+    return figure([_image_trace(np.round(blended).astype(np.uint8), hover=False, lossless=True), *keys], dict(
+        **_image_axis_layout(), title=_title("Each pixel labelled by the prompt it is most like"), margin=MARGIN,
+        legend=dict(title=dict(text="class"), itemclick=False, itemdoubleclick=False),
+    ))
+
+
 def prompt_over_images(images: Sequence, similarities, prompt: str, labels: Sequence[str], how: str) -> go.Figure:
     """One prompt's similarity maps (B, gh, gw) over several images (columns), on one colour scale
     (clear at the lowest cosine of all, crimson at the highest), so that the images compare."""
