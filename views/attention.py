@@ -35,7 +35,7 @@ def query_label(query: int) -> str:
     return f"patch {query} (row {row}, col {col})"
 
 
-def segment_by_words(prompts: tuple[str, ...]) -> None:
+def segment_by_words(prompts: tuple[str, ...], method: str) -> None:
     """The Segment view of "Ask in words": every pixel labelled by its best prompt, the mask to download."""
     st.markdown("**Segment by words**")
     st.write(
@@ -54,8 +54,8 @@ def segment_by_words(prompts: tuple[str, ...]) -> None:
         help="Each pixel's scores replaced, ten times over, by its neighbours' of a like colour (Araslanov & Roth 2020).",
         **session.keep("segment_pamr", False),
     )
-    labels = word_segments.segmentation(selection, prompts, threshold, pamr)
-    st.plotly_chart(selection.memo("words segmentation map", words.labels_id(prompts), threshold, pamr, compute=lambda: (
+    labels = word_segments.segmentation(selection, prompts, threshold, pamr, method)
+    st.plotly_chart(selection.memo("words segmentation map", words.labels_id(prompts), method, threshold, pamr, compute=lambda: (
         figures.segmentation_map(word_segments.picture(selection, labels.shape), labels, (word_segments.BACKGROUND, *prompts))
     )))
     mask_column, classes_column = st.columns(2)
@@ -361,7 +361,7 @@ if in_words is not None:
             )
             for caveat in word_maps.best_prompt_caveats(selection, similarities, prompts):
                 st.warning(caveat)
-        segment_by_words(prompts)
+        segment_by_words(prompts, method)
         traced = st.selectbox(
             "Prompt to trace back to the patches", list(range(len(prompts))), format_func=lambda index: prompts[index],
             **session.keep("word_traced", 0, lambda index: 0 <= index < len(prompts)),
