@@ -81,29 +81,36 @@ def test_proxy_attention_equals_the_authors(tmp_path):
     with torch.no_grad():
         expected = F.normalize(encode_image(theirs.visual, image, dino_features(twin, image, 4)), dim=-1)
 
-    captured, proxy_captured = vx.capture(ours.image, image), vx.capture(proxy, image)
-    patches = proxyclip.patch_embeddings(ours, captured, proxy, proxy_captured)
-    assert proxyclip.grid_size(proxy_captured) == (8, 8)
+    borrowed = proxyclip.Proxy(proxy, vx.capture(proxy, image))
+    patches = proxyclip.patch_embeddings(ours, vx.capture(ours.image, image), borrowed)
+    assert borrowed.grid_size == (8, 8)
     torch.testing.assert_close(patches, expected, atol=1e-5, rtol=0)
     texts = F.normalize(torch.randn(2, SMALL_CLIP["embed_dim"], generator=torch.Generator().manual_seed(9)), dim=-1)
     torch.testing.assert_close(
-        similarity_maps(patches, texts, proxyclip.grid_size(proxy_captured)),
+        similarity_maps(patches, texts, borrowed.grid_size),
         (expected @ texts.t()).transpose(1, 2).reshape(1, 2, 8, 8), atol=1e-4, rtol=0,
     )
 
 
-def test_a_proxy_of_another_shape_is_refused_in_a_sentence(tmp_path):
-    open_clip_folder(tmp_path, SMALL_CLIP)
-    ours = load_image_text_model(tmp_path)
-    captured = vx.capture(ours.image, torch.zeros(1, 3, 32, 32))
-    wide = _proxy(image_size=(16, 32))
-    with pytest.raises(ValueError, match=r"the proxy's patch grid \(4 x 8\) has another shape than CLIP's \(4 x 4\)"):
-        proxyclip.patch_embeddings(ours, captured, wide, vx.capture(wide, torch.zeros(1, 3, 16, 32)))
+def test_what_proxyclip_cannot_do_is_refused_in_a_sentence():
+    model = planted_clip()
+    captured = vx.capture(model.image, planted_image())
+    with pytest.raises(ValueError, match="choose a proxy model"):
+        proxyclip.patch_embeddings(model, captured, None)
+    wide = _proxy(image_size=(32, 64))
+    with pytest.raises(ValueError, match=r"the proxy's patch grid \(8 x 16\) has another shape than CLIP's \(8 x 8\)"):
+        proxyclip.patch_embeddings(model, captured, proxyclip.Proxy(wide, vx.capture(wide, torch.zeros(1, 3, 32, 64))))
+    # A blank picture: the proxy's patches all alike, every similarity below beta times their mean.
+    blank = torch.zeros_like(planted_image())
+    blank[:, 1] = 1.0
+    proxy = planted_vit(depth=1, patch_size=4, last_block=False)
+    with pytest.raises(ValueError, match="masks every patch out"):
+        proxyclip.patch_embeddings(model, vx.capture(model.image, blank), proxyclip.Proxy(proxy, vx.capture(proxy, blank)))
 
 
 def test_the_proxy_attention_finds_the_planted_object():
     model, image = planted_clip(), planted_image()
     proxy = planted_vit(depth=1, patch_size=4, last_block=False)  # its features: each patch's own axis
-    patches = proxyclip.patch_embeddings(model, vx.capture(model.image, image), proxy, vx.capture(proxy, image))
+    patches = proxyclip.patch_embeddings(model, vx.capture(model.image, image), proxyclip.Proxy(proxy, vx.capture(proxy, image)))
     maps = similarity_maps(patches, planted_texts(model), (16, 16))
     assert iou_of_top_half(maps[0, 0]) >= 0.9

@@ -8,13 +8,16 @@ norm (DINO's ``get_intermediate_layers``) give the attention: their cosines, shi
 CLIP's last block's values (of its normed input, the patches only) are resampled bilinearly to
 the proxy's grid, as the authors do when the grids differ, and attended there; the output
 projection, ln_post and the projection follow (no residual, no FFN). The maps come out on the
-proxy's grid (:func:`grid_size`).
+proxy's grid (:attr:`Proxy.grid_size`).
 
 Once both captures are there this is a fraction of one block of each: the shared models are not
 changed. A proxy whose picture has another shape than CLIP's (a grid of another aspect ratio),
-or a batch of another size, is refused in a sentence (:class:`ValueError`).
+or a batch of another size, and a picture whose patches the proxy sees all alike (every one
+masked out: the authors' softmax gives NaN) are refused in a sentence (:class:`ValueError`).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -27,18 +30,37 @@ from .towers import ImageTextModel
 BETA, GAMMA = 1.2, 3.0  # the authors' defaults (ProxyCLIPSegmentation)
 
 
-def grid_size(proxy: Capture) -> tuple[int, int]:
-    """The grid :func:`patch_embeddings` comes out on: the proxy's."""
-    return proxy.grid_size
+@dataclass(frozen=True)
+class Proxy:
+    """The proxy: a vision model (shared, never changed) and its capture of the same picture."""
+
+    model: ViT
+    captured: Capture
+
+    @property
+    def grid_size(self) -> tuple[int, int]:
+        """The grid :func:`patch_embeddings` comes out on: the proxy's."""
+        return self.captured.grid_size
+
+    def features(self) -> torch.Tensor:
+        """(B, P', C) the proxy's last patch tokens after its final norm (DINO's
+        get_intermediate_layers(x)[0] without the class token)."""
+        parameter = next(self.model.parameters())
+        tokens = self.captured.tokens[:, -1, self.captured.num_prefix_tokens:]
+        with torch.no_grad():
+            return self.model.norm(tokens.to(parameter.device, parameter.dtype))
 
 
-def check_models(model: ImageTextModel, captured: Capture, proxy: Capture) -> None:
+def check_models(model: ImageTextModel, captured: Capture, proxy: Proxy | None) -> None:
     """Refuse, in a sentence, what the authors' code does not compute or cannot match."""
     vit = model.image
     if vit.attn_pool is not None or vit.config.global_pool != "cls" or not vit.config.class_token:
         raise ValueError("ProxyCLIP is defined for CLIP's class-token towers; this model pools its patches another way")
-    if proxy.tokens.shape[0] != captured.tokens.shape[0]:
-        raise ValueError(f"the proxy saw {proxy.tokens.shape[0]} images and CLIP {captured.tokens.shape[0]}: give both the same pictures")
+    if proxy is None:
+        raise ValueError("ProxyCLIP borrows another model's attention: choose a proxy model (a DINO) first")
+    batch, proxy_batch = captured.tokens.shape[0], proxy.captured.tokens.shape[0]
+    if proxy_batch != batch:
+        raise ValueError(f"the proxy saw {proxy_batch} images and CLIP {batch}: give both the same pictures")
     (gh, gw), (ph, pw) = captured.grid_size, proxy.grid_size
     if gh * pw != gw * ph:
         raise ValueError(
@@ -47,29 +69,27 @@ def check_models(model: ImageTextModel, captured: Capture, proxy: Capture) -> No
         )
 
 
-def proxy_features(proxy_model: ViT, proxy: Capture) -> torch.Tensor:
-    """(B, P', C) the proxy's last patch tokens after its final norm (DINO's
-    get_intermediate_layers(x)[0] without the class token)."""
-    parameter = next(proxy_model.parameters())
-    with torch.no_grad():
-        return proxy_model.norm(proxy.tokens[:, -1, proxy.num_prefix_tokens:].to(parameter.device, parameter.dtype))
-
-
 @torch.no_grad()
 def patch_embeddings(
-    model: ImageTextModel, captured: Capture, proxy_model: ViT, proxy: Capture, beta: float = BETA, gamma: float = GAMMA,
+    model: ImageTextModel, captured: Capture, proxy: Proxy | None, beta: float = BETA, gamma: float = GAMMA,
 ) -> torch.Tensor:
     """(B, ph * pw, E) unit embeddings of the patches on the proxy's grid, CLIP's last block
-    attending with ``proxy``'s attention (``proxy_model`` captured on the same picture)."""
+    attending with ``proxy``'s attention (its model captured on the same picture)."""
     check_models(model, captured, proxy)
     vit = model.image
     parameter = next(vit.parameters())
     block = vit.blocks[-1]
-    features = F.normalize(proxy_features(proxy_model, proxy).to(parameter.device).float(), dim=-1)  # (B, P', C)
+    features = F.normalize(proxy.features().to(parameter.device).float(), dim=-1)  # (B, P', C)
     similarity = features @ features.transpose(1, 2)  # (B, P', P')
     # The authors' mean runs over their batch, which is one crop at a time: here, each image's own.
     similarity = (similarity - similarity.mean(dim=(1, 2), keepdim=True) * beta) * gamma
-    attention = similarity.masked_fill(similarity < 0, float("-inf")).softmax(dim=-1).to(parameter.dtype)
+    masked = similarity < 0
+    if masked.all(dim=-1).any():  # the authors' softmax of a row of -inf: NaN
+        raise ValueError(
+            f"the proxy sees this picture's patches nearly alike (their mean cosine is above 1/beta = {1 / beta:.2f}),"
+            " so its attention masks every patch out; try another proxy or picture"
+        )
+    attention = similarity.masked_fill(masked, float("-inf")).softmax(dim=-1).to(parameter.dtype)
 
     entering = captured.tokens[:, -2].to(parameter.device, parameter.dtype)  # the last block's input
     v = block.attn._qkv(block.norm1(entering))[2][:, :, captured.num_prefix_tokens:]  # (B, nh, P, hd)
