@@ -24,12 +24,12 @@ def planted_mask(grid: int = GRID) -> torch.Tensor:
     return mask.repeat_interleave(repeat, 0).repeat_interleave(repeat, 1)
 
 
-def planted_vit(depth: int = 6, patch_size: int = PATCH, last_block: bool = True) -> vx.ViT:
+def planted_vit(depth: int = 6, patch_size: int = PATCH, last_block: bool = True, **config) -> vx.ViT:
     """The image tower (or, ``last_block`` False, one whose blocks all add nothing: a proxy whose
     features are the patches' own axes)."""
     config = vx.ViTConfig(
         image_size=GRID * PATCH, patch_size=patch_size, embed_dim=8, depth=depth, num_heads=1, num_classes=0,
-        mean=(0.0,) * 3, std=(1.0,) * 3,
+        mean=(0.0,) * 3, std=(1.0,) * 3, **config,
     )
     model = vx.ViT(config).eval()
     with torch.no_grad():
@@ -53,6 +53,22 @@ def planted_clip(depth: int = 6) -> ImageTextModel:
     return ImageTextModel(
         image=model, image_projection=torch.eye(model.config.embed_dim), text=None, tokenizer=None,
         context_length=0, scoring="softmax", logit_scale=1.0, logit_bias=0.0,
+    )
+
+
+def planted_siglip() -> ImageTextModel:
+    """SigLIP's shape: no class token, blocks that add nothing, an attention pool whose probe
+    reads every patch alike (q = k = 0) and carries each patch's token as it is (v, proj: the
+    identity; no MLP); the image embedding is the pooled token."""
+    model = planted_vit(depth=2, last_block=False, class_token=False, global_pool="map")
+    pool, dim = model.attn_pool, model.config.embed_dim
+    with torch.no_grad():
+        pool.kv.weight[dim:].copy_(torch.eye(dim))
+        pool.proj.weight.copy_(torch.eye(dim))
+        pool.norm.weight.fill_(1)
+    return ImageTextModel(
+        image=model, image_projection=None, text=None, tokenizer=None,
+        context_length=0, scoring="sigmoid", logit_scale=1.0, logit_bias=0.0,
     )
 
 

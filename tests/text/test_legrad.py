@@ -14,7 +14,7 @@ import vit_explorer as vx
 from vit_explorer.text import load_image_text_model
 from vit_explorer.text.legrad import legrad
 
-from planted_clip import iou_of_top_half, planted_clip, planted_image, planted_texts
+from planted_clip import iou_of_top_half, planted_clip, planted_image, planted_siglip, planted_texts
 from textmodels import SMALL_CLIP, open_clip_folder, siglip_folder
 
 
@@ -218,6 +218,10 @@ def test_siglip_legrad_with_its_correction_equals_the_authors(tmp_path):
 def test_legrad_finds_the_planted_object_and_refuses_a_mean_pool():
     model, image = planted_clip(), planted_image()
     mapped = legrad(model, vx.capture(model.image, image), planted_texts(model)[0])
+    assert iou_of_top_half(mapped[0]) >= 0.9
+    siglip = planted_siglip()
+    obj, background = planted_texts(siglip)
+    mapped = legrad(siglip, vx.capture(siglip.image, image), obj, empty=background)  # the correction cuts the background
     assert iou_of_top_half(mapped[0]) >= 0.9
     mean_pool = vx.ViT(vx.ViTConfig(
         image_size=16, patch_size=8, embed_dim=8, depth=1, num_heads=1, num_classes=0, class_token=False, global_pool="mean",
