@@ -114,3 +114,18 @@ def test_the_proxy_attention_finds_the_planted_object():
     patches = proxyclip.patch_embeddings(model, vx.capture(model.image, image), proxyclip.Proxy(proxy, vx.capture(proxy, image)))
     maps = similarity_maps(patches, planted_texts(model), (16, 16))
     assert iou_of_top_half(maps[0, 0]) >= 0.9
+
+
+def test_the_proxy_reads_the_same_pixels_normalised_as_it_was_trained():
+    clip = vx.ViTConfig(image_size=32, patch_size=8, num_classes=0, embed_dim=8, depth=1, num_heads=1)
+    dino = vx.ViTConfig(image_size=32, patch_size=4, num_classes=0, embed_dim=8, depth=1, num_heads=1,
+                        mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))
+    assert clip.mean != dino.mean
+    pixels = torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(10))
+
+    def normalised(config):
+        return (pixels - torch.tensor(config.mean)[:, None, None]) / torch.tensor(config.std)[:, None, None]
+
+    torch.testing.assert_close(proxyclip.proxy_input(normalised(clip), clip, dino), normalised(dino), atol=1e-6, rtol=0)
+    larger = proxyclip.proxy_input(normalised(clip), clip, dino.replace(image_size=64))
+    torch.testing.assert_close(larger, F.interpolate(normalised(dino), size=(64, 64), mode="bilinear"), atol=1e-6, rtol=0)

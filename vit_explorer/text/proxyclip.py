@@ -30,6 +30,20 @@ from .towers import ImageTextModel
 BETA, GAMMA = 1.2, 3.0  # the authors' defaults (ProxyCLIPSegmentation)
 
 
+def proxy_input(x: torch.Tensor, config, proxy_config) -> torch.Tensor:
+    """CLIP's input (B, C, H, W), normalised with ``config``'s mean and std, as the proxy reads it:
+    the same pixels (the same crop) normalised with ``proxy_config``'s, as the authors un-normalise
+    and normalise again; resized bilinearly when the proxy's input size differs, as they resize
+    for SAM and MAE."""
+    def column(values) -> torch.Tensor:
+        return torch.tensor(values, dtype=x.dtype, device=x.device)[None, :, None, None]
+
+    pixels = x * column(config.std) + column(config.mean)
+    if tuple(pixels.shape[-2:]) != tuple(proxy_config.img_size):
+        pixels = F.interpolate(pixels, size=tuple(proxy_config.img_size), mode="bilinear", align_corners=False)
+    return (pixels - column(proxy_config.mean)) / column(proxy_config.std)
+
+
 @dataclass(frozen=True)
 class Proxy:
     """The proxy: a vision model (shared, never changed) and its capture of the same picture."""
