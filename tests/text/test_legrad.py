@@ -188,11 +188,13 @@ def test_clip_legrad_equals_the_authors(tmp_path):
     texts = F.normalize(torch.randn(2, SMALL_CLIP["embed_dim"], generator=torch.Generator().manual_seed(5)), dim=-1)
     expected = compute_legrad_clip(theirs.visual, 0, 8, texts, image)[0].detach()  # (T, H, W)
     captured = vx.capture(ours.image, image)
+    before = {name: (tensor.clone(), tensor.requires_grad) for name, tensor in ours.image.named_parameters()}
     for index, text in enumerate(texts):
         mapped = legrad(ours, captured, text)
         assert mapped.shape == (1, 4, 4)
         torch.testing.assert_close(_as_theirs(mapped, 8)[0], expected[index], atol=1e-4, rtol=0)
-    assert all(not parameter.requires_grad or parameter.grad is None for parameter in ours.image.parameters())
+    for name, parameter in ours.image.named_parameters():  # the shared model as it was: no grads, no flags changed
+        assert torch.equal(parameter, before[name][0]) and parameter.requires_grad == before[name][1] and parameter.grad is None
 
 
 def test_siglip_legrad_with_its_correction_equals_the_authors(tmp_path):
