@@ -52,9 +52,7 @@ def measure(name: str, rounds: int) -> dict[str, float]:
     steps = {"forward": forward, "legrad": lambda: legrad(model, captured, texts[0], empty=texts[1])}
     if name == "clip":  # CLIP Surgery and ProxyCLIP are the authors' for CLIP's class-token towers only
         steps |= {
-            "surgery": lambda: clip_surgery.similarity_maps(
-                model.project_image(captured.logits), clip_surgery.patch_embeddings(model, captured), texts, captured.grid_size,
-            ),
+            "surgery": lambda: clip_surgery.maps(model, captured, texts),
             "proxyclip": lambda: proxyclip.patch_embeddings(model, captured, borrowed) @ texts.t(),
             "proxy capture": lambda: vx.capture(proxy, x, layers=()),
         }

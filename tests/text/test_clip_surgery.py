@@ -209,10 +209,15 @@ def test_the_surgery_maps_equal_the_authors(surgery_pair):
         torch.testing.assert_close(one[index], expected, atol=1e-4, rtol=0)
 
 
-def test_the_surgery_refuses_in_a_sentence_what_it_cannot_do(surgery_pair):
+def test_one_prompt_loses_the_empty_prompt_and_what_it_cannot_do_is_a_sentence(surgery_pair):
     _, ours = surgery_pair
-    captured = vx.capture(ours.image, torch.zeros(1, 3, 32, 32))
+    captured = vx.capture(ours.image, torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(3)))
     patches = clip_surgery.patch_embeddings(ours, captured)
+    text = ours.embed_texts(["a photo of a cat."])
+    empty = ours.embed_texts(["a photo of ."])[0]
+    torch.testing.assert_close(
+        clip_surgery.maps(ours, captured, text)[0, 0], (patches[0] @ (text[0] - empty)).reshape(4, 4), atol=1e-6, rtol=0,
+    )
     with pytest.raises(ValueError, match="one prompt alone needs the empty prompt"):
         clip_surgery.similarity_maps(ours.project_image(captured.logits), patches, patches[0, :1], captured.grid_size)
     shallow = planted_clip(depth=2)

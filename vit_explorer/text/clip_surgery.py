@@ -89,3 +89,12 @@ def similarity_maps(
         shared = weighted.mean(dim=1, keepdim=True)  # (B, 1, E): the redundant feature
         similarity = patches @ (weighted - shared).transpose(1, 2)  # (B, P, T)
     return rearrange(similarity, "b (gh gw) t -> b t gh gw", gh=grid_size[0], gw=grid_size[1])
+
+
+def maps(model: ImageTextModel, captured: Capture, texts: torch.Tensor) -> torch.Tensor:
+    """Both steps on a capture against (T, E) unit texts -> (B, T, gh, gw): the v-v path's patches
+    and the feature surgery; a single text loses the empty prompt's embedding instead (the
+    authors' demo for one text)."""
+    redundant = empty_prompt(model) if texts.shape[0] == 1 else None
+    image = model.project_image(captured.logits)  # the class token, from the model's own path
+    return similarity_maps(image, patch_embeddings(model, captured), texts, captured.grid_size, redundant)
