@@ -366,7 +366,31 @@ if in_words is not None:
             "Prompt to trace back to the patches", list(range(len(prompts))), format_func=lambda index: prompts[index],
             **session.keep("word_traced", 0, lambda index: 0 <= index < len(prompts)),
         )
-        if costs.is_quick(config, forwards=costs.attribution_forwards(config)) or st.toggle(
+        relevance_method = st.radio(
+            "Relevance", list(word_maps.RELEVANCE_METHODS), format_func=word_maps.RELEVANCE_METHODS.get, horizontal=True,
+            help="Chefer et al.: every layer's attention weighted by its gradient, rolled out. LeGrad: the gradient of"
+            " the score read at each of the last layers with respect to that layer's attention (SigLIP's pool too).",
+            **session.keep("word_relevance_method", "chefer", lambda option: option in word_maps.RELEVANCE_METHODS),
+        )
+        if relevance_method == "legrad":
+            try:
+                legrad_map = word_maps.legrad(selection, prompts, traced)
+            except ValueError as error:
+                st.warning(f"LeGrad cannot map this model: {error}.")
+            else:
+                st.plotly_chart(selection.memo("words legrad overlay", prompts_id, traced, opacity, compute=lambda: (
+                    figures.attention_overlay(
+                        image, legrad_map, opacity=opacity, value_name="relevance",
+                        title=f"Which patches made the image match '{prompts[traced]}' (LeGrad)",
+                    )
+                )))
+                st.caption(
+                    "LeGrad (Bousselham et al. 2024): the image's cosine with the prompt read at each of the last two"
+                    " layers, the positive part of its gradient with respect to that layer's attention map (SigLIP: its"
+                    " attention pool's, less what an empty prompt lights up), averaged over heads and queries, summed."
+                    " It costs the last two blocks forward and backward, from the pass the page has made."
+                )
+        elif costs.is_quick(config, forwards=costs.attribution_forwards(config)) or st.toggle(
             "Compute the relevance of the prompt", help="One forward and one backward pass per prompt.",
             **session.keep("word_relevance_on", False),
         ):

@@ -9,7 +9,8 @@ sidebar's labels are ("a photo of {label}.") and their embeddings shared with th
 Costs: the patches are carried into the texts' space once per image and method (the last block
 at most, re-run from the captured tokens), then each prompt costs a pass of the text tower and one
 small matrix product; a label's relevance is a forward and a backward pass of the image tower
-(about three forwards).
+(about three forwards), its LeGrad map (text.legrad) the last two blocks forward and backward
+from the page's capture.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import numpy as np
 import torch
 
 from ..text import ImageTextModel, parse_labels
+from ..text import legrad as legrad_maps
 from ..text import maps, open_vocabulary
 from ..text.zero_shot import LABEL_TEMPLATE
 from . import words
@@ -130,6 +132,25 @@ def relevance(selection: Selection, labels: tuple[str, ...] | None, index: int) 
     return selection.memo(
         "words relevance", words.labels_id(labels), index, spinner="Tracing the words back to the patches ...",
         compute=lambda: maps.relevance(model_for(selection), selection.model_input(), texts[index])[0].numpy(),
+    )
+
+
+RELEVANCE_METHODS = {
+    "chefer": "Chefer et al. (every layer)",
+    "legrad": "LeGrad (the last layers' gradients)",
+}
+
+
+def legrad(selection: Selection, labels: tuple[str, ...], index: int) -> np.ndarray:
+    """(gh, gw) LeGrad's relevance of each patch to the image's cosine with label ``index`` of
+    ``labels`` (text.legrad), from the page's capture; a ValueError (one sentence) for a model
+    LeGrad is not defined for."""
+    model = model_for(selection)
+    legrad_maps.check_model(model)
+    texts = words.label_embeddings(selection.model_key, labels)
+    return selection.memo(
+        "words legrad", words.labels_id(labels), index,
+        compute=lambda: legrad_maps.legrad(model, selection.capture(), texts[index])[0].numpy(),
     )
 
 
