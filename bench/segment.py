@@ -37,6 +37,7 @@ from vit_explorer.text import ImageTextModel, load_image_text_model
 from vit_explorer.text import open_vocabulary
 from vit_explorer.text.segmentation import Protocol, check_size, segment
 from vit_explorer.text.zero_shot import class_embeddings
+from vit_explorer.weights import catalogue, load_model, load_pretrained
 
 TEMPLATES = {
     "openai": "OpenAI's 80 ImageNet templates (the papers')",
@@ -83,8 +84,9 @@ class Result:
 
 
 def measure(model: ImageTextModel, folder: LabelledFolder, texts: torch.Tensor, protocols: list[Protocol],
-            progress: bool = True) -> list[Result]:
-    """Every picture of ``folder`` segmented by every protocol; ``texts`` (Q, E) the names' unit embeddings."""
+            progress: bool = True, proxy=None) -> list[Result]:
+    """Every picture of ``folder`` segmented by every protocol; ``texts`` (Q, E) the names' unit
+    embeddings; ``proxy``: ProxyCLIP's proxy ViT."""
     classes = folder.classes
     for height, width in folder.sizes:  # refused before any picture is read
         check_size(height, width, len(classes.names), any(protocol.pamr for protocol in protocols))
@@ -96,7 +98,7 @@ def measure(model: ImageTextModel, folder: LabelledFolder, texts: torch.Tensor, 
             image, truth = folder.read(index)
             for number, protocol in enumerate(protocols):
                 with counted_blocks() as ran:
-                    predicted = segment(model, image, texts, classes.name_classes, protocol)
+                    predicted = segment(model, image, texts, classes.name_classes, protocol, proxy)
                 blocks[number] += ran[0]
                 counts[number] += scores.confusion(predicted, truth, len(classes))
                 bar.update()
@@ -125,6 +127,8 @@ def arguments(argv=None) -> argparse.Namespace:
     parser.add_argument("--classes", required=True, help="line i names class i, synonyms separated by commas")
     parser.add_argument("--method", action="append", choices=list(open_vocabulary.METHODS),
                         help="an open-vocabulary method; repeat for several (default: maskclip)")
+    parser.add_argument("--proxy", default=None, help="ProxyCLIP's proxy: a checkpoint or a catalogue name (a DINO:"
+                        " dino_vitb16, dinov2_vits14_reg, ...), run on the same pixels as the CLIP")
     parser.add_argument("--whole", action="store_true", help="one pass a picture instead of sliding windows: at its aspect"
                         " ratio with --short-side (NACLIP on VOC), else squeezed to the model's input")
     parser.add_argument("--short-side", type=int, default=None, help="the shorter side the picture is resized to (the papers:"
@@ -152,11 +156,17 @@ def main(argv=None) -> int:
         folder = read_labelled_folder(args.folder, args.masks, classes)
         if args.limit:
             folder = LabelledFolder(folder.images[:args.limit], folder.masks[:args.limit], folder.sizes[:args.limit], classes)
+        methods = list(dict.fromkeys(args.method or ["maskclip"]))
+        if any(open_vocabulary.METHODS[method].needs_proxy for method in methods) and args.proxy is None:
+            raise ValueError("ProxyCLIP borrows another model's attention: name it with --proxy (a DINO)")
         model = load_image_text_model(args.weights)
+        proxy = None
+        if args.proxy is not None:
+            proxy = (load_pretrained(args.proxy) if args.proxy in catalogue.CATALOGUE else load_model(args.proxy)).eval()
         protocols = [
             Protocol(method, slide=not args.whole, short_side=args.short_side, logit_scale=args.logit_scale,
                      threshold=args.threshold, area_threshold=args.area_threshold, pamr=args.pamr)
-            for method in dict.fromkeys(args.method or ["maskclip"])
+            for method in methods
         ]
         input_size = tuple(model.image.config.img_size)
         print(f"{len(folder)} pictures, {len(classes)} classes ({len(classes.names)} names), each name embedded with {TEMPLATES[args.templates]}")
@@ -164,7 +174,7 @@ def main(argv=None) -> int:
             print("protocol", protocol.describe(input_size))
         print("classes: " + "; ".join(f"{index} {', '.join(names)}" for index, names in enumerate(classes.classes)))
         texts = class_embeddings(model, classes.names, templates(args.templates))
-        results = measure(model, folder, texts, protocols)
+        results = measure(model, folder, texts, protocols, proxy=proxy)
     except (ValueError, OSError) as error:  # every refusal of ours is a sentence (DatasetError, AnalysisError, ...)
         print(f"bench.segment: {error}", file=sys.stderr)
         return 2

@@ -35,7 +35,7 @@ def query_label(query: int) -> str:
     return f"patch {query} (row {row}, col {col})"
 
 
-def segment_by_words(prompts: tuple[str, ...], method: str) -> None:
+def segment_by_words(prompts: tuple[str, ...], method: str, proxy_key: str | None) -> None:
     """The Segment view of "Ask in words": every pixel labelled by its best prompt, the mask to download."""
     st.markdown("**Segment by words**")
     st.write(
@@ -54,8 +54,8 @@ def segment_by_words(prompts: tuple[str, ...], method: str) -> None:
         help="Each pixel's scores replaced, ten times over, by its neighbours' of a like colour (Araslanov & Roth 2020).",
         **session.keep("segment_pamr", False),
     )
-    labels = word_segments.segmentation(selection, prompts, threshold, pamr, method)
-    st.plotly_chart(selection.memo("words segmentation map", words.labels_id(prompts), method, threshold, pamr, compute=lambda: (
+    labels = word_segments.segmentation(selection, prompts, threshold, pamr, method, proxy_key)
+    st.plotly_chart(selection.memo("words segmentation map", words.labels_id(prompts), method, proxy_key, threshold, pamr, compute=lambda: (
         figures.segmentation_map(word_segments.picture(selection, labels.shape), labels, (word_segments.BACKGROUND, *prompts))
     )))
     mask_column, classes_column = st.columns(2)
@@ -332,7 +332,21 @@ if in_words is not None:
         "Map method", list(word_maps.METHODS), format_func=word_maps.method_label, help=word_maps.methods_help(),
         **session.keep("word_method", word_maps.DEFAULT_METHOD, lambda option: option in word_maps.METHODS),
     )
+    proxy_key = None
+    if word_maps.METHODS[method].needs_proxy:
+        proxies = word_maps.proxy_options(selection)
+        proxy_key = st.selectbox(
+            "Proxy model (whose attention CLIP's last block borrows)", list(proxies), format_func=proxies.get,
+            help="ProxyCLIP's proxy: a model without words, a DINO as its authors use, run once on the same pixels.",
+            **session.keep("word_proxy", next(iter(proxies), None), lambda option: option in proxies),
+        )
+    similarities = None
     if prompts:
+        try:
+            similarities = word_maps.similarities(selection, prompts, method, proxy_key)
+        except (ValueError, OSError) as error:  # a method not defined for this tower, a proxy that does not load
+            st.warning(f"{word_maps.METHODS[method].label} cannot map these prompts here: {error}.")
+    if similarities is not None:
         if left_out:
             st.caption(left_out)
         how = word_maps.how(in_words, method=method)
@@ -342,7 +356,6 @@ if in_words is not None:
             " its own lowest cosine to its highest, which shows where a faint prompt is.",
             **session.keep("word_scale", "shared", lambda option: option in figures.PROMPT_SCALES),
         )
-        similarities = word_maps.similarities(selection, prompts, method)
         prompts_id = words.labels_id(prompts)
         st.plotly_chart(selection.memo("words similarity grid", prompts_id, method, prompt_scale, opacity, compute=lambda: (
             figures.similarity_grid(image, similarities, prompts, how, scale=prompt_scale, opacity=opacity)
@@ -361,7 +374,7 @@ if in_words is not None:
             )
             for caveat in word_maps.best_prompt_caveats(selection, similarities, prompts):
                 st.warning(caveat)
-        segment_by_words(prompts, method)
+        segment_by_words(prompts, method, proxy_key)
         traced = st.selectbox(
             "Prompt to trace back to the patches", list(range(len(prompts))), format_func=lambda index: prompts[index],
             **session.keep("word_traced", 0, lambda index: 0 <= index < len(prompts)),

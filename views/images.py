@@ -231,8 +231,9 @@ if in_words is not None:
         **session.keep("word_set_prompt", word_maps.DEFAULT_PROMPTS.split(",")[0]),
     )
     method = st.selectbox(
-        "Map method", list(word_maps.METHODS), format_func=word_maps.method_label, help=word_maps.methods_help(),
-        **session.keep("word_method", word_maps.DEFAULT_METHOD, lambda option: option in word_maps.METHODS),
+        "Map method", list(word_maps.SET_METHODS), format_func=word_maps.method_label,
+        help=word_maps.methods_help() + "  \nCLIP Surgery and ProxyCLIP need each picture itself: the Attention page maps one.",
+        **session.keep("word_method", word_maps.DEFAULT_METHOD, lambda option: option in word_maps.SET_METHODS),
     )
     try:
         (prompt,) = word_maps.read_prompts(prompt_text.replace(",", " "), selection.model_key)[0]  # one prompt, commas and all

@@ -97,6 +97,7 @@ def _exit_code(argv: list[str]) -> int:
 @pytest.mark.parametrize("arguments, sentence", [
     (["--method", "naclip"], "--method naclip chooses how the maps of --text are made: give --text too"),
     (["--text", "a cat", "--method", "gradcam"], "invalid choice: 'gradcam'"),
+    (["--text", "a cat", "--method", "proxyclip"], "--method proxyclip and --proxy go together"),
 ])
 def test_a_method_that_cannot_be_used_is_one_line_and_exit_2(folders, tmp_path, capsys, monkeypatch, arguments, sentence):
     loaded = []
@@ -111,6 +112,36 @@ def test_the_methods_keep_the_capture_untouched(folders):
     model = load_image_text_model(folders["clip"])
     captured = vx.capture(model.image, torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(0)), layers=())
     tokens = captured.tokens.clone()
-    for method in open_vocabulary.METHODS:
-        open_vocabulary.patch_embeddings(model, captured, method)
+    for method, entry in open_vocabulary.METHODS.items():  # CLIP Surgery (6 blocks) and ProxyCLIP: tests/text
+        if entry.maps is None and not entry.needs_proxy:
+            open_vocabulary.patch_embeddings(model, captured, method)
     assert torch.equal(captured.tokens, tokens)
+
+
+def test_proxyclip_borrows_the_chosen_proxys_attention_on_the_page(folders, tiny_default):
+    """ProxyCLIP with the server's default ViT as the proxy (the first model already here): the
+    page's maps are on the proxy's grid and equal the method computed by hand."""
+    from vit_explorer.text import proxyclip
+
+    app = open_words_app(folders["clip"], "views/attention.py")
+    app.selectbox(key="word_method").set_value("proxyclip").run()
+    assert not app.exception and errors(app) == [] and app.selectbox(key="word_proxy").value == "default"
+    model = load_image_text_model(folders["clip"])
+    _, image = images.resolve_image(app.session_state["image_key"], model.image.config.img_size)
+    x = vx.preprocess(image, model.image.config)
+    captured = vx.capture(model.image, x, layers=())
+    proxy_model = vx.load_model(tiny_default)
+    proxy = proxyclip.Proxy(proxy_model, vx.capture(proxy_model, proxyclip.proxy_input(x, model.image.config, proxy_model.config), layers=()))
+    texts = model.embed_texts(zero_shot.label_prompts(PROMPTS))
+    expected = open_vocabulary.similarity_maps(model, captured, texts, "proxyclip", proxy)[0].numpy()
+    assert expected.shape[1:] == proxy.grid_size != captured.grid_size
+    shown = _heatmaps(app, r"^Where each prompt is.*ProxyCLIP")
+    np.testing.assert_allclose(np.stack(shown).reshape(expected.shape), expected, atol=1e-5, rtol=0)
+
+
+def test_a_method_not_defined_for_the_tower_is_a_sentence_on_the_page(folders):
+    app = open_words_app(folders["clip"], "views/attention.py")
+    app.selectbox(key="word_method").set_value("clip_surgery").run()  # a 2-block CLIP: it needs 6
+    assert not app.exception and errors(app) == []
+    (said,) = [warning.value for warning in app.warning if warning.value.startswith("CLIP Surgery cannot map")]
+    assert "6" in said and "\n" not in said

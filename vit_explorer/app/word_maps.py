@@ -23,7 +23,8 @@ from ..text import ImageTextModel, parse_labels
 from ..text import legrad as legrad_maps
 from ..text import maps, open_vocabulary
 from ..text.zero_shot import LABEL_TEMPLATE
-from . import words
+from ..weights import catalogue
+from . import models, proxies, words
 from .selection import ImageSet, Selection, uniform_attention_caveat
 
 DEFAULT_PROMPTS = "a cat, a dog, a rocket"
@@ -36,6 +37,8 @@ METHODS = open_vocabulary.METHODS
 # MaskCLIP stays the first map shown: the others' published gains are CLIP ViT-B/16's on benchmark
 # photos, not yet measured on SigLIP's or the catalogue's towers (bench.segment will say).
 DEFAULT_METHOD = "maskclip"
+# The methods a set of pictures is mapped by: those computed from the tokens the set has read.
+SET_METHODS = {name: entry for name, entry in METHODS.items() if entry.from_tokens is not None}
 
 
 def model_for(selection: Selection) -> ImageTextModel | None:
@@ -103,12 +106,46 @@ def patch_embeddings(selection: Selection, method: str = DEFAULT_METHOD) -> torc
     ))
 
 
-def similarities(selection: Selection, prompts: tuple[str, ...], method: str = DEFAULT_METHOD) -> np.ndarray:
-    """(T, gh, gw) each prompt's cosine with every patch of the image."""
-    return selection.memo("words similarities", words.labels_id(prompts), method, compute=lambda: maps.similarity_maps(
-        patch_embeddings(selection, method), words.label_embeddings(selection.model_key, prompts),
-        selection.capture().grid_size,
-    )[0].numpy())
+def similarities(
+    selection: Selection, prompts: tuple[str, ...], method: str = DEFAULT_METHOD, proxy_key: str | None = None,
+) -> np.ndarray:
+    """(T, gh, gw) each prompt's map over the patches of the image by ``method``
+    (text.open_vocabulary.similarity_maps): its cosine with every patch, or CLIP Surgery's
+    cosines after the feature surgery; ProxyCLIP's on the grid of the proxy ``proxy_key`` (a
+    model key). An OpenVocabularyError (one sentence) where the method is not defined."""
+    if not METHODS[method].needs_proxy:
+        proxy_key = None
+    elif proxy_key is None:
+        raise open_vocabulary.OpenVocabularyError("ProxyCLIP borrows another model's attention: choose a proxy model first")
+
+    def compute() -> np.ndarray:
+        texts = words.label_embeddings(selection.model_key, prompts)
+        if METHODS[method].maps is None and not METHODS[method].needs_proxy:  # the patches kept for every prompt
+            return maps.similarity_maps(patch_embeddings(selection, method), texts, selection.capture().grid_size)[0].numpy()
+        proxy = None if proxy_key is None else proxies.proxy(selection, proxy_key)
+        return open_vocabulary.similarity_maps(model_for(selection), selection.capture(), texts, method, proxy)[0].numpy()
+
+    return selection.memo("words similarities", words.labels_id(prompts), method, proxy_key, compute=compute)
+
+
+def proxy_options(selection: Selection) -> dict[str, str]:
+    """The models ProxyCLIP may borrow attention from: model key -> label, the app's models but
+    the selected one and the CLIPs and SigLIPs; those already here first (a download is a choice),
+    DINOs first among them."""
+    def catalogue_name(key: str) -> str | None:
+        kind, _, name = key.partition(":")
+        return name if kind == "pretrained" else None
+
+    def has_words(key: str) -> bool:
+        name = catalogue_name(key)
+        return catalogue.entry(name).open_clip is not None if name else words.text_folder(key) is not None
+
+    def order(key: str) -> tuple[bool, bool]:
+        name = catalogue_name(key)
+        return (name is not None and not catalogue.is_downloaded(name), "dino" not in key.lower())
+
+    options = {key: label for key, label in models.model_options().items() if key != selection.model_key and not has_words(key)}
+    return {key: options[key] for key in sorted(options, key=order)}
 
 
 def label_similarity(selection: Selection, labels: tuple[str, ...] | None, index: int) -> np.ndarray | None:

@@ -33,18 +33,19 @@ def segmented_size(height: int, width: int) -> tuple[int, int]:
 
 def segmentation(
     selection: Selection, prompts: tuple[str, ...], threshold: float, pamr: bool, method: str = word_maps.DEFAULT_METHOD,
+    proxy_key: str | None = None,
 ) -> np.ndarray:
     """(H, W) uint8: 0 the background, k prompt k - 1, at the segmented size of the picture, from
-    ``method``'s maps."""
+    ``method``'s maps (ProxyCLIP's with the proxy ``proxy_key``)."""
     def compute() -> np.ndarray:
-        cosines = torch.from_numpy(word_maps.similarities(selection, prompts, method))[None]  # (1, T, gh, gw)
+        cosines = torch.from_numpy(word_maps.similarities(selection, prompts, method, proxy_key))[None]  # (1, T, gh, gw)
         size = segmented_size(selection.image.height, selection.image.width)
         # PAMR follows the model's input brought to the picture's size, as the papers' predict does.
         picture = F.interpolate(selection.model_input(), size=size, mode="bilinear", align_corners=False) if pamr \
             else torch.empty((1, 0, *size))
         return label(cosines, picture, range(1, len(prompts) + 1), Protocol(slide=False, threshold=threshold, pamr=pamr))
 
-    return selection.memo("words segmentation", words.labels_id(prompts), method, threshold, pamr, compute=compute,
+    return selection.memo("words segmentation", words.labels_id(prompts), method, proxy_key, threshold, pamr, compute=compute,
                           spinner="Labelling every pixel ..." if pamr else None)
 
 

@@ -11,9 +11,13 @@ whose cosines with text embeddings are the maps (text.maps.similarity_maps).
 - ``clearclip`` (Lan et al. 2024): q-q attention, the block's residual and MLP left out.
 - ``naclip`` (Hajimiri et al. 2025): k-k attention plus a Gaussian kernel over the patch grid
   (std :data:`NACLIP_STD` patches; prefix tokens get none), residual and MLP left out.
+- ``clip_surgery`` (Li et al. 2025, text.clip_surgery): v-v attention over the last 6 blocks, and
+  the maps' feature surgery against the prompts together (its :attr:`Method.maps`).
+- ``proxyclip`` (Lan et al. 2024, text.proxyclip): the last block attending with a proxy model's
+  patch similarities (a DINO captured on the same pixels), the maps on the proxy's grid.
 
-Each re-runs the last block only, from the captured tokens entering it: no pass of the image
-tower, nothing of the shared model changed (its modules are called, never altered). The authors
+Each re-runs the last block (CLIP Surgery: its v-v path over the last six) from the captured
+tokens entering it: no pass of the image tower, nothing of the shared model changed (its modules are called, never altered). The authors
 change CLIP's last block and read every token through what reads the class token (ln_post, the
 projection). The same change applies to any tower, since every tower's last block has the same
 self-attention; what follows it is the tower's own reading of one token: the final norm and the
@@ -33,7 +37,7 @@ import torch
 from einops import rearrange
 
 from ..model.capture import Capture
-from . import maps
+from . import clip_surgery, maps, proxyclip
 from .towers import ImageTextModel
 
 # NACLIP's Gaussian neighbourhood, in patches: the authors' default (naclip.py, gaussian_std=5).
@@ -57,6 +61,10 @@ class Method:
     function: Callable[..., torch.Tensor]
     from_tokens: Callable[..., torch.Tensor] | None = None
     reads_out: bool = False  # the tokens it gives are read as the tower reads one token (_read_out)
+    # ``maps(model, captured, texts, proxy)`` -> (B, T, gh, gw): a method whose maps are not the
+    # patches' cosines with each text alone (CLIP Surgery's depend on every prompt); None: cosines.
+    maps: Callable[..., torch.Tensor] | None = None
+    needs_proxy: bool = False  # it borrows another model's attention (ProxyCLIP)
 
 
 @torch.no_grad()
@@ -76,6 +84,23 @@ def patch_embeddings(model: ImageTextModel, captured: Capture, method: str = "ma
     (a key of :data:`METHODS`) reads them; ``proxy``: the model whose attention a method borrows
     (ProxyCLIP's), read by those methods only."""
     return method_entry(method).function(model, captured, proxy)
+
+
+def similarity_maps(
+    model: ImageTextModel, captured: Capture, texts: torch.Tensor, method: str = "maskclip", proxy=None,
+) -> torch.Tensor:
+    """(B, T, gh, gw) each of the (T, E) unit ``texts``' map over the captured patches as ``method``
+    makes it (on the proxy's grid for ProxyCLIP); a method that cannot be computed here is an
+    OpenVocabularyError sentence."""
+    entry = method_entry(method)
+    try:
+        if entry.maps is not None:
+            return entry.maps(model, captured, texts, proxy)
+        return maps.similarity_maps(entry.function(model, captured, proxy), texts, captured.grid_size)
+    except OpenVocabularyError:
+        raise
+    except ValueError as error:  # the CLIP Surgery and ProxyCLIP modules' refusals
+        raise OpenVocabularyError(str(error)) from None
 
 
 def method_entry(method: str) -> Method:
@@ -195,7 +220,15 @@ sclip, _sclip_tokens = _changed_block(_sclip_weights, keep_residual=True)
 clearclip, _clearclip_tokens = _changed_block(_clearclip_weights, keep_residual=False)
 naclip, _naclip_tokens = _changed_block(_naclip_weights, keep_residual=False)
 
-# name -> Method; CLIP Surgery, ProxyCLIP and LeGrad join as their modules arrive.
+def _surgery_maps(model, captured, texts, proxy=None):
+    return clip_surgery.maps(model, captured, texts)
+
+
+def _proxy_maps(model, captured, texts, proxy=None):
+    return maps.similarity_maps(proxyclip.patch_embeddings(model, captured, proxy), texts, proxy.grid_size)
+
+
+# name -> Method
 METHODS: dict[str, Method] = {
     "maskclip": Method(
         "MaskCLIP", "the last block's value path",
@@ -217,5 +250,18 @@ METHODS: dict[str, Method] = {
         f"the last block's k-k attention plus a Gaussian neighbourhood (std {NACLIP_STD:g} patches), without its"
         " residual and MLP (Hajimiri et al., WACV 2025)",
         naclip, _naclip_tokens, reads_out=True,
+    ),
+    "clip_surgery": Method(
+        "CLIP Surgery", "v-v attention, the prompts' shared feature removed",
+        f"v-v attention over the last {clip_surgery.SURGERY_BLOCKS} blocks, then what the prompts share subtracted from"
+        " each (feature surgery; CLIP's class-token towers) (Li et al., Pattern Recognition 2025)",
+        lambda model, captured, proxy=None: clip_surgery.patch_embeddings(model, captured), maps=_surgery_maps,
+    ),
+    "proxyclip": Method(
+        "ProxyCLIP", "a proxy's attention in the last block",
+        "the last block attending with a proxy model's (a DINO's) patch similarities instead of its own, on the"
+        " proxy's grid (CLIP's class-token towers) (Lan et al., ECCV 2024)",
+        lambda model, captured, proxy=None: proxyclip.patch_embeddings(model, captured, proxy), maps=_proxy_maps,
+        needs_proxy=True,
     ),
 }

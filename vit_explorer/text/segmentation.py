@@ -35,8 +35,7 @@ from ..analysis.checks import AnalysisError
 from ..data.images import preprocess, to_rgb
 from ..model.capture import capture
 from ..weights.resize import resize_model
-from . import open_vocabulary
-from .maps import similarity_maps
+from . import open_vocabulary, proxyclip
 from .towers import ImageTextModel
 
 WINDOW_BATCH = 8  # windows captured together
@@ -149,10 +148,14 @@ def window_cosines(model: ImageTextModel, pixels: torch.Tensor, texts: torch.Ten
 
 @torch.no_grad()
 def patch_cosines(model: ImageTextModel, pixels: torch.Tensor, texts: torch.Tensor, method: str = "maskclip", proxy=None) -> torch.Tensor:
-    """(B, C, h, w) model inputs -> (B, Q, gh, gw) each patch's cosine with each text: one pass."""
-    captured = capture(model.image, pixels.to(next(model.image.parameters()).device), layers=())
-    patches = open_vocabulary.patch_embeddings(model, captured, method=method, proxy=proxy)
-    return similarity_maps(patches, texts, captured.grid_size)
+    """(B, C, h, w) model inputs -> (B, Q, gh, gw) each patch's cosine with each text: one pass
+    (and one of ``proxy``, ProxyCLIP's proxy ViT, on the same pixels)."""
+    pixels = pixels.to(next(model.image.parameters()).device)
+    captured = capture(model.image, pixels, layers=())
+    borrowed = None
+    if proxy is not None and open_vocabulary.method_entry(method).needs_proxy:
+        borrowed = proxyclip.Proxy(proxy, capture(proxy, proxyclip.proxy_input(pixels, model.image.config, proxy.config), layers=()))
+    return open_vocabulary.similarity_maps(model, captured, texts, method, borrowed)
 
 
 def label(cosines: torch.Tensor, picture: torch.Tensor, name_classes: Sequence[int], protocol: Protocol) -> np.ndarray:
