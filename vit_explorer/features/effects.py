@@ -63,11 +63,23 @@ class LatentEffects:
     forwards: float
 
     def points(self, change: float) -> float:
-        """A change of the log-probability as points of probability (percentage points)."""
-        return 100 * self.probability * math.expm1(change)
+        """A change of the metric as shown: of the log-probability, in points of probability
+        (percentage points); of a headless model's pooled length, in percent of it."""
+        return 100 * change if self.probability is None else 100 * self.probability * math.expm1(change)
+
+    @property
+    def unit(self) -> str:
+        return "pts" if self.probability is not None else "% of its length"
 
     def top(self, count: int) -> tuple[int, ...]:
         return self.order[:count]
+
+
+def points_text(value: float, unit: str = "pts") -> str:
+    """A change with enough decimals to see it: "-0.0123 pts", scientific where that would read 0."""
+    if value != 0 and abs(value) < 5e-5:
+        return f"{value:+.2e} {unit}"
+    return f"{value:+.4f} {unit}"
 
 
 def tail_forwards(model: ViT, layer: int) -> float:

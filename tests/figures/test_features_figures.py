@@ -1,0 +1,49 @@
+"""The Features page's steering figures: the attention difference is steered minus intact on a
+scale centred at 0, and the latents that matter carry their estimated and real changes."""
+import json
+
+import numpy as np
+
+from vit_explorer import figures
+from vit_explorer.features.effects import points_text
+
+
+def spec(fig) -> dict:
+    return json.loads(fig.to_json())
+
+
+def test_the_attention_difference_is_steered_minus_intact_on_a_scale_centred_at_zero():
+    generator = np.random.default_rng(0)
+    image = generator.integers(0, 256, (32, 32, 3), dtype=np.uint8)
+    intact = generator.random((4, 8, 8))
+    steered = intact.copy()
+    steered[2, 3, 5] += 0.25
+    steered[0, 1, 1] -= 0.1
+    fig = figures.attention_difference_grid(image, intact, steered, layer=3, query="class token", what="latent 7 x 0")
+    drawn = spec(fig)
+    heatmaps = [trace for trace in fig.data if trace.type == "heatmap"]
+    np.testing.assert_allclose(np.stack([trace.z for trace in heatmaps]), steered - intact, atol=1e-12)
+    axis = drawn["layout"]["coloraxis"]
+    assert axis["cmin"] == -axis["cmax"] and axis["cmid"] == 0 and abs(axis["cmax"] - 0.25) < 1e-9
+    titles = [annotation["text"] for annotation in drawn["layout"]["annotations"]]
+    assert "head 2 (largest change +0.25)" in titles and "head 0 (largest change -0.1)" in titles
+    assert "with latent 7 x 0, minus intact" in drawn["layout"]["title"]["text"]
+    # Nothing changed: the grid is drawn, all white, not a division by zero.
+    same = spec(figures.attention_difference_grid(image, intact, intact, layer=3, query="class token", what="x"))
+    assert same["layout"]["coloraxis"]["cmax"] > 0
+
+
+def test_the_latents_that_matter_show_estimated_and_real_changes():
+    estimated, real = figures.latent_effect_bars([-12.5, 3.0, 0.01], [-20.0, 2.5, np.nan], [679, 12, 3], "pts",
+                                                 "The latents that matter most", chosen=12).data
+    assert list(estimated.customdata) == list(real.customdata) == [679, 12, 3]
+    np.testing.assert_array_equal(estimated.x, [-12.5, 3.0, 0.01])
+    np.testing.assert_array_equal(real.x, [-20.0, 2.5, np.nan])  # not measured: no bar
+    assert "crimson" in estimated.y[1] and "crimson" not in estimated.y[0]
+
+
+def test_a_change_keeps_enough_decimals_to_be_seen():
+    assert points_text(-0.0123) == "-0.0123 pts"
+    assert points_text(3.2e-6) == "+3.20e-06 pts"
+    assert points_text(0.0) == "+0.0000 pts"
+    assert points_text(-12.34567, "% of its length") == "-12.3457 % of its length"
