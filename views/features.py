@@ -115,7 +115,7 @@ def latents_that_matter():
         **({} if found.target is not None else {"cosine removed vs intact": (
             f"{found.cosines[latent]:.6f}" if latent in found.cosines else "")}),
     } for latent, value, measured in zip(top, estimated, real)]
-    st.dataframe(rows, hide_index=True)
+    st.table(rows)
     return found
 
 

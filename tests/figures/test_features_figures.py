@@ -26,7 +26,8 @@ def test_the_attention_difference_is_steered_minus_intact_on_a_scale_centred_at_
     axis = drawn["layout"]["coloraxis"]
     assert axis["cmin"] == -axis["cmax"] and axis["cmid"] == 0 and abs(axis["cmax"] - 0.25) < 1e-9
     titles = [annotation["text"] for annotation in drawn["layout"]["annotations"]]
-    assert "head 2 (largest change +0.25)" in titles and "head 0 (largest change -0.1)" in titles
+    assert "head 2: +0.25 at most" in titles and "head 0: -0.1 at most" in titles
+    assert axis["colorscale"][2] == [0.5, "rgba(247,247,247,0)"]  # unchanged patches show the picture
     assert "with latent 7 x 0, minus intact" in drawn["layout"]["title"]["text"]
     # Nothing changed: the grid is drawn, all white, not a division by zero.
     same = spec(figures.attention_difference_grid(image, intact, intact, layer=3, query="class token", what="x"))
@@ -47,3 +48,11 @@ def test_a_change_keeps_enough_decimals_to_be_seen():
     assert points_text(3.2e-6) == "+3.20e-06 pts"
     assert points_text(0.0) == "+0.0000 pts"
     assert points_text(-12.34567, "% of its length") == "-12.3457 % of its length"
+
+
+def test_a_saturated_prediction_s_change_does_not_read_zero_in_the_top_k():
+    intact = np.array([0.9997, 0.0002, 0.0001])
+    steered = np.array([0.99966, 0.00024, 0.0001])
+    fig = figures.knockout_topk(intact, steered, ["ring", "circle", "square"], what="latent 629 x 0", changed="steered")
+    assert list(fig.data[1].text[:2]) == ["100.0% (-4.0e-03 pts)", "0.0% (+4.0e-03 pts)"]
+    assert fig.data[1].text[2] == "0.0% (+0.00 pts)"

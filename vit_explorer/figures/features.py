@@ -103,7 +103,10 @@ def latent_histogram(counts, top: float, frequency: float, title: str) -> go.Fig
     ))
 
 
-DIFFERENCE_SCALE = "RdBu_r"  # red: more with the latent steered, blue: less, white: unchanged
+# RdBu's ends, clear at 0: red where a head looks more with the latent steered, blue less, the
+# picture itself where nothing changed (an opaque white centre would hide it).
+DIFFERENCE_SCALE = [[0.0, "rgba(5,48,97,1)"], [0.25, "rgba(67,147,195,0.8)"], [0.5, "rgba(247,247,247,0)"],
+                    [0.75, "rgba(214,96,77,0.8)"], [1.0, "rgba(103,0,31,1)"]]
 
 
 def latent_effect_bars(estimated, real, latents: Sequence[int], unit: str, title: str,
@@ -133,23 +136,22 @@ def latent_effect_bars(estimated, real, latents: Sequence[int], unit: str, title
 def attention_difference_grid(image, intact_maps, steered_maps, layer: int, query: str, what: str,
                               columns: int = 4) -> go.Figure:
     """Each head's attention with ``what`` steered minus intact (maps (H, gh, gw) each) over the
-    image, on one diverging scale centred at 0 (red: the head looks there more, blue: less), its
-    largest change in each panel's title."""
+    image, on one diverging scale centred at 0 (red: the head looks there more, blue: less, clear:
+    unchanged), its largest change in each panel's title."""
     image = _rgb_uint8(image)
     difference = _float_array(steered_maps) - _float_array(intact_maps)
     if difference.ndim != 3:
         raise ValueError(f"maps must be (H, gh, gw), not {difference.shape}")
     top = float(np.abs(difference).max()) or 1e-12  # unchanged: a scale that stays white
     overlays = [
-        _patch_heatmap(head_map, image.shape[:2], "change of attention", f"head {head}", coloraxis="coloraxis",
-                       opacity=0.75)
+        _patch_heatmap(head_map, image.shape[:2], "change of attention", f"head {head}", coloraxis="coloraxis")
         for head, head_map in enumerate(difference)
     ]
     largest = [float(head_map.flat[np.abs(head_map).argmax()]) for head_map in difference]
-    titles = [f"head {head} (largest change {value:+.2g})" for head, value in enumerate(largest)]
+    titles = [f"head {head}: {value:+.2g} at most" for head, value in enumerate(largest)]
     return _head_panels(
         image, overlays, columns, titles=titles, grid_size=difference.shape[1:],
         title=_title(f"Attention of the {query} in layer {layer} with {what}, minus intact, per head"),
-        coloraxis=dict(colorscale=_scale(DIFFERENCE_SCALE), cmin=-top, cmax=top, cmid=0,
+        coloraxis=dict(colorscale=DIFFERENCE_SCALE, cmin=-top, cmax=top, cmid=0,
                        colorbar=dict(title=dict(text="steered<br>minus intact"))),
     )
