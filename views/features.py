@@ -86,6 +86,8 @@ def latents_that_matter():
     st.subheader("Latents that matter for this prediction")
     if found.target is None:
         what = "the pooled output's length along its own direction (the model has no classifier)"
+    elif found.label is not None:
+        what = f"the score of the label **{found.label}** ({100 * found.probability:.2f}%, the best of the labels)"
     else:
         names = selection.class_names()
         what = f"the probability of **{names[found.target]}** ({100 * found.probability:.2f}%)"
@@ -225,19 +227,18 @@ else:
     )))
 
 
-def prediction_change() -> None:
-    """The predicted class's probability with the latent steered, its change with enough decimals to
-    see it (from the log-probabilities: a difference of two probabilities near 1 in float32 would read
-    0), and a sentence when the prediction is saturated."""
-    names = selection.class_names()
-    before, after = intact.logits[0].float().log_softmax(-1), steered.logits[0].float().log_softmax(-1)
+def prediction_change(before, after, names, kind: str) -> None:
+    """The best class's (or label's) ``kind`` ("probability", "score") with the latent steered, from
+    log-scores ``before`` and ``after`` (T,); its change with enough decimals to see it (from the
+    log-scores: a difference of two probabilities near 1 in float32 would read 0), and a sentence
+    when the prediction is saturated."""
     target = int(before.argmax())
     probability = float(before[target].exp())
     change = 100 * probability * math.expm1(float(after[target] - before[target]))
-    st.metric(f"Probability of {names[target]} with {what}", f"{100 * probability + change:.4f}%",
-              points_text(change), help="The change in points of probability (percentage points).")
+    st.metric(f"{kind.capitalize()} of {names[target]} with {what}", f"{100 * probability + change:.4f}%",
+              points_text(change), help="The change in percentage points.")
     if int(after.argmax()) != target:
-        st.write(f"The prediction changes to **{names[int(after.argmax())]}** ({100 * float(after.max().exp()):.2f}%).")
+        st.write(f"The best is now **{names[int(after.argmax())]}** ({100 * float(after.max().exp()):.2f}%).")
     if probability > features.SATURATED:
         other = features.less_certain_sample(selection)
         st.info(
@@ -249,7 +250,11 @@ def prediction_change() -> None:
 
 
 if config.num_classes:
-    prediction_change()
+    prediction_change(intact.logits[0].float().log_softmax(-1), steered.logits[0].float().log_softmax(-1),
+                      selection.class_names(), "probability")
+elif effects.label is not None:
+    labels = features.label_scores(selection)[0]
+    prediction_change(labels.log_scores(intact.logits)[0], labels.log_scores(steered.logits)[0], labels.names, "score")
 
 
 def attention_change(shown: int) -> None:

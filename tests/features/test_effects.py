@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import vit_explorer as vx
-from vit_explorer.features.effects import EFFECT_FORWARDS, affordable_checks, latent_effects
+from vit_explorer.features.effects import EFFECT_FORWARDS, LabelScores, affordable_checks, latent_effects
 from vit_explorer.features.sae import SAEConfig, SparseAutoencoder
 from vit_explorer.features.steering import Steering
 
@@ -94,3 +94,24 @@ def test_a_removal_is_the_steered_pass_and_only_the_blocks_above_run(monkeypatch
             cosine = torch.nn.functional.cosine_similarity(steered, pooled, dim=0)
             assert effects.cosines[latent] == pytest.approx(float(cosine), abs=1e-5)
         assert real == pytest.approx(float(expected), abs=1e-5)
+
+
+def test_a_headless_model_with_labels_is_measured_on_its_best_label_s_score():
+    """CLIP's softmax over the labels and SigLIP's own sigmoid: a removal is the steered pass's change."""
+    model = randomize(vx.ViT(tiny_config(num_classes=0)))
+    sae = orthonormal_sae(model.config.embed_dim)
+    texts = torch.nn.functional.normalize(torch.randn(3, 32, generator=torch.Generator().manual_seed(3)), dim=1)
+    intact = vx.capture(model, IMAGE)
+    def logits(pooled):
+        return 10 * torch.nn.functional.normalize(pooled, dim=-1) @ texts.T
+
+    for softmax in (True, False):
+        labels = LabelScores(("a cat", "a dog", "a ring"), logits, softmax)
+        effects = latent_effects(model, sae, 0, intact.tokens[:, 1], labels=labels)
+        scores = labels.log_scores(intact.logits)[0]
+        assert effects.target == int(scores.argmax()) and effects.label == labels.names[effects.target]
+        assert effects.probability == pytest.approx(float(scores.max().exp()), abs=1e-6)
+        for latent, real in effects.real.items():
+            steered = vx.capture(model, IMAGE, steering=Steering(sae, 0, {latent: 0.0})).logits
+            expected = labels.log_scores(steered)[0, effects.target] - scores[effects.target]
+            assert real == pytest.approx(float(expected), abs=1e-5)

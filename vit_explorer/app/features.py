@@ -34,11 +34,12 @@ from ..features.sae import (
     read_card,
 )
 from ..features.steering import Steering
+from ..text import LabelError
 from ..features.tokens import ImageSource
 from ..features.train import model_identity
 from ..model.ablation import KnockOut
 from ..model.capture import Capture, capture, layer_attention
-from . import costs, images, models, runs
+from . import costs, images, models, runs, words
 from .memo import memo
 from .selection import Selection
 
@@ -326,15 +327,37 @@ def steered_attention(
     )[0])
 
 
+def label_scores(selection: Selection) -> tuple[effects.LabelScores | None, str | None]:
+    """A headless model's text tower's labels in force (this session's, or ImageNet's once their
+    embeddings are there: nothing drawn meanwhile) and their id; (None, None) without."""
+    model = None if selection.config.num_classes else words.words_model(selection.model_key)
+    labels = words.session_labels()
+    if model is None or not words.embeddings_kept(selection.model_key, labels):
+        return None, None
+    try:
+        texts = words.label_embeddings(selection.model_key, labels).float()
+    except LabelError:  # labels its tokenizer cannot read: the sidebar says so
+        return None, None
+    return effects.LabelScores(
+        words.label_names(labels), lambda pooled: model.logits(model.project_image(pooled), texts.to(pooled.device)),
+        model.scoring == "softmax",
+    ), words.labels_id(labels)
+
+
 def latent_effects(selection: Selection, chosen: Dictionary) -> effects.LatentEffects:
-    """Which latents matter for this image's prediction (features.effects), from the page's
-    capture: the blocks above the dictionary's layer, forward and backward, then the top few
-    removed in one batch, at most effects.EFFECT_FORWARDS forwards; once for everybody."""
+    """Which latents matter for this image's prediction (features.effects): its class, the best of
+    the labels for a model with a text tower, else its pooled output; from the page's capture: the
+    blocks above the dictionary's layer, forward and backward, then the top few removed in one
+    batch, at most effects.EFFECT_FORWARDS forwards; once for everybody (keyed by the labels)."""
+    labels, labels_id = label_scores(selection)
+
     def compute() -> effects.LatentEffects:
         tokens = selection.capture().tokens[:, chosen.layer + 1]
-        return effects.latent_effects(selection.model, chosen.sae, chosen.layer, tokens, chosen.prefix_tokens)
+        return effects.latent_effects(selection.model, chosen.sae, chosen.layer, tokens, chosen.prefix_tokens,
+                                      labels=labels)
 
-    return selection.memo("sae effects", chosen.key, compute=compute, spinner="Finding the latents that matter ...")
+    return selection.memo("sae effects", chosen.key, labels_id, compute=compute,
+                          spinner="Finding the latents that matter ...")
 
 
 def less_certain_sample(selection: Selection) -> str | None:

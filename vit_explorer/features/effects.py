@@ -13,7 +13,9 @@ own output exactly, and a latent's removal is the steered pass with its factor 0
   stays between -p and 1 - p (a linear estimate of the probability itself can claim more than 100
   points). Its gradient shrinks as the prediction saturates, like the probability's: there the
   estimates are small, and the real removals say how far first order is off.
-- a headless model: the pooled output's length along its intact direction, as a share of its
+- a text tower's labels (CLIP, SigLIP: :class:`LabelScores`): the log-score of the best label, a
+  log-softmax over the labels (CLIP) or its own log-sigmoid (SigLIP), for the same reasons.
+- a headless model without labels: the pooled output's length along its intact direction, as a share of its
   intact length (1 intact). Its cosine with the intact output is at its maximum there, so its
   gradient is 0 and would estimate 0 for every latent; the real removals report the cosine too.
 
@@ -25,9 +27,11 @@ where the head reads nothing else, as model.patching.rest_of_pass does).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from ..model.patching import ROWS_SHARE, pooled_rows, rest_of_pass
 from ..model.recorder import eval_mode
@@ -42,6 +46,20 @@ BACKWARD_FORWARDS = 2.0  # a backward costs about two forwards
 
 
 @dataclass(frozen=True)
+class LabelScores:
+    """A text tower's labels: ``logits`` maps the pooled output (B, D) to the labels' logits (B, T),
+    differentiably; ``softmax``: the labels compete (CLIP), else each is its own sigmoid (SigLIP)."""
+
+    names: tuple[str, ...]
+    logits: Callable[[torch.Tensor], torch.Tensor]
+    softmax: bool
+
+    def log_scores(self, pooled: torch.Tensor) -> torch.Tensor:
+        logits = self.logits(pooled).float()
+        return logits.log_softmax(-1) if self.softmax else F.logsigmoid(logits)
+
+
+@dataclass(frozen=True)
 class LatentEffects:
     """What removing each latent would do to the metric on one image.
 
@@ -49,8 +67,8 @@ class LatentEffects:
     (``-sum over tokens of activation x gradient``; 0 where it does not fire); ``order``: the
     latents that fire, largest ``|estimate|`` first; ``real`` {latent: change}: the real change,
     for the top few; ``cosines`` {latent: cosine}: a headless model's pooled output removed vs
-    intact, for those. ``target``: the predicted class (None headless), ``probability`` its intact
-    probability."""
+    intact, for those. ``target``: the predicted class or label (None headless without labels),
+    ``probability`` its intact probability or score, ``label``: its name when labels were given."""
 
     metric: str
     estimates: torch.Tensor
@@ -61,6 +79,7 @@ class LatentEffects:
     target: int | None
     probability: float | None
     forwards: float
+    label: str | None = None
 
     def points(self, change: float) -> float:
         """A change of the metric as shown: of the log-probability, in points of probability
@@ -108,12 +127,13 @@ def _rest(model: ViT, tokens: torch.Tensor, layer: int) -> torch.Tensor:
 
 def latent_effects(
     model: ViT, sae: SparseAutoencoder, layer: int, tokens: torch.Tensor, prefix_tokens: bool = False,
-    checks: int | None = None,
+    checks: int | None = None, labels: LabelScores | None = None,
 ) -> LatentEffects:
     """Each latent's effect on ``model``'s output for one image whose tokens leaving block
     ``layer`` are ``tokens`` (1, N, D) (``capture(...).tokens[:, layer + 1]``), through the
     dictionary ``sae`` on them (the prefix tokens too with ``prefix_tokens``); ``checks``: the top
-    latents really removed (default: as many as fit in EFFECT_FORWARDS with the gradient's pass)."""
+    latents really removed (default: as many as fit in EFFECT_FORWARDS with the gradient's pass);
+    ``labels``: a headless model's text tower's labels, whose best one's score is measured."""
     if tokens.shape[0] != 1:
         raise SAEError("latent effects are computed for one image at a time")
     if not 0 <= layer < model.config.depth:
@@ -123,6 +143,9 @@ def latent_effects(
     device = sae.W_dec.device  # the shared dictionary is never moved: the tokens go to it
     prefix = 0 if prefix_tokens else model.num_prefix_tokens
     kept = tokens[:, :prefix].to(parameter.device, parameter.dtype)
+
+    def log_scores(output: torch.Tensor) -> torch.Tensor:  # (B, classes or D) -> (B, classes or labels)
+        return output.log_softmax(-1) if model.config.num_classes else labels.log_scores(output)
 
     def rebuilt(read: torch.Tensor) -> torch.Tensor:  # (B, P, D) where the dictionary is -> the model's tokens
         read = read.to(parameter.device, parameter.dtype)
@@ -135,12 +158,14 @@ def latent_effects(
             error = read - sae.decode(latents)
         latents.requires_grad_(True)
         with torch.enable_grad():
-            output = _rest(model, rebuilt((sae.decode(latents) + error)[None]), layer)[0].float()
-            if model.config.num_classes:
-                target = int(output.argmax())
-                score = output.log_softmax(-1)[target]
-                metric = "log-probability of the predicted class"
+            output = _rest(model, rebuilt((sae.decode(latents) + error)[None]), layer).float()  # (1, classes or D)
+            if model.config.num_classes or labels is not None:
+                scores = log_scores(output)
+                target = int(scores[0].argmax())
+                score = scores[0, target]
+                metric = "log-probability of the predicted class" if labels is None else "log-score of the best label"
             else:
+                output = output[0]
                 target, intact_output = None, output.detach()
                 score = output @ intact_output / intact_output.pow(2).sum().clamp(min=1e-12)
                 metric = "pooled output along its intact direction"
@@ -157,10 +182,10 @@ def latent_effects(
                 removed = read[None] - latents[:, chosen].T[:, :, None] * directions[:, None, :]  # (K, P, D)
                 outputs = _rest(model, rebuilt(removed), layer).float()  # (K, classes or D)
             if target is not None:
-                changes = outputs.log_softmax(-1)[:, target] - score.detach()
+                changes = log_scores(outputs)[:, target] - score.detach()
             else:
                 changes = outputs @ intact_output / intact_output.pow(2).sum().clamp(min=1e-12) - 1
-                values = torch.nn.functional.cosine_similarity(outputs, intact_output[None], dim=-1)
+                values = F.cosine_similarity(outputs, intact_output[None], dim=-1)
                 cosines = dict(zip(chosen, values.tolist()))
             real = dict(zip(chosen, changes.tolist()))
     tail = tail_forwards(model, layer)
@@ -169,4 +194,5 @@ def latent_effects(
         cosines=cosines, target=target,
         probability=None if target is None else float(score.detach().exp()),
         forwards=(1 + BACKWARD_FORWARDS + len(chosen)) * tail,
+        label=None if labels is None or target is None else labels.names[target],
     )
