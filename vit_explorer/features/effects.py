@@ -172,8 +172,8 @@ def latent_effects(
             (gradient,) = torch.autograd.grad(score, latents)
         latents = latents.detach()
         estimates = -(latents * gradient).sum(0)  # (F,) removing a latent: 0 - activation, per token
-        firing = (latents > 0).any(0)
-        ranked = [int(i) for i in estimates.abs().argsort(descending=True) if firing[i]]
+        order = estimates.abs().argsort(descending=True)
+        ranked = order[(latents > 0).any(0)[order]].tolist()  # the latents that fire, largest |estimate| first
         chosen = ranked[:checks]
         real, cosines = {}, {}
         if chosen:
