@@ -1,13 +1,11 @@
 """Features: what a layer represents, through a sparse autoencoder trained on its tokens: a patch's
 latents, a latent's map and its top patches over the training images, the latents that matter for
 this prediction, and the model run again with one latent steered (the change shown as a difference)."""
-import math
-
 import streamlit as st
 
 from vit_explorer import analysis, figures
 from vit_explorer.app import features, models, session
-from vit_explorer.features.effects import points_text
+from vit_explorer.features.effects import points_text, score_change
 from vit_explorer.features.sae import SAEError
 from vit_explorer.model import ablation
 
@@ -229,12 +227,9 @@ else:
 
 def prediction_change(before, after, names, kind: str) -> None:
     """The best class's (or label's) ``kind`` ("probability", "score") with the latent steered, from
-    log-scores ``before`` and ``after`` (T,); its change with enough decimals to see it (from the
-    log-scores: a difference of two probabilities near 1 in float32 would read 0), and a sentence
-    when the prediction is saturated."""
-    target = int(before.argmax())
-    probability = float(before[target].exp())
-    change = 100 * probability * math.expm1(float(after[target] - before[target]))
+    log-scores ``before`` and ``after`` (T,); its change with enough decimals to see it, and a
+    sentence when the prediction is saturated."""
+    target, probability, change = score_change(before, after)
     st.metric(f"{kind.capitalize()} of {names[target]} with {what}", f"{100 * probability + change:.4f}%",
               points_text(change), help="The change in percentage points.")
     if int(after.argmax()) != target:

@@ -3,9 +3,10 @@ scale centred at 0, and the latents that matter carry their estimated and real c
 import json
 
 import numpy as np
+import torch
 
 from vit_explorer import figures
-from vit_explorer.features.effects import points_text
+from vit_explorer.features.effects import points_text, score_change
 
 
 def spec(fig) -> dict:
@@ -48,6 +49,11 @@ def test_a_change_keeps_enough_decimals_to_be_seen():
     assert points_text(3.2e-6) == "+3.20e-06 pts"
     assert points_text(0.0) == "+0.0000 pts"
     assert points_text(-12.34567, "% of its length") == "-12.3457 % of its length"
+    # A ring at 99.97% that loses 1.6e-4 of its probability: float32 probabilities would read 0 or 1e-4 off.
+    before = torch.tensor([0.9997, 0.0002, 0.0001]).log()
+    after = torch.tensor([0.99954, 0.00036, 0.0001]).log()
+    target, probability, change = score_change(before, after)
+    assert target == 0 and abs(probability - 0.9997) < 1e-6 and abs(change - (-0.016)) < 1e-4
 
 
 def test_a_saturated_prediction_s_change_does_not_read_zero_in_the_top_k():

@@ -101,6 +101,15 @@ def points_text(value: float, unit: str = "pts") -> str:
     return f"{value:+.4f} {unit}"
 
 
+def score_change(before: torch.Tensor, after: torch.Tensor) -> tuple[int, float, float]:
+    """(the best class or label, its probability intact, its change in points) from log-scores
+    ``before`` and ``after`` (T,) of two passes, intact and steered: from the log-scores, since a
+    difference of two probabilities near 1 in float32 would read 0."""
+    target = int(before.argmax())
+    probability = float(before[target].exp())
+    return target, probability, 100 * probability * math.expm1(float(after[target]) - float(before[target]))
+
+
 def tail_forwards(model: ViT, layer: int) -> float:
     """The blocks above ``layer`` (and the head) in forwards of the model, per image."""
     depth = model.config.depth
