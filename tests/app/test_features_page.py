@@ -184,3 +184,22 @@ def test_the_latents_that_matter_start_the_steering_and_its_change_is_shown(dict
     least = min(sure, key=sure.get)
     (saturated,) = [info.value for info in app.info if "saturated" in info.value]
     assert f"Shapes #{least}: " in saturated and f"({100 * sure[least]:.1f}% sure)" in saturated
+
+
+def test_a_headless_model_s_latents_are_measured_on_its_pooled_output(tiny_default):
+    vx.save_model(tiny_model(num_classes=0, class_names=None), tiny_default)
+    dictionary = trained_dictionary(tiny_default, runs.RUNS_DIR)
+    app = open_app(PAGE)
+    assert not app.exception and errors(app) == []
+    model = models.base_model(models.DEFAULT_MODEL)
+    sae, _ = load_sae(dictionary.paths()["dictionary"], model)
+    image, _ = shapes_sample(int(images.DEFAULT_IMAGE.removeprefix("shapes:")), model.config.img_size)
+    expected = latent_effects(model, sae, LAYER, vx.capture(model, vx.preprocess(image, model.config)).tokens[:, LAYER + 1])
+    (table,) = app.table
+    shown = table.value
+    assert shown["latent"].tolist() == list(expected.top(8))
+    first = expected.order[0]
+    assert shown["cosine removed vs intact"].iloc[0] == f"{expected.cosines[first]:.6f}"
+    assert shown["real if removed"].iloc[0] == points_text(expected.points(expected.real[first]), "% of its length")
+    assert widget(app.number_input, "Latent").value == first
+    assert not [metric for metric in app.metric if metric.label.startswith("Probability of")]
