@@ -72,20 +72,23 @@ def test_the_planted_latent_ranks_first_and_estimates_agree_with_removals():
     assert (effects.estimates[effects.activations == 0] == 0).all()  # a latent that is not there has no effect
 
 
-@pytest.mark.parametrize("changes, layer", [(dict(depth=3, reg_tokens=2), 1), (dict(num_classes=0), 0)])
-def test_a_removal_is_the_steered_pass_and_only_the_blocks_above_run(monkeypatch, changes, layer):
-    """The class token's model runs its last block for the class row only; a headless model is
-    measured along its pooled output, and its cosine is the steered pass's."""
+@pytest.mark.parametrize("changes, layer, prefix_tokens", [
+    (dict(depth=3, reg_tokens=2), 1, False), (dict(depth=3, reg_tokens=2), 1, True), (dict(num_classes=0), 0, False),
+])
+def test_a_removal_is_the_steered_pass_and_only_the_blocks_above_run(monkeypatch, changes, layer, prefix_tokens):
+    """The class token's model runs its last block for the class row only; a dictionary may read
+    the prefix tokens too; a headless model is measured along its pooled output, and its cosine is
+    the steered pass's."""
     model = randomize(vx.ViT(tiny_config(**changes)))
     sae = orthonormal_sae(model.config.embed_dim)
     intact = vx.capture(model, IMAGE)
     ran = counting_blocks(monkeypatch, model)
-    effects = latent_effects(model, sae, layer, intact.tokens[:, layer + 1])
+    effects = latent_effects(model, sae, layer, intact.tokens[:, layer + 1], prefix_tokens)
     assert set(ran) <= set(range(layer + 1, model.config.depth))  # the layers below come from the capture
     assert effects.forwards <= EFFECT_FORWARDS
     assert len(effects.real) == affordable_checks(model, layer) >= 1
     for latent, real in effects.real.items():
-        steered = vx.capture(model, IMAGE, steering=Steering(sae, layer, {latent: 0.0})).logits[0]
+        steered = vx.capture(model, IMAGE, steering=Steering(sae, layer, {latent: 0.0}, prefix_tokens)).logits[0]
         if model.config.num_classes:
             expected = steered.log_softmax(-1)[effects.target] - intact.logits[0].log_softmax(-1)[effects.target]
         else:
