@@ -16,7 +16,10 @@ from .embeddings import (
     embedding_filters_figure, position_similarity_grid, token_matrix, token_norms_figure, token_pca_image,
 )
 from .faithfulness import faithfulness_figure
-from .features import explained_map, latent_bars, latent_gallery, latent_histogram, latent_map
+from .features import (
+    attention_difference_grid, explained_map, latent_bars, latent_effect_bars, latent_gallery, latent_histogram,
+    latent_map,
+)
 from .files import FigureExportError, PngWriter, find_browser, write_figures
 from .head_types import LABEL_STYLES, head_maps_grid, head_types_grid
 from .image_set import correspondence_grid, dense_pca_grid, foreground_pca_grid, norm_outliers_grid
@@ -45,7 +48,8 @@ __all__ = [
     "embedding_filters_figure", "position_similarity_grid", "token_matrix", "token_norms_figure",
     "token_pca_image",
     "faithfulness_figure",
-    "explained_map", "latent_bars", "latent_gallery", "latent_histogram", "latent_map",
+    "attention_difference_grid", "explained_map", "latent_bars", "latent_effect_bars", "latent_gallery",
+    "latent_histogram", "latent_map",
     "FigureExportError", "PngWriter", "find_browser", "write_figures",
     "LABEL_STYLES", "head_maps_grid", "head_types_grid",
     "correspondence_grid", "dense_pca_grid", "foreground_pca_grid", "norm_outliers_grid",
