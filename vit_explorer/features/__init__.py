@@ -12,4 +12,6 @@ steering are kept apart, as saev keeps its nn, data and browser.
     evaluation.py a dictionary judged as the field judges it: NMSE, L0, dead and dense latents, the
                   model with its reconstruction spliced in (prediction kept, KL, loss recovered)
     stability.py  two dictionaries' latents matched one to one (Hungarian): seed stability
+    effects.py    which latents matter for one image's prediction: activation x gradient, the top
+                  few really removed
 """

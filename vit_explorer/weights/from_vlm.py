@@ -37,8 +37,8 @@ VLM_UNSUPPORTED = {
     "mllama": "tiled cross-attention", "aimv2": "RMSNorm and SwiGLU",
 }
 _PREFIXES = ("vision_tower.vision_model.", "model.vision_tower.vision_model.", "model.vision_tower.", "vision_tower.")
-_INDEX = "model.safetensors.index.json"
-_SINGLE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+WEIGHTS_FILE = "model.safetensors"
 _PATCH_KEY = "embeddings.patch_embedding.weight"
 
 
@@ -98,28 +98,23 @@ def language_model_reads(hf_config: dict, name: str) -> dict:
 def read_tower(folder: Path, name: str) -> dict[str, torch.Tensor]:
     """The tower's tensors, prefix removed, from the folder's safetensors (one file, or the
     shards its index names, each checked to lie inside the folder before any is opened)."""
-    if os.path.lexists(folder / _INDEX):
-        index = read_json(folder_file(folder, _INDEX, _INDEX), _INDEX, name)
+    if os.path.lexists(folder / INDEX_FILE):
+        index = read_json(folder_file(folder, INDEX_FILE, INDEX_FILE), INDEX_FILE, name)
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict) or not all(isinstance(key, str) and isinstance(shard, str)
                                                        for key, shard in weight_map.items()):
-            raise CheckpointError(f"{_INDEX} in {name} has no weight_map from tensor names to shard files")
+            raise CheckpointError(f"{INDEX_FILE} in {name} has no weight_map from tensor names to shard files")
         keys = list(weight_map)
-    elif os.path.lexists(folder / _SINGLE):
+    elif os.path.lexists(folder / WEIGHTS_FILE):
         weight_map = None
-        keys = _keys(folder_file(folder, _SINGLE, _SINGLE))
+        keys = _keys(folder_file(folder, WEIGHTS_FILE, WEIGHTS_FILE))
     else:
-        raise CheckpointError(f"{name} is a vision-language model without {_SINGLE} or {_INDEX}; we read its tower from safetensors only")
-    prefix = next((prefix for prefix in _PREFIXES if prefix + _PATCH_KEY in keys), None)
-    if prefix is None:
-        raise CheckpointError(f"{name} holds no vision tower's weights (no vision_tower.*{_PATCH_KEY})")
-    wanted = [key for key in keys if key.startswith(prefix)]
-    if len(wanted) > MAX_TENSORS:
-        raise CheckpointError(f"{name}'s vision tower has {len(wanted)} tensors; a ViT has fewer than {MAX_TENSORS}")
+        raise CheckpointError(f"{name} is a vision-language model without {WEIGHTS_FILE} or {INDEX_FILE}; we read its tower from safetensors only")
+    prefix, wanted = tower_keys(keys, name)
     shards: dict[Path, list[str]] = {}
     for key in wanted:
-        shard = _SINGLE if weight_map is None else weight_map[key]
-        shards.setdefault(folder_file(folder, shard, f"a shard named in {_INDEX}"), []).append(key)
+        shard = WEIGHTS_FILE if weight_map is None else weight_map[key]
+        shards.setdefault(folder_file(folder, shard, f"a shard named in {INDEX_FILE}"), []).append(key)
     state: dict[str, torch.Tensor] = {}
     budget = MAX_CHECKPOINT_BYTES
     for path, shard_keys in shards.items():
@@ -127,6 +122,18 @@ def read_tower(folder: Path, name: str) -> dict[str, torch.Tensor]:
         budget -= sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
         state.update({key.removeprefix(prefix): tensor for key, tensor in tensors.items()})
     return state
+
+
+def tower_keys(keys: list[str], name: str) -> tuple[str, list[str]]:
+    """(the tower's prefix, the names of its tensors) among a VLM's tensor names."""
+    present = set(keys)
+    prefix = next((prefix for prefix in _PREFIXES if prefix + _PATCH_KEY in present), None)
+    if prefix is None:
+        raise CheckpointError(f"{name} holds no vision tower's weights (no vision_tower.*{_PATCH_KEY})")
+    wanted = [key for key in keys if key.startswith(prefix)]
+    if len(wanted) > MAX_TENSORS:
+        raise CheckpointError(f"{name}'s vision tower has {len(wanted)} tensors; a ViT has fewer than {MAX_TENSORS}")
+    return prefix, wanted
 
 
 def _keys(path: Path) -> list[str]:
