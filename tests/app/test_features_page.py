@@ -13,7 +13,7 @@ from vit_explorer.app import features, images, models, runs, session
 from vit_explorer.features.effects import latent_effects, points_text
 from vit_explorer.data.datasets import shapes_sample
 from vit_explorer.features.evaluation import Evaluation
-from vit_explorer.features.sae import load_sae, save_sae
+from vit_explorer.features.sae import SAEConfig, SparseAutoencoder, load_sae, save_sae
 from vit_explorer.features.steering import Steering
 from vit_explorer.features.train import SAETrainConfig, model_identity, train_sae
 from vit_explorer.training import train
@@ -175,6 +175,28 @@ def test_the_dictionary_is_judged_as_the_field_judges_it_beside_its_layers_other
     dictionaries = widget(app.selectbox, "Dictionary")
     dictionaries.set_value(next(option for option in dictionaries.options if option.startswith("sae_older"))).run()
     assert errors(app) == [] and any("sae --evaluate FILE --write-card" in info.value for info in app.info)
+
+
+def test_a_batchtopk_dictionary_s_patch_lists_every_latent_above_its_threshold(dictionary):
+    path = dictionary.paths()["dictionary"]
+    topk, card = load_sae(path)
+    sae = SparseAutoencoder(SAEConfig(topk.config.d_model, topk.config.width, topk.config.k, "batchtopk"))
+    state = {**topk.state_dict(), "threshold": torch.tensor(0.05)}  # low: more than k fire on a token
+    sae.load_state_dict(state)
+    save_sae(sae, path, card)  # the same file, now a BatchTopK dictionary (the index beside it still fits)
+    app = open_app(PAGE)
+    app.session_state["features_patch"] = 9
+    app.run()
+    assert errors(app) == [] and not app.exception
+    model = models.base_model(models.DEFAULT_MODEL)
+    image, _ = shapes_sample(int(images.DEFAULT_IMAGE.removeprefix("shapes:")), model.config.img_size)
+    cap = vx.capture(model, vx.preprocess(image, model.config))
+    with torch.no_grad():
+        encoded = sae.encode(cap.tokens[0, LAYER + 1, cap.num_prefix_tokens + 9])
+    active = int((encoded > 0).sum())
+    assert active > sae.config.k
+    (trace,) = charts(app)["Patch 9's strongest latents (click one)"]
+    assert trace["customdata"] == encoded.topk(min(active, features.TOP_LATENTS)).indices.tolist()
 
 
 def test_the_train_page_refuses_more_nested_dictionaries_than_fit_in_a_sentence():

@@ -292,7 +292,8 @@ def image_features(selection: Selection, chosen: Dictionary) -> ImageFeatures:
             mean = torch.tensor(chosen.card["mean"], dtype=torch.float32)
             explained = per_token_explained(tokens, reconstruction, mean)
             total = 1 - (tokens - reconstruction).pow(2).sum() / (tokens - mean).pow(2).sum().clamp(min=1e-12)
-        values, indices = latents.topk(chosen.sae.config.k, dim=-1)  # (P, k)
+        # (P, m): k a token, or as many as a BatchTopK dictionary's threshold lets the busiest keep
+        values, indices = latents.topk(max(chosen.sae.config.k, int((latents > 0).sum(-1).max())), dim=-1)
         patches = explained[cap.num_prefix_tokens:] if chosen.prefix_tokens else explained
         return ImageFeatures(indices, values, patches.reshape(cap.grid_size).numpy(), float(total))
 
