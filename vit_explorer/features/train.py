@@ -70,7 +70,7 @@ class SAETrainConfig(_JsonConfig):
     k: int = 32  # active latents per token
     epochs: int = 2
     batch_size: int = 1024  # tokens per step (over all ranks)
-    lr: float = 4e-4
+    lr: float = 2e-3  # with the defaults: 0.96 of the shipped model's layer 2 held out in 226 steps (4e-4: 0.83)
     seed: int = 0
     device: str = "auto"  # "auto": cuda, then mps, then cpu
     out_dir: str = "runs"
