@@ -277,8 +277,9 @@ def live_view() -> None:
     elif stopping:
         st.progress(progress, text=f"{run_id} stopping at {progress:.0%}: it ends after its current step,"
                     " then measures its test accuracy and writes its checkpoint")
-    elif (captured := run.capturing) is not None:  # before the first step, the capture is what moves
-        st.progress(captured[0] / max(captured[1], 1), text=f"{run_id} running: {run.doing}")
+    elif status == "running" and isinstance(run.config, SAETrainConfig) and not run.history["steps"]:
+        captured = run.capturing  # before the first step, the capture is what moves (images done of images)
+        st.progress(0.0 if captured is None else captured[0] / max(captured[1], 1), text=f"{run_id} running: {run.doing}")
     else:
         doing = f" ({run.doing})" if status == "running" else ""
         st.progress(progress, text=f"{run_id} {status}: {progress:.0%}{time_left(eta) if status == 'running' else ''}{doing}")

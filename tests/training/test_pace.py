@@ -117,7 +117,8 @@ def test_an_sae_run_says_how_far_its_capture_is_and_its_time_left_for_it(tmp_pat
         run._record(SAECaptureEvent(images=done, total_images=total))
         doing = run.doing
         assert run.capturing == (done, total)  # the Train page's bar: images done of images
-        assert doing.startswith(f"capturing layer 2's tokens: {done:,} of 2,000 images") and doing.endswith(", then training")
+        assert doing.startswith(f"capturing layer 2's tokens: {done:,} of 2,000 images")
+        assert doing.endswith(", then training" if done < total else ", training starts")
         if 0.1 <= done / total < 1:
             left = float(doing.split("about ")[1].split(" s left")[0])
             assert 0.5 <= left / ((total - done) / 100) <= 2, doing

@@ -582,6 +582,8 @@ class TrainingRun:
             doing = f"capturing layer {self.config.layer}'s tokens"
             if captured is None:
                 return doing
+            if captured.images >= captured.total_images:  # until the first steps are logged
+                return f"{doing}: {captured.images:,} of {captured.total_images:,} images, training starts"
             left = time_left(seconds)
             return f"{doing}: {captured.images:,} of {captured.total_images:,} images{left and left + ' for them'}, then training"
         return "preparing its data"
