@@ -307,13 +307,14 @@ def held_out_metrics(sae: SparseAutoencoder, tokens: torch.Tensor, batch_size: i
     """explained_variance (1 - residual / variance around their own mean), mse (per token
     dimension, in the tokens' scale) and l0 of the dictionary on tokens (N, D) it never trained on,
     ``batch_size`` tokens at a time."""
-    residual = active = 0.0
+    residual = active = variance = 0.0
+    count = tokens.shape[0]
+    mean = sum(rows.double().sum(0) for rows in tokens.split(batch_size)) / count  # (D,)
     for rows in tokens.split(batch_size):
         reconstruction, latents = sae(rows)
         residual += float((rows - reconstruction).double().pow(2).sum())
+        variance += float((rows.double() - mean).pow(2).sum())
         active += float((latents > 0).sum())
-    variance = float((tokens.double() - tokens.double().mean(0)).pow(2).sum())
-    count = tokens.shape[0]
     return {
         "explained_variance": 1 - residual / variance if variance > 0 else float("nan"),
         "mse": residual / (count * tokens.shape[1]), "l0": active / count,
