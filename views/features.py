@@ -38,7 +38,7 @@ if not choices:
     st.stop()
 label = st.selectbox(
     "Dictionary", list(choices), help="The SAEs trained on this model's tokens: shipped beside it, or trained since.",
-    **session.keep("features_dictionary", next(iter(choices)), lambda value: value in choices),
+    **session.keep("features_dictionary", features.default_choice(choices), lambda value: value in choices),
 )
 try:
     chosen = features.dictionary(choices[label], selection)
@@ -51,8 +51,7 @@ trained_on = card.get("images", {})
 st.caption(
     f"Layer {layer}'s output tokens ({'every token' if chosen.prefix_tokens else 'the patch tokens'}),"
     f" {sae_config.width:,} latents, {sae_config.k} active per token; trained on"
-    f" {trained_on.get('count', '?'):,} {trained_on.get('dataset', '')} images: it explains"
-    f" {100 * metrics.get('explained_variance', float('nan')):.1f}% of their tokens' variance,"
+    f" {trained_on.get('count', '?'):,} {trained_on.get('dataset', '')} images: it {features.explained(card)},"
     f" {metrics.get('l0', float('nan')):.1f} latents fire per token, {100 * metrics.get('dead_share', float('nan')):.1f}%"
     " of the latents never fired."
 )
@@ -106,7 +105,7 @@ view = features.image_features(selection, chosen)
 st.subheader("How much of this image it explains")
 st.write(
     f"On this image the dictionary explains **{100 * view.explained_overall:.1f}%** of the variance of the"
-    f" tokens it reads (on its training images: {100 * metrics.get('explained_variance', float('nan')):.1f}%)."
+    f" tokens it reads (over its image set it {features.explained(card)})."
     " Where a patch is blue, the latents describe it badly: do not read much into them there."
 )
 st.plotly_chart(selection.memo("sae explained map", chosen.key, compute=lambda: figures.explained_map(

@@ -116,6 +116,7 @@ if launched:
         except RunRefused as refusal:
             st.error(str(refusal))
 
+SAE_DEFAULTS = SAETrainConfig(weights="default", layer=0)  # the command line's defaults too
 SAE_DATASETS = {"shapes": DATASETS["shapes"], "photos": "The bundled photos (4)", **{
     name: label for name, label in DATASETS.items() if name != "shapes"
 }}
@@ -136,12 +137,15 @@ with st.expander("Or a sparse autoencoder on a layer of the sidebar's model"):
         sae_left, sae_right = st.columns(2)
         sae_layer = sae_left.slider("Layer", 0, depth - 1, depth // 2, help="The layer whose output tokens it reads.")
         sae_dataset = sae_left.selectbox("Images", list(SAE_DATASETS), format_func=SAE_DATASETS.get, key="sae_dataset")
-        sae_images = sae_left.number_input("How many images", 4, 100_000, 2000, step=500,
-                                           help="The photos are 4; the others as many as asked.")
-        expansion = sae_right.number_input("Latents per token dimension", 1, 64, 16,
+        sae_images = sae_left.number_input(
+            "How many images", 4, 100_000, SAE_DEFAULTS.images, step=500,
+            help="The photos are 4; the others as many as asked. A tenth of them (the last) is held out: the"
+            " dictionary is measured on their tokens, which it never trains on.",
+        )
+        expansion = sae_right.number_input("Latents per token dimension", 1, 64, SAE_DEFAULTS.expansion,
                                            help=f"{width} dimensions x this many latents.")
-        sae_k = sae_right.number_input("Active latents per token (k)", 1, 256, 32)
-        sae_epochs = sae_right.number_input("Passes over the tokens", 1, 50, 2, key="sae_epochs")
+        sae_k = sae_right.number_input("Active latents per token (k)", 1, 256, SAE_DEFAULTS.k)
+        sae_epochs = sae_right.number_input("Passes over the tokens", 1, 50, SAE_DEFAULTS.epochs, key="sae_epochs")
         # The dictionary's kind: BatchTopK and Matryoshka beside TopK (features/sae.py)
         sae_activation = sae_left.selectbox(
             "Activation", ["topk", "batchtopk"], key="sae_activation",
@@ -233,23 +237,45 @@ def accuracy_at_each_size(run_id: str) -> None:
 
 
 def sae_view(run, steps: list[dict]) -> None:
-    """A sparse autoencoder run: its numbers and curves, then where to look at its latents."""
+    """A sparse autoencoder run: its numbers and curves (none before its first step: its capture's
+    bar says how far it is), then where to look at its latents, and keeping it for everyone."""
+    if not steps:
+        st.caption("Its curves start with the first step, once the tokens are captured.")
+        return
     columns = st.columns(4)
-    latest = steps[-1] if steps else None
-    columns[0].metric("Step", f"{latest['step']} / {latest['total_steps']}" if latest else "0")
-    columns[1].metric("Explained variance", f"{latest['explained_variance']:.1%}" if latest else "-")
-    columns[2].metric("L0 (active latents)", f"{latest['l0']:.1f}" if latest else "-")
-    columns[3].metric("Dead latents", f"{latest['dead_share']:.1%}" if latest else "-")
+    latest = steps[-1]
+    measured = [record["held_out_explained_variance"] for record in steps
+                if record.get("held_out_explained_variance") is not None]
+    columns[0].metric("Step", f"{latest['step']} / {latest['total_steps']}")
+    columns[1].metric(
+        "Explained variance (held-out)", f"{measured[-1]:.1%}" if measured else "-",
+        help="Of the tokens of images it never trains on, measured at the end of each pass over the tokens:"
+        " the number its card and the Features page show.",
+    )
+    columns[2].metric("L0 (active latents)", f"{latest['l0']:.1f}")
+    columns[3].metric("Dead latents", f"{latest['dead_share']:.1%}")
     st.plotly_chart(memo(
-        ("sae curves", run_id, len(steps), latest["step"] if latest else None),
-        lambda: figures.sae_curves(run.history),
+        ("sae curves", run_id, len(steps), latest["step"]), lambda: figures.sae_curves(run.history),
     ))
     if run.checkpoint is not None:
-        st.success(
-            f"Written as {Path(run.checkpoint).name}, with the index of each latent's top patches. With"
-            f" {run.config.weights_path.stem} in the sidebar, the Features page shows it."
-        )
-        st.page_link("views/features.py", label="Open the Features page", icon=":material/scatter_plot:")
+        name = Path(run.checkpoint).name
+        owner = runs.dictionary_owner(Path(run.checkpoint))
+        if owner is not None and owner["mine"] and not owner["kept"]:
+            st.success(
+                f"Written as {name}, with the index of each latent's top patches. With {run.config.weights_path.stem}"
+                " in the sidebar, the Features page offers it to you; others see it once you keep it for everyone."
+            )
+            st.button("Keep for everyone", icon=":material/group:", on_click=runs.keep_run, args=(run_id,))
+        else:
+            st.success(
+                f"Written as {name}, with the index of each latent's top patches. With {run.config.weights_path.stem}"
+                " in the sidebar, the Features page offers it" + (" to everyone." if owner is None or owner["kept"]
+                                                                   else " to the person who trained it.")
+            )
+        label = features.label_of(Path(run.checkpoint))
+        if label is not None and (owner is None or owner["mine"] or owner["kept"]):
+            if st.button("Open it on the Features page", icon=":material/scatter_plot:"):
+                session.open_page("views/features.py", features_dictionary=label)
 
 
 @st.fragment(run_every=1.0 if live else None)
@@ -265,6 +291,9 @@ def live_view() -> None:
     elif stopping:
         st.progress(progress, text=f"{run_id} stopping at {progress:.0%}: it ends after its current step,"
                     " then measures its test accuracy and writes its checkpoint")
+    elif status == "running" and isinstance(run.config, SAETrainConfig) and not run.history["steps"]:
+        captured = run.capturing  # before the first step, the capture is what moves (images done of images)
+        st.progress(0.0 if captured is None else captured[0] / max(captured[1], 1), text=f"{run_id} running: {run.doing}")
     else:
         doing = f" ({run.doing})" if status == "running" else ""
         st.progress(progress, text=f"{run_id} {status}: {progress:.0%}{time_left(eta) if status == 'running' else ''}{doing}")

@@ -3,6 +3,8 @@ numbers are the dictionary's own on this image's capture, steering by 1 changes 
 changes the prediction, another model's dictionary is never offered; an SAE run launched from the
 Train page becomes one; and the shipped dictionary fits the shipped model."""
 import os
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -100,25 +102,43 @@ def test_another_models_dictionary_is_not_offered(tiny_default, tmp_path):
     assert offered.startswith("sae_tiny (layer 1, explains ")
 
 
-def test_an_sae_run_launched_on_the_train_page_becomes_a_dictionary_of_the_model():
-    app = open_app("views/train.py")
-    widget(app.number_input, "How many images").set_value(16)
-    widget(app.number_input, "Latents per token dimension").set_value(2)
-    widget(app.number_input, "Active latents per token (k)").set_value(4)
-    widget(app.number_input, "Passes over the tokens").set_value(1)
-    widget(app.button, "Launch the sparse autoencoder").click().run()
-    assert not app.exception and errors(app) == []
+def test_an_sae_run_is_its_owners_until_kept_and_the_page_opens_on_the_shipped_dictionary(monkeypatch):
+    monkeypatch.delenv("VIT_EXPLORER_DEFAULT_MODEL")  # the shipped model, with its shipped dictionary
+    shipped = "sae_shapes_layer2 (layer 2, explains 94.0% of its training tokens' variance)"
+    student = open_app("views/train.py")
+    widget(student.number_input, "How many images").set_value(16)
+    widget(student.number_input, "Latents per token dimension").set_value(1)
+    widget(student.number_input, "Active latents per token (k)").set_value(4)
+    widget(student.number_input, "Passes over the tokens").set_value(1)
+    widget(student.button, "Launch the sparse autoencoder").click().run()
+    assert not student.exception and errors(student) == []
     (run,) = runs.training_runs().values()
     assert isinstance(run.config, SAETrainConfig)
     assert run.join(timeout=180) and run.status == "finished", run.error
     assert run.peak_rss is not None  # trained in a process of its own
-    app.run()
-    metrics = {metric.label: metric.value for metric in app.metric}
-    assert metrics["Explained variance"].endswith("%") and metrics["Dead latents"].endswith("%")
-    assert title_matching(app, "^Sparse autoencoder: step \\d+ of \\d+, explains")
-    assert "sparse autoencoder on layer" in widget(app.selectbox, "Run").format_func(widget(app.selectbox, "Run").value)
-    page = open_app(PAGE)
-    assert errors(page) == [] and widget(page.selectbox, "Dictionary").options
+    student.run()
+    # One number: the held-out tokens', the same on the metric, the curve's title and the card.
+    explains = f"{run.metrics['explained_variance']:.1%}"
+    metrics = {metric.label: metric.value for metric in student.metric}
+    assert metrics["Explained variance (held-out)"] == explains and metrics["Dead latents"].endswith("%")
+    assert title_matching(student, f"^Sparse autoencoder: step \\d+ of \\d+, explains {re.escape(explains)} of held-out")
+    assert "sparse autoencoder on layer" in widget(student.selectbox, "Run").format_func(widget(student.selectbox, "Run").value)
+
+    classmate = open_app(PAGE)  # another session: the run is not theirs
+    assert errors(classmate) == [] and widget(classmate.selectbox, "Dictionary").options == [shipped]
+    widget(student.button, "Open it on the Features page").click().run()  # its owner is offered it
+    dictionary = widget(student.selectbox, "Dictionary")
+    mine = f"your run 1: {Path(run.checkpoint).stem} (layer 2, explains {100 * run.metrics['explained_variance']:.1f}%"
+    assert not student.exception and dictionary.value.startswith(mine) and dictionary.options[1] == shipped
+
+    student.switch_page("views/train.py").run()
+    widget(student.button, "Keep for everyone").click().run()
+    assert not student.exception and not [button for button in student.button if button.label == "Keep for everyone"]
+    classmate.run()
+    dictionary = widget(classmate.selectbox, "Dictionary")
+    kept = f"someone's run 1, kept for everyone: {Path(run.checkpoint).stem} (layer 2, explains"
+    assert dictionary.value == shipped and [option.startswith(kept) for option in dictionary.options] == [True, False]
+    assert dictionary.options[0].endswith("% of held-out tokens' variance)")
 
 
 def test_the_shipped_dictionary_fits_the_shipped_model_and_explains_most_of_its_tokens():

@@ -12,7 +12,7 @@ import vit_explorer as vx
 from vit_explorer.features import train as sae_training
 from vit_explorer.features.evaluation import Evaluation
 from vit_explorer.features.index import load_index
-from vit_explorer.features.sae import load_sae
+from vit_explorer.features.sae import explained_variance, load_sae
 from vit_explorer.features.tokens import ImageSource, layer_tokens, model_input
 from vit_explorer.features.train import (
     SAECaptureEvent, SAEDoneEvent, SAEStepEvent, SAETrainConfig, model_identity, train_sae,
@@ -21,6 +21,8 @@ from vit_explorer.features.train import (
 from helpers import randomize, tiny_config
 
 IMAGES, PATCHES, WIDTH = 64, 16, 32  # tiny_config: 16 x 16 images, patch 4, embed_dim 32
+HELD_OUT = 6  # a tenth of the images, the last ones, measure the dictionary
+TRAINED = IMAGES - HELD_OUT
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +39,7 @@ def run_config(weights, out_dir, **changes) -> SAETrainConfig:
 
 
 def all_tokens(model, layer: int) -> torch.Tensor:
-    """(IMAGES * PATCHES, D) every training token, image by image."""
+    """(IMAGES * PATCHES, D) every token of the image set, image by image (the held-out ones last)."""
     images = ImageSource("shapes", IMAGES, 16).images(torch.arange(IMAGES))
     return layer_tokens(model, model_input(model, images), layer).flatten(0, 1)
 
@@ -46,12 +48,14 @@ def test_a_run_writes_a_dictionary_and_an_index_that_agree_with_brute_force(weig
     events = list(train_sae(run_config(weights, tmp_path)))
     captures = [event for event in events if isinstance(event, SAECaptureEvent)]
     *steps, done = events[len(captures):]
-    # Before the first step, the capture says how far it is: from none to every image.
-    assert captures[0].images == 0 and captures[-1].images == captures[-1].total_images == IMAGES
-    total = math.ceil(IMAGES * PATCHES / 128)
+    # Before the first step, the capture says how far it is: from none to every image it trains on.
+    assert captures[0].images == 0 and captures[-1].images == captures[-1].total_images == TRAINED
+    total = math.ceil(TRAINED * PATCHES / 128)
     assert all(isinstance(event, SAEStepEvent) for event in steps) and isinstance(done, SAEDoneEvent)
     assert [event.step for event in steps] == [3, 6, total] and {event.total_steps for event in steps} == {total}
     assert all(0 < event.explained_variance < 1 and event.l0 <= 4 and event.mse > 0 for event in steps)
+    # The held-out tokens are measured at the epoch's end only: the last curve point is the card's number.
+    assert [event.held_out_explained_variance is None for event in steps] == [True, True, False]
     assert done.path == str(tmp_path / "sae_tiny_layer1.safetensors") and not done.stopped
     assert done.index_path == str(tmp_path / "sae_tiny_layer1.index.npz")
     assert sorted(path.name for path in tmp_path.iterdir()) == [
@@ -61,7 +65,8 @@ def test_a_run_writes_a_dictionary_and_an_index_that_agree_with_brute_force(weig
     model = vx.load_model(weights)
     sae, card = load_sae(done.path, model, layer=1)
     assert not sae.training and sae.config.width == 4 * WIDTH and sae.config.k == 4
-    assert card["metrics"] == done.metrics and set(done.metrics) == {"explained_variance", "mse", "l0", "dead_share"}
+    assert card["metrics"] == done.metrics
+    assert set(done.metrics) == {"explained_variance", "mse", "l0", "dead_share", "held_out_tokens"}
     assert card["model"] == model_identity(weights) and card["layer"] == 1 and card["depth"] == 3
     assert ImageSource.from_dict(card["images"]) == ImageSource("shapes", IMAGES, (16, 16))
     assert SAETrainConfig.from_dict(card["settings"]) == run_config(weights, tmp_path)
@@ -71,7 +76,15 @@ def test_a_run_writes_a_dictionary_and_an_index_that_agree_with_brute_force(weig
     assert measured.images == 8 and measured.tokens == 8 * PATCHES and 0 < measured.nmse < 1 and measured.l0 <= 4
     assert 0 <= measured.prediction_kept <= 1 and measured.kl >= 0 and measured.pooled_cosine is None
     tokens = all_tokens(model, 1)
-    assert np.allclose(card["mean"], tokens.mean(0).numpy(), atol=1e-4)  # every training token's mean
+    assert np.allclose(card["mean"], tokens[: TRAINED * PATCHES].mean(0).numpy(), atol=1e-4)  # the training tokens'
+    # One number: the held-out images' tokens, encoded by the dictionary written, on the card and the last point.
+    held_out = tokens[TRAINED * PATCHES:]
+    with torch.no_grad():
+        reconstruction, latents = sae(held_out)
+    assert done.metrics["held_out_tokens"] == HELD_OUT * PATCHES
+    assert steps[-1].held_out_explained_variance == done.metrics["explained_variance"]
+    assert done.metrics["explained_variance"] == pytest.approx(float(explained_variance(held_out, reconstruction)), abs=1e-5)
+    assert done.metrics["l0"] == pytest.approx(float((latents > 0).sum(1).double().mean()))
 
     index = load_index(done.index_path)
     latents = sae.encode(tokens).detach()  # (IMAGES * PATCHES, F) by brute force
@@ -92,9 +105,11 @@ def test_a_run_writes_a_dictionary_and_an_index_that_agree_with_brute_force(weig
         if len(expected) < 5:
             assert (index.images[latent, len(expected):] == -1).all()
         nonzero = latents[:, latent][latents[:, latent] > 0].numpy()
-        if len(nonzero):  # a value near a bin's edge may be counted in the neighbouring bin
-            histogram, _ = np.histogram(nonzero, bins=20, range=(0, nonzero.max()))
-            assert np.abs(index.histogram[latent] - histogram).sum() <= 0.05 * len(nonzero) + 2
+        if len(nonzero):  # a value within one fine bin (at most 2 x maximum / 320) of an edge may cross it
+            histogram, edges = np.histogram(nonzero, bins=20, range=(0, nonzero.max()))
+            crossing = np.abs(np.cumsum(index.histogram[latent]) - np.cumsum(histogram))[:-1]
+            near = [(np.abs(nonzero - edge) <= 2 * nonzero.max() / 320).sum() for edge in edges[1:-1]]
+            assert index.histogram[latent].sum() == len(nonzero) and (crossing <= near).all()
 
 
 def test_a_run_in_chunks_captures_at_most_a_chunk_and_indexes_every_image(weights, tmp_path, monkeypatch):
@@ -111,12 +126,16 @@ def test_a_run_in_chunks_captures_at_most_a_chunk_and_indexes_every_image(weight
     *steps, done = [event for event in events if not isinstance(event, SAECaptureEvent)]
     # Only the capture before the first step reports (the steps' own events follow the rest).
     assert [(event.images, event.total_images) for event in events if isinstance(event, SAECaptureEvent)] == [(0, chunk), (chunk, chunk)]
+    held_out = [indices.tolist() for indices in captured if indices.tolist() == list(range(TRAINED, IMAGES))]
+    captured = [indices for indices in captured if indices.tolist() != list(range(TRAINED, IMAGES))]
+    assert len(held_out) == 1  # captured once, at the first epoch's end, and measured at each
     assert max(len(indices) for indices in captured) == chunk
-    assert len(captured) == 2 * math.ceil(IMAGES / chunk)  # every chunk again each epoch
+    assert len(captured) == 2 * math.ceil(TRAINED / chunk)  # every chunk again each epoch
     first, second = torch.cat(captured[: len(captured) // 2]), torch.cat(captured[len(captured) // 2:])
-    assert sorted(first.tolist()) == sorted(second.tolist()) == list(range(IMAGES))
+    assert sorted(first.tolist()) == sorted(second.tolist()) == list(range(TRAINED))
     assert not torch.equal(first, second)  # a new order every epoch
-    per_epoch = 6 * math.ceil(chunk * PATCHES / 128) + math.ceil(4 * PATCHES / 128)
+    assert [event.epoch for event in steps if event.held_out_explained_variance is not None] == [1, 2]
+    per_epoch = 5 * math.ceil(chunk * PATCHES / 128) + math.ceil(8 * PATCHES / 128)
     assert steps[-1].step == steps[-1].total_steps == 2 * per_epoch
     assert steps[-1].explained_variance > steps[0].explained_variance
     index = load_index(done.index_path)
@@ -125,7 +144,7 @@ def test_a_run_in_chunks_captures_at_most_a_chunk_and_indexes_every_image(weight
     held = []
     monkeypatch.setattr(sae_training, "source_tokens", lambda *args, **kw: held.append(1) or capture(*args, **kw))
     list(train_sae(run_config(weights, tmp_path, epochs=3, name="held")))
-    assert len(held) == 1  # all of them fit: captured once for three epochs
+    assert len(held) == 2  # all of them fit: captured once for three epochs, the held-out images once
 
 
 def test_batchtopk_and_matryoshka_runs_are_rebuilt_from_their_files(weights, tmp_path):
@@ -149,10 +168,12 @@ def test_a_stopped_run_still_writes_both_files(weights, tmp_path):
     events = list(train_sae(run_config(weights, tmp_path, prefix_tokens=True, name="stopped"), stop=stop))
     assert [type(event) for event in events] == [SAECaptureEvent, SAECaptureEvent, SAEStepEvent, SAEDoneEvent]
     assert events[2].step == 1 and events[3].stopped
+    assert events[2].held_out_explained_variance == events[3].metrics["explained_variance"]  # measured when stopped
     _, card = load_sae(events[3].path)
     assert card["stopped"] and card["prefix_tokens"]
     index = load_index(events[3].index_path)
     assert index.num_prefix_tokens == 1 and index.tokens_seen == IMAGES * (PATCHES + 1)
+    assert events[3].metrics["held_out_tokens"] == HELD_OUT * (PATCHES + 1)
 
 
 def test_a_given_model_is_used_as_it_is(weights, tmp_path):
@@ -166,6 +187,8 @@ def test_a_given_model_is_used_as_it_is(weights, tmp_path):
 def test_a_layer_the_model_lacks_is_refused(weights, tmp_path):
     with pytest.raises(ValueError, match=r"^layer 3 does not exist; the model has layers 0..2$"):
         next(train_sae(run_config(weights, tmp_path, layer=3)))
+    with pytest.raises(ValueError, match=r"^an SAE run needs at least 2 images: one is held out to measure the dictionary$"):
+        next(train_sae(run_config(weights, tmp_path, images=1)))
     assert list(tmp_path.iterdir()) == []
 
 

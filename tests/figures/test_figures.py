@@ -362,6 +362,20 @@ def test_training_curves_of_an_empty_history_are_an_empty_valid_figure(history):
     assert all(len(trace.x or ()) == 0 for trace in fig.data)
 
 
+def test_sae_curves_show_explained_variance_below_zero_and_end_on_the_held_out_number():
+    # As features.train logs them: every few steps, the held-out tokens' number at each epoch's end.
+    steps = [dict(step=s, total_steps=4, epoch=(s - 1) // 2 + 1, mse=1.0 / s, explained_variance=ev, l0=8.0,
+                  dead_share=0.1, held_out_explained_variance=held)
+             for s, ev, held in ((1, -3.36, None), (2, 0.5, 0.62), (3, 0.8, None), (4, 0.9, 0.93))]
+    fig = figures.sae_curves({"steps": steps})
+    assert "step 4 of 4, explains 93.0% of held-out tokens' variance" in title_of(fig)
+    assert fig.layout.yaxis.range[0] <= -3.36 and fig.layout.yaxis.range[1] >= 1  # the start is on the axis
+    held_out = [trace for trace in fig.data if trace.name == "held-out tokens (each pass's end)"][0]
+    assert list(held_out.x) == [2, 4] and list(held_out.y) == [0.62, 0.93]
+    before = figures.sae_curves({"steps": [{**step, "held_out_explained_variance": None} for step in steps[:1]]})
+    assert "explains -336.0% of the last steps' training tokens" in title_of(before)
+
+
 def test_accuracy_by_image_size_draws_a_line_per_model_in_pixel_order():
     series = {
         "run 1 (learned)": {(32, 32): 0.9, (64, 64): 0.3, (48, 48): 0.4},

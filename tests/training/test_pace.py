@@ -105,18 +105,22 @@ def test_an_sae_run_says_how_far_its_capture_is_and_its_time_left_for_it(tmp_pat
     """Before a dictionary's first step its run captures the layer's tokens (about 40 s on the
     shipped model's 2,000 images): the run says how many images are done and, after the first
     tenth, the time left for them within a factor of 2 (a clock a pass a tick)."""
-    from vit_explorer.features.train import SAECaptureEvent, SAETrainConfig
+    from vit_explorer.features.train import SAECaptureEvent, SAEStepEvent, SAETrainConfig
 
     ticks = itertools.count()
     monkeypatch.setattr(run_module, "Pace", lambda: Pace(clock=lambda: float(next(ticks))))
     run = run_module.TrainingRun(SAETrainConfig(weights="default", layer=2, out_dir=str(tmp_path)), process=False)
     run._status = "running"  # as its thread sets it: the events below are what that thread records
-    assert run.doing == "capturing layer 2's tokens"
+    assert run.doing == "capturing layer 2's tokens" and run.capturing is None
     total = 2000
     for done in range(0, total + 1, 100):
         run._record(SAECaptureEvent(images=done, total_images=total))
         doing = run.doing
-        assert doing.startswith(f"capturing layer 2's tokens: {done:,} of 2,000 images") and doing.endswith(", then training")
+        assert run.capturing == (done, total)  # the Train page's bar: images done of images
+        assert doing.startswith(f"capturing layer 2's tokens: {done:,} of 2,000 images")
+        assert doing.endswith(", then training" if done < total else ", training starts")
         if 0.1 <= done / total < 1:
             left = float(doing.split("about ")[1].split(" s left")[0])
             assert 0.5 <= left / ((total - done) / 100) <= 2, doing
+    run._record(SAEStepEvent(step=1, total_steps=10, epoch=1, mse=1.0, explained_variance=0.5, l0=8.0, dead_share=0.0))
+    assert run.capturing is None and run.doing == "training"  # the steps' own progress takes over

@@ -14,7 +14,8 @@ from vit_explorer.training import runs
 from vit_explorer.training import run as training_run
 from vit_explorer.training import train as training
 from vit_explorer.model.config import TrainConfig
-from helpers import SMALL_RUN_MODEL, small_run_config
+from vit_explorer.features.train import SAETrainConfig
+from helpers import SMALL_RUN_MODEL, randomize, small_run_config, tiny_config
 
 SMALL_MODEL = SMALL_RUN_MODEL
 PLENTY = admission.Limits(max_runs=1, queue_size=2, memory=64 * admission.GB, threads=1)
@@ -266,4 +267,27 @@ def test_malformed_sidecars_are_skipped_and_logged_never_fatal(tmp_path, caplog)
     numbers = range(7, 7 + len(malformed) + len(raw))
     assert skipped == sorted(str(tmp_path / f"broken_{number}.json") for number in numbers)
     assert again.launch(small_config(tmp_path), owner="bob") == "run 2"
+    again.shutdown()
+
+
+def test_an_ended_sae_run_is_listed_again_after_a_restart_and_stays_its_owners(tmp_path):
+    weights = tmp_path / "tiny.safetensors"
+    vx.save_model(randomize(vx.ViT(tiny_config())), weights)
+    manager = runs.RunManager(tmp_path / "runs", PLENTY, process=False)
+    config = SAETrainConfig(weights=str(weights), layer=1, images=20, epochs=1, batch_size=64, expansion=2, k=4,
+                            device="cpu", log_every=2, index_top=2)
+    run_id = manager.launch(config, owner="alice")
+    run = manager.runs()[run_id]
+    assert run.join(60) and run.status == "finished", run.error
+    assert runs.run_record(run.checkpoint) == {"owner": "alice", "number": 1, "kept": False}
+    assert not manager.keep(run_id, owner="bob") and manager.keep(run_id, owner="alice")  # only its owner keeps it
+    assert runs.run_record(run.checkpoint)["kept"]
+
+    again = runs.RunManager(tmp_path / "runs", PLENTY, process=False)  # the server restarted
+    after = again.runs()
+    assert list(after) == [run_id] and after[run_id].status == "finished" and after[run_id].progress == 1.0
+    assert after[run_id].checkpoint == run.checkpoint and after[run_id].metrics == run.metrics
+    assert after[run_id].history == run.history
+    assert again.owner_of(run_id) == "alice" and runs.run_record(run.checkpoint)["kept"]
+    assert again.launch(config, owner="bob") == "run 2"
     again.shutdown()

@@ -16,6 +16,7 @@ pass resumed from that layer.
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -159,9 +160,10 @@ def _identity(model_key: str) -> dict | None:
 
 
 def choices(selection: Selection) -> tuple[dict[str, Path], list[str]]:
-    """({label: path} of the SAEs that fit the sidebar's model, newest first; a sentence for each
-    file skipped: broken, or this model's and unusable). Another model's dictionary is left out
-    without a word."""
+    """({label: path} of the SAEs that fit the sidebar's model and are offered to this person,
+    newest first; a sentence for each file skipped: broken, or this model's and unusable). Another
+    model's dictionary is left out without a word; so is one that someone else trained in the app
+    and has not kept for everyone (a run is its owner's)."""
     identity = _identity(selection.model_key)
     if identity is None:
         return {}, []
@@ -179,19 +181,62 @@ def choices(selection: Selection) -> tuple[dict[str, Path], list[str]]:
             model = None if read is None else read[1].get("model")
             if not isinstance(model, dict) or model.get("digest") != identity["digest"]:
                 continue
+            owner = runs.dictionary_owner(path)
+            if owner is not None and not (owner["mine"] or owner["kept"]):
+                continue
             problem = _problem(path, stamp, selection)
             if problem is None:
-                found.append((stamp, path, read[1]))
+                found.append((stamp, path, read[1], owner))
             else:
                 skipped.append(f"{path.name} was skipped: {problem}.")
     found.sort(key=lambda item: -item[0])
-    return {_choice_label(path, card): path for _, path, card in found}, skipped
+    return {_choice_label(path, card, owner): path for _, path, card, owner in found}, skipped
 
 
-def _choice_label(path: Path, card: dict) -> str:
-    explained = card.get("metrics", {}).get("explained_variance")
-    shown = "" if explained is None else f", explains {100 * explained:.0f}%"
-    return f"{path.stem} (layer {card['layer']}{shown})"
+def explained(card: dict) -> str:
+    """How much of its layer a dictionary explains, named by the tokens it was measured on: a
+    run's held-out tokens, or (an older card) its training tokens."""
+    metrics = card.get("metrics", {})
+    value = metrics.get("explained_variance")
+    if value is None:
+        return "explains a share its card does not say"
+    if "held_out_tokens" in metrics:
+        return f"explains {100 * value:.1f}% of held-out tokens' variance"
+    return f"explains {100 * value:.1f}% of its training tokens' variance"
+
+
+def _choice_label(path: Path, card: dict, owner: dict | None) -> str:
+    whose = "" if owner is None else (
+        f"your run {owner['number']}: " if owner["mine"] else f"someone's run {owner['number']}, kept for everyone: "
+    )
+    return f"{whose}{path.stem} (layer {card['layer']}, {explained(card)})"
+
+
+def label_of(path: Path) -> str | None:
+    """The picker's label of the dictionary at ``path`` for this person (None: no dictionary there)."""
+    try:
+        read = _card(path, path.stat().st_mtime)
+    except OSError:
+        return None
+    return _choice_label(path, read[1], runs.dictionary_owner(path)) if isinstance(read, tuple) else None
+
+
+def default_choice(offered: dict[str, Path]) -> str:
+    """What the page opens on, the same for everybody: the dictionary shipped beside the model,
+    else of those everyone is offered, the one that explains most of its layer."""
+    shipped = resources.app_root() / "weights"
+
+    def rank(label: str) -> tuple[bool, bool, float]:
+        path, owner = offered[label], runs.dictionary_owner(offered[label])
+        try:
+            read = _card(path, path.stat().st_mtime)
+        except OSError:  # gone since listed
+            read = None
+        value = read[1].get("metrics", {}).get("explained_variance") if isinstance(read, tuple) else None
+        value = value if isinstance(value, (int, float)) and math.isfinite(value) else -math.inf
+        return path.parent == shipped, owner is None or owner["kept"], value
+
+    return max(offered, key=rank)
 
 
 def measured(card: dict) -> Evaluation | None:

@@ -1,15 +1,17 @@
 """This server's training runs as a person sees them: the shared RunManager, the owner token that
-the page address carries, and starting and stopping one's own runs."""
+the page address carries, starting and stopping one's own runs, and keeping one's dictionary for
+everyone."""
 from __future__ import annotations
 
 import secrets
+from pathlib import Path
 
 import streamlit as st
 
 from .. import resources
 from ..model.config import TrainConfig
 from ..training.run import TrainingRun
-from ..training.runs import RunManager
+from ..training.runs import RunManager, run_record
 
 OWNER_PARAM = "owner"  # the address parameter that keeps a person's owner token
 # Where runs trained in the app write their checkpoints.
@@ -58,6 +60,23 @@ def owns_run(run_id: str) -> bool:
 def someone_elses_run(run_id: str) -> bool:
     """Launched by another person (runs found in the runs folder after a restart are no one's)."""
     return run_manager().owner_of(run_id) not in (None, st.session_state.get("owner_token"))
+
+
+def keep_run(run_id: str) -> None:
+    """Offer this person's ended SAE run's dictionary to everyone on the Features page."""
+    token = st.session_state.get("owner_token")
+    if token is not None:
+        run_manager().keep(run_id, token)
+
+
+def dictionary_owner(path: Path) -> dict | None:
+    """Whose a dictionary in the runs folder is: {"number", "kept", "mine"} of the app's run that
+    wrote it; None for any other file (shipped, or trained with the command line), which is everyone's."""
+    record = run_record(path) if path.parent == RUNS_DIR else None
+    if record is None:
+        return None
+    return {"number": record["number"], "kept": record["kept"],
+            "mine": record["owner"] == st.session_state.get("owner_token")}
 
 
 def active_runs() -> dict[str, TrainingRun]:

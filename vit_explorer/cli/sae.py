@@ -74,7 +74,7 @@ def train(args: argparse.Namespace) -> int:
 
     from tqdm import tqdm
 
-    from ..features.train import SAEDoneEvent, SAEStepEvent, SAETrainConfig, train_sae
+    from ..features.train import SAECaptureEvent, SAEDoneEvent, SAEStepEvent, SAETrainConfig, train_sae
 
     defaults = SAETrainConfig(weights="default", layer=0)
 
@@ -95,7 +95,14 @@ def train(args: argparse.Namespace) -> int:
         for event in train_sae(config, stop=stop):
             if not show:
                 continue
-            if isinstance(event, SAEStepEvent):
+            if isinstance(event, SAECaptureEvent):  # before the first step: the images whose tokens are read
+                if bar is None:
+                    bar = tqdm(total=event.total_images, unit="image", desc=f"capturing layer {config.layer}")
+                bar.update(event.images - bar.n)
+            elif isinstance(event, SAEStepEvent):
+                if bar is not None and bar.unit == "image":
+                    bar.close()
+                    bar = None
                 if bar is None:
                     bar = tqdm(total=event.total_steps, unit="step", desc="sae")
                 bar.update(event.step - bar.n)
@@ -107,8 +114,9 @@ def train(args: argparse.Namespace) -> int:
                     bar = None
                 metrics = event.metrics
                 tqdm.write(
-                    f"trained in {event.seconds:.1f} s: explained variance {metrics['explained_variance']:.3f},"
-                    f" L0 {metrics['l0']:.1f}, dead latents {metrics['dead_share']:.1%};"
+                    f"trained in {event.seconds:.1f} s: explained variance (held-out, {metrics['held_out_tokens']:,}"
+                    f" tokens) {metrics['explained_variance']:.3f}, L0 {metrics['l0']:.1f},"
+                    f" dead latents {metrics['dead_share']:.1%};"
                     f" dictionary {event.path}, index {event.index_path}"
                 )
     finally:

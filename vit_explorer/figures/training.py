@@ -2,6 +2,7 @@
 autoencoder run's curves."""
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import plotly.graph_objects as go
@@ -92,31 +93,45 @@ def accuracy_by_image_size_figure(series: Mapping[str, Mapping[tuple[int, int], 
 
 def sae_curves(history: Mapping | None) -> go.Figure:
     """A sparse autoencoder run's curves (``TrainingRun.history``'s steps): the share of the tokens'
-    variance it explains and its reconstruction error, the latents active per token (L0) and the
-    share of latents that have stopped firing."""
+    variance it explains (the last steps' training tokens as a line, the held-out tokens at each
+    pass's end as markers: the number the run ends on) and its reconstruction error, the latents
+    active per token (L0) and the share of latents that have stopped firing. The explained
+    variance's axis spans its values, below 0 too (a new dictionary starts far below)."""
     steps = (history or {}).get("steps", [])
     grid, cells = _subplots(
         1, 4, ("explained variance", "reconstruction error (MSE)", "L0: active latents per token", "dead latents"),
         horizontal_spacing=0.07,
     )
     x = [record["step"] for record in steps]
-    line = dict(type="scatter", mode="lines", line=dict(color="#4c78a8"), showlegend=False)
+    line = dict(type="scatter", mode="lines", line=dict(color="#4c78a8"))
     traces = [
-        _on_axes(dict(x=x, y=[record[name] for record in steps], name=name, **line), cells[1, column])
+        _on_axes(dict(x=x, y=[record[name] for record in steps], name="training tokens (last steps)",
+                      showlegend=column == 1, legendgroup="train", **line), cells[1, column])
         for column, name in enumerate(("explained_variance", "mse", "l0", "dead_share"), start=1)
     ]
+    measured = [record for record in steps if record.get("held_out_explained_variance") is not None]
+    traces.append(_on_axes(dict(
+        type="scatter", mode="markers", marker=dict(color="#e45756", size=9), name="held-out tokens (each pass's end)",
+        x=[record["step"] for record in measured], y=[record["held_out_explained_variance"] for record in measured],
+    ), cells[1, 1]))
     for suffix in cells.values():
         grid[f"xaxis{suffix}"]["title"] = dict(text="step")
-    grid[f"yaxis{cells[1, 1]}"]["range"] = [0, 1]
+    values = [record["explained_variance"] for record in steps]
+    values += [record["held_out_explained_variance"] for record in measured]
+    lowest = min([value for value in values if math.isfinite(value)], default=0.0)
+    grid[f"yaxis{cells[1, 1]}"].update(range=[min(0.0, lowest) - 0.05, 1.05], tickformat=".0%")
     grid[f"yaxis{cells[1, 4]}"].update(range=[0, 1], tickformat=".0%")
     if steps:
         latest = steps[-1]
+        if measured:
+            explains = f"explains {measured[-1]['held_out_explained_variance']:.1%} of held-out tokens' variance"
+        else:
+            explains = f"explains {latest['explained_variance']:.1%} of the last steps' training tokens"
         title = (
-            f"Sparse autoencoder: step {latest['step']} of {latest['total_steps']}, explains"
-            f" {latest['explained_variance']:.1%} of the variance, L0 {latest['l0']:.1f},"
-            f" {latest['dead_share']:.1%} of the latents dead"
+            f"Sparse autoencoder: step {latest['step']} of {latest['total_steps']}, {explains},"
+            f" L0 {latest['l0']:.1f}, {latest['dead_share']:.1%} of the latents dead"
         )
     else:
         title = "Sparse autoencoder curves (nothing logged yet)"
-    grid.update(title=_title(title), margin=MARGIN)
+    grid.update(title=_title(title), margin=MARGIN, legend=dict(orientation="h", y=-0.25))
     return figure(traces, grid)

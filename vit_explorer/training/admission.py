@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from ..data.datasets import SHAPE_CLASSES
-from ..features.train import CAPTURE_TOKENS, SAETrainConfig
+from ..features.train import CAPTURE_TOKENS, HELD_OUT_TOKENS, SAETrainConfig
 from ..model.config import TrainConfig, ViTConfig
 from ..model.devices import resolve_device
 from ..model.vit import ViT
@@ -114,7 +114,7 @@ def _model_config(path: str, stamp: float) -> ViTConfig:
 def estimate_sae_memory(config: SAETrainConfig) -> MemoryEstimate:
     """An upper bound on a sparse autoencoder run's peak memory: the model, the dictionary with
     its gradients and Adam's two moments, one step's latents, the tokens held at once (at most
-    ``buffer_bytes``) and one capturing pass. RunRefused: no readable model there, or no such layer."""
+    ``buffer_bytes``, and the held-out ones) and one capturing pass. RunRefused: no readable model there, or no such layer."""
     path = config.weights_path
     try:
         if config.pretrained in catalogue.CATALOGUE:  # its file is the publisher's: the entry knows the model
@@ -134,7 +134,9 @@ def estimate_sae_memory(config: SAETrainConfig) -> MemoryEstimate:
     step = 4 * 6 * config.batch_size * width
     capture_batch = max(1, CAPTURE_TOKENS // vit.num_tokens)
     capture = inference_memory(vit, capture_batch) - BASELINE_BYTES - 4 * _parameter_count(vit)
-    tokens = min(config.buffer_bytes, 4 * config.images * per_image * dim)
+    # The training tokens held at once, and the held-out ones that measure the dictionary.
+    tokens = (min(config.buffer_bytes, 4 * config.images * per_image * dim)
+              + 4 * min(HELD_OUT_TOKENS, config.images * per_image) * dim)
     height, width_px = vit.img_size
     pixels = config.images * vit.in_chans * height * width_px if config.dataset != "shapes" else 0
     return MemoryEstimate(

@@ -325,6 +325,24 @@ class TrainingRun:
         )
         return run
 
+    @classmethod
+    def restored_sae(cls, config: SAETrainConfig) -> "TrainingRun | None":
+        """A sparse autoencoder's run that ended earlier, rebuilt from its events file (its curves,
+        its end); None unless it ended with its dictionary written and that file is still there."""
+        run = cls(config)
+        ended = None
+        for record in EventReader(run_files(config)["events"]).read():
+            if record.get("event") == "end":
+                ended = record
+            elif (event := _decoded(record, run_files(config)["snapshot"])) is not None:
+                run._record(event)
+        if ended is None or ended.get("error") is not None or not isinstance(run._done, SAEDoneEvent):
+            return None
+        if not Path(run._done.path).is_file():
+            return None
+        run._end(None)
+        return run
+
     def follow(self, pid: int, started: int, host: str | None = None) -> "TrainingRun":
         """Follow this run's process, started elsewhere (another server, or this one before a
         restart) as process ``pid`` at ``started`` (see process_identity) on ``host`` (None: this
@@ -564,9 +582,20 @@ class TrainingRun:
             doing = f"capturing layer {self.config.layer}'s tokens"
             if captured is None:
                 return doing
+            if captured.images >= captured.total_images:  # until the first steps are logged
+                return f"{doing}: {captured.images:,} of {captured.total_images:,} images, training starts"
             left = time_left(seconds)
             return f"{doing}: {captured.images:,} of {captured.total_images:,} images{left and left + ' for them'}, then training"
         return "preparing its data"
+
+    @property
+    def capturing(self) -> tuple[int, int] | None:
+        """(images captured, of how many) while a sparse autoencoder's run captures the tokens of
+        its first chunk, before its first step; else None."""
+        with self._lock:
+            if self._steps or self._status != "running" or self._captured is None:
+                return None
+            return self._captured.images, self._captured.total_images
 
     @property
     def history(self) -> dict[str, list[dict]]:

@@ -59,7 +59,9 @@ class RunManager:
     Admitting, numbering, starting and withdrawing runs happen under an flock on the folder, so
     that ``max_runs`` and the queue count the runs of every server, and whichever server sees a
     slot free first starts the oldest waiting run. A run's owner is known to a server that sees it
-    waiting or training; runs found ended are no one's.
+    waiting or training; ViT runs found ended are no one's, a sparse autoencoder's stays its
+    owner's (read from its record), since its dictionary is offered to others only once its owner
+    keeps it (``keep``: "kept" in its record).
     """
 
     def __init__(self, runs_dir: str | Path, limits: Limits | None = None, *, process: bool = True):
@@ -132,6 +134,7 @@ class RunManager:
             return
         self._refreshed, self._stamp = time.monotonic(), stamp
         found: list[tuple[int, TrainingRun]] = []
+        restored_owners: dict[int, str] = {}  # ended SAE runs' owners, from their records
         records = {}
         for path in self.runs_dir.glob(f"*{RECORD_SUFFIX}"):
             number = _number_of(path)
@@ -159,8 +162,11 @@ class RunManager:
                 (host != socket.gethostname() or process_identity(pid) == (pid, started))
                 and not has_ended(config)
             )
-            if not live:
-                continue  # ended: listed from its sidecar below, like a run of an earlier server
+            if not live:  # ended: a ViT run is listed from its checkpoint's sidecar below
+                if run_kind(config) == "sae" and (run := TrainingRun.restored_sae(config)) is not None:
+                    found.append((number, run))  # its events file and dictionary; still its owner's
+                    restored_owners[number] = record["owner"]
+                continue
             run = TrainingRun(
                 config, process=self._process, threads=self.limits.threads, memory_limit=self.limits.memory,
                 on_end=self._promote, publish=True,
@@ -194,6 +200,8 @@ class RunManager:
         for number, run in found:
             self._seen.add(number)
             self._runs[f"run {number}"] = run
+            if number in restored_owners:
+                self._owners[f"run {number}"] = restored_owners[number]
         self._seen.update(records)  # those ended without a checkpoint (failed) included: numbers stay used
         if found:
             self._runs = dict(sorted(self._runs.items(), key=lambda item: int(item[0].split()[-1])))
@@ -291,6 +299,19 @@ class RunManager:
         with self._lock:
             return self._owners.get(run_id)
 
+    def keep(self, run_id: str, owner: str) -> bool:
+        """Offer an ended SAE run's dictionary to everyone, if ``owner`` launched it; whether it did."""
+        with self._folder_lock():
+            run = self._runs.get(run_id)
+            if run is None or run_kind(run.config) != "sae" or run.checkpoint is None or not self.owns(run_id, owner):
+                return False
+            path = self.runs_dir / f"{run.config.run_name}{RECORD_SUFFIX}"
+            record = self._read_record(path)
+            if record is None:
+                return False
+            self._write_record(path, {**record, "config": run.config.to_dict(), "kept": True})
+            return True
+
     def stop(self, run_id: str, owner: str) -> bool:
         """Stop a running run, or withdraw a waiting one, if ``owner`` launched it; whether it did.
         Any server on the runs folder can: the run's process watches for its stop file."""
@@ -316,6 +337,20 @@ class RunManager:
             run.stop()
         for run in running:
             run.join(timeout)
+
+
+def run_record(checkpoint: str | Path) -> dict | None:
+    """{"owner", "number", "kept"} of the run of the app that wrote ``checkpoint`` (its record
+    beside it, of the same name); None for a file no such run wrote, or a record that cannot be read."""
+    path = Path(checkpoint)
+    try:
+        record = json.loads(path.with_name(f"{path.stem}{RECORD_SUFFIX}").read_text())
+        owner, number, kept = record["owner"], record["number"], record.get("kept", False)
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+        return None
+    if not (isinstance(owner, str) and isinstance(number, int) and isinstance(kept, bool)):
+        return None
+    return {"owner": owner, "number": number, "kept": kept}
 
 
 def stop_every_run(runs_dir: str | Path, timeout: float) -> int:
