@@ -12,6 +12,7 @@ from einops import rearrange
 
 import vit_explorer as vx
 from vit_explorer import analysis
+from vit_explorer.analysis.faithfulness import kept_outputs
 from vit_explorer.model.windows import window_ids
 from vit_explorer.weights import from_qwen_vl
 
@@ -130,6 +131,15 @@ def test_window_attention_truths(qwen):
     assert not torch.allclose(whole.tokens[:, -1], intact.tokens[:, -1])
     rollout = analysis.attention_rollout(attentions, num_prefix_tokens=0)
     torch.testing.assert_close(rollout.sum(-1), torch.ones(rollout.shape[:-1]), atol=1e-4, rtol=0)
+    # Faithfulness drops patch tokens: the kept patches stay in their own windows (every patch kept:
+    # the model's own output; one window's alone: as if the rest of the picture were not there).
+    kept = torch.ones(2, 96, dtype=torch.bool)
+    kept[1] = ids == 0
+    outputs = kept_outputs(model, x[:1], kept, "drop")
+    torch.testing.assert_close(outputs[0], intact.logits[0], atol=1e-5, rtol=1e-5)
+    crop = x[:1, :, :56, :56]  # window 0, alone: the same tokens, in a 4 x 4 grid
+    alone = vx.load_model(folder, image_size=(56, 56))
+    torch.testing.assert_close(outputs[1], alone(crop)[0], atol=1e-5, rtol=1e-5)
     # Our own file keeps every new setting: the same tokens after a round trip.
     vx.save_model(model, folder.parent / "tower.safetensors")
     reloaded = vx.load_model(folder.parent / "tower.safetensors")

@@ -294,4 +294,6 @@ def _block_rows(
     )
     if attn.rotary:
         states.update(q_unrotated=q_unrotated[:, :, picked], k_unrotated=k_unrotated)
+    if mask is not None:
+        states["window"] = mask[picked]
     return {name: own_cpu_copy(tensor) for name, tensor in states.items()}

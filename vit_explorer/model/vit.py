@@ -291,7 +291,8 @@ class Attention(nn.Module):
                 recorder.attention(self, attn)
             x = self.attn_drop(attn) @ v  # (B, nh, N, hd)
             if recorder is not None:
-                recorder.internals(self, q=q, k=k, v=v, scores=scores, attention=attn, heads=x, **unrotated)
+                window = {} if mask is None else {"window": mask}
+                recorder.internals(self, q=q, k=k, v=v, scores=scores, attention=attn, heads=x, **unrotated, **window)
         knock_out = active(ACTIVE_KNOCKOUT)
         if knock_out is not None:
             x = knock_out.heads(self, x)  # the knocked-out heads' outputs, before the projection
