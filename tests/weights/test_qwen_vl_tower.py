@@ -103,6 +103,20 @@ def test_smart_resize_is_qwens():
             assert from_qwen_vl.smart_resize(height, width, 28, *budget) == smart_resize(height, width, 28, *budget)
 
 
+def test_our_preprocessing_is_qwens_at_the_size_it_chooses(qwen):
+    from PIL import Image
+
+    folder, *_ = qwen
+    picture = Image.fromarray((torch.rand(300, 451, 3, generator=torch.Generator().manual_seed(2)) * 255).to(torch.uint8).numpy())
+    config = vx.load_model(folder).config
+    size = from_qwen_vl.smart_resize(300, 451, 28, *config.pixel_budget)
+    processor = transformers.Qwen2VLImageProcessorPil(**PIXELS)  # Qwen's PIL path: bicubic, as ours
+    prepared = processor(images=picture, return_tensors="pt")
+    assert size == (168, 252) and prepared["image_grid_thw"].tolist() == [[1, 12, 18]]
+    ours = vx.preprocess(picture, config.replace(image_size=size))
+    torch.testing.assert_close(ours, _image(prepared["pixel_values"], prepared["image_grid_thw"]), atol=1e-6, rtol=0)
+
+
 def test_window_attention_truths(qwen):
     folder, *_ = qwen
     model = vx.load_model(folder, image_size=(HEIGHT, WIDTH))
