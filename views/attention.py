@@ -112,8 +112,9 @@ if analysis.near_uniform(evenness):
         f"These heads spread their attention almost evenly over all tokens (mean entropy {evenness:.0%} of"
         " the uniform log N), as an untrained model's do, so the differences in the maps below are noise."
     )
+window = None if query == POOL_QUERY else models.query_window(config, layer, query_arg, result.grid_size)
 st.plotly_chart(selection.memo("heads grid", where, query, opacity, scale, compute=lambda: figures.attention_heads_grid(
-    image, maps, opacity=opacity, layer=where, query=query_label(query), query_patch=query_arg, scale=scale,
+    image, maps, opacity=opacity, layer=where, query=query_label(query), query_patch=query_arg, scale=scale, window=window,
 )))
 window_note = None if query == POOL_QUERY else models.window_note(config, layer, query_arg, result.grid_size)
 if window_note:  # window attention (Qwen2.5-VL)

@@ -2,6 +2,7 @@
 as transformers writes them) uploaded through the sidebar, a non-square picture sized as Qwen's
 processor sizes it, every page rendered, the windows and the merger said where they matter."""
 import io
+import json
 from pathlib import Path
 
 import numpy as np
@@ -9,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from apptest import errors, open_app, uploader
+from apptest import decoded, errors, open_app, uploader
 
 PAGES = sorted(f"views/{path.name}" for path in (Path(__file__).resolve().parents[2] / "views").glob("*.py"))
 
@@ -48,7 +49,14 @@ def test_a_qwen_tower_sizes_the_picture_draws_its_windows_and_reads_through_its_
     app.slider(key="layer").set_value(0).run()
     app.selectbox(key="query").set_value(30).run()  # row 2, column 6: the window of rows 0-3, columns 4-7
     notes = [caption.value for caption in app.caption if "windows of 4 x 4 patches" in caption.value]
-    assert notes and "Patch 30's window is rows 0-3, columns 4-7: its map is exactly zero outside it." in notes[0]
+    assert notes and "Patch 30's window is rows 0-3, columns 4-7 (dashed): its map is exactly zero outside it." in notes[0]
+    (grid,) = [json.loads(chart.proto.spec) for chart in app.get("plotly_chart")
+               if json.loads(chart.proto.spec)["layout"]["title"]["text"].startswith("Attention of the patch 30 (row 2, col 6) in layer 0")]
+    dashed = [shape for shape in grid["layout"]["shapes"] if shape["line"].get("dash") == "dash"]
+    assert len(dashed) == 2 and {(shape["x0"], shape["x1"], shape["y0"], shape["y1"]) for shape in dashed} == {(55.5, 111.5, -0.5, 55.5)}
+    for heatmap in [trace for trace in grid["data"] if trace["type"] == "heatmap"]:  # each head's map
+        z = decoded(heatmap["z"]).reshape(8, 12)
+        assert np.all(z[4:] == 0) and np.all(z[:, :4] == 0) and np.all(z[:, 8:] == 0) and np.all(z[:4, 4:8] > 0)
     app.slider(key="layer").set_value(1).run()
     assert any("one of this model's full-attention layers" in caption.value for caption in app.caption)
     for page in PAGES:

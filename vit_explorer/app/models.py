@@ -276,6 +276,17 @@ def preprocessing_note(config) -> str | None:
     )
 
 
+def query_window(config, layer: int, query: int | None, grid_size: tuple[int, int]) -> tuple[int, int, int, int] | None:
+    """(top, left, bottom, right), inclusive: the window of patches patch ``query`` (row-major)
+    attends within in ``layer``; None for no patch, a full-attention layer or a model without windows."""
+    window = config.attn_window
+    if not window or query is None or layer in config.full_attention_blocks:
+        return None
+    row, col = divmod(query, grid_size[1])
+    top, left = row // window * window, col // window * window
+    return top, left, min(top + window, grid_size[0]) - 1, min(left + window, grid_size[1]) - 1
+
+
 def window_note(config, layer: int, query: int | None, grid_size: tuple[int, int]) -> str | None:
     """For a model with window attention: whether ``layer`` attends within windows, and the
     window of patch ``query`` (row-major; None: no patch) whose outside its map leaves at zero;
@@ -289,10 +300,11 @@ def window_note(config, layer: int, query: int | None, grid_size: tuple[int, int
         return f"Layer {layer} attends to the whole picture: it is one of this model's full-attention layers ({full}); the others attend within windows of {side}."
     where = ""
     if query is not None:
-        row, col = divmod(query, grid_size[1])
-        top, left = row // window * window, col // window * window
-        bottom, right = min(top + window, grid_size[0]) - 1, min(left + window, grid_size[1]) - 1
-        where = f" Patch {query}'s window is rows {top}-{bottom}, columns {left}-{right}: its map is exactly zero outside it."
+        top, left, bottom, right = query_window(config, layer, query, grid_size)
+        where = (
+            f" Patch {query}'s window is rows {top}-{bottom}, columns {left}-{right} (dashed): its map is"
+            " exactly zero outside it."
+        )
     return (
         f"Layer {layer} attends within windows of {side}, tiled from the top-left corner: a patch reads only"
         f" the patches of its own window.{where} Full-attention layers: {full}."
