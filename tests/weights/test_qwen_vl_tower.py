@@ -185,6 +185,14 @@ def test_a_qwen_folder_that_cannot_be_read_is_a_sentence(qwen, tmp_path):
     assert "not blocks of its 3" in refusal({**config, "vision_config": {**vision, "fullatt_block_indexes": [3]}})
     assert "silu" in refusal({**config, "vision_config": {**vision, "hidden_act": "gelu"}})
     assert "no vision tower" not in refusal()  # no weights at all: its own sentence
+    outside = tmp_path / "elsewhere.json"  # a preprocessor_config.json that leads out of the folder
+    outside.write_text(json.dumps(preprocessor))
+    (folder / "preprocessor_config.json").unlink()
+    (folder / "preprocessor_config.json").symlink_to(outside)
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(vx.CheckpointError, match="leads outside the model folder"):
+        vx.load_model(folder)
+    (folder / "preprocessor_config.json").unlink()
     index = json.loads((source / "model.safetensors.index.json").read_text())
     language = {key: shard for key, shard in index["weight_map"].items() if not key.startswith("visual.")}
     for shard in set(language.values()):

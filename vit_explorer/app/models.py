@@ -366,7 +366,10 @@ def language_model_layer_note(config, layer: int) -> str | None:
     if config.language_model_layer is None:
         return None
     read = min(config.language_model_layer, config.depth) - 1
-    after_norm = " through the final norm" if config.language_model_layer > config.depth else ""
+    after_norm = (
+        " through the final norm" if config.language_model_layer > config.depth
+        else " through its patch merger" if config.merger_dim else ""
+    )
     if layer == read:
         return f"This layer's output is what the language model reads{after_norm}."
     return f"The language model reads layer {read}'s output{after_norm}, {'after' if layer < read else 'before'} this one."
