@@ -62,3 +62,26 @@ def test_a_qwen_tower_sizes_the_picture_draws_its_windows_and_reads_through_its_
     for page in PAGES:
         app.switch_page(page).run()
         assert not app.exception and errors(app) == [], page
+
+
+def test_a_qwen3_tower_says_what_deepstack_reads(tmp_path):
+    t = transformers
+    vision = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=24, num_position_embeddings=36,
+                  deepstack_visual_indexes=[0, 1], patch_size=16, spatial_merge_size=2, temporal_patch_size=2)
+    text = dict(hidden_size=24, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                vocab_size=1000, head_dim=12, rope_parameters={"rope_type": "default", "mrope_section": [2, 2, 2], "rope_theta": 10000.0})
+    torch.manual_seed(0)
+    config = t.Qwen3VLConfig(vision_config=vision, text_config=text, image_token_id=999, video_token_id=998, vision_start_token_id=997)
+    folder = tmp_path / "qwen3"
+    t.Qwen3VLForConditionalGeneration(config).save_pretrained(folder)
+    t.Qwen2VLImageProcessorPil(min_pixels=32 * 32, max_pixels=32 * 32 * 30, patch_size=16, merge_size=2).save_pretrained(folder)
+    files = [path for path in folder.iterdir() if path.name in ("config.json", "model.safetensors", "preprocessor_config.json")]
+    app = open_app("views/pipeline.py")
+    uploader(app, "checkpoint_upload").set_value([(path.name, path.read_bytes(), "application/octet-stream") for path in files]).run()
+    assert not app.exception and errors(app) == []
+    (sentence,) = [text.value for text in app.markdown if "through its patch merger" in text.value]
+    assert "DeepStack: the outputs of layers 0, 1 go through mergers of their own too" in sentence
+    for page in ("views/attention.py", "views/inside.py"):
+        app.switch_page(page).run()
+        assert not app.exception and errors(app) == [], page
+        assert not any("windows of" in caption.value for caption in app.caption)  # every layer attends everywhere

@@ -1,7 +1,7 @@
-"""Qwen2.5-VL's vision tower from the whole VLM folder transformers 5 writes (random weights, a
-tiny language model, sharded): every layer's tokens and the merger's output as transformers'
-tower computes them, on a non-square picture its own processor prepared; the explorer's truths
-on this window-attention model; a folder that does not hold one is a sentence."""
+"""Qwen2.5-VL's and Qwen3-VL's vision towers from the whole VLM folder transformers 5 writes
+(random weights, a tiny language model, sharded): every layer's tokens and the mergers' outputs
+as transformers' tower computes them, on a non-square picture its own processor prepared; the
+explorer's truths on the window-attention model; a folder that does not hold one is a sentence."""
 from __future__ import annotations
 
 import json
@@ -199,4 +199,52 @@ def test_a_qwen_folder_that_cannot_be_read_is_a_sentence(qwen, tmp_path):
         (folder / shard).write_bytes((source / shard).read_bytes())
     (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": language}))
     assert "no vision tower" in refusal()
-    assert "deepstack" in refusal({**config, "model_type": "qwen3_vl"})
+    assert "QuickGELU" in refusal({**config, "model_type": "qwen2_vl"})
+
+
+def test_the_qwen3_tower_matches_transformers_with_its_positions_and_deepstack(tmp_path):
+    """Qwen3-VL: patches of 16 with a bias, a learned 6 x 6 grid of positions stretched (bilinear,
+    corners) over the picture's 8 x 12, LayerNorm and GELU-tanh blocks, every layer attending
+    everywhere, a LayerNorm merger and two DeepStack mergers (blocks 0 and 1)."""
+    t = transformers
+    vision = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=24, num_position_embeddings=36,
+                  deepstack_visual_indexes=[0, 1], patch_size=16, spatial_merge_size=2, temporal_patch_size=2)
+    config = t.Qwen3VLConfig(vision_config=vision, text_config={**TEXT, "head_dim": 12}, image_token_id=999,
+                             video_token_id=998, vision_start_token_id=997)
+    torch.manual_seed(0)
+    reference = t.Qwen3VLForConditionalGeneration(config).eval()
+    with torch.no_grad():  # positions and scores large enough that a wrong stretch, order or norm shows
+        for name, parameter in reference.model.visual.named_parameters():
+            if name.endswith("qkv.weight"):
+                parameter.mul_(6)
+            if "norm" in name and name.endswith("weight"):
+                parameter.copy_(1 + 0.5 * torch.randn_like(parameter))
+            if name == "pos_embed.weight":
+                parameter.normal_()
+    folder = tmp_path / "qwen3_vl"
+    reference.save_pretrained(folder, max_shard_size="20KB")
+    processor = t.Qwen2VLImageProcessorPil(min_pixels=32 * 32, max_pixels=32 * 32 * 30, patch_size=16, merge_size=2,
+                                           image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    processor.save_pretrained(folder)
+    picture = (torch.rand(128, 192, 3, generator=torch.Generator().manual_seed(0)) * 255).to(torch.uint8).numpy()
+    prepared = processor(images=picture, return_tensors="pt")
+    pixel_values, grid_thw = prepared["pixel_values"], prepared["image_grid_thw"]
+    assert grid_thw.tolist() == [[1, 8, 12]]
+    x = rearrange(pixel_values, "(h w m1 m2) (c t p1 p2) -> t c (h m1 p1) (w m2 p2)", h=4, w=6, m1=2, m2=2, c=3, t=2, p1=16)[:1]
+    model = vx.load_model(folder, image_size=(128, 192))
+    with torch.no_grad():
+        expected = reference.model.visual(pixel_values, grid_thw=grid_thw, output_hidden_states=True)
+        captured = vx.capture(model, x)
+        merged, deepstack = model.merged(captured.tokens[:, -1], captured.grid_size), model.deepstack(captured.tokens, captured.grid_size)
+    # No windows: the tower's order is only the 2 x 2 merge units, row-major.
+    unit, within = torch.arange(96) // 4, torch.arange(96) % 4
+    order = (unit // 6 * 2 + within // 2) * 12 + unit % 6 * 2 + within % 2
+    torch.testing.assert_close(captured.tokens[0], torch.stack(expected.hidden_states)[:, torch.argsort(order)], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(merged[0], expected.pooler_output, atol=1e-4, rtol=1e-4)
+    assert len(deepstack) == 2
+    for ours, theirs in zip(deepstack, expected.deepstack_features):
+        torch.testing.assert_close(ours[0], theirs, atol=1e-4, rtol=1e-4)
+    assert model.config.pixel_budget == (32 * 32, 32 * 32 * 30) and model.config.mean == (0.5, 0.5, 0.5)
+    knock_out = vx.KnockOut(heads={1: (1,)})
+    torch.testing.assert_close(vx.capture(model, x, knock_out=knock_out, intact=captured).tokens,
+                               vx.capture(model, x, knock_out=knock_out).tokens, atol=1e-5, rtol=1e-5)

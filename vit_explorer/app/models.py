@@ -333,12 +333,19 @@ def language_model_reads(config, grid_size: tuple[int, int]) -> tuple[str, str] 
             f" its patch merger, which normalises each token (RMSNorm), joins every {merge} x {merge} square of"
             f" neighbouring patches into one vector of {merge**2} x {config.embed_dim} numbers and maps it with"
             f" an MLP to the language model's {config.merger_dim}: {merged_h} x {merged_w} = {merged_h * merged_w:,}"
-            " image tokens, which stand beside the words of the prompt. Nothing here is a prediction: the tower"
-            " describes, the language model answers."
+            " image tokens, which stand beside the words of the prompt."
+            + (
+                f" DeepStack: the outputs of layers {', '.join(str(layer) for layer in config.deepstack_layers)} go"
+                " through mergers of their own too, and the language model adds those tokens into its first"
+                f" {len(config.deepstack_layers)} layers." if config.deepstack_layers else ""
+            )
+            + " Nothing here is a prediction: the tower describes, the language model answers."
         )
         shapes = (
             f"({patches}, {config.embed_dim}) -> join {merge}x{merge} -> ({merged_h * merged_w}, {merge**2 * config.embed_dim})"
             f" -> merger MLP -> ({merged_h * merged_w}, {config.merger_dim}) -> the language model"
+            + (f"; layers {', '.join(str(layer) for layer in config.deepstack_layers)} likewise (DeepStack)"
+               if config.deepstack_layers else "")
         )
         return sentence, shapes
     dropped = config.language_model_drops_class_token and config.class_token

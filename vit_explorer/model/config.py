@@ -27,7 +27,11 @@ ACTIVATIONS = ("gelu", "gelu_tanh", "quick_gelu")  # the MLP activations ViTConf
 # "axial" is Qwen-VL's tower's (transformers' rope_type): EVA-02's patch indices and frequencies,
 # DINOv3's rotate-half layout.
 ROPE_TEMPERATURES = {"dinov3": 100.0, "cat": 10000.0, "axial": 10000.0}
-NORM_LAYERS = ("layernorm", "rmsnorm")  # ViTConfig.norm_layer: RMSNorm (no centring, no bias) for Qwen-VL
+NORM_LAYERS = ("layernorm", "rmsnorm")
+# How position embeddings are resampled to another grid (ViTConfig.pos_embed_interpolation): timm's
+# bicubic with antialiasing, or Qwen3-VL's bilinear with align_corners (its learned 48 x 48 grid
+# stretched corner to corner over each picture's).
+POS_EMBED_INTERPOLATIONS = ("bicubic", "bilinear_corners")  # ViTConfig.norm_layer: RMSNorm (no centring, no bias) for Qwen-VL
 ROPE_PERIODS_DTYPES = ("float32", "bfloat16")
 
 
@@ -168,6 +172,10 @@ class ViTConfig(_JsonConfig):
     # Qwen-VL's preprocessing: (min, max) pixels a picture is resized to, at multiples of
     # patch_size * spatial_merge_size and its aspect ratio kept; None: resized to image_size.
     pixel_budget: tuple[int, int] | None = None
+    pos_embed_interpolation: str = "bicubic"  # one of POS_EMBED_INTERPOLATIONS
+    # Qwen3-VL's DeepStack: the tokens leaving these blocks each go through a merger of their own
+    # (its norm after the join), and the language model adds them into its first layers.
+    deepstack_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         # Normalise JSON lists to tuples so that configs compare and hash equal after a round trip.
@@ -178,6 +186,7 @@ class ViTConfig(_JsonConfig):
         if self.ref_feat_shape is not None:
             set_field("ref_feat_shape", _pair(self.ref_feat_shape))
         set_field("full_attention_blocks", tuple(self.full_attention_blocks))
+        set_field("deepstack_layers", tuple(self.deepstack_layers))
         if self.pixel_budget is not None:
             set_field("pixel_budget", _pair(self.pixel_budget))
         if self.class_names is not None:
@@ -267,12 +276,19 @@ class ViTConfig(_JsonConfig):
             _check_whole("attn_pool_num_heads", self.attn_pool_num_heads, 1)
             if self.embed_dim % self.attn_pool_num_heads:
                 raise ValueError(f"attn_pool_num_heads {self.attn_pool_num_heads} does not divide embed_dim {self.embed_dim}")
-        blocks = self.full_attention_blocks
-        # Not checked against depth either (build's one-block copy keeps them); the reader checks them.
-        if not isinstance(blocks, (list, tuple)) or len(blocks) > 4096:
-            raise ValueError(f"full_attention_blocks must be a list of block numbers, not {_brief(blocks)}")
-        for block in blocks:
-            _check_whole("full_attention_blocks", block, 0)
+        for name in ("full_attention_blocks", "deepstack_layers"):
+            blocks = getattr(self, name)
+            # Not checked against depth either (build's one-block copy keeps them); the reader checks them.
+            if not isinstance(blocks, (list, tuple)) or len(blocks) > 4096:
+                raise ValueError(f"{name} must be a list of block numbers, not {_brief(blocks)}")
+            for block in blocks:
+                _check_whole(name, block, 0)
+        if self.deepstack_layers and not self.merger_dim:
+            raise ValueError("deepstack_layers need a patch merger (merger_dim)")
+        if self.pos_embed_interpolation not in POS_EMBED_INTERPOLATIONS:
+            raise ValueError(
+                f"pos_embed_interpolation must be one of {', '.join(POS_EMBED_INTERPOLATIONS)}, not {_brief(self.pos_embed_interpolation)}"
+            )
         budget = self.pixel_budget
         if budget is not None:
             if not isinstance(budget, (list, tuple)) or len(budget) != 2:

@@ -102,8 +102,10 @@ def resample_pos_embed(
     old_grid: tuple[int, int],
     new_grid: tuple[int, int],
     num_prefix_tokens: int,
+    mode: str = "bicubic",
 ) -> torch.Tensor:
-    """Bicubically resample (1, prefix + gh*gw, D) position embeddings to a new grid; differentiable.
+    """Resample (1, prefix + gh*gw, D) position embeddings to a new grid; differentiable. ``mode``
+    "bicubic" (timm's, antialiased) or "bilinear_corners" (Qwen3-VL's: bilinear, align_corners).
 
     The prefix tokens' embeddings are kept as they are; an unchanged grid returns the input.
     """
@@ -111,7 +113,10 @@ def resample_pos_embed(
         return pos_embed
     prefix, grid = pos_embed[:, :num_prefix_tokens], pos_embed[:, num_prefix_tokens:]
     grid = rearrange(grid.float(), "1 (gh gw) d -> 1 d gh gw", gh=old_grid[0])
-    grid = F.interpolate(grid, size=tuple(new_grid), mode="bicubic", align_corners=False, antialias=True)
+    if mode == "bilinear_corners":
+        grid = F.interpolate(grid, size=tuple(new_grid), mode="bilinear", align_corners=True)
+    else:
+        grid = F.interpolate(grid, size=tuple(new_grid), mode="bicubic", align_corners=False, antialias=True)
     grid = rearrange(grid, "1 d gh gw -> 1 (gh gw) d").to(pos_embed.dtype)
     return torch.cat([prefix, grid], dim=1)
 
@@ -501,13 +506,15 @@ class PatchMerger(nn.Module):
     """Qwen-VL's patch merger (transformers' Qwen2_5_VLPatchMerger, its names): each m x m square of
     neighbouring patch tokens (m = spatial_merge_size) is normed (ln_q), its m^2 tokens joined
     row by row into one vector of m^2 D numbers, and an MLP (Linear, GELU, Linear) maps that to
-    the merger_dim numbers of one token of the language model."""
+    the merger_dim numbers of one token of the language model. ``postshuffle``: the norm comes
+    after the join, over the m^2 D numbers (Qwen3-VL's DeepStack mergers)."""
 
-    def __init__(self, config: ViTConfig):
+    def __init__(self, config: ViTConfig, postshuffle: bool = False):
         super().__init__()
         self.merge = config.spatial_merge_size
         joined = config.embed_dim * self.merge**2
-        self.ln_q = norm_layer(config, config.embed_dim)
+        self.postshuffle = postshuffle
+        self.ln_q = norm_layer(config, joined if postshuffle else config.embed_dim)
         self.mlp = nn.Sequential(nn.Linear(joined, joined), nn.GELU(), nn.Linear(joined, config.merger_dim))
 
     def forward(self, x: torch.Tensor, grid_size: tuple[int, int]) -> torch.Tensor:
@@ -516,9 +523,10 @@ class PatchMerger(nn.Module):
         if grid_h % self.merge or grid_w % self.merge:
             raise ValueError(f"a {grid_h}x{grid_w} grid of patches cannot be merged {self.merge} x {self.merge}")
         joined = rearrange(
-            self.ln_q(x), "b (h m1 w m2) d -> b (h w) (m1 m2 d)", h=grid_h // self.merge, m1=self.merge, m2=self.merge
+            x if self.postshuffle else self.ln_q(x), "b (h m1 w m2) d -> b (h w) (m1 m2 d)",
+            h=grid_h // self.merge, m1=self.merge, m2=self.merge,
         )
-        return self.mlp(joined)
+        return self.mlp(self.ln_q(joined) if self.postshuffle else joined)
 
 
 class ViT(nn.Module):
@@ -557,6 +565,10 @@ class ViT(nn.Module):
             nn.Linear(dim, config.num_classes) if config.dist_token and config.num_classes else None
         )
         self.merger = PatchMerger(config) if config.merger_dim else None
+        self.deepstack_merger_list = (
+            nn.ModuleList(PatchMerger(config, postshuffle=True) for _ in config.deepstack_layers)
+            if config.deepstack_layers else None
+        )
         self._init_weights()
 
     def _init_weights(self) -> None:
@@ -616,11 +628,14 @@ class ViT(nn.Module):
             if token is not None
         ]
         if self.pos_embed is not None and self.config.no_embed_class:
-            x = x + resample_pos_embed(self.pos_embed, self.config.grid_size, self.grid_size(patch_size), 0)
+            x = x + resample_pos_embed(
+                self.pos_embed, self.config.grid_size, self.grid_size(patch_size), 0, self.config.pos_embed_interpolation
+            )
         x = torch.cat(prefix + [x], dim=1) if prefix else x
         if self.pos_embed is not None and not self.config.no_embed_class:
             x = x + resample_pos_embed(
-                self.pos_embed, self.config.grid_size, self.grid_size(patch_size), self.num_prefix_tokens
+                self.pos_embed, self.config.grid_size, self.grid_size(patch_size), self.num_prefix_tokens,
+                self.config.pos_embed_interpolation,
             )
         return self.pos_drop(x)  # (B, N, D)
 
@@ -697,3 +712,12 @@ class ViT(nn.Module):
         if self.merger is None:
             raise ValueError("this model has no patch merger (only Qwen-VL's towers do)")
         return self.merger(x[:, x.shape[1] - math.prod(grid_size or self.config.grid_size):], grid_size or self.config.grid_size)
+
+    def deepstack(self, tokens: torch.Tensor, grid_size: tuple[int, int] | None = None) -> list[torch.Tensor]:
+        """A capture's tokens (B, depth + 1, N, D) -> Qwen3-VL's DeepStack features, one (B, gh/m *
+        gw/m, merger_dim) per layer of config.deepstack_layers: that block's output through its own merger."""
+        grid_size = grid_size or self.config.grid_size
+        return [
+            merger(tokens[:, layer + 1, tokens.shape[2] - math.prod(grid_size):], grid_size)
+            for layer, merger in zip(self.config.deepstack_layers, self.deepstack_merger_list or ())
+        ]
