@@ -248,3 +248,10 @@ def test_the_qwen3_tower_matches_transformers_with_its_positions_and_deepstack(t
     knock_out = vx.KnockOut(heads={1: (1,)})
     torch.testing.assert_close(vx.capture(model, x, knock_out=knock_out, intact=captured).tokens,
                                vx.capture(model, x, knock_out=knock_out).tokens, atol=1e-5, rtol=1e-5)
+    # A config claiming a million positions a side, or DeepStack from a block it does not have: a sentence.
+    saved = json.loads((folder / "config.json").read_text())
+    for vision_changes, words in [({"num_position_embeddings": 10**12}, "num_position_embeddings"),
+                                  ({"deepstack_visual_indexes": [0, 5]}, "not blocks of its 3")]:
+        (folder / "config.json").write_text(json.dumps({**saved, "vision_config": {**saved["vision_config"], **vision_changes}}))
+        with pytest.raises(vx.CheckpointError, match=words):
+            vx.load_model(folder)

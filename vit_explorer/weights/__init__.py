@@ -12,7 +12,7 @@ is read.
                          each source's state dict renamed to ours, with what the shapes cannot tell
     from_open_clip.py    open_clip's folders (CLIP, SigLIP): the image tower of both, its projection apart
     from_vlm.py, from_qwen_vl.py
-                         a VLM folder's vision tower (LLaVA, PaliGemma, Gemma 3; Qwen2.5-VL's windowed one)
+                         a VLM folder's vision tower (LLaVA, PaliGemma, Gemma 3; Qwen2.5-VL's and Qwen3-VL's)
     from_huggingface_text.py
                          a Hugging Face CLIP / SigLIP folder's text tower under open_clip's names,
                          its text_cfg from config.json, the image projection (vit_explorer.text)
@@ -79,7 +79,7 @@ def load_model(path: str | os.PathLike, **overrides) -> ViT:
                 f"{path} is a folder but not a Hugging Face model (no config.json)"
             )
         hf_config = from_huggingface.read_config(path, path.name)
-        if from_qwen_vl.recognises(hf_config):  # Qwen2.5-VL's windowed tower and its merger
+        if from_qwen_vl.recognises(hf_config):  # Qwen2.5-VL's windowed tower, Qwen3-VL's; their mergers
             converted, known = from_qwen_vl.read(path, hf_config, path.name)
             return _model_from_state(converted, known, overrides, path.name)
         if from_vlm.is_vlm(hf_config):  # a VLM's folder: its vision tower alone
