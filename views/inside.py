@@ -69,7 +69,8 @@ dim, head_dim, hidden = config.embed_dim, steps.head_dim, steps.mlp_hidden.shape
 query_patch = None if query == CLASS_QUERY else query
 activation = inside.activation_name(config)
 figs = selection.memo("inside figures", layer, head, query, compute=lambda: figures.inside_layer_figures(
-    image, steps, result.grid_size, labels, head, token, query_patch, activation
+    image, steps, result.grid_size, labels, head, token, query_patch, activation,
+    "RMSNorm" if config.norm_layer == "rmsnorm" else "LayerNorm",
 ))
 
 rms_norm = config.norm_layer == "rmsnorm"  # Qwen-VL: RMSNorm, no centring and no shift

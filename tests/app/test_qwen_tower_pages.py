@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from apptest import decoded, errors, open_app, uploader
+from apptest import decoded, errors, figure_titles, open_app, uploader
 
 PAGES = sorted(f"views/{path.name}" for path in (Path(__file__).resolve().parents[2] / "views").glob("*.py"))
 
@@ -62,6 +62,12 @@ def test_a_qwen_tower_sizes_the_picture_draws_its_windows_and_reads_through_its_
     for page in PAGES:
         app.switch_page(page).run()
         assert not app.exception and errors(app) == [], page
+    app.switch_page("views/inside.py").run()  # its norm is RMSNorm, and the softmax runs within the window
+    assert any("RMSNorm" in expander.label for expander in app.expander)
+    assert any("before and after RMSNorm" in title for title in figure_titles(app))
+    assert not any("tokens of this token's window only" in caption.value for caption in app.caption)  # layer 1: full
+    app.slider(key="layer").set_value(0).run()
+    assert any("softmax runs over the 16 tokens of this token's window only" in caption.value for caption in app.caption)
 
 
 def test_a_qwen3_tower_says_what_deepstack_reads(tmp_path):

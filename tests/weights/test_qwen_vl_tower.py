@@ -13,6 +13,7 @@ from einops import rearrange
 import vit_explorer as vx
 from vit_explorer import analysis
 from vit_explorer.analysis.faithfulness import kept_outputs
+from vit_explorer.model.internals import rescaled_attention
 from vit_explorer.model.windows import window_ids
 from vit_explorer.weights import from_qwen_vl
 
@@ -138,6 +139,9 @@ def test_window_attention_truths(qwen):
     torch.testing.assert_close(entropies, analysis.head_entropies(again), atol=1e-4, rtol=1e-4)
     one = vx.layer_internals(model, intact.tokens[:, 0], 0, queries=[30], grid_size=intact.grid_size)  # one patch's row
     torch.testing.assert_close(one.attention[:, :, 0], attentions[:, 0, :, 30], atol=1e-5, rtol=1e-5)
+    whole = vx.layer_internals(model, intact.tokens[:, 0], 0, grid_size=intact.grid_size)
+    for steps in (one, whole):  # the Inside page's temperature sweep keeps the window: at the model's scale, the row itself
+        torch.testing.assert_close(rescaled_attention(steps, 1, 30, steps.scale), attentions[0, 0, 1, 30], atol=1e-5, rtol=1e-5)
     knock_out = vx.KnockOut(heads={1: (0,)}, mlp=(2,))
     whole = vx.capture(model, x, knock_out=knock_out)
     resumed = vx.capture(model, x, knock_out=knock_out, intact=intact)

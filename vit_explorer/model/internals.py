@@ -129,7 +129,8 @@ class LayerInternals:
         return cls(
             layer=layer, scale=float(block.attn.scale), norm_eps=float(block.norm1.eps),
             layer_scale1=gamma(block.ls1), layer_scale2=gamma(block.ls2), queries=queries,
-            **{name: states[name] for name in cls.__dataclass_fields__ if name in states},
+            **{name: states[name] for name in cls.__dataclass_fields__ if name in states and name != "window"},
+            window=None if "window" not in states else states["window"] != 0,  # recorded as float32, as every state
         )
 
 
