@@ -7,11 +7,17 @@ same run (ratios), and whole runs in seconds on this machine.
   shape (encode, TopK, decode, MSE, Adam), interleaved on the same tokens (goal <= 1.0: as fast);
 - page: a latent's gallery from the index (goal <= 0.2 s), a latent's map on a captured image and a
   steered pass resumed from the capture, in forwards of the model (goals 0 and <= 1);
+- effects: the latents that matter for one image's prediction (features.effects: forward and
+  backward from the dictionary's layer, the top latents removed in one batch), in forwards counted
+  from the blocks run (a backward as two forwards) and in seconds against one plain forward of the
+  same image, on the shipped model and a random ViT-B/16 with a random dictionary on layer 8
+  (goal <= 3 forwards);
 - the shipped model: a run over 50,000 tokens, in seconds (goal <= 120 s on the 2-core CPU);
 - --vit-b16: a random ViT-B/16's layer 8 over --images images (16x width, k = 32) as one run, in
   minutes (goal <= 30 for 1,000 images on the 2-core CPU); long, so not by default.
 
     python -m bench.sae [--rounds 7]
+    python -m bench.sae --effects      # the latent effects only
     python -m bench.sae --vit-b16 --images 1000
 """
 from __future__ import annotations
@@ -26,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 import vit_explorer as vx
+from vit_explorer.features import effects
 from vit_explorer.features.index import load_index
 from vit_explorer.features.sae import SAEConfig, SparseAutoencoder, load_sae, top_k
 from vit_explorer.features.tokens import ImageSource, layer_tokens, model_input
@@ -128,6 +135,55 @@ def page_costs(rounds: int) -> tuple[float, float, float]:
             median_seconds(steered, rounds) / forward)
 
 
+def effect_costs(model: vx.ViT, sae: SparseAutoencoder, layer: int, x: torch.Tensor, rounds: int) -> tuple[float, float, int]:
+    """(forwards counted, seconds / one plain forward, removals checked) of one image's latent
+    effects from its capture, as the Features page computes them."""
+    import vit_explorer.model.patching as patching
+
+    tokens = vx.capture(model, x).tokens[:, layer + 1]
+    blocks, depth = [0.0], model.config.depth
+    block_forward, rows_forward = vx.model.vit.Block.forward, patching._last_block_rows
+
+    def counted_block(block, x, *args, **kwargs):
+        blocks[0] += x.shape[0]
+        return block_forward(block, x, *args, **kwargs)
+
+    def counted_rows(model, x, *args, **kwargs):
+        blocks[0] += x.shape[0] * patching.ROWS_SHARE
+        return rows_forward(model, x, *args, **kwargs)
+
+    vx.model.vit.Block.forward, patching._last_block_rows = counted_block, counted_rows
+    try:
+        found = effects.latent_effects(model, sae, layer, tokens)
+    finally:
+        vx.model.vit.Block.forward, patching._last_block_rows = block_forward, rows_forward
+    # The first pass (forward, then its backward: about two forwards more) and the batch of removals.
+    checks = len(found.real)
+    tail = blocks[0] / (1 + checks) / depth  # the blocks above the layer, per image: run once, then per removal
+    counted = (1 + effects.BACKWARD_FORWARDS + checks) * tail
+
+    def plain():
+        with torch.inference_mode():
+            model(x)
+
+    ours, reference = interleaved(lambda: effects.latent_effects(model, sae, layer, tokens), plain, rounds)
+    return counted, ours / reference, checks
+
+
+def print_effect_costs(shipped: vx.ViT, big: vx.ViT, rounds: int) -> None:
+    sae, card = load_sae(SHIPPED_SAE, shipped)
+    image, _ = vx.shapes_sample(0, shipped.config.img_size)  # a circle, 61% sure: not saturated
+    torch.manual_seed(0)
+    random_sae = SparseAutoencoder(SAEConfig(768, 16 * 768, 32)).eval()
+    for name, model, dictionary, layer, x in (
+        ("shipped model, layer 2", shipped, sae, card["layer"], vx.preprocess(image, shipped.config)),
+        ("ViT-B/16, layer 8, 12,288 latents", big, random_sae, 8, torch.randn(1, 3, 224, 224)),
+    ):
+        counted, ratio, checks = effect_costs(model, dictionary, layer, x, rounds)
+        print(f"latent effects of one image, {name}: {counted:.2f} forwards counted ({checks} removals checked;"
+              f" goal <= 3), {ratio:.2f}x the seconds of one plain forward")
+
+
 def run_seconds(config: SAETrainConfig, model: vx.ViT | None = None) -> tuple[float, dict]:
     start = time.perf_counter()
     done = None
@@ -141,10 +197,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--vit-b16", action="store_true", help="also a ViT-B/16 layer as one run (long)")
     parser.add_argument("--images", type=int, default=1000, help="images of the ViT-B/16 run (default 1000)")
+    parser.add_argument("--effects", action="store_true", help="only the latent effects' costs")
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU")
     shipped = vx.load_model(shipped_weights())
     big = vit_b16()
+    if args.effects:
+        print_effect_costs(shipped, big, args.rounds)
+        return
     for name, model, layer, images in (("shipped model", shipped, 2, 256), ("ViT-B/16", big, 8, 4)):
         ratio = capture_ratio(model, layer, images, args.rounds)
         print(f"capture of layer {layer}'s tokens / plain forwards, {name}: {ratio:.2f}  (goal <= 1.1)")
@@ -154,6 +214,7 @@ def main() -> None:
     gallery, latent_map, steered = page_costs(args.rounds)
     print(f"page, shipped model: a latent's gallery {gallery:.3f} s (goal <= 0.2), its map {latent_map:.2f} forwards"
           f" (goal 0: from the capture), a steered pass {steered:.2f} forwards (goal <= 1)")
+    print_effect_costs(shipped, big, args.rounds)
     with tempfile.TemporaryDirectory() as folder:
         config = SAETrainConfig(weights=str(shipped_weights()), layer=2, images=782, expansion=16, k=8, epochs=1,
                                 device="cpu", out_dir=folder)  # 782 x 64 = 50,048 tokens

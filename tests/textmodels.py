@@ -181,3 +181,51 @@ def hf_siglip_folder(folder: Path, text: dict | None = None, vision: dict | None
     model.save_pretrained(str(folder))
     make_tokenizer(folder)
     return model
+
+
+def planted_clip(image_size: int = 32, patch_size: int = 8):
+    """A CLIP whose words see one thing: a patch is 'object' (channel 0 lit) or 'background'
+    (channel 1 lit), each embedded along its own axis; one layer whose values are the normed
+    tokens, no learned mixing, the image embedding the pooled token itself. Returns the model
+    and the unit embeddings of the texts 'object' and 'background': where a lone object (or
+    background) patch points, so that each patch's cosine with its own kind's text is 1."""
+    import vit_explorer as vx
+    from vit_explorer.text.towers import ImageTextModel
+
+    config = vx.ViTConfig(image_size=image_size, patch_size=patch_size, embed_dim=8, depth=1, num_heads=1,
+                          num_classes=0, mean=(0.0,) * 3, std=(1.0,) * 3)
+    vit = vx.ViT(config).eval()
+    with torch.no_grad():
+        for parameter in vit.parameters():
+            parameter.zero_()
+        vit.patch_embed.proj.weight[0, 0] = 1 / patch_size**2  # axis 0: the object channel's mean
+        vit.patch_embed.proj.weight[1, 1] = 1 / patch_size**2  # axis 1: the background channel's mean
+        dim = config.embed_dim
+        vit.blocks[0].norm1.weight.fill_(1)
+        vit.blocks[0].attn.qkv.weight[2 * dim:].copy_(torch.eye(dim))  # v = the normed token
+        vit.blocks[0].attn.proj.weight.copy_(torch.eye(dim))
+        vit.norm.weight.fill_(1)
+    model = ImageTextModel(
+        image=vit, image_projection=torch.eye(dim), text=None, tokenizer=None,
+        context_length=0, scoring="softmax", logit_scale=1.0, logit_bias=0.0,
+    )
+    texts = []
+    with torch.no_grad():
+        for channel in (0, 1):
+            lone = torch.zeros(1, 3, image_size, image_size)
+            lone[:, channel] = 1.0
+            texts.append(model.project_image(vit(lone))[0])
+    return model, texts[0], texts[1]
+
+
+def planted_picture(height: int, width: int, object_box: tuple[int, int, int, int]):
+    """An RGB PIL picture: green (background) everywhere, red (object) in ``object_box`` (top,
+    bottom, left, right)."""
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.zeros((height, width, 3), dtype=np.uint8)
+    pixels[..., 1] = 255
+    top, bottom, left, right = object_box
+    pixels[top:bottom, left:right] = (255, 0, 0)
+    return Image.fromarray(pixels)

@@ -2,7 +2,7 @@
 import streamlit as st
 
 from vit_explorer import analysis, figures
-from vit_explorer.app import costs, faithfulness, jobs, models, session, word_maps, words
+from vit_explorer.app import costs, faithfulness, jobs, models, session, word_maps, word_segments, words
 from vit_explorer.app.selection import prediction_caveats
 from vit_explorer.text import LabelError
 
@@ -33,6 +33,41 @@ def query_label(query: int) -> str:
         return "attention-pool probe"
     row, col = divmod(query, grid_w)
     return f"patch {query} (row {row}, col {col})"
+
+
+def segment_by_words(prompts: tuple[str, ...], method: str, proxy_key: str | None) -> None:
+    """The Segment view of "Ask in words": every pixel labelled by its best prompt, the mask to download."""
+    st.markdown("**Segment by words**")
+    st.write(
+        "Every pixel of the picture takes the prompt its patch is most like, the maps up-sampled to the picture as"
+        " the training-free segmentation papers do (SCLIP, NACLIP): the cosines times 40 through a softmax over the"
+        " prompts, and a pixel whose best prompt's probability is below the threshold left to the background."
+    )
+    threshold_column, pamr_column = st.columns(2)
+    threshold = threshold_column.slider(
+        "Background below this probability", 0.0, 1.0, step=0.05,
+        help="0: every pixel takes a prompt. The papers use 0.1 on VOC, with the background named by a list of words.",
+        **session.keep("segment_threshold", 0.0, lambda value: 0.0 <= value <= 1.0),
+    )
+    pamr = pamr_column.toggle(
+        "Refine along the picture's edges (PAMR)",
+        help="Each pixel's scores replaced, ten times over, by its neighbours' of a like colour (Araslanov & Roth 2020).",
+        **session.keep("segment_pamr", False),
+    )
+    labels = word_segments.segmentation(selection, prompts, threshold, pamr, method, proxy_key)
+    st.plotly_chart(selection.memo("words segmentation map", words.labels_id(prompts), method, proxy_key, threshold, pamr, compute=lambda: (
+        figures.segmentation_map(word_segments.picture(selection, labels.shape), labels, (word_segments.BACKGROUND, *prompts))
+    )))
+    mask_column, classes_column = st.columns(2)
+    mask_column.download_button(
+        "Download the mask", lambda: word_segments.mask_png(labels, selection.image.size, prompts), file_name="mask.png",
+        mime="image/png", icon=":material/download:", on_click="ignore",
+        help="A PNG as large as the picture whose pixels are class indices: 0 the background, 1 the first prompt, ...",
+    )
+    classes_column.download_button(
+        "Download the class list", word_segments.class_list(prompts), file_name="classes.txt", mime="text/plain",
+        icon=":material/download:", on_click="ignore", help="One class a line: its index in the mask, a tab, its name.",
+    )
 
 
 def step_layer(delta: int) -> None:
@@ -283,9 +318,9 @@ if in_words is not None:
     st.write(
         "This model has a text tower: type what to look for, and see where in the image each prompt is."
         " Every patch is carried into the space where the model compares images with texts, and"
-        " coloured by its cosine with each prompt (MaskCLIP, Zhou et al. 2022); each patch then takes the"
-        " colour of the prompt it is most like, and the attribution traces one prompt's score back to the"
-        " patches through every layer."
+        " coloured by its cosine with each prompt, by the open-vocabulary method chosen below (each changes"
+        " the model's last block for this map only); each patch then takes the colour of the prompt it is most"
+        " like, and the attribution traces one prompt's score back to the patches through every layer."
     )
     prompts_text = st.text_input(
         "Prompts (comma-separated)", placeholder=word_maps.DEFAULT_PROMPTS,
@@ -297,38 +332,82 @@ if in_words is not None:
     except LabelError as error:
         st.warning(f"Those prompts cannot be mapped: {error}.")
         prompts, left_out = (), None
+    method = st.selectbox(
+        "Map method", list(word_maps.METHODS), format_func=word_maps.method_label, help=word_maps.methods_help(),
+        **session.keep("word_method", word_maps.DEFAULT_METHOD, lambda option: option in word_maps.METHODS),
+    )
+    proxy_key = None
+    if word_maps.METHODS[method].needs_proxy:
+        proxies = word_maps.proxy_options(selection)
+        proxy_key = st.selectbox(
+            "Proxy model (whose attention CLIP's last block borrows)", list(proxies), format_func=proxies.get,
+            help="ProxyCLIP's proxy: a model without words, a DINO as its authors use, run once on the same pixels.",
+            **session.keep("word_proxy", next(iter(proxies), None), lambda option: option in proxies),
+        )
+    similarities = None
     if prompts:
+        try:
+            similarities = word_maps.similarities(selection, prompts, method, proxy_key)
+        except (ValueError, OSError) as error:  # a method not defined for this tower, a proxy that does not load
+            st.warning(f"{word_maps.METHODS[method].label} cannot map these prompts here: {error}.")
+    if similarities is not None:
         if left_out:
             st.caption(left_out)
-        how = word_maps.how(in_words)
+        how = word_maps.how(in_words, method=method)
         prompt_scale = st.radio(
             "Colour scale of the prompts", figures.PROMPT_SCALES, horizontal=True,
             help="Shared: one colour means one cosine for every prompt, so prompts compare. Per prompt: each from"
             " its own lowest cosine to its highest, which shows where a faint prompt is.",
             **session.keep("word_scale", "shared", lambda option: option in figures.PROMPT_SCALES),
         )
-        similarities = word_maps.similarities(selection, prompts)
         prompts_id = words.labels_id(prompts)
-        st.plotly_chart(selection.memo("words similarity grid", prompts_id, prompt_scale, opacity, compute=lambda: (
+        st.plotly_chart(selection.memo("words similarity grid", prompts_id, method, prompt_scale, opacity, compute=lambda: (
             figures.similarity_grid(image, similarities, prompts, how, scale=prompt_scale, opacity=opacity)
         )))
         st.caption(
-            f"How each map is made: every patch goes along {word_maps.how(in_words, detail=True)}: the path the"
-            " model's pooling would take if it read that patch alone. The map is its cosine with the prompt's text"
-            " embedding, one small product once the image has been through the model."
+            f"How each map is made: {word_maps.how(in_words, detail=True, method=method)}. The map is its cosine with"
+            " the prompt's text embedding, one small product once the image has been through the model."
         )
         if len(prompts) > 1:
-            st.plotly_chart(selection.memo("words best prompt", prompts_id, compute=lambda: figures.best_prompt_map(
-                image, similarities, prompts,
+            st.plotly_chart(selection.memo("words best prompt", prompts_id, method, compute=lambda: figures.best_prompt_map(
+                image, similarities, prompts, how=how,
             )))
-            st.caption("Each patch takes the colour of the prompt whose cosine with it is the largest of the maps above.")
+            st.caption(
+                "Each patch takes the colour of the prompt whose cosine with it is the largest of the maps above"
+                f" ({word_maps.METHODS[method].label}'s)."
+            )
             for caveat in word_maps.best_prompt_caveats(selection, similarities, prompts):
                 st.warning(caveat)
+        segment_by_words(prompts, method, proxy_key)
         traced = st.selectbox(
             "Prompt to trace back to the patches", list(range(len(prompts))), format_func=lambda index: prompts[index],
             **session.keep("word_traced", 0, lambda index: 0 <= index < len(prompts)),
         )
-        if costs.is_quick(config, forwards=costs.attribution_forwards(config)) or st.toggle(
+        relevance_method = st.radio(
+            "Relevance", list(word_maps.RELEVANCE_METHODS), format_func=word_maps.RELEVANCE_METHODS.get, horizontal=True,
+            help="Chefer et al.: every layer's attention weighted by its gradient, rolled out. LeGrad: the gradient of"
+            " the score read at each of the last layers with respect to that layer's attention (SigLIP's pool too).",
+            **session.keep("word_relevance_method", "chefer", lambda option: option in word_maps.RELEVANCE_METHODS),
+        )
+        if relevance_method == "legrad":
+            try:
+                legrad_map = word_maps.legrad(selection, prompts, traced)
+            except ValueError as error:
+                st.warning(f"LeGrad cannot map this model: {error}.")
+            else:
+                st.plotly_chart(selection.memo("words legrad overlay", prompts_id, traced, opacity, compute=lambda: (
+                    figures.attention_overlay(
+                        image, legrad_map, opacity=opacity, value_name="relevance",
+                        title=f"Which patches made the image match '{prompts[traced]}' (LeGrad)",
+                    )
+                )))
+                st.caption(
+                    "LeGrad (Bousselham et al. 2024): the image's cosine with the prompt read at each of the last two"
+                    " layers, the positive part of its gradient with respect to that layer's attention map (SigLIP: its"
+                    " attention pool's, less what an empty prompt lights up), averaged over heads and queries, summed."
+                    " It costs the last two blocks forward and backward, from the pass the page has made."
+                )
+        elif costs.is_quick(config, forwards=costs.attribution_forwards(config)) or st.toggle(
             "Compute the relevance of the prompt", help="One forward and one backward pass per prompt.",
             **session.keep("word_relevance_on", False),
         ):

@@ -1,10 +1,11 @@
 """Features: what a layer represents, through a sparse autoencoder trained on its tokens: a patch's
-latents, a latent's map and its top patches over the training images, and the model run again
-with one latent steered."""
+latents, a latent's map and its top patches over the training images, the latents that matter for
+this prediction, and the model run again with one latent steered (the change shown as a difference)."""
 import streamlit as st
 
 from vit_explorer import analysis, figures
 from vit_explorer.app import features, models, session
+from vit_explorer.features.effects import points_text, score_change
 from vit_explorer.features.sae import SAEError
 from vit_explorer.model import ablation
 
@@ -67,6 +68,60 @@ st.plotly_chart(selection.memo("sae explained map", chosen.key, compute=lambda: 
 )))
 
 
+TOP_EFFECTS = 8  # the latents listed as mattering most
+
+
+def effect_clicked() -> None:
+    points = state["features_effects_click"].selection.points
+    if points:
+        session.set_kept("features_latent", int(points[0]["customdata"]))
+
+
+def latents_that_matter():
+    """The latents whose removal would change this prediction most: estimated for every latent,
+    the top few really removed. Returns the effects (their order starts the steering)."""
+    found = features.latent_effects(selection, chosen)
+    st.subheader("Latents that matter for this prediction")
+    if found.target is None:
+        what = "the pooled output's length along its own direction (the model has no classifier)"
+    elif found.label is not None:
+        what = f"the score of the label **{found.label}** ({100 * found.probability:.2f}%, the best of the labels)"
+    else:
+        names = selection.class_names()
+        what = f"the probability of **{names[found.target]}** ({100 * found.probability:.2f}%)"
+    st.write(
+        f"Each latent's effect on {what} if it were removed from layer {layer}'s tokens: estimated for every"
+        " latent at once (its activation times the gradient of the prediction, with what the dictionary does not"
+        f" explain kept in the tokens), and for the top {len(found.real)} measured by really removing it."
+        " Click a bar to steer that latent."
+    )
+    top = found.top(TOP_EFFECTS)
+    if not top:
+        st.info("No latent fires on this image's tokens: the dictionary writes them as its bias alone.")
+        return found
+    estimated = [found.points(float(found.estimates[latent])) for latent in top]
+    real = [found.points(found.real[latent]) if latent in found.real else float("nan") for latent in top]
+    st.plotly_chart(
+        figures.latent_effect_bars(estimated, real, top, found.unit,
+                                   f"The latents that matter most for this prediction (layer {layer})",
+                                   state.get("features_latent")),
+        key="features_effects_click", on_select=effect_clicked, selection_mode="points",
+    )
+    rows = [{
+        "latent": latent,
+        "activation (summed over tokens)": f"{float(found.activations[latent]):.3g}",
+        "estimated if removed": points_text(value, found.unit),
+        "real if removed": "not measured" if latent not in found.real else points_text(measured, found.unit),
+        **({} if found.target is not None else {"cosine removed vs intact": (
+            f"{found.cosines[latent]:.6f}" if latent in found.cosines else "")}),
+    } for latent, value, measured in zip(top, estimated, real)]
+    st.table(rows)
+    return found
+
+
+effects = latents_that_matter()
+
+
 
 def patch_clicked() -> None:
     """A new patch: its own strongest latent is shown next, not the one chosen for the last patch."""
@@ -95,7 +150,10 @@ with picker_column:
     )
 latents, values = view.top(patch)
 strongest = view.strongest()
-default_latent = latents[0] if latents else (strongest[0] if strongest else 0)
+# Until a patch is clicked, steering starts from the latent that matters most for the prediction.
+patch_chosen = "features_patch" in state or session.kept("features_patch", None) is not None
+default_latent = (latents[0] if latents and patch_chosen else effects.order[0] if effects.order
+                  else latents[0] if latents else strongest[0] if strongest else 0)
 with bars_column:
     if latents:
         st.plotly_chart(
@@ -107,7 +165,8 @@ with bars_column:
 
 latent = st.number_input(
     "Latent", 0, sae_config.width - 1, step=1,
-    help="Any latent of the dictionary; the page starts on the clicked patch's strongest.",
+    help="Any latent of the dictionary; the page starts on the one that matters most for the prediction, then on"
+    " a clicked patch's strongest.",
     **session.keep("features_latent", default_latent, lambda value: 0 <= value < sae_config.width),
 )
 st.subheader(f"Latent {latent}")
@@ -164,20 +223,60 @@ else:
     st.plotly_chart(selection.memo("steered top-k", chosen.key, latent, factor, knock_out, compute=lambda: figures.knockout_topk(
         intact.logits[0].softmax(-1), steered.logits[0].softmax(-1), selection.class_names(), what=what, changed="steered",
     )))
-if layer + 1 < config.depth:
-    shown = layer + 1
+
+
+def prediction_change(before, after, names, kind: str) -> None:
+    """The best class's (or label's) ``kind`` ("probability", "score") with the latent steered, from
+    log-scores ``before`` and ``after`` (T,); its change with enough decimals to see it, and a
+    sentence when the prediction is saturated."""
+    target, probability, change = score_change(before, after)
+    st.metric(f"{kind.capitalize()} of {names[target]} with {what}", f"{100 * probability + change:.4f}%",
+              points_text(change), help="The change in percentage points.")
+    if int(after.argmax()) != target:
+        st.write(f"The best is now **{names[int(after.argmax())]}** ({100 * float(after.max().exp()):.2f}%).")
+    if probability > features.SATURATED:
+        other = features.less_certain_sample(selection)
+        st.info(
+            f"The prediction is saturated: {names[target]} at {100 * probability:.2f}%, so steering one latent moves"
+            " it by small fractions of a point here. A less certain picture"
+            + (f", such as {other} in the sidebar's samples," if other else " (one the model is less than"
+               f" {100 * features.SATURATED:g}% sure of)") + " would show more."
+        )
+
+
+if config.num_classes:
+    prediction_change(intact.logits[0].float().log_softmax(-1), steered.logits[0].float().log_softmax(-1),
+                      selection.class_names(), "probability")
+elif effects.label is not None:
+    labels = features.label_scores(selection)[0]
+    prediction_change(labels.log_scores(intact.logits)[0], labels.log_scores(steered.logits)[0], labels.names, "score")
+
+
+def attention_change(shown: int) -> None:
+    """Layer ``shown``'s attention with the latent steered minus intact (one diverging scale centred at
+    0), then the two grids themselves."""
     prefix = intact.num_prefix_tokens
     query = "class token" if config.class_token else "mean over the patch queries"
-    intact_grid, steered_grid = selection.memo(
-        "steered head grids", chosen.key, latent, factor, knock_out, compute=lambda: figures.intact_and_knocked_heads(
-            image, analysis.query_map(selection.attention(shown), grid, prefix, class_token=config.class_token),
-            analysis.query_map(
-                features.steered_attention(selection, chosen, latent, factor, shown, knock_out), grid, prefix,
-                class_token=config.class_token,
+
+    def maps():
+        return (analysis.query_map(selection.attention(shown), grid, prefix, class_token=config.class_token),
+                analysis.query_map(features.steered_attention(selection, chosen, latent, factor, shown, knock_out), grid,
+                                   prefix, class_token=config.class_token))
+
+    difference = selection.memo("steered attention difference", chosen.key, latent, factor, knock_out, compute=lambda: (
+        figures.attention_difference_grid(image, *maps(), layer=shown, query=query, what=what)))
+    st.caption(f"Layer {shown}, the first to read the steered tokens: where each head looks more (red) or less (blue)"
+               " with the latent steered than intact.")
+    st.plotly_chart(difference)
+    with st.expander("The attention itself, steered and intact"):
+        intact_grid, steered_grid = selection.memo(
+            "steered head grids", chosen.key, latent, factor, knock_out, compute=lambda: figures.intact_and_knocked_heads(
+                image, *maps(), layer=shown, query=query, what=what,
             ),
-            layer=shown, query=query, what=what,
-        ),
-    )
-    st.caption(f"Layer {shown}, the first to read the steered tokens: its attention with the latent steered, then intact.")
-    st.plotly_chart(steered_grid)
-    st.plotly_chart(intact_grid)
+        )
+        st.plotly_chart(steered_grid)
+        st.plotly_chart(intact_grid)
+
+
+if layer + 1 < config.depth:
+    attention_change(layer + 1)

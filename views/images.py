@@ -230,17 +230,22 @@ if in_words is not None:
         "Prompt", help=f"Read as \"{word_maps.READ_AS}\", as the sidebar's labels are.",
         **session.keep("word_set_prompt", word_maps.DEFAULT_PROMPTS.split(",")[0]),
     )
+    method = st.selectbox(
+        "Map method", list(word_maps.SET_METHODS), format_func=word_maps.method_label,
+        help=word_maps.methods_help() + "  \nCLIP Surgery and ProxyCLIP need each picture itself: the Attention page maps one.",
+        **session.keep("word_method", word_maps.DEFAULT_METHOD, lambda option: option in word_maps.SET_METHODS),
+    )
     try:
         (prompt,) = word_maps.read_prompts(prompt_text.replace(",", " "), selection.model_key)[0]  # one prompt, commas and all
     except LabelError as error:
         st.warning(f"That prompt cannot be mapped: {error}.")
     else:
-        prompt_maps = word_maps.set_similarities(image_set, prompt)
-        how = word_maps.how(in_words)
-        st.plotly_chart(image_set.memo("words prompt figure", prompt, compute=lambda: figures.prompt_over_images(
+        prompt_maps = word_maps.set_similarities(image_set, prompt, method)
+        how = word_maps.how(in_words, method=method)
+        st.plotly_chart(image_set.memo("words prompt figure", prompt, method, compute=lambda: figures.prompt_over_images(
             display, prompt_maps, prompt, labels, how,
         )))
         st.caption(
-            f"Each patch goes along {word_maps.how(in_words, detail=True)}, and meets the prompt's text embedding"
-            " in a cosine: one small product per picture once the set has been read."
+            f"How each map is made: {word_maps.how(in_words, detail=True, method=method)}; the patches meet the"
+            " prompt's text embedding in a cosine: one small product per picture once the set has been read."
         )

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import vit_explorer as vx
-from vit_explorer.app import images, models, runs, session
+from vit_explorer.app import features, images, models, runs, session
+from vit_explorer.features.effects import latent_effects, points_text
 from vit_explorer.data.datasets import shapes_sample
 from vit_explorer.features.sae import load_sae
 from vit_explorer.features.steering import Steering
@@ -149,3 +150,56 @@ def test_steering_composes_with_the_knock_out_page_s_knock_out(dictionary):
                          intact=vx.capture(model, x))
     torch.testing.assert_close(resumed.logits, both.logits)
     assert not torch.allclose(both.logits, vx.capture(model, x, steering=Steering(sae, LAYER, {latent: 0.0})).logits)
+
+
+def test_the_latents_that_matter_start_the_steering_and_its_change_is_shown(dictionary, monkeypatch):
+    """The list is features.effects on the page's capture, the Latent starts on its first, the
+    steered view is a difference, and a saturated prediction names the least certain sample."""
+    model = models.base_model(models.DEFAULT_MODEL)
+    sae, _ = load_sae(dictionary.paths()["dictionary"], model)
+    image, _ = shapes_sample(int(images.DEFAULT_IMAGE.removeprefix("shapes:")), model.config.img_size)
+    intact = vx.capture(model, vx.preprocess(image, model.config))
+    # The tiny model is unsure of everything: its sidebar picture's prediction counts as saturated.
+    monkeypatch.setattr(features, "SATURATED", float(intact.logits.softmax(-1).max()) - 1e-6)
+    app = open_app(PAGE)
+    assert not app.exception and errors(app) == []
+    expected = latent_effects(model, sae, LAYER, intact.tokens[:, LAYER + 1])
+    (bars,) = [traces for title, traces in charts(app).items() if title.startswith("The latents that matter most")]
+    assert bars[0]["customdata"] == list(expected.top(8))
+    np.testing.assert_allclose(decoded(bars[0]["x"]), [expected.points(float(expected.estimates[latent]))
+                                                      for latent in expected.top(8)], rtol=1e-3, atol=1e-6)
+    latent = widget(app.number_input, "Latent").value
+    assert latent == expected.order[0]
+    assert title_matching(app, f"^Attention of the class token in layer {LAYER + 1} with latent {latent} x 0, minus intact")
+    (metric,) = [metric for metric in app.metric if metric.label.startswith("Probability of")]
+    steered = vx.capture(model, vx.preprocess(image, model.config), steering=Steering(sae, LAYER, {latent: 0.0}))
+    target = int(intact.logits.argmax())
+    assert metric.delta == points_text(expected.points(float(
+        steered.logits.log_softmax(-1)[0, target] - intact.logits.log_softmax(-1)[0, target])))
+    assert metric.delta.endswith(" pts") and metric.delta != "+0.0000 pts"
+    # The least certain built-in picture other than this one, of its kind (shapes) first.
+    sure = {index: float(vx.capture(model, vx.preprocess(shapes_sample(index, model.config.img_size)[0],
+                                                         model.config)).logits.softmax(-1).max())
+            for index in range(images.SHAPE_SAMPLES) if f"shapes:{index}" != images.DEFAULT_IMAGE}
+    least = min(sure, key=sure.get)
+    (saturated,) = [info.value for info in app.info if "saturated" in info.value]
+    assert f"Shapes #{least}: " in saturated and f"({100 * sure[least]:.1f}% sure)" in saturated
+
+
+def test_a_headless_model_s_latents_are_measured_on_its_pooled_output(tiny_default):
+    vx.save_model(tiny_model(num_classes=0, class_names=None), tiny_default)
+    dictionary = trained_dictionary(tiny_default, runs.RUNS_DIR)
+    app = open_app(PAGE)
+    assert not app.exception and errors(app) == []
+    model = models.base_model(models.DEFAULT_MODEL)
+    sae, _ = load_sae(dictionary.paths()["dictionary"], model)
+    image, _ = shapes_sample(int(images.DEFAULT_IMAGE.removeprefix("shapes:")), model.config.img_size)
+    expected = latent_effects(model, sae, LAYER, vx.capture(model, vx.preprocess(image, model.config)).tokens[:, LAYER + 1])
+    (table,) = app.table
+    shown = table.value
+    assert shown["latent"].tolist() == list(expected.top(8))
+    first = expected.order[0]
+    assert shown["cosine removed vs intact"].iloc[0] == f"{expected.cosines[first]:.6f}"
+    assert shown["real if removed"].iloc[0] == points_text(expected.points(expected.real[first]), "% of its length")
+    assert widget(app.number_input, "Latent").value == first
+    assert not [metric for metric in app.metric if metric.label.startswith("Probability of")]

@@ -93,3 +93,21 @@ def test_long_prompts_are_shortened_in_titles_and_legends():
     assert isinstance(fig, go.Figure)
     (key,) = [trace for trace in traces(fig, "scatter") if trace.showlegend]
     assert len(key.name.split(" (")[0]) <= 40 and key.name.endswith("patches)")
+
+
+def test_segmentation_map_colours_each_pixels_class_as_its_prompt_and_leaves_the_background_clear():
+    labels = np.zeros(IMAGE.shape[:2], dtype=np.uint8)
+    labels[:4, :6], labels[4:, 6:] = 1, 3
+    fig = figures.segmentation_map(IMAGE, labels, ["background", *PROMPTS], opacity=1.0)
+    assert "labelled by the prompt" in title_of(fig)
+    shown = pixels(traces(fig, "image")[0])
+    assert np.array_equal(shown[labels == 0], IMAGE[labels == 0])
+    keys = [trace for trace in traces(fig, "scatter") if trace.showlegend]
+    assert [key.name.split(" (")[0] for key in keys] == ["background", *PROMPTS]
+    assert "(25% of the pixels)" in keys[3].name and "(0% of the pixels)" in keys[2].name
+    # At full opacity a class's pixels are its prompt's colour of the best-prompt map.
+    for index in (1, 3):
+        red, green, blue = (int(part) for part in figures.words.PROMPT_COLOURS[index - 1][4:-1].split(","))
+        assert (shown[labels == index] == (red, green, blue)).all()
+    with pytest.raises(ValueError, match="one class a pixel"):
+        figures.segmentation_map(IMAGE, labels[:4], ["background", *PROMPTS])

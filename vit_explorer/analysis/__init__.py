@@ -21,6 +21,8 @@ say otherwise.
     probe.py                a probe a person labels: a logistic regression segmenting every patch
     patching.py             activation patching between a clean and a corrupted picture: exact,
                             attribution (the gradient estimate) and path patching
+    segmentation.py         each pixel's class from its names' cosines (the papers' rule), mIoU
+    pamr.py                 PAMR: class scores refined along the picture's edges
 
 The functions of the first six are importable from the package itself (``analysis.rollout``'s
 ``attention_rollout`` as ``vit_explorer.analysis.attention_rollout``), as they were when this was

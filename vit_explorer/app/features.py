@@ -1,8 +1,8 @@
 """The Features page's dictionaries: the sparse autoencoders a model has (shipped beside it, or
 trained in the app or with ``python -m vit_explorer sae`` into the runs folder), each loaded once
 for everybody with its index, and what one says about the sidebar's image: its latents per patch,
-how much of each patch it explains, a latent's top patches over the training images, and the pass
-with a latent steered.
+how much of each patch it explains, a latent's top patches over the training images, the latents
+that matter for the prediction, and the pass with a latent steered.
 
 An SAE fits a model when its card names that model's file (the same bytes) and its layer exists;
 others are left out of the picker. The files in these folders may be anyone's (a run's, or copied
@@ -25,22 +25,28 @@ import torch
 
 from .. import resources
 from ..data.datasets import DEFAULT_DATA_ROOT, DatasetError
+from ..data.images import preprocess
 from ..weights import catalogue
+from ..features import effects
 from ..features.index import LatentIndex, load_index
 from ..features.sae import (
     NotAnSAEFile, SAEConfig, SAEError, SparseAutoencoder, check_fits, check_weights, load_sae, per_token_explained,
     read_card,
 )
 from ..features.steering import Steering
+from ..text import LabelError
 from ..features.tokens import ImageSource
 from ..features.train import model_identity
 from ..model.ablation import KnockOut
 from ..model.capture import Capture, capture, layer_attention
-from . import models, runs
+from . import costs, images, models, runs, words
 from .memo import memo
 from .selection import Selection
 
 TOP_LATENTS = 10  # a patch's strongest latents shown
+# A top-1 probability above which steering can barely move the prediction (the change reads +0.00
+# pts in points of probability): the page says so and names a less certain picture.
+SATURATED = 0.995
 MAX_GALLERY_SET_BYTES = 2**30  # a stored image set a gallery reads whole (its first count images)
 
 
@@ -319,3 +325,72 @@ def steered_attention(
     return selection.memo("steered attention", chosen.key, latent, factor, layer, knock_out, compute=lambda: layer_attention(
         selection.model, steered.tokens[:, layer], layer, steered.grid_size, torch.float16,
     )[0])
+
+
+def label_scores(selection: Selection) -> tuple[effects.LabelScores | None, str | None]:
+    """A headless model's text tower's labels in force (this session's, or ImageNet's once their
+    embeddings are there: nothing drawn meanwhile) and their id; (None, None) without."""
+    model = None if selection.config.num_classes else words.words_model(selection.model_key)
+    labels = words.session_labels()
+    if model is None or not words.embeddings_kept(selection.model_key, labels):
+        return None, None
+    try:
+        texts = words.label_embeddings(selection.model_key, labels).float()
+    except LabelError:  # labels its tokenizer cannot read: the sidebar says so
+        return None, None
+    return effects.LabelScores(
+        words.label_names(labels), lambda pooled: model.logits(model.project_image(pooled), texts.to(pooled.device)),
+        model.scoring == "softmax",
+    ), words.labels_id(labels)
+
+
+def latent_effects(selection: Selection, chosen: Dictionary) -> effects.LatentEffects:
+    """Which latents matter for this image's prediction (features.effects): its class, the best of
+    the labels for a model with a text tower, else its pooled output; from the page's capture: the
+    blocks above the dictionary's layer, forward and backward, then the top few removed in one
+    batch, at most effects.EFFECT_FORWARDS forwards; once for everybody (keyed by the labels)."""
+    labels, labels_id = label_scores(selection)
+
+    def compute() -> effects.LatentEffects:
+        tokens = selection.capture().tokens[:, chosen.layer + 1]
+        return effects.latent_effects(selection.model, chosen.sae, chosen.layer, tokens, chosen.prefix_tokens,
+                                      labels=labels)
+
+    return selection.memo("sae effects", chosen.key, labels_id, compute=compute,
+                          spinner="Finding the latents that matter ...")
+
+
+def less_certain_sample(selection: Selection) -> str | None:
+    """The label of the built-in picture (other than this one) this model is least sure of, if it
+    is below SATURATED: one batched pass over the pictures, once per model and size for everybody;
+    pictures of this one's kind (shapes, photos) first. None where there is none, or where that
+    pass is not quick at this size (costs.is_quick)."""
+    options = images.sample_image_options(selection.config.img_size)
+    if selection.config.num_classes == 0 or not costs.is_quick(selection.config, len(options), timed=False):
+        return None
+
+    def compute() -> list[tuple[str, str, float]]:
+        named, inputs = [], []
+        for image_key, label in options.items():
+            try:
+                cache_key, picture = images.resolve_image(image_key, selection.config.img_size)
+                inputs.append(preprocess(picture, selection.config))
+            except (OSError, ValueError):  # a photo missing from this installation, or unreadable here
+                continue
+            named.append((cache_key, label))
+        parameter = next(selection.model.parameters())
+        with torch.no_grad():
+            batch = torch.cat(inputs).to(parameter.device, parameter.dtype)
+            top = selection.model(batch).float().softmax(-1).amax(-1)
+        return [(key, label, probability) for (key, label), probability in zip(named, top.tolist())]
+
+    sure = memo((selection.model_id, selection.patch_size, selection.config.img_size, "sample certainty"), compute)
+    kind = selection.image_key.partition(":")[0]
+    candidates = sorted(
+        (key.partition(":")[0] != kind, probability, label) for key, label, probability in sure
+        if key != selection.image_key and probability < SATURATED
+    )
+    if not candidates:
+        return None
+    _, probability, label = candidates[0]
+    return f"{label} ({100 * probability:.1f}% sure)"

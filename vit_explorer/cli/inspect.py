@@ -10,6 +10,7 @@ from typing import Any
 
 
 def add_inspect(subparsers) -> None:
+    from ..text.open_vocabulary import METHODS
     from ..training.train import DEFAULT_WEIGHTS
 
     parser = subparsers.add_parser(
@@ -56,6 +57,13 @@ def add_inspect(subparsers) -> None:
                         " over these texts (each read as 'a photo of TEXT.'), each text's dense similarity map, the"
                         " relevance map of its score and each patch's best text (the best"
                         f" {MAX_MAPPED_TEXTS} texts' maps); --tensors adds their arrays")
+    parser.add_argument("--method", choices=tuple(METHODS), default="maskclip",
+                        help="with --text: how each text's dense similarity map reads the patches, each a change of"
+                        " the last block re-run from the captured tokens: "
+                        + "; ".join(f"{name}: {entry.description}" for name, entry in METHODS.items()) + " (default: maskclip)")
+    parser.add_argument("--proxy", metavar="WEIGHTS", default=None,
+                        help="with --method proxyclip: the model whose attention CLIP's last block borrows (a DINO:"
+                        " a checkpoint or a catalogue name such as dino_vitb16), run on the same pixels")
     parser.add_argument("--faithfulness", nargs="?", const="drop", choices=("drop", "mean"), metavar="MODE",
                         help="also test every map written (the layer's attention, rollout, the attribution, the"
                         " sharpest head's mask, with --text the best text's relevance and similarity) by deletion"
@@ -83,6 +91,10 @@ MAX_MAPPED_TEXTS = 12  # texts whose maps are drawn (each relevance map costs ab
 
 def _run_inspect(args: argparse.Namespace) -> int:
     texts = None if args.text is None else _inspect_texts(args.text, args.weights)  # refused before any load
+    if args.method != "maskclip" and texts is None:
+        raise ValueError(f"--method {args.method} chooses how the maps of --text are made: give --text too")
+    if (args.method == "proxyclip") != (args.proxy is not None):
+        raise ValueError("--method proxyclip and --proxy go together: ProxyCLIP borrows the proxy's attention")
     import torch
 
     writer = _png_writer(Path(args.out)) if args.format == "png" else None  # Chromium starts meanwhile
@@ -132,7 +144,7 @@ def _inspect(args: argparse.Namespace, texts: list[str] | None, writer) -> int:
     summary, tested = _inspect_figures(figs, arrays, model, x, captured, streamed, layer, inside, args)
     score = None
     if texts is not None:
-        word_figures, word_arrays, said, word_maps, score = _inspect_words(model, args.weights, x, captured, texts)
+        word_figures, word_arrays, said, word_maps, score = _inspect_words(model, args.weights, x, captured, texts, args.method, args.proxy)
         figs.update(word_figures)
         arrays.update(word_arrays)
         tested.update(word_maps)
@@ -355,26 +367,34 @@ def _inspect_texts(given: list[str], weights: str) -> list[str]:
     return texts
 
 
-def _inspect_words(model, folder: str, x, captured, texts: list[str]):
+def _inspect_words(model, folder: str, x, captured, texts: list[str], method: str = "maskclip", proxy: str | None = None):
     """(figures, arrays for capture.npz, the line to print, the best text's relevance and
     similarity maps by name, and its score for --faithfulness: the image's cosine with it) of the
-    texts: the prediction over them, each one's dense similarity map, the relevance of its score
-    (the best MAX_MAPPED_TEXTS) and each patch's best text."""
+    texts: the prediction over them, each one's dense similarity map (by ``method``,
+    text.open_vocabulary), the relevance of its score (the best MAX_MAPPED_TEXTS) and each patch's
+    best text; ``proxy``: ProxyCLIP's proxy (a checkpoint or a catalogue name)."""
     import numpy as np
 
     from .. import analysis, figures
+    from ..model.capture import capture
     from ..text import load_image_text_model
-    from ..text import maps, zero_shot
+    from ..text import maps, open_vocabulary, proxyclip, zero_shot
+    from ..weights import catalogue, load_model, load_pretrained
 
     both = load_image_text_model(folder, image=model)
     embedded = both.embed_texts(zero_shot.label_prompts(texts))  # (T, E)
     predicted = zero_shot.predict(both, captured.logits, tuple(texts), embedded)
-    similarities = maps.similarity_maps(maps.patch_embeddings(both, captured), embedded, captured.grid_size)[0]
+    borrowed = None
+    if proxy is not None:
+        proxy_model = (load_pretrained(proxy) if proxy in catalogue.CATALOGUE else load_model(proxy)).to(x.device).eval()
+        pixels = proxyclip.proxy_input(x, model.config, proxy_model.config)
+        borrowed = proxyclip.Proxy(proxy_model, capture(proxy_model, pixels, layers=()))
+    similarities = open_vocabulary.similarity_maps(both, captured, embedded, method, borrowed)[0]
     mapped = predicted.scores.argsort(descending=True)[:MAX_MAPPED_TEXTS].tolist()  # the best first
     names = [texts[index] for index in mapped]
     relevances = {index: maps.relevance(both, x, embedded[index])[0] for index in mapped}  # (gh, gw) each
     image = analysis.display_image(x, model.config)
-    how = maps.dense_path(both)
+    how = open_vocabulary.how(both, method)
     figs = {
         "words_top5": figures.zero_shot_bar(predicted.scores, texts, predicted.scoring, k=5),
         "words_similarity": figures.similarity_grid(image, similarities[mapped], names, how),
@@ -382,15 +402,18 @@ def _inspect_words(model, folder: str, x, captured, texts: list[str]):
            for index in mapped},
     }
     if len(mapped) > 1:
-        figs["words_best_text"] = figures.best_prompt_map(image, similarities[mapped], names)
+        figs["words_best_text"] = figures.best_prompt_map(image, similarities[mapped], names, how=how)
     arrays = dict(
         text_scores=predicted.scores.numpy(), text_similarity=similarities.numpy(),
         text_relevance=np.stack([relevances[index].numpy() for index in mapped]), text_mapped=np.array(mapped),
     )
     (best, score), = predicted.top(1)
     shown = "" if len(mapped) == len(texts) else f", maps of the best {len(mapped)}"
+    label = open_vocabulary.METHODS[method].label
+    shown += "" if method == "maskclip" else f", maps by {label}"
     top = mapped[0]
-    tested = {f"relevance of '{texts[top]}'": relevances[top], f"similarity to '{texts[top]}'": similarities[top]}
+    by = "" if method == "maskclip" else f" ({label})"
+    tested = {f"relevance of '{texts[top]}'": relevances[top], f"similarity to '{texts[top]}'{by}": similarities[top]}
     scored = (maps.text_score(both, embedded[top]), f"the cosine with '{texts[top]}'")
     return figs, arrays, f"in words ({predicted.scoring} over {len(texts)} texts{shown}): {best} ({score:.1%})", tested, scored
 

@@ -8,4 +8,6 @@ steering are kept apart, as saev keeps its nn, data and browser.
     train.py      an SAE run: the loop as a generator of events, data-parallel under torchrun
     index.py      each latent's top-activating patches, how often it fires, its histogram
     steering.py   one latent scaled inside the forward pass at its layer, for one call
+    effects.py    which latents matter for one image's prediction: activation x gradient, the top
+                  few really removed
 """

@@ -16,7 +16,10 @@ from .embeddings import (
     embedding_filters_figure, position_similarity_grid, token_matrix, token_norms_figure, token_pca_image,
 )
 from .faithfulness import faithfulness_figure
-from .features import explained_map, latent_bars, latent_gallery, latent_histogram, latent_map
+from .features import (
+    attention_difference_grid, explained_map, latent_bars, latent_effect_bars, latent_gallery, latent_histogram,
+    latent_map,
+)
 from .files import FigureExportError, PngWriter, find_browser, write_figures
 from .head_types import LABEL_STYLES, head_maps_grid, head_types_grid
 from .image_set import correspondence_grid, dense_pca_grid, foreground_pca_grid, norm_outliers_grid
@@ -33,7 +36,8 @@ from .registers import attention_drawn_figure, norms_by_layer_figure, register_n
 from .rope import offset_scores_figure, rotation_angles_figure
 from .training import accuracy_by_image_size_figure, sae_curves, training_curves
 from .words import (
-    PROMPT_SCALES, best_prompt_map, prompt_over_images, relevance_overlay, similarity_grid, zero_shot_bar,
+    PROMPT_SCALES, best_prompt_map, prompt_over_images, relevance_overlay, segmentation_map, similarity_grid,
+    zero_shot_bar,
 )
 
 __all__ = [
@@ -44,7 +48,8 @@ __all__ = [
     "embedding_filters_figure", "position_similarity_grid", "token_matrix", "token_norms_figure",
     "token_pca_image",
     "faithfulness_figure",
-    "explained_map", "latent_bars", "latent_gallery", "latent_histogram", "latent_map",
+    "attention_difference_grid", "explained_map", "latent_bars", "latent_effect_bars", "latent_gallery",
+    "latent_histogram", "latent_map",
     "FigureExportError", "PngWriter", "find_browser", "write_figures",
     "LABEL_STYLES", "head_maps_grid", "head_types_grid",
     "correspondence_grid", "dense_pca_grid", "foreground_pca_grid", "norm_outliers_grid",
@@ -58,5 +63,6 @@ __all__ = [
     "attention_drawn_figure", "norms_by_layer_figure", "register_neurons_figure", "register_norms_figure",
     "offset_scores_figure", "rotation_angles_figure",
     "accuracy_by_image_size_figure", "sae_curves", "training_curves",
-    "PROMPT_SCALES", "best_prompt_map", "prompt_over_images", "relevance_overlay", "similarity_grid", "zero_shot_bar",
+    "PROMPT_SCALES", "best_prompt_map", "prompt_over_images", "relevance_overlay", "segmentation_map", "similarity_grid",
+    "zero_shot_bar",
 ]

@@ -1,6 +1,7 @@
 """Features: a sparse autoencoder's latents on an image (a patch's top latents, one latent's map, how
-much of each patch the dictionary explains) and from its index (a latent's top patches over the
-training images, its activation histogram)."""
+much of each patch the dictionary explains, the latents that matter for the prediction) and from
+its index (a latent's top patches over the training images, its activation histogram), and what
+steering one changed in the attention (steered minus intact)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -12,7 +13,7 @@ from ._base import (
     MARGIN, SIMILARITY_SCALE, VALUE_SCALE, _check_map, _float_array, _image_axis_layout, _image_trace, _on_axes,
     _patch_heatmap, _rgb_uint8, _scale, _subplots, _title, figure,
 )
-from .attention import _query_outline
+from .attention import _head_panels, _query_outline
 
 GALLERY_COLUMNS = 4
 
@@ -100,3 +101,57 @@ def latent_histogram(counts, top: float, frequency: float, title: str) -> go.Fig
         xaxis=dict(title=dict(text="activation")), yaxis=dict(title=dict(text="tokens"), type="log"),
         height=300,
     ))
+
+
+# RdBu's ends, clear at 0: red where a head looks more with the latent steered, blue less, the
+# picture itself where nothing changed (an opaque white centre would hide it).
+DIFFERENCE_SCALE = [[0.0, "rgba(5,48,97,1)"], [0.25, "rgba(67,147,195,0.8)"], [0.5, "rgba(247,247,247,0)"],
+                    [0.75, "rgba(214,96,77,0.8)"], [1.0, "rgba(103,0,31,1)"]]
+
+
+def latent_effect_bars(estimated, real, latents: Sequence[int], unit: str, title: str,
+                       chosen: int | None = None) -> go.Figure:
+    """The latents that matter most as grouped horizontal bars, most first: each one's estimated
+    change of the prediction if removed (``estimated`` (n,)) and, where measured, the real one
+    (``real`` (n,), NaN where not), in ``unit``; ``chosen`` (a latent) labelled in crimson. Click
+    a bar to steer its latent."""
+    estimated, real = _float_array(estimated).reshape(-1), _float_array(real).reshape(-1)
+    labels = [f"<span style='color:crimson'>latent {latent}</span>" if latent == chosen else f"latent {latent}"
+              for latent in latents]
+    hover = f"latent %{{customdata}}: %{{x:+.4g}} {unit}<br>click to steer it<extra>%{{fullData.name}}</extra>"
+    bars = [
+        dict(type="bar", name=name, x=values, y=labels, orientation="h", marker=dict(color=colour),
+             customdata=list(latents), hovertemplate=hover)
+        for name, values, colour in (("estimated (activation x gradient)", estimated, "#9ecae9"),
+                                      ("real (removed)", real, "#4c78a8"))
+    ]
+    return figure(bars, dict(
+        title=_title(title), margin=MARGIN, barmode="group", yaxis=dict(autorange="reversed"),
+        xaxis=dict(title=dict(text=f"change of the prediction if removed ({unit})"), zeroline=True),
+        height=140 + 44 * max(1, len(latents)), clickmode="event+select",
+        legend=dict(orientation="h", yanchor="bottom", y=1.0, x=0),
+    ))
+
+
+def attention_difference_grid(image, intact_maps, steered_maps, layer: int, query: str, what: str,
+                              columns: int = 4) -> go.Figure:
+    """Each head's attention with ``what`` steered minus intact (maps (H, gh, gw) each) over the
+    image, on one diverging scale centred at 0 (red: the head looks there more, blue: less, clear:
+    unchanged), its largest change in each panel's title."""
+    image = _rgb_uint8(image)
+    difference = _float_array(steered_maps) - _float_array(intact_maps)
+    if difference.ndim != 3:
+        raise ValueError(f"maps must be (H, gh, gw), not {difference.shape}")
+    top = float(np.abs(difference).max()) or 1e-12  # unchanged: a scale that stays white
+    overlays = [
+        _patch_heatmap(head_map, image.shape[:2], "change of attention", f"head {head}", coloraxis="coloraxis")
+        for head, head_map in enumerate(difference)
+    ]
+    largest = [float(head_map.flat[np.abs(head_map).argmax()]) for head_map in difference]
+    titles = [f"head {head}: {value:+.2g} at most" for head, value in enumerate(largest)]
+    return _head_panels(
+        image, overlays, columns, titles=titles, grid_size=difference.shape[1:],
+        title=_title(f"Attention of the {query} in layer {layer} with {what}, minus intact, per head"),
+        coloraxis=dict(colorscale=DIFFERENCE_SCALE, cmin=-top, cmax=top, cmid=0,
+                       colorbar=dict(title=dict(text="steered<br>minus intact"))),
+    )

@@ -13,6 +13,12 @@ from .predictions import _class_names
 INTACT_COLOUR, KNOCKED_COLOUR = "#9aa5b1", "#dc143c"
 
 
+def _points(delta: float) -> str:
+    """A change in points of probability that does not read 0 when it is not (a saturated
+    prediction moves by thousandths of a point)."""
+    return f"{delta:+.2f} pts" if delta == 0 or abs(delta) >= 0.005 else f"{delta:+.1e} pts"
+
+
 def knockout_topk(
     intact, knocked, class_names: Sequence[str] | None = None, k: int = 5, what: str = "", changed: str = "knocked out",
 ) -> go.Figure:
@@ -34,9 +40,9 @@ def knockout_topk(
         dict(
             type="bar", x=knocked[top], y=labels, orientation="h", name=changed,
             marker=dict(color=KNOCKED_COLOUR),
-            text=[f"{100 * p:.1f}% ({delta:+.2f} pts)" for p, delta in zip(knocked[top], change)],
+            text=[f"{100 * p:.1f}% ({_points(delta)})" for p, delta in zip(knocked[top], change)],
             textposition="auto", customdata=change,
-            hovertemplate=f"%{{y}}, {changed}: %{{x:.4f}} (%{{customdata:+.2f}} points)<extra></extra>",
+            hovertemplate=f"%{{y}}, {changed}: %{{x:.6f}} (%{{customdata:+.3g}} points)<extra></extra>",
         ),
     ], dict(
         xaxis=dict(title=dict(text="probability"), range=[0, 1]), yaxis=dict(autorange="reversed"),

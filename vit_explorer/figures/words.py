@@ -101,9 +101,12 @@ def relevance_overlay(image, relevance, prompt: str, opacity: float = 0.85) -> g
     )
 
 
-def best_prompt_map(image, similarities, prompts: Sequence[str], opacity: float = BEST_OPACITY) -> go.Figure:
+def best_prompt_map(
+    image, similarities, prompts: Sequence[str], opacity: float = BEST_OPACITY, how: str | None = None,
+) -> go.Figure:
     """Each patch coloured by the prompt whose text it is most like (the largest of the (T, gh, gw)
-    similarities), a legend naming each prompt's colour; a patch's hover says its cosine with it."""
+    similarities), a legend naming each prompt's colour; a patch's hover says its cosine with it.
+    ``how``: how the patches were carried into the texts' space, for the title."""
     image = _rgb_uint8(image)
     maps = _check_maps(similarities, prompts, "similarities")
     count = len(prompts)
@@ -131,8 +134,36 @@ def best_prompt_map(image, similarities, prompts: Sequence[str], opacity: float 
         for prompt, colour, number in zip(prompts, colours, shown)
     ]
     return figure([_image_trace(image, hover=False), cells, *keys], dict(
-        **_image_axis_layout(), title=_title("Each patch coloured by the prompt it is most like"), margin=MARGIN,
+        **_image_axis_layout(), title=_title("Each patch coloured by the prompt it is most like" + (f" ({how})" if how else "")), margin=MARGIN,
         legend=dict(title=dict(text="prompt"), itemclick=False, itemdoubleclick=False),
+    ))
+
+
+def segmentation_map(image, labels, names: Sequence[str], opacity: float = BEST_OPACITY) -> go.Figure:
+    """The picture with every pixel coloured by its class of ``labels`` (H, W), class k in the
+    colour of prompt k - 1 of the best-prompt map, class 0 (``names[0]``, the background) left
+    clear; a legend names each colour and its share of the pixels."""
+    image = _rgb_uint8(image)
+    labels = np.asarray(labels)
+    if labels.shape != image.shape[:2]:
+        raise ValueError(f"one class a pixel is needed: labels {labels.shape}, picture {image.shape[:2]}")
+    count = len(names) - 1
+    if count > len(PROMPT_COLOURS):
+        raise ValueError(f"at most {len(PROMPT_COLOURS)} classes can be told apart by colour, not {count}")
+    colours = plotly_colors.convert_colors_to_same_type(list(PROMPT_COLOURS[:count]), "rgb")[0]
+    palette = np.array([(0, 0, 0), *map(plotly_colors.unlabel_rgb, colours)], dtype=np.float64)  # (classes, 3)
+    coloured = labels > 0
+    blended = image.astype(np.float64)
+    blended[coloured] = (1 - opacity) * blended[coloured] + opacity * palette[labels[coloured]]
+    shares = np.bincount(labels.reshape(-1), minlength=count + 1) / labels.size
+    keys = [
+        dict(type="scatter", x=[None], y=[None], mode="markers", name=f"{_short(name)} ({share:.0%} of the pixels)",
+             marker=dict(size=12, symbol="square", color=colour), showlegend=True, hoverinfo="skip")
+        for name, colour, share in zip(names, ["rgba(0,0,0,0)", *PROMPT_COLOURS[:count]], shares)
+    ]
+    return figure([_image_trace(np.round(blended).astype(np.uint8), hover=False, lossless=True), *keys], dict(
+        **_image_axis_layout(), title=_title("Each pixel labelled by the prompt it is most like"), margin=MARGIN,
+        legend=dict(title=dict(text="class"), itemclick=False, itemdoubleclick=False),
     ))
 
 

@@ -7,6 +7,10 @@
                     checked before anything is allocated
     zero_shot.py    a prediction in words: ImageNet's classes with templates, or typed labels
     maps.py         where each text is: dense similarity, relevance, each patch's best prompt
+    open_vocabulary.py  the map methods (MaskCLIP, SCLIP, ClearCLIP, NACLIP): the last block
+                    changed for one call, re-run from the captured tokens
+    segmentation.py a picture segmented by words as SCLIP and NACLIP do it (windows, the
+                    papers' background rule, PAMR)
     heads.py        heads in words (TextSpan): what each late head writes, in descriptions
     descriptions.py the pool of short descriptions heads are described from
 """

@@ -168,6 +168,8 @@ def load_pretrained(name: str = "vit_b_16", progress=None) -> ViT:
         path = catalogue.download(name, progress)
     except catalogue.DownloadError as error:
         raise CheckpointError(str(error)) from None
+    if entry.vlm:  # a VLM's folder of the tower alone, read as any VLM folder is
+        return load_model(path)
     if entry.open_clip is not None:  # both towers' file: our ViT is the image tower, headless
         state, _ = from_open_clip.image_tower(from_open_clip.read_image_tensors(path / from_open_clip.WEIGHTS_FILE), name)
         return build(state, entry.vit_config(), name)

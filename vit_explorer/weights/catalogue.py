@@ -14,7 +14,9 @@ licence on its card. Whatever goes wrong is a DownloadError sentence.
 """
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import time
 import uuid
@@ -23,19 +25,22 @@ from pathlib import Path
 
 import torch
 
-from . import from_open_clip
+from . import from_open_clip, from_vlm
+from .checks import CheckpointError, read_json
 # The entries, their checks and the transfer, under the names this module has always offered.
 from .downloads import (  # noqa: F401
     DEFAULT_TIMEOUT_SECONDS, TIMEOUT_VARIABLE, DownloadError, check_hash, download_timeout, fetch, remove_abandoned,
     size_limit,
 )
 from .entries import (  # noqa: F401
-    _DINOV3, _SIGLIP_B, CATALOGUE, DINOV3_LICENCE, OPTIONAL_TOKENIZER_FILES, TOKENIZER_FILES, CatalogueEntry, entry,
+    _DINOV3, _SIGLIP_B, CATALOGUE, DINOV3_LICENCE, OPTIONAL_TOKENIZER_FILES, TIMM_FILE, TOKENIZER_FILES,
+    VLM_CONFIG_FILE, CatalogueEntry, entry,
 )
 from .entry_checks import (  # noqa: F401
-    check_file, check_open_clip_config, check_open_clip_weights, check_tokenizer_file, expected_shapes,
-    open_clip_shapes, our_names,
+    check_file, check_open_clip_config, check_open_clip_weights, check_tokenizer_file, check_vlm_config,
+    check_vlm_tower, expected_shapes, open_clip_shapes, our_names,
 )
+from .range_downloads import fetch_tensors
 
 # The Hub the timm files come from; tests point it at a server of their own on loopback.
 HUB_URL_VARIABLE = "VIT_EXPLORER_HUB_URL"
@@ -64,6 +69,8 @@ def url(name: str) -> str:
     model = _torchvision_model(name)
     if model is not None:
         return torchvision_url(model)
+    if entry(name).vlm:  # the tower's ranges of whichever shards hold it
+        return file_url(name, "").removesuffix("/resolve/main/")
     return file_url(name, entry(name).files[-1])
 
 
@@ -102,7 +109,7 @@ def cached_path(name: str) -> Path:
     model = _torchvision_model(name)
     if model is not None:
         return torchvision_path(model)
-    if entry(name).open_clip is not None:
+    if entry(name).open_clip is not None or entry(name).vlm:
         return cache_dir() / name
     return cache_dir() / f"{name}.safetensors"
 
@@ -111,7 +118,7 @@ def is_downloaded(name: str) -> bool:
     """Whether every file the entry needs is in the cache (asked by the model picker on every run:
     no import of torchvision.models or open_clip)."""
     path = cached_path(name)
-    if entry(name).open_clip is None:
+    if entry(name).open_clip is None and not entry(name).vlm:
         return path.is_file()
     return all((path / file_name).is_file() for file_name in entry(name).files)
 
@@ -146,6 +153,8 @@ def download(name: str, progress: Callable[[int, int | None], None] | None = Non
     known = entry(name)
     if known.open_clip is not None:
         return download_open_clip(name, progress)
+    if known.vlm:
+        return download_vlm_tower(name, progress)
     return fetch(
         known.title, url(name), cached_path(name), lambda path: check_file(name, path), progress,
         expected_bytes=known.size_bytes, mirror_variable=HUB_URL_VARIABLE,
@@ -210,6 +219,100 @@ def download_open_clip(name: str, progress: Callable[[int, int | None], None] | 
     # The image tower alone, which the catalogue downloaded for this entry before it took both.
     (cache / f"{name}.safetensors").unlink(missing_ok=True)
     return folder
+
+
+# A VLM's preprocessing settings, which some repositories do not have.
+VLM_PREPROCESSOR_FILE = "preprocessor_config.json"
+_SHARD_NAME = re.compile(r"[A-Za-z0-9_.-]{1,200}\.safetensors")
+
+
+def download_vlm_tower(name: str, progress: Callable[[int, int | None], None] | None = None) -> Path:
+    """A VLM entry's folder in the cache: the repository's config.json (and its
+    preprocessor_config.json where it has one) and one model.safetensors of the vision tower's
+    tensors alone, downloaded first if it is not there yet.
+
+    The shards' index (or the one weights file's header) says which files hold the tower; of
+    those only the tower's byte ranges are asked for (range_downloads.fetch_tensors), so a 7B
+    model costs its tower. Staged and checked as an open_clip entry is (the tower against the
+    entry's architecture), the weights moved into place last; ``progress`` follows the tower's bytes.
+    """
+    folder = cached_path(name)
+    if is_downloaded(name):
+        return folder
+    known = entry(name)
+    seconds = download_timeout()
+    ends = time.monotonic() + seconds
+    cache = cache_dir()
+    cache.mkdir(parents=True, exist_ok=True)
+    remove_abandoned(folder, seconds)
+    staging = cache / f".{name}.{uuid.uuid4().hex}.tmp"
+    staging.mkdir(mode=0o700)
+
+    def small(file_name: str, check: Callable[[Path], None]) -> Path:
+        return fetch(
+            known.title, file_url(name, file_name), staging / file_name, check, None,
+            expected_bytes=SMALL_FILE_DEFAULT_BYTES, mirror_variable=HUB_URL_VARIABLE, ends=ends,
+        )
+
+    try:
+        hf_config = json.loads(small(VLM_CONFIG_FILE, lambda path: check_vlm_config(name, path)).read_bytes())
+        kept = [VLM_CONFIG_FILE]
+        try:
+            small(VLM_PREPROCESSOR_FILE, lambda path: _read_json_file(name, path))
+            kept.append(VLM_PREPROCESSOR_FILE)
+        except DownloadError as error:
+            if error.status != 404:
+                raise
+        wanted = _tower_sources(name, lambda file_name, check: small(file_name, check))
+        fetch_tensors(
+            known.title, wanted, staging / TIMM_FILE, lambda path: check_vlm_tower(name, path, hf_config), progress,
+            limit_bytes=size_limit(known.size_bytes), mirror_variable=HUB_URL_VARIABLE, ends=ends,
+        )
+        folder.mkdir(parents=True, exist_ok=True)
+        for file_name in [*kept, TIMM_FILE]:  # the weights last
+            os.replace(staging / file_name, folder / file_name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return folder
+
+
+def _read_json_file(name: str, path: Path):
+    try:
+        return read_json(path, path.name, name)
+    except CheckpointError as error:
+        raise DownloadError(f"the downloaded {name} {error}") from None
+
+
+def _tower_sources(name: str, small: Callable) -> dict[str, Callable[[list[str]], list[str]]]:
+    """{the URL of each file holding part of the tower: which of its tensors to take}: from the
+    shards' index, or from the one weights file's header where the repository has no index."""
+    try:
+        index = _read_json_file(name, small(from_vlm.INDEX_FILE, lambda path: _read_json_file(name, path)))
+    except DownloadError as error:
+        if error.status != 404:
+            raise
+        return {file_url(name, TIMM_FILE): lambda names: _tower_keys(name, names)}
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(value, str) for value in weight_map.values()):
+        raise DownloadError(f"the downloaded {name} {from_vlm.INDEX_FILE} has no weight_map from tensor names to shard files")
+    by_shard: dict[str, list[str]] = {}
+    for key in _tower_keys(name, list(weight_map)):
+        shard = weight_map[key]
+        if not _SHARD_NAME.fullmatch(shard) or shard.startswith("."):
+            raise DownloadError(f"{name}'s {from_vlm.INDEX_FILE} names a shard outside its repository ({shard[:80]!r})")
+        by_shard.setdefault(shard, []).append(key)
+
+    def take(keys: list[str]) -> Callable[[list[str]], list[str]]:
+        return lambda names: keys
+
+    return {file_url(name, shard): take(keys) for shard, keys in by_shard.items()}
+
+
+def _tower_keys(name: str, names: list[str]) -> list[str]:
+    try:
+        return from_vlm.tower_keys(names, name)[1]
+    except CheckpointError as error:
+        raise DownloadError(f"could not download {name}: {error}") from None
 
 
 def download_torchvision(model: str, progress: Callable[[int, int | None], None] | None = None) -> Path:

@@ -73,7 +73,7 @@ def size_limit(expected_bytes: int) -> int:
     return expected_bytes + expected_bytes // 20 + CHUNK_BYTES
 
 
-class _Deadline:
+class Deadline:
     """Ends a download's connections at its deadline: a read blocked on a mirror that drips its
     answer (the TLS handshake, status line and headers included) then returns at once."""
 
@@ -116,7 +116,7 @@ class _Deadline:
 
         return connect
 
-    def __enter__(self) -> "_Deadline":
+    def __enter__(self) -> "Deadline":
         self._timer.start()
         return self
 
@@ -129,7 +129,7 @@ class _Deadline:
 
 
 class _WatchedHTTPHandler(urllib.request.HTTPHandler):
-    def __init__(self, deadline: _Deadline):
+    def __init__(self, deadline: Deadline):
         super().__init__()
         self._deadline = deadline
 
@@ -138,7 +138,7 @@ class _WatchedHTTPHandler(urllib.request.HTTPHandler):
 
 
 class _WatchedHTTPSHandler(urllib.request.HTTPSHandler):
-    def __init__(self, deadline: _Deadline):
+    def __init__(self, deadline: Deadline):
         super().__init__()
         self._deadline = deadline
 
@@ -200,10 +200,9 @@ def fetch(
     target.parent.mkdir(parents=True, exist_ok=True)
     remove_abandoned(target, seconds)
     temporary = target.parent / f".{target.name}.{uuid.uuid4().hex}.tmp"
-    with _Deadline(left) as deadline:
-        opener = urllib.request.build_opener(_WatchedHTTPHandler(deadline), _WatchedHTTPSHandler(deadline))
+    with Deadline(left) as deadline:
         try:
-            with opener.open(source, timeout=min(READ_TIMEOUT_SECONDS, left)) as response, \
+            with opener(deadline).open(source, timeout=min(READ_TIMEOUT_SECONDS, left)) as response, \
                     open(temporary, "wb") as file:
                 total = response.length
                 if total is not None and total > limit:
@@ -231,23 +230,33 @@ def fetch(
         except DownloadError:
             raise
         except (OSError, http.client.HTTPException) as error:
-            if deadline.passed:
-                raise DownloadError(
-                    f"{failed}: it took longer than {seconds:g} s ({TIMEOUT_VARIABLE} allows more)"
-                ) from None
-            if isinstance(error, urllib.error.HTTPError):
-                answered = DownloadError(f"could not download {title}: {source} answered {error.code} {error.reason}")
-                answered.status = error.code
-                raise answered from None
-            if isinstance(error, http.client.HTTPException):
-                raise DownloadError(f"{failed}: the server's answer was broken ({_broken_answer(error)})") from None
-            if isinstance(error, urllib.error.URLError) and isinstance(error.reason, OSError):
-                raise DownloadError(
-                    f"{failed} (no internet?): {_unreachable(error.reason)}; {mirror_variable} can name a mirror"
-                ) from None
-            if isinstance(error, TimeoutError):
-                raise DownloadError(f"{failed}: the server sent nothing for {READ_TIMEOUT_SECONDS:g} s") from None
-            raise DownloadError(f"{failed}: {_unreachable(error)}") from None
+            raise failure(error, deadline, title, source, seconds, mirror_variable) from None
         finally:
             temporary.unlink(missing_ok=True)
     return target
+
+
+def opener(deadline: Deadline) -> urllib.request.OpenerDirector:
+    """A urllib opener whose connections ``deadline`` ends."""
+    return urllib.request.build_opener(_WatchedHTTPHandler(deadline), _WatchedHTTPSHandler(deadline))
+
+
+def failure(
+    error: OSError | http.client.HTTPException, deadline: Deadline, title: str, source: str, seconds: float,
+    mirror_variable: str,
+) -> DownloadError:
+    """The sentence for a transfer of ``source`` that ended in ``error``."""
+    failed = f"could not download {title} from {source}"
+    if deadline.passed:
+        return DownloadError(f"{failed}: it took longer than {seconds:g} s ({TIMEOUT_VARIABLE} allows more)")
+    if isinstance(error, urllib.error.HTTPError):
+        answered = DownloadError(f"could not download {title}: {source} answered {error.code} {error.reason}")
+        answered.status = error.code
+        return answered
+    if isinstance(error, http.client.HTTPException):
+        return DownloadError(f"{failed}: the server's answer was broken ({_broken_answer(error)})")
+    if isinstance(error, urllib.error.URLError) and isinstance(error.reason, OSError):
+        return DownloadError(f"{failed} (no internet?): {_unreachable(error.reason)}; {mirror_variable} can name a mirror")
+    if isinstance(error, TimeoutError):
+        return DownloadError(f"{failed}: the server sent nothing for {READ_TIMEOUT_SECONDS:g} s")
+    return DownloadError(f"{failed}: {_unreachable(error)}")

@@ -27,6 +27,7 @@ DINOV3_LICENCE = "DINOv3 License (Meta), not Apache: github.com/facebookresearch
 
 # A timm repository's image tower.
 TIMM_FILE = "model.safetensors"
+VLM_CONFIG_FILE = "config.json"
 # A SigLIP's Hugging Face tokenizer beside its open_clip files (open_clip writes them with
 # save_pretrained); special_tokens_map.json is taken where the server has one.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -58,6 +59,10 @@ class CatalogueEntry:
     # the image tower alone. size_bytes is then both towers' weights.
     open_clip: str | dict | None = None
     tokenizer: bool = False  # its text tower reads the Hugging Face tokenizer of its repository
+    # A vision-language model's repository (transformers' files) of which only the vision tower is
+    # downloaded: its config and its tensors' byte ranges (weights/range_downloads.py), kept as a
+    # VLM folder of one weights file that weights/from_vlm.py reads. size_bytes: the tower's.
+    vlm: bool = False
 
     @property
     def card(self) -> str:
@@ -67,6 +72,8 @@ class CatalogueEntry:
     def files(self) -> tuple[str, ...]:
         """The files of its Hub repository that a download brings, every one needed, the weights
         last (timm entries; torchvision's is its own)."""
+        if self.vlm:
+            return (VLM_CONFIG_FILE, TIMM_FILE)
         if self.open_clip is None:
             return (TIMM_FILE,)
         tokenizer = TOKENIZER_FILES if self.tokenizer else ()
@@ -186,6 +193,22 @@ CATALOGUE: dict[str, CatalogueEntry] = {
         " SigLIP's architecture (an attention-pool probe, no class token), trained also for dense"
         " features: its patch tokens and maps are cleaner than SigLIP's.",
         config=_SIGLIP_B, open_clip="ViT-B-16-SigLIP2", tokenizer=True,
+    ),
+    # Only the vision tower of the 7B VLM's three shards is downloaded (its tensors' byte ranges).
+    "llava15_7b_tower": CatalogueEntry(
+        "LLaVA-1.5 7B's vision tower (CLIP ViT-L/14-336)", "llava-hf/llava-1.5-7b-hf", 607_014_912,
+        "OpenAI CLIP's 400 million image-text pairs; LLaVA-1.5 kept it frozen while it trained its"
+        " projector and Vicuna-7B on 1.2 million image-instruction pairs",
+        "What LLaVA-1.5 sees: its language model reads the penultimate layer's 576 patch tokens, the"
+        " class token dropped (marked on every page). CLIP's attention: noisy, with a few background"
+        " tokens that everyone reads.",
+        config=dict(
+            image_size=336, patch_size=14, num_classes=0, pre_norm=True, patch_bias=False, act_layer="quick_gelu",
+            layer_norm_eps=1e-5, mean=OPENAI_CLIP_MEAN, std=OPENAI_CLIP_STD, embed_dim=1024, depth=24, num_heads=16,
+            language_model_layer=23, language_model_drops_class_token=True,
+        ),
+        licence="MIT (OpenAI's CLIP tower; the repository's language model, under the Llama 2 licence, is not downloaded)",
+        vlm=True,
     ),
     "dinov3_vits16": CatalogueEntry(
         "DINOv3 ViT-S/16", "timm/vit_small_patch16_dinov3.lvd1689m", 86_347_776,

@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 
 from ..model.vit import ViT, from_timm_eva
-from . import from_open_clip
-from .checks import CheckpointError
+from . import from_huggingface, from_open_clip, from_vlm
+from .checks import CheckpointError, read_json
 from .downloads import DownloadError
 from .entries import entry
 
@@ -224,3 +224,45 @@ def check_tokenizer_file(name: str, file_name: str, path: Path) -> None:
     if not isinstance(content, dict) or (file_name == "tokenizer.json" and not isinstance(content.get("model"), dict)):
         raise DownloadError(f"the downloaded {name} {file_name} is not a tokenizer's {file_name}")
 
+
+
+def check_vlm_config(name: str, path: Path) -> None:
+    """Raise DownloadError unless ``path`` is the config of a VLM whose tower we read, its language
+    model reading the layer the entry says."""
+    try:
+        hf_config = read_json(path, "config.json", name)
+        if not isinstance(hf_config, dict) or not from_vlm.is_vlm(hf_config):
+            raise CheckpointError("not a vision-language model's config")
+        from_vlm.tower_config(hf_config, name)
+        reads = from_vlm.language_model_reads(hf_config, name)
+    except CheckpointError as error:
+        raise DownloadError(f"the downloaded {name} config.json is not the expected model's ({error})") from None
+    expected = {key: entry(name).config.get(key) for key in reads}
+    if reads != expected:
+        raise DownloadError(f"the downloaded {name} config.json is not the expected model's (its language model reads {reads})")
+
+
+def tower_shapes(name: str, shapes: dict[str, tuple[int, ...]], hf_config: dict) -> dict[str, tuple[int, ...]]:
+    """A VLM file's tower under our names and shapes, as the VLM's ``hf_config`` names it
+    (converted on the meta device, nothing allocated); a CheckpointError if it holds none."""
+    prefix, keys = from_vlm.tower_keys(list(shapes), name)
+    tower = from_vlm.tower_config(hf_config, name)
+    with torch.device("meta"):
+        converted, _ = from_huggingface.convert({key.removeprefix(prefix): torch.empty(shapes[key]) for key in keys}, tower, name)
+    return {key: tuple(value.shape) for key, value in converted.items()}
+
+
+def check_vlm_tower(name: str, path: Path, hf_config: dict) -> None:
+    """Raise DownloadError unless ``path`` holds exactly the vision tower the entry's architecture
+    needs."""
+    try:
+        found = _header_shapes(path)
+    except DownloadError as error:
+        raise DownloadError(f"the downloaded {name} tower is {error}") from None
+    try:
+        shapes = tower_shapes(name, found, hf_config)
+    except CheckpointError as error:
+        raise DownloadError(f"the downloaded {name} tower is not the expected model ({error})") from None
+    expected = expected_shapes(name)
+    if shapes != expected:
+        raise DownloadError(f"the downloaded {name} tower is not the expected model ({_differences(expected, shapes)})")

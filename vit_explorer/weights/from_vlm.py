@@ -38,8 +38,8 @@ VLM_UNSUPPORTED = {
     "mllama": "tiled cross-attention", "aimv2": "RMSNorm and SwiGLU",
 }
 _PREFIXES = ("vision_tower.vision_model.", "model.vision_tower.vision_model.", "model.vision_tower.", "vision_tower.")
-_INDEX = "model.safetensors.index.json"
-_SINGLE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+WEIGHTS_FILE = "model.safetensors"
 _PATCH_KEY = "embeddings.patch_embedding.weight"
 
 
@@ -103,28 +103,23 @@ def read_tower(
     shards its index names, each checked to lie inside the folder before any is opened): those
     under the first of ``prefixes`` that holds ``patch_key`` (another VLM's names: Qwen-VL's
     ``visual.``)."""
-    if os.path.lexists(folder / _INDEX):
-        index = read_json(folder_file(folder, _INDEX, _INDEX), _INDEX, name)
+    if os.path.lexists(folder / INDEX_FILE):
+        index = read_json(folder_file(folder, INDEX_FILE, INDEX_FILE), INDEX_FILE, name)
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict) or not all(isinstance(key, str) and isinstance(shard, str)
                                                        for key, shard in weight_map.items()):
-            raise CheckpointError(f"{_INDEX} in {name} has no weight_map from tensor names to shard files")
+            raise CheckpointError(f"{INDEX_FILE} in {name} has no weight_map from tensor names to shard files")
         keys = list(weight_map)
-    elif os.path.lexists(folder / _SINGLE):
+    elif os.path.lexists(folder / WEIGHTS_FILE):
         weight_map = None
-        keys = _keys(folder_file(folder, _SINGLE, _SINGLE))
+        keys = _keys(folder_file(folder, WEIGHTS_FILE, WEIGHTS_FILE))
     else:
-        raise CheckpointError(f"{name} is a vision-language model without {_SINGLE} or {_INDEX}; we read its tower from safetensors only")
-    prefix = next((prefix for prefix in prefixes if prefix + patch_key in keys), None)
-    if prefix is None:
-        raise CheckpointError(f"{name} holds no vision tower's weights (no {prefixes[-1]}*{patch_key})")
-    wanted = [key for key in keys if key.startswith(prefix)]
-    if len(wanted) > MAX_TENSORS:
-        raise CheckpointError(f"{name}'s vision tower has {len(wanted)} tensors; a ViT has fewer than {MAX_TENSORS}")
+        raise CheckpointError(f"{name} is a vision-language model without {WEIGHTS_FILE} or {INDEX_FILE}; we read its tower from safetensors only")
+    prefix, wanted = tower_keys(keys, name, prefixes, patch_key)
     shards: dict[Path, list[str]] = {}
     for key in wanted:
-        shard = _SINGLE if weight_map is None else weight_map[key]
-        shards.setdefault(folder_file(folder, shard, f"a shard named in {_INDEX}"), []).append(key)
+        shard = WEIGHTS_FILE if weight_map is None else weight_map[key]
+        shards.setdefault(folder_file(folder, shard, f"a shard named in {INDEX_FILE}"), []).append(key)
     state: dict[str, torch.Tensor] = {}
     budget = MAX_CHECKPOINT_BYTES
     for path, shard_keys in shards.items():
@@ -132,6 +127,21 @@ def read_tower(
         budget -= sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
         state.update({key.removeprefix(prefix): tensor for key, tensor in tensors.items()})
     return state
+
+
+def tower_keys(
+    keys: list[str], name: str, prefixes: tuple[str, ...] = _PREFIXES, patch_key: str = _PATCH_KEY
+) -> tuple[str, list[str]]:
+    """(the tower's prefix, the names of its tensors) among a VLM's tensor names: those under the
+    first of ``prefixes`` that holds ``patch_key``."""
+    present = set(keys)
+    prefix = next((prefix for prefix in prefixes if prefix + patch_key in present), None)
+    if prefix is None:
+        raise CheckpointError(f"{name} holds no vision tower's weights (no {prefixes[-1]}*{patch_key})")
+    wanted = [key for key in keys if key.startswith(prefix)]
+    if len(wanted) > MAX_TENSORS:
+        raise CheckpointError(f"{name}'s vision tower has {len(wanted)} tensors; a ViT has fewer than {MAX_TENSORS}")
+    return prefix, wanted
 
 
 def _keys(path: Path) -> list[str]:
