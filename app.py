@@ -158,21 +158,29 @@ with st.sidebar:
                     resampled = "interpolates the position embeddings; the rotary positions follow the new grid"
                 else:
                     resampled = "needs nothing resampled: the rotary positions follow the new grid"
-                st.caption(
-                    f"Trained at {native.img_size[0]}x{native.img_size[1]} px. Another size (not"
-                    f" necessarily square) {resampled}."
-                )
+                follows = models.preprocessing_note(native)  # Qwen-VL: the size follows the picture
+                in_use = selection.config.img_size if follows else native.img_size
+                if follows:
+                    st.caption(f"{follows} This picture: {in_use[0]}x{in_use[1]} px (height x width).")
+                    for key in ("input_height", "input_width"):  # not typed: show the picture's size
+                        if session.kept_key(key) not in state:
+                            state.pop(key, None)
+                else:
+                    st.caption(
+                        f"Trained at {native.img_size[0]}x{native.img_size[1]} px. Another size (not"
+                        f" necessarily square) {resampled}."
+                    )
                 height_column, width_column = st.columns(2)
-                step = native.patch_size
+                step = native.patch_size * native.spatial_merge_size
                 height = height_column.number_input(
-                    "Height (px)", min_value=step, step=step, **session.keep("input_height", native.img_size[0])
+                    "Height (px)", min_value=step, step=step, **session.keep("input_height", in_use[0])
                 )
                 width = width_column.number_input(
-                    "Width (px)", min_value=step, step=step, **session.keep("input_width", native.img_size[1])
+                    "Width (px)", min_value=step, step=step, **session.keep("input_width", in_use[1])
                 )
                 problem = models.image_size_problem(native, (int(height), int(width)))
                 if problem:
-                    st.error(f"{problem} Showing {native.img_size[0]}x{native.img_size[1]} px.")
+                    st.error(f"{problem} Showing {in_use[0]}x{in_use[1]} px.")
             with st.expander("Full config"):
                 st.json(selection.config.to_dict(), expanded=False)
 

@@ -147,9 +147,13 @@ if analysis.near_uniform(evenness):
         f"These heads spread their attention almost evenly over all tokens (mean entropy {evenness:.0%} of"
         " the uniform log N), as an untrained model's do, so the differences in the maps below are noise."
     )
+window = None if query == POOL_QUERY else models.query_window(config, layer, query_arg, result.grid_size)
 st.plotly_chart(selection.memo("heads grid", where, query, opacity, scale, compute=lambda: figures.attention_heads_grid(
-    image, maps, opacity=opacity, layer=where, query=query_label(query), query_patch=query_arg, scale=scale,
+    image, maps, opacity=opacity, layer=where, query=query_label(query), query_patch=query_arg, scale=scale, window=window,
 )))
+window_note = None if query == POOL_QUERY else models.window_note(config, layer, query_arg, result.grid_size)
+if window_note:  # window attention (Qwen2.5-VL)
+    st.caption(window_note)
 if query != POOL_QUERY:  # the pool's probe is no token of a layer: nothing to open inside one
     st.caption(f"How one of these heads computes its map, step by step, in layer {layer}:")
     head_columns = st.columns(min(heads, 12))

@@ -69,25 +69,39 @@ dim, head_dim, hidden = config.embed_dim, steps.head_dim, steps.mlp_hidden.shape
 query_patch = None if query == CLASS_QUERY else query
 activation = inside.activation_name(config)
 figs = selection.memo("inside figures", layer, head, query, compute=lambda: figures.inside_layer_figures(
-    image, steps, result.grid_size, labels, head, token, query_patch, activation
+    image, steps, result.grid_size, labels, head, token, query_patch, activation,
+    "RMSNorm" if config.norm_layer == "rmsnorm" else "LayerNorm",
 ))
 
-with st.expander(f"1. {name} enters layer {layer}, and LayerNorm", expanded=True):
-    st.latex(r"\mathrm{LN}(x) = \gamma \odot \frac{x - \mu}{\sqrt{\sigma^2 + \epsilon}} + \beta")
-    st.write(
+rms_norm = config.norm_layer == "rmsnorm"  # Qwen-VL: RMSNorm, no centring and no shift
+with st.expander(f"1. {name} enters layer {layer}, and {'RMSNorm' if rms_norm else 'LayerNorm'}", expanded=True):
+    entering = (
         f"x is the token's vector of {dim} numbers as it leaves "
         + (f"layer {layer - 1}" if layer else "the embedding (patch projection plus position)" if config.abs_pos_embed
            else "the embedding (the patch projection: this model adds no position to it)")
-        + ". LayerNorm subtracts its mean μ and divides by its standard deviation σ, so that every"
-        " token reaches attention on the same scale whatever its size; the learned γ and β then"
-        " stretch and shift each of the numbers. Hover over the strips for every number."
     )
-    mean, std = selection.memo("inside norm", layer, token, compute=lambda: inside.layer_norm_statistics(
-        steps.input[0, row], steps.norm_eps
-    ))
-    left, right = st.columns(2)
-    left.metric("mean μ", f"{mean:.4g}")
-    right.metric("standard deviation sqrt(σ² + ε)", f"{std:.4g}")
+    if rms_norm:
+        st.latex(r"\mathrm{RMSNorm}(x) = \gamma \odot \frac{x}{\sqrt{\overline{x^2} + \epsilon}}")
+        st.write(
+            entering + ". RMSNorm divides it by its root mean square (it subtracts no mean, unlike"
+            " LayerNorm), so that every token reaches attention on the same scale whatever its size; the"
+            " learned γ then stretches each of the numbers (there is no shift β). Hover over the strips for every number."
+        )
+        rms = selection.memo("inside rms", layer, token, compute=lambda: inside.rms_statistics(steps.input[0, row], steps.norm_eps))
+        st.metric("root mean square sqrt(mean(x²) + ε)", f"{rms:.4g}")
+    else:
+        st.latex(r"\mathrm{LN}(x) = \gamma \odot \frac{x - \mu}{\sqrt{\sigma^2 + \epsilon}} + \beta")
+        st.write(
+            entering + ". LayerNorm subtracts its mean μ and divides by its standard deviation σ, so that every"
+            " token reaches attention on the same scale whatever its size; the learned γ and β then"
+            " stretch and shift each of the numbers. Hover over the strips for every number."
+        )
+        mean, std = selection.memo("inside norm", layer, token, compute=lambda: inside.layer_norm_statistics(
+            steps.input[0, row], steps.norm_eps
+        ))
+        left, right = st.columns(2)
+        left.metric("mean μ", f"{mean:.4g}")
+        right.metric("standard deviation sqrt(σ² + ε)", f"{std:.4g}")
     st.plotly_chart(figs["layernorm"])
 
 with st.expander(f"2. Head {head}'s query, keys and values", expanded=True):
@@ -131,6 +145,13 @@ with st.expander("3. Scores and the softmax", expanded=True):
         " this layer, head and query."
     )
     st.plotly_chart(figs["scores"])
+    if steps.window is not None:  # window attention (Qwen2.5-VL)
+        inside_window = int(steps.window[row].sum())
+        st.caption(
+            f"This layer attends within windows: the softmax runs over the {inside_window} tokens of this"
+            f" token's window only; the other {steps.num_tokens - inside_window} keys' scores are drawn above"
+            " but not used, and their weights are exactly 0."
+        )
     st.plotly_chart(figs["attention"])
     entropy, largest = selection.memo("inside softmax", layer, head, token, compute=lambda: inside.softmax_statistics(
         steps.attention[0, head, row]

@@ -169,6 +169,8 @@ if rotary:
         "DINOv3 measures each patch's position from the image centre, scaled to run from -1 to 1"
         " whatever the grid, so a pair makes the same number of turns across the image at any resolution."
         if config.rope_type == "dinov3" else
+        "Qwen-VL counts patches from the top-left corner (0, 1, 2, ...), the same way in every layer."
+        if config.rope_type == "axial" else
         "EVA-02 counts patches from the top-left corner (0, 1, 2, ...)"
         + (f", rescaled to the {config.ref_feat_shape[0]}x{config.ref_feat_shape[1]} grid it was trained on."
            if config.ref_feat_shape else ".")
@@ -195,6 +197,15 @@ st.code(
     f" -> {activation_name(config)} MLP {dim}->{f'2x{config.mlp_hidden}' if gated else config.mlp_hidden}->{dim} ]"
     f" -> ({tokens}, {dim})"
 )
+if config.attn_window:  # Qwen2.5-VL: most layers attend within windows
+    window = config.attn_window
+    full = ", ".join(str(block) for block in config.full_attention_blocks) or "none"
+    st.write(
+        f"Not every token sees every other one here: this model's layers attend within windows of {window} x"
+        f" {window} patches ({window * patch} px a side, tiled from the top-left corner), which keeps the cost"
+        f" linear in the picture's size; only layers {full} attend to the whole picture. The Attention page"
+        " draws each patch's map zero outside its window."
+    )
 st.page_link(
     "views/inside.py", icon=":material/calculate:",
     label="Open one layer: its LayerNorm, queries, keys, values, softmax and MLP with this image's numbers",

@@ -36,7 +36,7 @@ def test_a_llava_tower_says_what_its_language_model_reads(tmp_path):
     assert not app.exception and errors(app) == []
     headings = [heading.value for heading in app.subheader]
     assert "8. What the language model reads" in headings and not any("Top-5" in heading for heading in headings)
-    (sentence,) = [text.value for text in app.markdown if "its language model reads" in text.value]
+    (sentence,) = [text.value for text in app.markdown if text.value.startswith("This is the vision tower")]
     # LLaVA reads the penultimate layer's output without the class token: 8 x 8 patches.
     assert "the penultimate layer's output (layer 1 on the Attention page), without the class token, 64 image tokens" in sentence
     assert any("(65, 32) -> drop the class token -> (64, 32)" in code.value for code in app.code)

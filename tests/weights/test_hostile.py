@@ -352,6 +352,21 @@ def _corpus(root: Path) -> dict[str, tuple[Path, str]]:
     single("raw pickle with code", code, "evil.pkl").write_bytes(pickle.dumps(_RunsCode(marker), protocol=4))
     _legacy_file(single("legacy pickle with code", "before version 1.6", "evil_old.pth"), {"trap": _RunsCode(marker)})
 
+    # Qwen2.5-VL folders: settings claiming more than a picture can have, and no tower at all.
+    qwen_vision = dict(depth=2, hidden_size=D, intermediate_size=2 * D, num_heads=HEADS, out_hidden_size=D, window_size=56,
+                       fullatt_block_indexes=[1], patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
+    qwen_cases = {
+        "qwen window larger than the grid": ({"window_size": 28 * 10}, {}, "larger than the grid"),
+        "qwen budget of 10**6 patches": ({}, {"max_pixels": 10**6 * 14 * 14}, "budgets of up to"),
+        "qwen without vision weights": ({}, {}, "holds no vision tower"),
+    }
+    for name, (vision, pixels, expected) in qwen_cases.items():
+        folder = case(name, expected)
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text(json.dumps({"model_type": "qwen2_5_vl", "vision_config": {**qwen_vision, **vision}}))
+        (folder / "preprocessor_config.json").write_text(json.dumps({"min_pixels": 3136, "max_pixels": 50176, **pixels}))
+        save_file({"model.language_model.embed_tokens.weight": torch.zeros(8, D)}, folder / "model.safetensors")
+
     # config.json values of the wrong type or shape.
     bad_configs = {
         "config a list": ("[1, 2]", "not a JSON object of settings"),
@@ -413,6 +428,7 @@ CASE_NAMES = [
     "metadata std [0.5, 0.0, 0.5]",
     "dinov3 config.json 10**5 layers", "dinov3 config.json 10**9 registers", "dinov3 config.json MLP width 10**9",
     "dinov3 100,000 registers", "dinov3 missing tensors", "dinov3 periods of no temperature",
+    "qwen window larger than the grid", "qwen budget of 10**6 patches", "qwen without vision weights",
 ]
 
 

@@ -83,7 +83,7 @@ def test_a_vlm_folder_without_a_tower_or_of_an_unknown_kind_is_a_sentence(tmp_pa
         assert str(tmp_path) not in str(refusal.value)
         return str(refusal.value)
 
-    assert "window attention" in load_with(model_type="qwen2_5_vl")
+    assert "tiled cross-attention" in load_with(model_type="mllama")
     assert "not a tower a paligemma model has" in load_with(model_type="paligemma")
     # A vision config claiming far more patches than its positions hold: nothing built.
     assert "position" in load_with(vision_config={**config["vision_config"], "image_size": 8000}).lower()

@@ -13,7 +13,8 @@ Two ways to remove a patch (``mode``):
 - ``"drop"`` (the default): the patch's token is dropped from the sequence. A ViT runs on any
   subset of its patch tokens: the position embeddings are added first, so the kept patches keep
   their positions; the prefix tokens (class, registers) stay; a rotary model rotates each kept
-  patch by its own rows of the grid's sin/cos tables (``ViT.forward_blocks(rope=...)``). No grey
+  patch by its own rows of the grid's sin/cos tables (``ViT.forward_blocks(rope=...)``), and a
+  window-attention model (Qwen2.5-VL) keeps each kept patch in its own window. No grey
   patch, no blur: nothing the model never saw in training. A pass with half the tokens costs
   about half. With no patch left, a model whose output reads the patches (mean or attention
   pooling, or no prefix token) gets the image painted with its mean instead (the empty image of
@@ -49,6 +50,7 @@ import torch.nn.functional as F
 from ..model.packing import Packing
 from ..model.recorder import eval_mode
 from ..model.vit import ViT
+from ..model.windows import GridTables
 from .answers import numbers, percents
 from .checks import AnalysisError
 from .maps import attention_mask_by_mass
@@ -204,6 +206,15 @@ def _kept_outputs(
         if not bool(painted.all()):
             whole = model.norm_pre(model._pos_embed(embedded, patch_size))  # (1, N, D): positions added
             tables = model.rope_tables(grid)
+            windows = getattr(tables, "windows", None)
+            if windows is not None:  # window attention: each row alone, its kept patches in their own windows
+                for row in (~painted).nonzero().flatten():
+                    index = kept[row].nonzero()[:, 0].to(whole.device)
+                    tokens = torch.cat([whole[:, :prefix], whole[:, prefix:][:, index]], dim=1)
+                    rows = GridTables(*(None if table is None else table[index] for table in tables), windows[index])
+                    out = model.forward_head(model.forward_blocks(tokens, grid_size=grid, rope=rows))
+                    record(row[None], out, tokens.shape[1])
+                return torch.stack(outputs), passes, tokens_run
             for chunk in _packed_chunks(counts, ~painted, prefix, batch_tokens):
                 # One packed pass of the chunk's rows, a run per number of kept patches.
                 runs, rows = [], []  # each run's tokens (r, prefix + K, D), and its rope rows (r, K, hd)

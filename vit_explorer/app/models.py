@@ -21,7 +21,7 @@ from ..model.config import NORMALIZATIONS
 from ..model.vit import ViT
 from ..serving.cache import ByteBoundedCache, nbytes
 from ..training import train
-from ..weights import catalogue, from_open_clip
+from ..weights import catalogue, from_open_clip, from_qwen_vl
 from ..weights import load_model, load_pretrained, resize_model
 from ..weights.normalization import renormalized
 from . import runs
@@ -185,6 +185,9 @@ def image_size_problem(config, image_size: tuple[int, int]) -> str | None:
     patch = config.patch_size
     if height < patch or width < patch or height % patch or width % patch:
         return f"The input size must be a multiple of the patch size ({patch} px) on both sides."
+    merged = patch * config.spatial_merge_size
+    if config.merger_dim and (height % merged or width % merged):
+        return f"The input size must be a multiple of {merged} px on both sides: the patch merger joins {config.spatial_merge_size} x {config.spatial_merge_size} patches."
     tokens = token_count(config, patch, image_size)
     if view_bytes(config, tokens) > MAX_VIEW_BYTES:
         return (
@@ -196,7 +199,11 @@ def image_size_problem(config, image_size: tuple[int, int]) -> str | None:
 
 
 def patch_size_options(config) -> list[int]:
-    """Patch sizes that tile the model's input exactly and keep a view within MAX_VIEW_BYTES."""
+    """Patch sizes that tile the model's input exactly and keep a view within MAX_VIEW_BYTES; a
+    model with window attention or a patch merger (Qwen-VL) only its own: its windows and merger
+    count patches, and another size was never compared with its reference."""
+    if config.attn_window or config.merger_dim:
+        return [config.patch_size]
     height, width = config.img_size
     options = []
     for patch in range(2, min(height, width) + 1):
@@ -244,6 +251,66 @@ def pooled_output(config) -> str:
     }[config.global_pool]
 
 
+def picture_input_size(config, picture_size: tuple[int, int]) -> tuple[int, int] | None:
+    """(height, width) a model's own preprocessing resizes a picture of ``picture_size`` (width,
+    height, as PIL gives it) to: Qwen-VL's, multiples of patch x merge within its pixel budget,
+    the aspect ratio kept; None for a model with one input size (or a picture Qwen refuses)."""
+    if config.pixel_budget is None:
+        return None
+    width, height = picture_size
+    try:
+        return from_qwen_vl.smart_resize(height, width, config.patch_size * config.spatial_merge_size, *config.pixel_budget)
+    except ValueError:  # more than 200 times longer than wide
+        return None
+
+
+def preprocessing_note(config) -> str | None:
+    """How the model's own preprocessing sizes a picture, for the sidebar; None for one input size."""
+    if config.pixel_budget is None:
+        return None
+    low, high = config.pixel_budget
+    return (
+        f"Qwen-VL's preprocessing: each picture is resized (bicubic) to multiples of"
+        f" {config.patch_size * config.spatial_merge_size} px on both sides, its aspect ratio kept, within"
+        f" {low:,} to {high:,} pixels, then normalised; a size typed here replaces it."
+    )
+
+
+def query_window(config, layer: int, query: int | None, grid_size: tuple[int, int]) -> tuple[int, int, int, int] | None:
+    """(top, left, bottom, right), inclusive: the window of patches patch ``query`` (row-major)
+    attends within in ``layer``; None for no patch, a full-attention layer or a model without windows."""
+    window = config.attn_window
+    if not window or query is None or layer in config.full_attention_blocks:
+        return None
+    row, col = divmod(query, grid_size[1])
+    top, left = row // window * window, col // window * window
+    return top, left, min(top + window, grid_size[0]) - 1, min(left + window, grid_size[1]) - 1
+
+
+def window_note(config, layer: int, query: int | None, grid_size: tuple[int, int]) -> str | None:
+    """For a model with window attention: whether ``layer`` attends within windows, and the
+    window of patch ``query`` (row-major; None: no patch) whose outside its map leaves at zero;
+    None for a model without windows."""
+    window = config.attn_window
+    if not window:
+        return None
+    full = ", ".join(str(block) for block in config.full_attention_blocks) or "none"
+    side = f"{window} x {window} patches ({window * config.patch_size} px a side)"
+    if layer in config.full_attention_blocks:
+        return f"Layer {layer} attends to the whole picture: it is one of this model's full-attention layers ({full}); the others attend within windows of {side}."
+    where = ""
+    if query is not None:
+        top, left, bottom, right = query_window(config, layer, query, grid_size)
+        where = (
+            f" Patch {query}'s window is rows {top}-{bottom}, columns {left}-{right} (dashed): its map is"
+            " exactly zero outside it."
+        )
+    return (
+        f"Layer {layer} attends within windows of {side}, tiled from the top-left corner: a patch reads only"
+        f" the patches of its own window.{where} Full-attention layers: {full}."
+    )
+
+
 def language_model_reads(config, grid_size: tuple[int, int]) -> tuple[str, str] | None:
     """(a sentence, the shapes) of what a VLM's language model reads of its vision tower at this
     grid; None for a model that is no VLM's tower."""
@@ -258,6 +325,29 @@ def language_model_reads(config, grid_size: tuple[int, int]) -> tuple[str, str] 
         + f" (layer {block} on the Attention page)"
     )
     patches = grid_size[0] * grid_size[1]
+    if config.merger_dim:  # Qwen-VL: the patch merger's tokens
+        merge = config.spatial_merge_size
+        merged_h, merged_w = grid_size[0] // merge, grid_size[1] // merge
+        sentence = (
+            f"This is the vision tower of a vision-language model: its language model reads {which} through"
+            f" its patch merger, which normalises each token (RMSNorm), joins every {merge} x {merge} square of"
+            f" neighbouring patches into one vector of {merge**2} x {config.embed_dim} numbers and maps it with"
+            f" an MLP to the language model's {config.merger_dim}: {merged_h} x {merged_w} = {merged_h * merged_w:,}"
+            " image tokens, which stand beside the words of the prompt."
+            + (
+                f" DeepStack: the outputs of layers {', '.join(str(layer) for layer in config.deepstack_layers)} go"
+                " through mergers of their own too, and the language model adds those tokens into its first"
+                f" {len(config.deepstack_layers)} layers." if config.deepstack_layers else ""
+            )
+            + " Nothing here is a prediction: the tower describes, the language model answers."
+        )
+        shapes = (
+            f"({patches}, {config.embed_dim}) -> join {merge}x{merge} -> ({merged_h * merged_w}, {merge**2 * config.embed_dim})"
+            f" -> merger MLP -> ({merged_h * merged_w}, {config.merger_dim}) -> the language model"
+            + (f"; layers {', '.join(str(layer) for layer in config.deepstack_layers)} likewise (DeepStack)"
+               if config.deepstack_layers else "")
+        )
+        return sentence, shapes
     dropped = config.language_model_drops_class_token and config.class_token
     tokens = patches + (0 if dropped else config.num_prefix_tokens)
     pooling = config.language_model_pooling
@@ -283,7 +373,10 @@ def language_model_layer_note(config, layer: int) -> str | None:
     if config.language_model_layer is None:
         return None
     read = min(config.language_model_layer, config.depth) - 1
-    after_norm = " through the final norm" if config.language_model_layer > config.depth else ""
+    after_norm = (
+        " through the final norm" if config.language_model_layer > config.depth
+        else " through its patch merger" if config.merger_dim else ""
+    )
     if layer == read:
         return f"This layer's output is what the language model reads{after_norm}."
     return f"The language model reads layer {read}'s output{after_norm}, {'after' if layer < read else 'before'} this one."

@@ -115,7 +115,10 @@ def selection() -> Selection:
         # Cleaned up for newer uploads (the folder has a quota): back to a built-in picture.
         state["image_key"] = images.DEFAULT_IMAGE
         state["image_notice"] = "Your uploaded image was removed to make room for newer uploads; upload it again."
-    size = image_size()
+    base = models.base_model(state["model_key"]).config
+    # A model whose preprocessing follows the picture (Qwen-VL) sizes its input from it.
+    picture = images.resolve_image(state["image_key"], base.img_size)[1].size if base.pixel_budget else None
+    size = image_size(picture)
     patch = patch_size(size)
     normalization = normalization_choice(state["model_key"])
     model = models.model_at(state["model_key"], patch, size, normalization)
@@ -135,15 +138,21 @@ def normalization_choice(model_key: str) -> str | None:
     return models.normalization_choice(models.base_model(model_key).config, kept(NORMALIZATION_WIDGET, None))
 
 
-def image_size() -> tuple[int, int]:
-    """The input size chosen in the sidebar, if valid for the current model, else its own."""
+def image_size(picture_size: tuple[int, int] | None = None) -> tuple[int, int]:
+    """The input size chosen in the sidebar, if valid for the current model, else its own: for
+    a model whose preprocessing follows the picture (Qwen-VL), the size it gives the picture of
+    ``picture_size`` (width, height)."""
     config = models.base_model(st.session_state["model_key"]).config
+    own = config.img_size
+    if picture_size is not None:
+        follows = models.picture_input_size(config, picture_size)
+        own = own if follows is None or models.image_size_problem(config, follows) else follows
     # A side never edited has no kept value: it stays the model's own.
     chosen = tuple(
         st.session_state.get(kept_key(key), native)
-        for key, native in zip(("input_height", "input_width"), config.img_size)
+        for key, native in zip(("input_height", "input_width"), own)
     )
-    return config.img_size if models.image_size_problem(config, chosen) else chosen
+    return own if models.image_size_problem(config, chosen) else chosen
 
 
 def patch_size(image_size: tuple[int, int]) -> int:

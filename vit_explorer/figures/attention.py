@@ -37,6 +37,19 @@ def _query_outline(patch: int | None, grid_size: tuple[int, int], image_size: tu
     return [{**box, "line": dict(color="black", width=4)}, {**box, "line": dict(color=QUERY_COLOUR, width=2)}]
 
 
+def _window_outline(window: tuple[int, int, int, int] | None, grid_size: tuple[int, int],
+                    image_size: tuple[int, int], axes: str = "") -> list[dict]:
+    """Shapes that outline a window of patches (top, left, bottom, right rows and columns,
+    inclusive; None: none) on the image axes x{axes}/y{axes}: dashed white over a black edge."""
+    if window is None:
+        return []
+    top, left, bottom, right = window
+    dy, dx = image_size[0] / grid_size[0], image_size[1] / grid_size[1]
+    box = dict(type="rect", xref=f"x{axes}", yref=f"y{axes}", x0=left * dx - 0.5, x1=(right + 1) * dx - 0.5,
+               y0=top * dy - 0.5, y1=(bottom + 1) * dy - 0.5)
+    return [{**box, "line": dict(color="black", width=4)}, {**box, "line": dict(color="white", width=2, dash="dash")}]
+
+
 def attention_overlay(
     image, attention_map, opacity: float = 0.85, title: str = "Attention", value_name: str = "attention",
     query_patch: int | None = None, weights: bool = False, top: float | None = None, colorscale: list | None = None,
@@ -76,10 +89,12 @@ def _where(layer: int | str | None) -> str:
 
 def _head_panels(
     image: np.ndarray, overlays: list, columns: int, titles: Sequence[str] | None = None,
-    query_patch: int | None = None, grid_size: tuple[int, int] | None = None, **layout,
+    query_patch: int | None = None, grid_size: tuple[int, int] | None = None,
+    window: tuple[int, int, int, int] | None = None, **layout,
 ) -> go.Figure:
     """One panel per head: the image with that head's overlay, titled "head h" (or ``titles``),
-    the query patch outlined in each; ``layout`` adds to the figure's layout (title, ...).
+    the query patch and its attention ``window`` (if any) outlined in each; ``layout`` adds to
+    the figure's layout (title, ...).
 
     Built in one go from make_subplots' grid layout (:func:`_subplots`), one PNG for all panels.
     """
@@ -100,8 +115,9 @@ def _head_panels(
             grid[axis].update(settings)
     if query_patch is not None:
         grid["shapes"] = [
-            shape for head in range(heads)
-            for shape in _query_outline(query_patch, grid_size, image.shape[:2], "" if head == 0 else str(head + 1))
+            shape for head in range(heads) for axes in ["" if head == 0 else str(head + 1)]
+            for shape in _window_outline(window, grid_size, image.shape[:2], axes)
+            + _query_outline(query_patch, grid_size, image.shape[:2], axes)
         ]
     grid.update({"margin": MARGIN, **layout})
     return figure(traces, grid)
@@ -115,13 +131,16 @@ def heads_height(image_shape: tuple[int, ...], heads: int, columns: int) -> int:
 def attention_heads_grid(
     image, maps, opacity: float = 0.85, layer: int | str | None = None, columns: int = 4,
     query: str = "class token", query_patch: int | None = None, scale: str = "shared",
-    top: float | None = None, panel: str = "head", colorscale: list | None = None, **layout,
+    top: float | None = None, panel: str = "head", colorscale: list | None = None,
+    window: tuple[int, int, int, int] | None = None, **layout,
 ) -> go.Figure:
     """Every head's attention map (H, gh, gw) over the image, one panel per head, each from 0
     (transparent) up: on one shared scale so that heads can be compared (``scale="shared"``), or
     each to its own largest value (``"per head"``), which shows the pattern of a faint head; a scale
     never tops out below 3x the uniform weight, so that attention spread evenly stays pale.
-    ``query_patch`` (row-major index, None for a token without a patch) is outlined in every panel.
+    ``query_patch`` (row-major index, None for a token without a patch) is outlined in every panel,
+    and the ``window`` it attends within (window attention: top, left, bottom, right patch rows and
+    columns, inclusive), dashed.
     ``top`` sets the shared scale's top (another grid's, to compare two on one scale); ``layout``
     adds to the figure's layout last (a caller's own title, margin, height). ``panel`` names what
     the maps are one of ("layer": one query's map per layer, say; the caller then titles it).
@@ -151,7 +170,7 @@ def attention_heads_grid(
         _patch_heatmap(head_map, image.shape[:2], label=f"{panel} {head}", opacity=opacity, **colour)
         for head, (head_map, colour) in enumerate(zip(maps, colours))
     ], columns, titles=[f"{panel} {head} (max {head_map.max():.2g})" for head, head_map in enumerate(maps)],
-        query_patch=query_patch, grid_size=maps.shape[1:], **layout)
+        query_patch=query_patch, grid_size=maps.shape[1:], window=window, **layout)
 
 
 def attention_by_layer(image, maps, query: str = "class token", query_patch: int | None = None, columns: int = 4) -> go.Figure:

@@ -245,12 +245,13 @@ def mlp_activations_figure(sorted_values, units, near_zero: float, title: str) -
 
 def inside_layer_figures(
     image, steps, grid_size: tuple[int, int], labels: Sequence[str], head: int, token: int,
-    query_patch: int | None = None, activation: str = "the activation",
+    query_patch: int | None = None, activation: str = "the activation", norm: str = "LayerNorm",
 ) -> dict[str, go.Figure]:
     """The "Inside a layer" page's figures for one head and query token, by step, from a
     vit_explorer.model.internals.LayerInternals (image 0): what the page shows and ``inspect --head
     --query`` writes; ``steps`` holds ``token``'s rows. ``labels`` name the N tokens (figures.token_labels); ``query_patch`` is
-    outlined on the image; ``activation`` names the MLP's nonlinearity. With rotary positions the
+    outlined on the image; ``activation`` names the MLP's nonlinearity, ``norm`` the block's
+    ("RMSNorm" for Qwen2.5-VL's). With rotary positions the
     query's strips are its q and k before and after the rotation."""
     from ..model import internals as inside  # the per-token analyses the page shows  # the per-token analyses the page shows
 
@@ -262,8 +263,8 @@ def inside_layer_figures(
     activity = inside.mlp_activity(steps.mlp_hidden[0, row])
     return {
         "layernorm": vector_strips(
-            {"x": steps.input[0, row], "LN(x)": steps.norm1[0, row]},
-            f"{name} before and after LayerNorm ({dim} numbers each)",
+            {"x": steps.input[0, row], f"{'RMSNorm' if norm == 'RMSNorm' else 'LN'}(x)": steps.norm1[0, row]},
+            f"{name} before and after {norm} ({dim} numbers each)",
         ),
         "query": vector_strips(
             {"q": steps.q[0, head, row]}, f"Query q of {name}, {where} ({steps.head_dim} numbers)"

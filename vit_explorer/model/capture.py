@@ -225,25 +225,30 @@ def layer_attention(
     rope = model.rope_tables(grid_size)
     batch, count, _ = tokens.shape
     weights = torch.empty(batch, attn.num_heads, count, count, dtype=dtype)
+    mask = attn.window_mask(rope, count)  # (N, N) bool: window attention's, or None
     with torch.no_grad(), eval_mode(model):
         q, k, _ = attn._qkv(block.norm1(tokens)).unbind(0)  # (B, nh, N, hd) each
         q, k = attn.rotate(q, rope), attn.rotate(k, rope)
         for head in range(attn.num_heads):
             # As Attention.forward computes them: scale, then the softmax module.
             scores = (q[:, head] * attn.scale) @ k[:, head].transpose(-2, -1)  # (B, N, N)
+            if mask is not None:
+                scores = scores.masked_fill(~mask, float("-inf"))
             head_weights = attn.attend(scores)
             weights[:, head] = head_weights
             if entropies is not None:
-                entropies[:, head] = _mean_row_entropy(scores, head_weights)
+                entropies[:, head] = _mean_row_entropy(scores, head_weights, mask)
     return weights
 
 
-def _mean_row_entropy(scores: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+def _mean_row_entropy(scores: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     """(B,) the mean over rows of -sum w log w, where weights = softmax(scores) (B, N, N).
     log w = s - logsumexp(s), and the log-sum-exp is the largest score less the log of the largest
     weight: no logarithm or exponential of every weight (they cost more than the softmax)."""
     scores, weights = scores.float(), weights.float()  # a half-precision model's too: a sum of N terms
     log_sum_exp = scores.amax(dim=-1) - weights.amax(dim=-1).log()  # (B, N)
+    if mask is not None:  # scores masked out (window attention's -inf) have weight 0: they add nothing, not 0 * -inf
+        scores = scores.masked_fill(~mask, 0.0)
     expected_score = torch.einsum("bqk,bqk->bq", weights, scores)
     return (log_sum_exp - expected_score).mean(dim=-1)
 
@@ -273,7 +278,8 @@ def _block_rows(
     # Every query is rotated, then the rows picked: a row's angles are those of its own position.
     q, k = attn.rotate(q_unrotated, rope)[:, :, picked], attn.rotate(k_unrotated, rope)
     scores = (q * attn.scale) @ k.transpose(-2, -1)  # (B, nh, rows, N)
-    attention = attn.attend(scores)
+    mask = attn.window_mask(rope, x.shape[1])  # window attention's (N, N), or None: scores kept unmasked, as forward's
+    attention = attn.attend(scores if mask is None else scores.masked_fill(~mask[picked], float("-inf")))
     heads = attention @ v
     attended = attn.proj(attn.norm(rearrange(heads, "b nh n hd -> b n (nh hd)")))
     entering = x[:, picked]
@@ -288,4 +294,6 @@ def _block_rows(
     )
     if attn.rotary:
         states.update(q_unrotated=q_unrotated[:, :, picked], k_unrotated=k_unrotated)
+    if mask is not None:
+        states["window"] = mask[picked]
     return {name: own_cpu_copy(tensor) for name, tensor in states.items()}

@@ -24,7 +24,14 @@ NORMALIZATIONS = {
 ACTIVATIONS = ("gelu", "gelu_tanh", "quick_gelu")  # the MLP activations ViTConfig.act_layer names
 # Rotary position embeddings ViTConfig.rope_type names (timm's rope_type): DINOv3's, and EVA-02's
 # ("cat": timm's RotaryEmbeddingCat); the temperature each uses unless told otherwise.
-ROPE_TEMPERATURES = {"dinov3": 100.0, "cat": 10000.0}
+# "axial" is Qwen-VL's tower's (transformers' rope_type): EVA-02's patch indices and frequencies,
+# DINOv3's rotate-half layout.
+ROPE_TEMPERATURES = {"dinov3": 100.0, "cat": 10000.0, "axial": 10000.0}
+NORM_LAYERS = ("layernorm", "rmsnorm")
+# How position embeddings are resampled to another grid (ViTConfig.pos_embed_interpolation): timm's
+# bicubic with antialiasing, or Qwen3-VL's bilinear with align_corners (its learned 48 x 48 grid
+# stretched corner to corner over each picture's).
+POS_EMBED_INTERPOLATIONS = ("bicubic", "bilinear_corners")  # ViTConfig.norm_layer: RMSNorm (no centring, no bias) for Qwen-VL
 ROPE_PERIODS_DTYPES = ("float32", "bfloat16")
 
 
@@ -151,6 +158,24 @@ class ViTConfig(_JsonConfig):
     swiglu_mlp: bool = False
     scale_mlp: bool = False
     swiglu_align_to: int = 0
+    norm_layer: str = "layernorm"  # every norm of the model: "layernorm" or "rmsnorm" (NORM_LAYERS)
+    # Window attention (Qwen2.5-VL): a patch attends only to the patches of its attn_window x
+    # attn_window square (tiled from the top-left corner; 0: none), except in the blocks numbered in
+    # full_attention_blocks, which attend to every token.
+    attn_window: int = 0
+    full_attention_blocks: tuple[int, ...] = ()
+    # Qwen-VL's patch merger (merger_dim > 0): each spatial_merge_size^2 square of the last block's
+    # patch tokens is normed, joined and mapped by an MLP to one token of merger_dim numbers, what
+    # its language model reads.
+    spatial_merge_size: int = 1
+    merger_dim: int = 0
+    # Qwen-VL's preprocessing: (min, max) pixels a picture is resized to, at multiples of
+    # patch_size * spatial_merge_size and its aspect ratio kept; None: resized to image_size.
+    pixel_budget: tuple[int, int] | None = None
+    pos_embed_interpolation: str = "bicubic"  # one of POS_EMBED_INTERPOLATIONS
+    # Qwen3-VL's DeepStack: the tokens leaving these blocks each go through a merger of their own
+    # (its norm after the join), and the language model adds them into its first layers.
+    deepstack_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         # Normalise JSON lists to tuples so that configs compare and hash equal after a round trip.
@@ -160,6 +185,10 @@ class ViTConfig(_JsonConfig):
             set_field("image_size", _pair(self.image_size))
         if self.ref_feat_shape is not None:
             set_field("ref_feat_shape", _pair(self.ref_feat_shape))
+        set_field("full_attention_blocks", tuple(self.full_attention_blocks))
+        set_field("deepstack_layers", tuple(self.deepstack_layers))
+        if self.pixel_budget is not None:
+            set_field("pixel_budget", _pair(self.pixel_budget))
         if self.class_names is not None:
             set_field("class_names", tuple(str(name) for name in self.class_names))
         set_field("mean", _numbers("mean", self.mean))
@@ -193,6 +222,11 @@ class ViTConfig(_JsonConfig):
         if len(self.mean) != self.in_chans or len(self.std) != self.in_chans:
             raise ValueError(f"mean and std need one value per input channel ({self.in_chans})")
         self._check_rope()
+        merge = self.patch_size * self.spatial_merge_size
+        if self.merger_dim and (height % merge or width % merge):
+            raise ValueError(
+                f"image size {height}x{width} is not a multiple of {merge} pixels, which the patch merger joins"
+            )
 
     def _check_rope(self) -> None:
         if self.rope_type is not None and (not isinstance(self.rope_type, str) or self.rope_type not in ROPE_TEMPERATURES):
@@ -221,7 +255,8 @@ class ViTConfig(_JsonConfig):
             _check_whole("image_size", side, 1)
         minimums = {
             "patch_size": 1, "in_chans": 1, "num_classes": 0, "embed_dim": 1, "depth": 1,
-            "num_heads": 1, "reg_tokens": 0, "swiglu_align_to": 0,
+            "num_heads": 1, "reg_tokens": 0, "swiglu_align_to": 0, "attn_window": 0, "spatial_merge_size": 1,
+            "merger_dim": 0,
         }
         for name, minimum in minimums.items():
             _check_whole(name, getattr(self, name), minimum)
@@ -241,6 +276,27 @@ class ViTConfig(_JsonConfig):
             _check_whole("attn_pool_num_heads", self.attn_pool_num_heads, 1)
             if self.embed_dim % self.attn_pool_num_heads:
                 raise ValueError(f"attn_pool_num_heads {self.attn_pool_num_heads} does not divide embed_dim {self.embed_dim}")
+        for name in ("full_attention_blocks", "deepstack_layers"):
+            blocks = getattr(self, name)
+            # Not checked against depth either (build's one-block copy keeps them); the reader checks them.
+            if not isinstance(blocks, (list, tuple)) or len(blocks) > 4096:
+                raise ValueError(f"{name} must be a list of block numbers, not {_brief(blocks)}")
+            for block in blocks:
+                _check_whole(name, block, 0)
+        if self.deepstack_layers and not self.merger_dim:
+            raise ValueError("deepstack_layers need a patch merger (merger_dim)")
+        if self.pos_embed_interpolation not in POS_EMBED_INTERPOLATIONS:
+            raise ValueError(
+                f"pos_embed_interpolation must be one of {', '.join(POS_EMBED_INTERPOLATIONS)}, not {_brief(self.pos_embed_interpolation)}"
+            )
+        budget = self.pixel_budget
+        if budget is not None:
+            if not isinstance(budget, (list, tuple)) or len(budget) != 2:
+                raise ValueError(f"pixel_budget must be (min, max) pixels or None, not {_brief(budget)}")
+            for side in budget:
+                _check_whole("pixel_budget", side, 1)
+        if self.norm_layer not in NORM_LAYERS:
+            raise ValueError(f"norm_layer must be one of {', '.join(NORM_LAYERS)}, not {_brief(self.norm_layer)}")
         if self.fc_norm is not None and not isinstance(self.fc_norm, bool):
             raise ValueError(f"fc_norm must be true, false or None, not {_brief(self.fc_norm)}")
         if not _is_number(self.mlp_ratio) or self.mlp_ratio <= 0:

@@ -68,6 +68,9 @@ class LayerInternals:
     # gives them (the prefix tokens' equal q's and k's); None for a model without.
     q_unrotated: torch.Tensor | None = None  # (B, nh, R, hd)
     k_unrotated: torch.Tensor | None = None  # (B, nh, N, hd)
+    # With window attention in this layer: (R, N) bool, the keys each row may attend to (the
+    # scores above are unmasked; the attention is zero elsewhere); None: every key.
+    window: torch.Tensor | None = None
 
     def row(self, token: int) -> int:
         """Where ``token``'s numbers are in the fields of R rows."""
@@ -117,7 +120,7 @@ class LayerInternals:
             return None if weight is None else weight.detach().to("cpu", torch.float32, copy=True)
 
         missing = {field for field in cls.__dataclass_fields__ if field not in states} - {
-            "layer", "scale", "norm_eps", "layer_scale1", "layer_scale2", "queries", "q_unrotated", "k_unrotated"
+            "layer", "scale", "norm_eps", "layer_scale1", "layer_scale2", "queries", "q_unrotated", "k_unrotated", "window"
         }
         if block.attn.rotary:
             missing |= {"q_unrotated", "k_unrotated"} - set(states)
@@ -126,7 +129,8 @@ class LayerInternals:
         return cls(
             layer=layer, scale=float(block.attn.scale), norm_eps=float(block.norm1.eps),
             layer_scale1=gamma(block.ls1), layer_scale2=gamma(block.ls2), queries=queries,
-            **{name: states[name] for name in cls.__dataclass_fields__ if name in states},
+            **{name: states[name] for name in cls.__dataclass_fields__ if name in states and name != "window"},
+            window=None if "window" not in states else states["window"] != 0,  # recorded as float32, as every state
         )
 
 
@@ -135,6 +139,11 @@ def layer_norm_statistics(vector: torch.Tensor, eps: float) -> tuple[float, floa
     and divides by sqrt(variance + eps), the variance taken over the D numbers (biased)."""
     vector = vector.double()
     return float(vector.mean()), math.sqrt(float(vector.var(unbiased=False)) + eps)
+
+
+def rms_statistics(vector: torch.Tensor, eps: float) -> float:
+    """The root mean square sqrt(mean(x^2) + eps) that RMSNorm divides one token (D,) by."""
+    return math.sqrt(float(vector.double().pow(2).mean()) + eps)
 
 
 def softmax_statistics(row: torch.Tensor) -> tuple[float, float]:
@@ -149,7 +158,10 @@ def rescaled_attention(internals: LayerInternals, head: int, token: int, scale: 
     1/sqrt(hd), computed as the model does it ((q * scale) @ k^T, then the softmax), from this
     pass's q and k. Nothing is changed; at the model's own scale it is the recorded row."""
     query = internals.q[image, head, internals.row(token)]  # (hd,)
-    return torch.softmax((query * scale) @ internals.k[image, head].T, dim=-1)
+    scores = (query * scale) @ internals.k[image, head].T
+    if internals.window is not None:  # window attention: the keys outside the row's window stay at zero
+        scores = scores.masked_fill(~internals.window[internals.row(token)], float("-inf"))
+    return torch.softmax(scores, dim=-1)
 
 
 def scale_sweep(

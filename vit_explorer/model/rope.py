@@ -14,6 +14,8 @@ The prefix tokens (class, registers) are not rotated. Two flavours, with timm's 
   Encoder's start at 1; rescaled to ``ref_feat_shape`` when set, for the 448 models fine-tuned from 224), angle = index * frequency with frequencies
   ``1 / temperature ** (i / (hd / 4))``, temperature 10000; interleaved layout (channel 2i turns
   with 2i + 1).
+- "axial" (Qwen2.5-VL's and Qwen3-VL's towers, transformers' Qwen2_5_VLVisionRotaryEmbedding):
+  EVA-02's patch indices and frequencies, DINOv3's rotate-half layout.
 
 Either way a patch has hd/2 angles: the first hd/4 from its row coordinate, the last hd/4 from its
 column coordinate ("ij"; "xy" swaps the two). The sin/cos tables of a grid are computed once (on
@@ -53,12 +55,12 @@ class RopeSpec(NamedTuple):
 
     @property
     def rotate_half(self) -> bool:
-        """DINOv3 pairs channel i with i + hd/2; EVA-02 pairs neighbours 2i, 2i + 1."""
-        return self.rope_type == "dinov3"
+        """DINOv3 and Qwen-VL pair channel i with i + hd/2; EVA-02 pairs neighbours 2i, 2i + 1."""
+        return self.rope_type in ("dinov3", "axial")
 
 
 def _frequencies(spec: RopeSpec) -> torch.Tensor:
-    """(hd/4,) float32: DINOv3's periods, or EVA-02's frequencies (radians per patch index)."""
+    """(hd/4,) float32: DINOv3's periods, or EVA-02's (and Qwen-VL's) frequencies (radians per patch index)."""
     bands = spec.head_dim // 4
     if spec.rope_type == "dinov3":
         exponents = 2.0 * torch.arange(bands, dtype=torch.float32) / (spec.head_dim // 2)

@@ -6,6 +6,7 @@ B batch, N tokens, D embed dim, nh heads, hd head dim, gh x gw the patch grid.
 from __future__ import annotations
 
 import functools
+import math
 from contextvars import ContextVar
 from typing import Any
 
@@ -17,6 +18,7 @@ from torch import nn
 from .config import ViTConfig
 from .packing import Packing
 from .rope import RopeSpec, apply_rope, rope_angles, rope_tables
+from .windows import GridTables, window_ids, window_mask
 
 # The recorder of the forward pass running in this context (thread), if one asked: see
 # vit_explorer.model.recorder. Capture and attribution choose the explicit attention path and collect
@@ -100,8 +102,10 @@ def resample_pos_embed(
     old_grid: tuple[int, int],
     new_grid: tuple[int, int],
     num_prefix_tokens: int,
+    mode: str = "bicubic",
 ) -> torch.Tensor:
-    """Bicubically resample (1, prefix + gh*gw, D) position embeddings to a new grid; differentiable.
+    """Resample (1, prefix + gh*gw, D) position embeddings to a new grid; differentiable. ``mode``
+    "bicubic" (timm's, antialiased) or "bilinear_corners" (Qwen3-VL's: bilinear, align_corners).
 
     The prefix tokens' embeddings are kept as they are; an unchanged grid returns the input.
     """
@@ -109,7 +113,10 @@ def resample_pos_embed(
         return pos_embed
     prefix, grid = pos_embed[:, :num_prefix_tokens], pos_embed[:, num_prefix_tokens:]
     grid = rearrange(grid.float(), "1 (gh gw) d -> 1 d gh gw", gh=old_grid[0])
-    grid = F.interpolate(grid, size=tuple(new_grid), mode="bicubic", align_corners=False, antialias=True)
+    if mode == "bilinear_corners":
+        grid = F.interpolate(grid, size=tuple(new_grid), mode="bilinear", align_corners=True)
+    else:
+        grid = F.interpolate(grid, size=tuple(new_grid), mode="bicubic", align_corners=False, antialias=True)
     grid = rearrange(grid, "1 d gh gw -> 1 (gh gw) d").to(pos_embed.dtype)
     return torch.cat([prefix, grid], dim=1)
 
@@ -187,6 +194,13 @@ class Softmax(nn.Softmax):
         return torch.softmax(input, self.dim, out=out)
 
 
+def norm_layer(config: ViTConfig, dim: int) -> nn.Module:
+    """The model's norm over ``dim`` numbers: timm's LayerNorm, or RMSNorm (Qwen-VL: no centring, no bias)."""
+    if config.norm_layer == "rmsnorm":
+        return nn.RMSNorm(dim, eps=config.layer_norm_eps)
+    return nn.LayerNorm(dim, eps=config.layer_norm_eps)
+
+
 class Attention(nn.Module):
     """Multi-head self-attention.
 
@@ -203,15 +217,20 @@ class Attention(nn.Module):
     pass's grid given as ``rope``; the recorder then also gets them before the rotation. The
     patches are the last tokens, one per row of the tables; the tokens before them (the prefix
     tokens, and a test-time register when a pass has one) are not rotated.
+
+    ``windowed`` (window attention, Qwen2.5-VL): each patch attends only within its window, the
+    windows given with the tables (``rope.windows``, vit_explorer.model.windows); the weights
+    outside it are exactly zero. The scores the recorder gets are the unmasked ones.
     """
 
-    def __init__(self, config: ViTConfig):
+    def __init__(self, config: ViTConfig, windowed: bool = False):
         super().__init__()
         dim = config.embed_dim
         self.num_heads = config.num_heads
         self.head_dim = config.head_dim
         self.scale = self.head_dim**-0.5
         self.fused_attn = True
+        self.windowed = windowed
         spec = RopeSpec.of(config)
         self.rotary = spec is not None
         self.rotate_half = spec is not None and spec.rotate_half
@@ -241,7 +260,7 @@ class Attention(nn.Module):
         without rotary positions."""
         if not self.rotary:
             return x
-        if rope is None:
+        if rope is None or rope[0] is None:
             raise ValueError(
                 "this model rotates its patch tokens' queries and keys: pass rope=model.rope_tables(grid_size)"
             )
@@ -260,22 +279,25 @@ class Attention(nn.Module):
         q, k = self.rotate(q, rope), self.rotate(k, rope)
         recorder = active(ACTIVE_RECORDER)
         dropout_p = self.attn_drop.p if self.training else 0.0
+        mask = self.window_mask(rope, q.shape[2], packing)  # (N, N) bool or None
         if packing is not None:
             if recorder is not None:
                 raise ValueError("a capture records whole sequences: run packed sequences without one")
             x = packing.attend(q, k, v, dropout_p)
         elif self.fused_attn and (recorder is None or not recorder.wants_attention(self)):
-            x = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
+            x = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
         else:
             # Scale before the softmax (scaling after it, as some tutorials do, is a bug).
             scores = (q * self.scale) @ k.transpose(-2, -1)  # (B, nh, N, N)
             out = None if recorder is None else recorder.attention_out(self, scores)
-            attn = self.attend(scores) if out is None else self.attend(scores, out=out)
+            masked = scores if mask is None else scores.masked_fill(~mask, float("-inf"))
+            attn = self.attend(masked) if out is None else self.attend(masked, out=out)
             if recorder is not None:
                 recorder.attention(self, attn)
             x = self.attn_drop(attn) @ v  # (B, nh, N, hd)
             if recorder is not None:
-                recorder.internals(self, q=q, k=k, v=v, scores=scores, attention=attn, heads=x, **unrotated)
+                window = {} if mask is None else {"window": mask}
+                recorder.internals(self, q=q, k=k, v=v, scores=scores, attention=attn, heads=x, **unrotated, **window)
         knock_out = active(ACTIVE_KNOCKOUT)
         if knock_out is not None:
             x = knock_out.heads(self, x)  # the knocked-out heads' outputs, before the projection
@@ -284,6 +306,18 @@ class Attention(nn.Module):
             x = patch.edit(self, "head", x)  # some heads' outputs from another run, before the projection
         x = rearrange(x, "b nh n hd -> b n (nh hd)")
         return self.proj_drop(self.proj(self.norm(x)))
+
+    def window_mask(self, rope, num_tokens: int, packing: Packing | None = None) -> torch.Tensor | None:
+        """(N, N) bool: where each token may attend in this layer; None where everywhere."""
+        if not self.windowed:
+            return None
+        windows = getattr(rope, "windows", None)
+        if windows is None or packing is not None:
+            raise ValueError(
+                "this layer attends within windows of the patch grid: pass rope=model.rope_tables(grid_size)"
+                " over whole grids (not some patches, nor packed sequences)"
+            )
+        return window_mask(windows, num_tokens)
 
 
 class QuickGELU(nn.Module):
@@ -386,19 +420,19 @@ class DropPath(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer encoder block: x + Attn(LN(x)), then x + MLP(LN(x))."""
 
-    def __init__(self, config: ViTConfig, drop_path: float = 0.0):
+    def __init__(self, config: ViTConfig, drop_path: float = 0.0, windowed: bool = False):
         super().__init__()
-        dim, eps = config.embed_dim, config.layer_norm_eps
+        dim = config.embed_dim
         layer_scale = (
             (lambda: LayerScale(dim, config.init_values))
             if config.init_values is not None
             else nn.Identity
         )
-        self.norm1 = nn.LayerNorm(dim, eps=eps)
-        self.attn = Attention(config)
+        self.norm1 = norm_layer(config, dim)
+        self.attn = Attention(config, windowed)
         self.ls1 = layer_scale()
         self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
-        self.norm2 = nn.LayerNorm(dim, eps=eps)
+        self.norm2 = norm_layer(config, dim)
         self.mlp = Mlp(config)
         self.ls2 = layer_scale()
         self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
@@ -468,6 +502,33 @@ class AttentionPool(nn.Module):
         return x[:, 0]  # (B, D)
 
 
+class PatchMerger(nn.Module):
+    """Qwen-VL's patch merger (transformers' Qwen2_5_VLPatchMerger, its names): each m x m square of
+    neighbouring patch tokens (m = spatial_merge_size) is normed (ln_q), its m^2 tokens joined
+    row by row into one vector of m^2 D numbers, and an MLP (Linear, GELU, Linear) maps that to
+    the merger_dim numbers of one token of the language model. ``postshuffle``: the norm comes
+    after the join, over the m^2 D numbers (Qwen3-VL's DeepStack mergers)."""
+
+    def __init__(self, config: ViTConfig, postshuffle: bool = False):
+        super().__init__()
+        self.merge = config.spatial_merge_size
+        joined = config.embed_dim * self.merge**2
+        self.postshuffle = postshuffle
+        self.ln_q = norm_layer(config, joined if postshuffle else config.embed_dim)
+        self.mlp = nn.Sequential(nn.Linear(joined, joined), nn.GELU(), nn.Linear(joined, config.merger_dim))
+
+    def forward(self, x: torch.Tensor, grid_size: tuple[int, int]) -> torch.Tensor:
+        """(B, gh * gw, D) patch tokens, row-major -> (B, gh/m * gw/m, merger_dim)."""
+        grid_h, grid_w = grid_size
+        if grid_h % self.merge or grid_w % self.merge:
+            raise ValueError(f"a {grid_h}x{grid_w} grid of patches cannot be merged {self.merge} x {self.merge}")
+        joined = rearrange(
+            x if self.postshuffle else self.ln_q(x), "b (h m1 w m2) d -> b (h w) (m1 m2 d)",
+            h=grid_h // self.merge, m1=self.merge, m2=self.merge,
+        )
+        return self.mlp(self.ln_q(joined) if self.postshuffle else joined)
+
+
 class ViT(nn.Module):
     """Vision Transformer. ``model(x)`` takes (B, C, H, W) normalized images, returns logits."""
 
@@ -487,20 +548,26 @@ class ViT(nn.Module):
         # Rotary positions have no parameters: their sin/cos tables are computed per grid (rope.py).
         self.rope_spec = RopeSpec.of(config)
         self.pos_drop = nn.Dropout(config.drop_rate)
-        self.norm_pre = nn.LayerNorm(dim, eps=config.layer_norm_eps) if config.pre_norm else nn.Identity()
+        self.norm_pre = norm_layer(config, dim) if config.pre_norm else nn.Identity()
         # Stochastic depth grows linearly with depth (plain floats: the model can be built on "meta").
         drop_paths = [config.drop_path_rate * i / max(config.depth - 1, 1) for i in range(config.depth)]
-        self.blocks = nn.Sequential(*(Block(config, rate) for rate in drop_paths))
+        windowed = [bool(config.attn_window) and i not in config.full_attention_blocks for i in range(config.depth)]
+        self.blocks = nn.Sequential(*(Block(config, rate, window) for rate, window in zip(drop_paths, windowed)))
         use_fc_norm = config.use_fc_norm
         final_norm = config.final_norm and not use_fc_norm
-        self.norm = nn.LayerNorm(dim, eps=config.layer_norm_eps) if final_norm else nn.Identity()
+        self.norm = norm_layer(config, dim) if final_norm else nn.Identity()
         self.attn_pool = AttentionPool(config) if config.global_pool == "map" else None
-        self.fc_norm = nn.LayerNorm(dim, eps=config.layer_norm_eps) if use_fc_norm else nn.Identity()
+        self.fc_norm = norm_layer(config, dim) if use_fc_norm else nn.Identity()
         self.head_drop = nn.Dropout(config.drop_rate)
         self.head = nn.Linear(dim, config.num_classes) if config.num_classes else nn.Identity()
         # DeiT's distillation head reads the distillation token; in eval both heads are averaged.
         self.head_dist = (
             nn.Linear(dim, config.num_classes) if config.dist_token and config.num_classes else None
+        )
+        self.merger = PatchMerger(config) if config.merger_dim else None
+        self.deepstack_merger_list = (
+            nn.ModuleList(PatchMerger(config, postshuffle=True) for _ in config.deepstack_layers)
+            if config.deepstack_layers else None
         )
         self._init_weights()
 
@@ -532,11 +599,17 @@ class ViT(nn.Module):
 
     def rope_tables(self, grid_size: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The rotary (sin, cos) tables of a ``grid_size`` grid (default: the config's) on this model's
-        device, each (gh * gw, hd), shared and cached (vit_explorer.model.rope); None without rotary positions."""
-        if self.rope_spec is None:
+        device, each (gh * gw, hd), shared and cached (vit_explorer.model.rope); with window
+        attention, also each patch's window (a GridTables' ``windows``); None with neither."""
+        window = self.config.attn_window
+        if self.rope_spec is None and not window:
             return None
         device = self.patch_embed.proj.weight.device
-        return rope_tables(self.rope_spec, tuple(grid_size or self.config.grid_size), device)
+        grid_size = tuple(grid_size or self.config.grid_size)
+        sin, cos = (None, None) if self.rope_spec is None else rope_tables(self.rope_spec, grid_size, device)
+        if not window:
+            return sin, cos
+        return GridTables(sin, cos, window_ids(grid_size, window).to(device))
 
     def rope_angles(self, grid_size: tuple[int, int] | None = None) -> torch.Tensor | None:
         """(gh * gw, hd/2) each patch's rotation angles in radians (vit_explorer.model.rope.rope_angles)."""
@@ -555,11 +628,14 @@ class ViT(nn.Module):
             if token is not None
         ]
         if self.pos_embed is not None and self.config.no_embed_class:
-            x = x + resample_pos_embed(self.pos_embed, self.config.grid_size, self.grid_size(patch_size), 0)
+            x = x + resample_pos_embed(
+                self.pos_embed, self.config.grid_size, self.grid_size(patch_size), 0, self.config.pos_embed_interpolation
+            )
         x = torch.cat(prefix + [x], dim=1) if prefix else x
         if self.pos_embed is not None and not self.config.no_embed_class:
             x = x + resample_pos_embed(
-                self.pos_embed, self.config.grid_size, self.grid_size(patch_size), self.num_prefix_tokens
+                self.pos_embed, self.config.grid_size, self.grid_size(patch_size), self.num_prefix_tokens,
+                self.config.pos_embed_interpolation,
             )
         return self.pos_drop(x)  # (B, N, D)
 
@@ -629,3 +705,19 @@ class ViT(nn.Module):
 
     def forward(self, x: torch.Tensor, patch_size: int | None = None) -> torch.Tensor:
         return self.forward_head(self.forward_features(x, patch_size))
+
+    def merged(self, x: torch.Tensor, grid_size: tuple[int, int] | None = None) -> torch.Tensor:
+        """(B, N, D) tokens after the last block -> (B, gh/m * gw/m, merger_dim): what a Qwen-VL
+        language model reads of them (PatchMerger), row-major over the merged grid."""
+        if self.merger is None:
+            raise ValueError("this model has no patch merger (only Qwen-VL's towers do)")
+        return self.merger(x[:, x.shape[1] - math.prod(grid_size or self.config.grid_size):], grid_size or self.config.grid_size)
+
+    def deepstack(self, tokens: torch.Tensor, grid_size: tuple[int, int] | None = None) -> list[torch.Tensor]:
+        """A capture's tokens (B, depth + 1, N, D) -> Qwen3-VL's DeepStack features, one (B, gh/m *
+        gw/m, merger_dim) per layer of config.deepstack_layers: that block's output through its own merger."""
+        grid_size = grid_size or self.config.grid_size
+        return [
+            merger(tokens[:, layer + 1, tokens.shape[2] - math.prod(grid_size):], grid_size)
+            for layer, merger in zip(self.config.deepstack_layers, self.deepstack_merger_list or ())
+        ]

@@ -1,5 +1,6 @@
 """The vision tower inside a vision-language model's Hugging Face folder: LLaVA (1.5, NeXT,
-OneVision), PaliGemma and Gemma 3, whose towers are CLIP's or SigLIP's vision transformer.
+OneVision), PaliGemma and Gemma 3, whose towers are CLIP's or SigLIP's vision transformer
+(Qwen2.5-VL's and Qwen3-VL's have a reader of their own, from_qwen_vl, which reads its tensors here).
 
 Only the tower is read: its keys are picked from the shards' index (or the one file's header),
 only the shards that hold them are opened, and of those only the tower's tensors are read, so a
@@ -31,8 +32,8 @@ VLM_TOWERS = {
 }
 # VLMs whose towers need pieces our ViT does not have yet: each refused in a sentence that says why.
 VLM_UNSUPPORTED = {
-    "qwen2_vl": "window attention and 2D rotary positions", "qwen2_5_vl": "window attention and 2D rotary positions",
-    "qwen3_vl": "2D rotary positions and a patch merger", "internvl": "InternViT's RMSNorm and LayerScale",
+    "qwen2_vl": "LayerNorm blocks with a QuickGELU MLP (Qwen2.5-VL's we read)",
+    "internvl": "InternViT's RMSNorm and LayerScale",
     "idefics3": "SigLIP patches of any aspect ratio", "smolvlm": "SigLIP patches of any aspect ratio",
     "mllama": "tiled cross-attention", "aimv2": "RMSNorm and SwiGLU",
 }
@@ -95,9 +96,13 @@ def language_model_reads(hf_config: dict, name: str) -> dict:
     return fields
 
 
-def read_tower(folder: Path, name: str) -> dict[str, torch.Tensor]:
+def read_tower(
+    folder: Path, name: str, prefixes: tuple[str, ...] = _PREFIXES, patch_key: str = _PATCH_KEY
+) -> dict[str, torch.Tensor]:
     """The tower's tensors, prefix removed, from the folder's safetensors (one file, or the
-    shards its index names, each checked to lie inside the folder before any is opened)."""
+    shards its index names, each checked to lie inside the folder before any is opened): those
+    under the first of ``prefixes`` that holds ``patch_key`` (another VLM's names: Qwen-VL's
+    ``visual.``)."""
     if os.path.lexists(folder / INDEX_FILE):
         index = read_json(folder_file(folder, INDEX_FILE, INDEX_FILE), INDEX_FILE, name)
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
@@ -110,7 +115,7 @@ def read_tower(folder: Path, name: str) -> dict[str, torch.Tensor]:
         keys = _keys(folder_file(folder, WEIGHTS_FILE, WEIGHTS_FILE))
     else:
         raise CheckpointError(f"{name} is a vision-language model without {WEIGHTS_FILE} or {INDEX_FILE}; we read its tower from safetensors only")
-    prefix, wanted = tower_keys(keys, name)
+    prefix, wanted = tower_keys(keys, name, prefixes, patch_key)
     shards: dict[Path, list[str]] = {}
     for key in wanted:
         shard = WEIGHTS_FILE if weight_map is None else weight_map[key]
@@ -124,12 +129,15 @@ def read_tower(folder: Path, name: str) -> dict[str, torch.Tensor]:
     return state
 
 
-def tower_keys(keys: list[str], name: str) -> tuple[str, list[str]]:
-    """(the tower's prefix, the names of its tensors) among a VLM's tensor names."""
+def tower_keys(
+    keys: list[str], name: str, prefixes: tuple[str, ...] = _PREFIXES, patch_key: str = _PATCH_KEY
+) -> tuple[str, list[str]]:
+    """(the tower's prefix, the names of its tensors) among a VLM's tensor names: those under the
+    first of ``prefixes`` that holds ``patch_key``."""
     present = set(keys)
-    prefix = next((prefix for prefix in _PREFIXES if prefix + _PATCH_KEY in present), None)
+    prefix = next((prefix for prefix in prefixes if prefix + patch_key in present), None)
     if prefix is None:
-        raise CheckpointError(f"{name} holds no vision tower's weights (no vision_tower.*{_PATCH_KEY})")
+        raise CheckpointError(f"{name} holds no vision tower's weights (no {prefixes[-1]}*{patch_key})")
     wanted = [key for key in keys if key.startswith(prefix)]
     if len(wanted) > MAX_TENSORS:
         raise CheckpointError(f"{name}'s vision tower has {len(wanted)} tensors; a ViT has fewer than {MAX_TENSORS}")
