@@ -301,3 +301,40 @@ def test_masks_figure_darkens_the_dropped_patches():
     assert fig.layout.title.text == "Patches holding 60% of the class token's attention in layer 3, per head"
     veils = [trace.z for trace in fig.data if trace.type == "heatmap"]
     assert veils[0][0][0] == 0.0 and veils[0][1][2] == 1.0 and veils[1].min() == 1.0
+
+
+def test_aimv2_matches_timm(tmp_path):
+    """Apple's AIMv2 as timm builds it: RMSNorm everywhere (eps 1e-5), a norm on the patch
+    embeddings, SwiGLU without biases, an output projection without one, no class token, the
+    patches averaged after the final norm; CLIP's mean and std, told by that structure."""
+    reference = timm_reference("aimv2_large_patch14_224", num_classes=0, patch_size=8, mlp_ratio=2.75)
+    for module in reference.modules():  # RMSNorm weights away from 1, so that a norm left out shows
+        if isinstance(module, timm.layers.RmsNorm):
+            module.weight.normal_(1.0, 0.3)
+    model = load_from_timm(reference, tmp_path / "aimv2.safetensors")
+    config = model.config
+    assert (config.norm_layer, config.patch_norm, config.linear_bias, config.class_token, config.layer_norm_eps) == (
+        "rmsnorm", True, False, False, 1e-5)
+    assert config.normalization_source.startswith("structure: AIMv2")
+    x = _images()
+    captured = vx.capture(model, x)
+    expected = [reference.norm_pre(reference._pos_embed(reference.patch_embed(x)))]
+    for block in reference.blocks:
+        expected.append(block(expected[-1]))
+    # float32's own spread (tokens up to 4: 5e-5); in float64 the two agree to 1e-13
+    torch.testing.assert_close(captured.tokens, torch.stack(expected, 1), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(captured.logits, reference(x), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(model.double()(x.double()), reference.double()(x.double()), atol=1e-10, rtol=1e-10)
+
+
+def test_aimv2_large_loads_at_full_size_on_the_meta_device():
+    """AIMv2-L/14's every tensor, as timm names them, is the shape our model infers for it."""
+    from vit_explorer.weights.infer import infer_config
+
+    with torch.device("meta"):
+        reference = timm.create_model("aimv2_large_patch14_224", pretrained=False)
+        state = reference.state_dict()
+        config = infer_config(state, {}, {"num_heads": 8}, "aimv2-L")
+        ours = vx.ViT(config)
+    assert {key: value.shape for key, value in ours.state_dict().items()} == {key: value.shape for key, value in state.items()}
+    assert (config.embed_dim, config.depth, config.img_size, config.mlp_hidden) == (1024, 24, (224, 224), 2816)

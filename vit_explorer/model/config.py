@@ -159,6 +159,10 @@ class ViTConfig(_JsonConfig):
     scale_mlp: bool = False
     swiglu_align_to: int = 0
     norm_layer: str = "layernorm"  # every norm of the model: "layernorm" or "rmsnorm" (NORM_LAYERS)
+    # AIMv2: a norm on the patch embeddings (timm's embed_norm_layer), and linear layers without
+    # biases after the qkv (the attention's output projection and the MLP's).
+    patch_norm: bool = False
+    linear_bias: bool = True
     # Window attention (Qwen2.5-VL): a patch attends only to the patches of its attn_window x
     # attn_window square (tiled from the top-left corner; 0: none), except in the blocks numbered in
     # full_attention_blocks, which attend to every token.
@@ -263,7 +267,7 @@ class ViTConfig(_JsonConfig):
         flags = (
             "qkv_bias", "class_token", "dist_token", "no_embed_class", "pre_norm", "patch_bias", "abs_pos_embed",
             "qkv_fused", "scale_attn_inner", "swiglu_mlp", "scale_mlp", "pool_include_prefix", "final_norm",
-            "language_model_drops_class_token",
+            "language_model_drops_class_token", "patch_norm", "linear_bias",
         )
         for name in flags:
             if not isinstance(getattr(self, name), bool):

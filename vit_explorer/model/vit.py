@@ -166,6 +166,7 @@ class PatchEmbed(nn.Module):
             config.in_chans, config.embed_dim, kernel_size=config.patch_size, stride=config.patch_size,
             bias=config.patch_bias,
         )
+        self.norm = norm_layer(config, config.embed_dim) if config.patch_norm else nn.Identity()
 
     def forward(self, x: torch.Tensor, patch_size: int | None = None) -> torch.Tensor:
         height, width = self.img_size
@@ -181,7 +182,7 @@ class PatchEmbed(nn.Module):
                 raise ValueError(f"patch size {patch_size} does not tile {height}x{width} images")
             weight = resample_patch_embed(weight, patch_size)
         patches = rearrange(x, "b c (gh ph) (gw pw) -> b (gh gw) (c ph pw)", ph=patch_size, pw=patch_size)
-        return F.linear(patches, weight.flatten(1), self.proj.bias)  # (B, gh*gw, D)
+        return self.norm(F.linear(patches, weight.flatten(1), self.proj.bias))  # (B, gh*gw, D)
 
 
 class Softmax(nn.Softmax):
@@ -244,7 +245,7 @@ class Attention(nn.Module):
         self.attend = Softmax(dim=-1)
         self.attn_drop = nn.Dropout(config.attn_drop_rate)
         self.norm = nn.LayerNorm(dim, eps=config.layer_norm_eps) if config.scale_attn_inner else nn.Identity()
-        self.proj = nn.Linear(dim, dim)
+        self.proj = nn.Linear(dim, dim, bias=config.linear_bias)
         self.proj_drop = nn.Dropout(config.drop_rate)
 
     def _qkv(self, x: torch.Tensor) -> torch.Tensor:
@@ -348,19 +349,20 @@ class Mlp(nn.Module):
         dim, hidden = config.embed_dim, config.mlp_hidden
         self.gated = config.swiglu_mlp
         self.packed = self.gated and not (config.scale_mlp or config.swiglu_align_to)
+        bias = config.linear_bias
         if not self.gated:
-            self.fc1 = nn.Linear(dim, hidden)
+            self.fc1 = nn.Linear(dim, hidden, bias=bias)
             self.act = activation(config.act_layer)
         elif not self.packed:
-            self.fc1_g = nn.Linear(dim, hidden)
-            self.fc1_x = nn.Linear(dim, hidden)
+            self.fc1_g = nn.Linear(dim, hidden, bias=bias)
+            self.fc1_x = nn.Linear(dim, hidden, bias=bias)
             self.act = nn.SiLU()
         else:
-            self.fc1 = nn.Linear(dim, 2 * hidden)
+            self.fc1 = nn.Linear(dim, 2 * hidden, bias=bias)
             self.act = nn.SiLU()
         self.drop1 = nn.Dropout(config.drop_rate)
         self.norm = nn.LayerNorm(hidden, eps=config.layer_norm_eps) if config.scale_mlp else nn.Identity()
-        self.fc2 = nn.Linear(hidden, dim)
+        self.fc2 = nn.Linear(hidden, dim, bias=bias)
         self.drop2 = nn.Dropout(config.drop_rate)
 
     def hidden(self, x: torch.Tensor) -> torch.Tensor:

@@ -28,6 +28,7 @@ from ..model.config import IMAGENET_MEAN, IMAGENET_STD, OPENAI_CLIP_MEAN, OPENAI
 from ..model.rope import RopeSpec, _frequencies
 from ..model.vit import from_timm_eva
 from .checks import CheckpointError
+from .normalization import is_aimv2
 
 # Keys only an Eva (timm) or Meta's DINOv3 has: LayerScale's gamma_1, q/v biases, EVA-02's
 # separate projections and split SwiGLU; Meta's registers, rotary periods, masked k bias and SwiGLU.
@@ -55,7 +56,8 @@ EVA = dict(layer_norm_eps=1e-6, mean=OPENAI_CLIP_MEAN, std=OPENAI_CLIP_STD, norm
 
 
 def recognises(state: dict[str, torch.Tensor]) -> bool:
-    return any(_EVA_KEYS.match(key) for key in state)
+    # AIMv2's SwiGLU has Eva's fc1_g, but it is timm's plain ViT, named as ours.
+    return not is_aimv2(state) and any(_EVA_KEYS.match(key) for key in state)
 
 
 def convert(state: dict[str, torch.Tensor], name: str) -> tuple[dict[str, torch.Tensor], dict]:

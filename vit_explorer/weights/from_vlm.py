@@ -35,7 +35,7 @@ VLM_UNSUPPORTED = {
     "qwen2_vl": "LayerNorm blocks with a QuickGELU MLP (Qwen2.5-VL's we read)",
     "internvl": "InternViT's RMSNorm and LayerScale",
     "idefics3": "SigLIP patches of any aspect ratio", "smolvlm": "SigLIP patches of any aspect ratio",
-    "mllama": "tiled cross-attention", "aimv2": "RMSNorm and SwiGLU",
+    "mllama": "tiled cross-attention", "aimv2": "a reader of transformers' AIMv2 names (timm's aimv2_* files load)",
 }
 _PREFIXES = ("vision_tower.vision_model.", "model.vision_tower.vision_model.", "model.vision_tower.", "vision_tower.")
 INDEX_FILE = "model.safetensors.index.json"

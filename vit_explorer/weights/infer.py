@@ -19,7 +19,7 @@ import torch
 from ..model.config import ViTConfig, _brief
 from .checks import MAX_BLOCKS, MAX_REGISTERS, CheckpointError
 from .from_eva import perception_encoder
-from .normalization import from_structure
+from .normalization import from_structure, is_aimv2
 
 # Every ViT we build has these; a state dict without them is not one. Each tuple: one of its keys
 # (a fused qkv or EVA-02's separate projections; a plain or packed fc1, or SwiGLU's gate fc1_g).
@@ -117,8 +117,13 @@ def _architecture(state: dict[str, torch.Tensor], name: str) -> dict:
         "pre_norm": "norm_pre.weight" in state,
         "final_norm": "norm.weight" in state or "fc_norm.weight" in state,
         "patch_bias": "patch_embed.proj.bias" in state,
-        # A CLIP image tower (norm_pre, no patch bias) is built by timm with LayerNorm eps 1e-5.
-        "layer_norm_eps": 1e-5 if "norm_pre.weight" in state and "patch_embed.proj.bias" not in state else 1e-6,
+        # A CLIP image tower (norm_pre, no patch bias) is built by timm with LayerNorm eps 1e-5, AIMv2
+        # with RMSNorm eps 1e-5.
+        "layer_norm_eps": 1e-5 if ("norm_pre.weight" in state and "patch_embed.proj.bias" not in state) or is_aimv2(state) else 1e-6,
+        # timm's RmsNorm has a weight and no bias; every LayerNorm we read has both.
+        "norm_layer": "rmsnorm" if "blocks.0.norm1.weight" in state and "blocks.0.norm1.bias" not in state else "layernorm",
+        "patch_norm": "patch_embed.norm.weight" in state,
+        "linear_bias": "blocks.0.attn.proj.bias" in state,
         # Mean pooling without fc_norm weights means the final norm comes before the pooling.
         "fc_norm": None if "fc_norm.weight" in state or not mean_pool else False,
         # LayerScale's init value only matters for training from scratch; the weights set gamma.

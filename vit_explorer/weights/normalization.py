@@ -34,6 +34,12 @@ def _fields(mean, std, source: str) -> dict:
     return {"mean": tuple(mean), "std": tuple(std), "normalization_source": source}
 
 
+def is_aimv2(state: dict[str, torch.Tensor]) -> bool:
+    """Apple's AIMv2 as timm names it: a norm on the patch embeddings, RMSNorms (weights without a
+    bias), no class token."""
+    return "patch_embed.norm.weight" in state and "blocks.0.norm1.bias" not in state and "cls_token" not in state
+
+
 def from_structure(state: dict[str, torch.Tensor]) -> dict:
     """mean, std and normalization_source (ViTConfig fields) told by a converted (timm-named)
     state dict's structure, or assumed where it does not tell (module docstring)."""
@@ -44,6 +50,8 @@ def from_structure(state: dict[str, torch.Tensor]) -> dict:
     registers = state["reg_token"].shape[1] if "reg_token" in state and state["reg_token"].dim() == 3 else 0
     if "norm_pre.weight" in state and "patch_embed.proj.bias" not in state:
         return _fields(OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, "structure: CLIP's image tower (a pre-norm, no patch bias)")
+    if is_aimv2(state):
+        return _fields(OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, "structure: AIMv2 (RMSNorm, a patch-embedding norm)")
     if "dist_token" in state:
         return _fields(IMAGENET_MEAN, IMAGENET_STD, "structure: DeiT's distillation token")
     if "attn_pool.latent" in state:
