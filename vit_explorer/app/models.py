@@ -350,11 +350,13 @@ def language_model_reads(config, grid_size: tuple[int, int]) -> tuple[str, str] 
         return sentence, shapes
     dropped = config.language_model_drops_class_token and config.class_token
     tokens = patches + (0 if dropped else config.num_prefix_tokens)
-    pooling = config.language_model_pooling
+    pooling, shuffle = config.language_model_pooling, config.language_model_shuffle
     sentence = (
         f"This is the vision tower of a vision-language model: its language model reads {which}"
         + (", without the class token" if dropped else "") + f", {tokens:,} image tokens of {config.embed_dim} numbers"
         + (f", which its projector averages {pooling} x {pooling} at a time into {tokens // pooling**2:,}" if pooling > 1 else "")
+        + (f", which its projector joins {shuffle} x {shuffle} at a time (pixel shuffle) into {tokens // shuffle**2:,} of"
+           f" {shuffle**2 * config.embed_dim:,} numbers" if shuffle > 1 else "")
         + ", and its projector maps each into the language model's own embedding space, where they stand"
         " beside the words of the prompt. Nothing here is a prediction: the tower describes, the language model answers."
     )
@@ -362,6 +364,7 @@ def language_model_reads(config, grid_size: tuple[int, int]) -> tuple[str, str] 
         f"({patches + config.num_prefix_tokens}, {config.embed_dim})"
         + (f" -> drop the class token -> ({tokens}, {config.embed_dim})" if dropped else "")
         + (f" -> pool {pooling}x{pooling} -> ({tokens // pooling**2}, {config.embed_dim})" if pooling > 1 else "")
+        + (f" -> join {shuffle}x{shuffle} -> ({tokens // shuffle**2}, {shuffle**2 * config.embed_dim})" if shuffle > 1 else "")
         + " -> projector -> the language model"
     )
     return sentence, shapes

@@ -117,10 +117,12 @@ class ViTConfig(_JsonConfig):
     layer_norm_eps: float = 1e-6
     # A VLM's vision tower (weights/from_vlm.py): which of capture's tokens its language model reads
     # (0 the embeddings, depth the last block's output, depth + 1 those after the final norm; None:
-    # no VLM's tower), whether without the class token, and its projector's average pooling per side.
+    # no VLM's tower), whether without the class token, its projector's average pooling per side,
+    # and its pixel shuffle (InternVL: each s x s square of patch tokens joined into one vector).
     language_model_layer: int | None = None
     language_model_drops_class_token: bool = False
     language_model_pooling: int = 1
+    language_model_shuffle: int = 1
     pre_norm: bool = False  # a LayerNorm (norm_pre) on the tokens before the first block (CLIP)
     final_norm: bool = True  # the LayerNorm after the last block (InternViT-300M, PE spatial have none)
     patch_bias: bool = True  # the patch embedding's bias (CLIP has none)
@@ -273,6 +275,7 @@ class ViTConfig(_JsonConfig):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, not {_brief(getattr(self, name))}")
         _check_whole("language_model_pooling", self.language_model_pooling, 1)
+        _check_whole("language_model_shuffle", self.language_model_shuffle, 1)
         # Not checked against depth: a copy with fewer blocks (build's shape check) keeps it; its reader checks it.
         if self.language_model_layer is not None:
             _check_whole("language_model_layer", self.language_model_layer, 0)

@@ -11,7 +11,7 @@ is read.
     from_timm.py, from_torchvision.py, from_huggingface.py
                          each source's state dict renamed to ours, with what the shapes cannot tell
     from_open_clip.py    open_clip's folders (CLIP, SigLIP): the image tower of both, its projection apart
-    from_vlm.py, from_qwen_vl.py
+    from_vlm.py, from_qwen_vl.py, from_internvl.py
                          a VLM folder's vision tower (LLaVA, PaliGemma, Gemma 3; Qwen2.5-VL's and Qwen3-VL's)
     from_huggingface_text.py
                          a Hugging Face CLIP / SigLIP folder's text tower under open_clip's names,
@@ -39,7 +39,7 @@ import torch
 
 from ..model.config import ViTConfig
 from ..model.vit import ViT, from_timm_eva
-from . import catalogue, from_eva, from_huggingface, from_open_clip, from_qwen_vl, from_timm, from_torchvision, from_vlm
+from . import catalogue, from_eva, from_huggingface, from_internvl, from_open_clip, from_qwen_vl, from_timm, from_torchvision, from_vlm
 from .build import build
 from .checks import CheckpointError, read_tensors
 from .from_torchvision import TORCHVISION_VITS
@@ -81,6 +81,9 @@ def load_model(path: str | os.PathLike, **overrides) -> ViT:
         hf_config = from_huggingface.read_config(path, path.name)
         if from_qwen_vl.recognises(hf_config):  # Qwen2.5-VL's windowed tower, Qwen3-VL's; their mergers
             converted, known = from_qwen_vl.read(path, hf_config, path.name)
+            return _model_from_state(converted, known, overrides, path.name)
+        if from_internvl.recognises(hf_config):  # InternVL's InternViT-300M
+            converted, known = from_internvl.read(path, hf_config, path.name)
             return _model_from_state(converted, known, overrides, path.name)
         if from_vlm.is_vlm(hf_config):  # a VLM's folder: its vision tower alone
             tower = from_vlm.tower_config(hf_config, path.name)

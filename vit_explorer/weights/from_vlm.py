@@ -1,6 +1,7 @@
 """The vision tower inside a vision-language model's Hugging Face folder: LLaVA (1.5, NeXT,
 OneVision), PaliGemma and Gemma 3, whose towers are CLIP's or SigLIP's vision transformer
-(Qwen2.5-VL's and Qwen3-VL's have a reader of their own, from_qwen_vl, which reads its tensors here).
+(Qwen2.5-VL's and Qwen3-VL's have a reader of their own, from_qwen_vl, InternVL's from_internvl;
+both read their tensors here).
 
 Only the tower is read: its keys are picked from the shards' index (or the one file's header),
 only the shards that hold them are opened, and of those only the tower's tensors are read, so a
@@ -33,7 +34,6 @@ VLM_TOWERS = {
 # VLMs whose towers need pieces our ViT does not have yet: each refused in a sentence that says why.
 VLM_UNSUPPORTED = {
     "qwen2_vl": "LayerNorm blocks with a QuickGELU MLP (Qwen2.5-VL's we read)",
-    "internvl": "InternViT's RMSNorm and LayerScale",
     "idefics3": "SigLIP patches of any aspect ratio", "smolvlm": "SigLIP patches of any aspect ratio",
     "mllama": "tiled cross-attention", "aimv2": "a reader of transformers' AIMv2 names (timm's aimv2_* files load)",
 }
