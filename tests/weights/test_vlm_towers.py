@@ -30,6 +30,11 @@ def _vlm(kind: str):
         config = t.Gemma3Config(vision_config=siglip, text_config=t.Gemma3TextConfig(**TEXT, head_dim=16).to_dict(),
                                 mm_tokens_per_image=4, image_token_index=2999, boi_token_index=2997, eoi_token_index=2998)
         return t.Gemma3ForConditionalGeneration(config)
+    if kind in ("idefics3", "smolvlm"):
+        prefix = "Idefics3" if kind == "idefics3" else "SmolVLM"
+        vision = getattr(t, f"{prefix}VisionConfig")(**VISION).to_dict()
+        config = getattr(t, f"{prefix}Config")(vision_config=vision, text_config=t.LlamaConfig(**TEXT).to_dict(), image_token_id=2999)
+        return getattr(t, f"{prefix}ForConditionalGeneration")(config)
     config = t.LlavaOnevisionConfig(vision_config=siglip, text_config=t.Qwen2Config(**TEXT).to_dict(), image_token_index=2999, video_token_index=2998)
     return t.LlavaOnevisionForConditionalGeneration(config)
 
@@ -100,3 +105,30 @@ def test_a_vlm_folder_without_a_tower_or_of_an_unknown_kind_is_a_sentence(tmp_pa
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(vx.CheckpointError, match="no vision tower"):
         vx.load_model(folder)
+
+
+@pytest.mark.parametrize("kind", ["idefics3", "smolvlm"])
+def test_the_siglip_tower_of_idefics3_and_smolvlm_matches_its_own(tmp_path, kind):
+    """SigLIP's layers under Idefics3's names, on one square tile (the tower's image size): every
+    layer's tokens, the normed tokens its connector joins 2 x 2 (pixel shuffle), the language
+    model's shards never opened."""
+    torch.manual_seed(0)
+    reference = _vlm(kind).eval()
+    with torch.no_grad():
+        for name, parameter in reference.model.vision_model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                parameter.mul_(6)
+    reference.save_pretrained(tmp_path / kind, max_shard_size="100KB")
+    index = json.loads((tmp_path / kind / "model.safetensors.index.json").read_text())["weight_map"]
+    for shard in set(index.values()) - {shard for key, shard in index.items() if "vision_model" in key}:
+        (tmp_path / kind / shard).write_bytes(b"not the language model")
+    model = vx.load_model(tmp_path / kind)
+    images = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = reference.model.vision_model(pixel_values=images, output_hidden_states=True)
+    captured = vx.capture(model, images)
+    torch.testing.assert_close(captured.tokens, torch.stack(expected.hidden_states, 1), atol=1e-4, rtol=1e-4)
+    with torch.no_grad():  # what the connector reads: the tokens after the final norm
+        torch.testing.assert_close(model.norm(captured.tokens[:, -1]), expected.last_hidden_state, atol=1e-4, rtol=1e-4)
+    config = model.config
+    assert (config.language_model_layer, config.language_model_shuffle, config.class_token) == (3, 2, False)

@@ -1,5 +1,6 @@
 """The vision tower inside a vision-language model's Hugging Face folder: LLaVA (1.5, NeXT,
-OneVision), PaliGemma and Gemma 3, whose towers are CLIP's or SigLIP's vision transformer
+OneVision), PaliGemma, Gemma 3, Idefics3 and SmolVLM, whose towers are CLIP's or SigLIP's vision
+transformer
 (Qwen2.5-VL's and Qwen3-VL's have a reader of their own, from_qwen_vl, InternVL's from_internvl;
 both read their tensors here).
 
@@ -30,14 +31,19 @@ VLM_TOWERS = {
     "llava_onevision": ("siglip_vision_model",),
     "paligemma": ("siglip_vision_model",),
     "gemma3": ("siglip_vision_model",),
+    # SigLIP's layers under names of their own; one square tile (or the whole picture squeezed) at a time
+    "idefics3": ("idefics3_vision",), "smolvlm": ("smolvlm_vision",),
 }
+_SIGLIP_LIKE = {"idefics3_vision", "smolvlm_vision"}
 # VLMs whose towers need pieces our ViT does not have yet: each refused in a sentence that says why.
 VLM_UNSUPPORTED = {
     "qwen2_vl": "LayerNorm blocks with a QuickGELU MLP (Qwen2.5-VL's we read)",
-    "idefics3": "SigLIP patches of any aspect ratio", "smolvlm": "SigLIP patches of any aspect ratio",
     "mllama": "tiled cross-attention", "aimv2": "a reader of transformers' AIMv2 names (timm's aimv2_* files load)",
 }
-_PREFIXES = ("vision_tower.vision_model.", "model.vision_tower.vision_model.", "model.vision_tower.", "vision_tower.")
+_PREFIXES = (
+    "vision_tower.vision_model.", "model.vision_tower.vision_model.", "model.vision_tower.", "vision_tower.",
+    "model.vision_model.",  # Idefics3's and SmolVLM's
+)
 INDEX_FILE = "model.safetensors.index.json"
 WEIGHTS_FILE = "model.safetensors"
 _PATCH_KEY = "embeddings.patch_embedding.weight"
@@ -65,14 +71,17 @@ def tower_config(hf_config: dict, name: str) -> dict:
             f" ({', '.join(VLM_TOWERS[model_type])})"
         )
     preprocessing = {key: hf_config[key] for key in ("image_mean", "image_std") if key in hf_config}
+    if tower_type in _SIGLIP_LIKE:  # SigLIP's vision transformer without its pool, as PaliGemma's
+        return {**preprocessing, **vision, "model_type": "siglip_vision_model", "vision_use_head": False}
     return {**preprocessing, **vision}
 
 
 def language_model_reads(hf_config: dict, name: str) -> dict:
     """The ViTConfig fields that say what the language model reads of the tower: LLaVA's
     vision_feature_layer (-2, the penultimate block's output) without the class token
-    ("default"); PaliGemma's and Gemma 3's the tokens after the final norm, Gemma 3's projector
-    averaging them down to mm_tokens_per_image."""
+    ("default"); PaliGemma's, Gemma 3's, Idefics3's and SmolVLM's the tokens after the final norm,
+    Gemma 3's projector averaging them down to mm_tokens_per_image, Idefics3's connector joining
+    scale_factor x scale_factor squares (pixel shuffle)."""
     vision = hf_config["vision_config"]
     depth = vision.get("num_hidden_layers")
     if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
@@ -86,6 +95,12 @@ def language_model_reads(hf_config: dict, name: str) -> dict:
             "language_model_drops_class_token": hf_config.get("vision_feature_select_strategy", "default") == "default",
         }
     fields = {"language_model_layer": depth + 1}
+    if hf_config["model_type"] in ("idefics3", "smolvlm"):  # the connector's pixel shuffle
+        scale = hf_config.get("scale_factor", 2)
+        side = vision.get("image_size", 0) // max(vision.get("patch_size", 1), 1)
+        if not isinstance(scale, int) or isinstance(scale, bool) or scale < 1 or side % scale:
+            raise CheckpointError(f"{name}'s scale_factor {scale!r} does not join its {side} x {side} patches into squares")
+        fields["language_model_shuffle"] = scale
     if hf_config["model_type"] == "gemma3":
         side = vision.get("image_size", 0) // max(vision.get("patch_size", 1), 1)
         per_image = hf_config.get("mm_tokens_per_image", 256)
