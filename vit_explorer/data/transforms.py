@@ -101,6 +101,25 @@ def crops(size: tuple[int, int], config: ViTConfig) -> bool:
     return max(abs(left), abs(top), abs(right - width), abs(bottom - height)) > 0.5
 
 
+def reshapes(config: ViTConfig) -> bool:
+    """Whether the publisher's input is other than the whole picture squeezed (it crops or pads)."""
+    return config.resize_mode != "squash" or config.crop_pct != 1
+
+
+def describe(size: tuple[int, int], config: ViTConfig, whole: bool = False) -> str:
+    """What the input shows of a picture of ``size`` (width, height), in a sentence's words."""
+    height, width = config.img_size
+    if whole or not reshapes(config):
+        return f"the whole picture squeezed to {width}x{height} px"
+    spot = placement(size, config)
+    resized = f"resized to {spot.resized[0]}x{spot.resized[1]} px"
+    if config.resize_mode == "longest":
+        return f"the whole picture {resized} and padded to {width}x{height} px, as its publisher does"
+    if not crops(size, config):
+        return f"the whole picture {resized}, as its publisher does"
+    return f"the picture {resized}, its centre {width}x{height} px kept (the rest dimmed), as its publisher crops it"
+
+
 _TORCHVISION_FILTERS = {
     "bicubic": Image.Resampling.BICUBIC, "bilinear": Image.Resampling.BILINEAR, "nearest": Image.Resampling.NEAREST,
 }

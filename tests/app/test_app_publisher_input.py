@@ -1,0 +1,78 @@
+"""The publisher's input in the app: a model whose publisher crops reads the sidebar's picture
+cropped (the crop drawn on the picture), the whole picture one choice away, for that session only;
+the pages that draw on the picture draw on what the model read."""
+import numpy as np
+import pytest
+
+import vit_explorer as vx
+from vit_explorer.analysis import display_image
+from vit_explorer.app import images, memo, models
+from apptest import PHOTO, errors, open_app, tiny_default, tiny_model, widget  # noqa: F401 (tiny_default: autouse)
+
+CROPPED = dict(resize_mode="shortest", crop_pct=0.875)
+
+
+@pytest.fixture
+def cropping_default(tiny_default):
+    """The app's default model as a publisher that crops (timm's crop_pct 0.875)."""
+    vx.save_model(tiny_model(**CROPPED), tiny_default)
+    return tiny_default
+
+
+def _shown(app, key: tuple) -> np.ndarray:
+    shown = memo.shared_results().get(key)
+    assert shown is not None, key
+    return shown
+
+
+def test_the_sidebars_choice_switches_between_the_crop_and_the_whole_picture(cropping_default):
+    app = open_app("views/attention.py")
+    app.selectbox(key="image_picker").set_value("photo:chelsea.png").run()
+    assert not app.exception and errors(app) == []
+    choice = widget(app.sidebar.radio, "Input")
+    assert choice.value is False
+    captions = " ".join(caption.value for caption in app.sidebar.caption)
+    assert "The model reads the picture resized to 54x36 px, its centre 32x32 px kept" in captions
+    config = models.base_model(models.DEFAULT_MODEL).config
+    picture = vx.load_image(PHOTO)
+    key = (models.DEFAULT_MODEL, 4, (32, 32), "photo:chelsea.png", "display image")
+    cropped = display_image(vx.preprocess(picture, config), config)
+    np.testing.assert_array_equal(_shown(app, key), cropped)
+
+    choice.set_value(True).run()
+    assert not app.exception and errors(app) == []
+    assert "The model reads the whole picture squeezed to 32x32 px" in " ".join(c.value for c in app.sidebar.caption)
+    whole = display_image(vx.preprocess(picture, config, whole=True), config)
+    np.testing.assert_array_equal(_shown(app, ((models.DEFAULT_MODEL, "whole picture"), *key[1:])), whole)
+    assert np.abs(whole.astype(int) - cropped).max() > 50  # another picture indeed
+    for page in ("views/patches.py", "views/pipeline.py", "views/images.py", "views/attention.py"):
+        app.switch_page(page).run()
+        assert not app.exception, (page, app.exception)
+        assert widget(app.sidebar.radio, "Input").value is True  # kept across pages
+
+    other = open_app("views/attention.py")  # another session: the publisher's crop
+    assert widget(other.sidebar.radio, "Input").value is False
+    other.switch_page("views/images.py").run()
+    assert not other.exception
+
+
+def test_a_model_that_reads_the_whole_picture_offers_no_choice():
+    app = open_app()
+    assert "Input" not in [radio.label for radio in app.sidebar.radio]
+    assert any("The model reads the whole picture squeezed" in caption.value for caption in app.sidebar.caption)
+
+
+def test_the_crop_is_drawn_on_the_sidebars_picture():
+    from PIL import Image
+    import io
+
+    picture = vx.load_image(PHOTO)
+    config = tiny_model(**CROPPED).config
+    from vit_explorer.data.transforms import visible_box
+
+    drawn = np.asarray(Image.open(io.BytesIO(images.sidebar_image("photo:chelsea.png", picture, visible_box(picture.size, config)))))
+    plain = np.asarray(Image.open(io.BytesIO(images.sidebar_image("photo:chelsea.png", picture))))
+    width = drawn.shape[1]
+    # The sides left out are dimmed; the centre is the picture.
+    assert drawn[:, : width // 10].mean() < 0.5 * plain[:, : width // 10].mean()
+    assert abs(drawn[40:-40, width // 2 - 20: width // 2 + 20].mean() - plain[40:-40, width // 2 - 20: width // 2 + 20].mean()) < 3
