@@ -204,12 +204,11 @@ with st.sidebar:
             width, height = selection.image.size
             reshaped = transforms.reshapes(selection.config)
             shown = None if selection.whole or not reshaped else transforms.visible_box(selection.image.size, selection.config)
-            read = transforms.describe(selection.image.size, selection.config, selection.whole)
             st.image(
                 images.sidebar_image(selection.image_key, selection.image, shown), caption=f"{width}x{height} px as given",
                 width=160,
             )
-            st.caption(f"The model reads {read}.")
+            st.caption(f"The model reads {selection.input_described()}.")
             if reshaped:
                 st.radio(
                     "Input", [False, True], horizontal=True,

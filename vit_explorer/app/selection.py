@@ -24,6 +24,7 @@ from ..analysis.image_set import MAX_IMAGES, MIN_IMAGES, first_component, last_l
 from ..analysis.test_time_registers import RegisterNeurons, TestTimeRegister, find_register_neurons, register_capture
 from ..data.datasets import SHAPE_CLASSES
 from ..data.images import preprocess
+from ..data.transforms import describe
 from ..model.capture import Capture, capture, layer_attention, layer_attentions, layer_internals
 from ..model.internals import LayerInternals
 from ..model.vit import ViT
@@ -195,6 +196,10 @@ class Selection:
             lambda: image_features(models.model_at(self.model_key, self.patch_size, size, self.normalization), image),
             spinner=f"Reading the picture at {size[0]}x{size[1]} px ...",
         )
+
+    def input_described(self) -> str:
+        """What the model reads of the picture, in words (data/transforms.describe)."""
+        return describe(self.image.size, self.config, self.whole)
 
     def model_input(self) -> torch.Tensor:
         return self.preprocess(self.image)  # (1, C, H, W)

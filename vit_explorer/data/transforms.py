@@ -117,7 +117,7 @@ def describe(size: tuple[int, int], config: ViTConfig, whole: bool = False) -> s
         return f"the whole picture {resized} and padded to {width}x{height} px, as its publisher does"
     if not crops(size, config):
         return f"the whole picture {resized}, as its publisher does"
-    return f"the picture {resized}, its centre {width}x{height} px kept (the rest dimmed), as its publisher crops it"
+    return f"the picture {resized}, its centre {width}x{height} px kept, as its publisher crops it"
 
 
 _TORCHVISION_FILTERS = {
