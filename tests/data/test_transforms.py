@@ -19,7 +19,8 @@ from vit_explorer.weights import CheckpointError, catalogue
 from textmodels import SMALL_CLIP, SMALL_SIGLIP_TEXT, open_clip, open_clip_folder
 
 SAMPLE = Path(__file__).resolve().parents[2] / "assets" / "samples" / "chelsea.png"
-SIZES = {"square": (300, 300), "wide": (640, 200), "tall": (200, 640), "odd": (451, 300)}
+# "offset": 39 px wide at 32 high, so a 32 px crop starts at 3.5, rounded by torchvision, truncated by transformers.
+SIZES = {"square": (300, 300), "wide": (640, 200), "tall": (200, 640), "odd": (451, 300), "offset": (366, 300)}
 LABELS = ["a cat", "a dog", "a rocket", "a blue circle"]
 # A SigLIP-shaped pair open_clip itself builds (its own small ViT, a bidirectional text tower read
 # at its last token, a logit bias: sigmoid scores), with SigLIP's preprocess_cfg.
@@ -114,7 +115,7 @@ def test_a_timm_classifiers_top5_equals_timms_pipeline(tmp_path, photos, crop_pc
     transform = timm.data.create_transform(**timm.data.resolve_data_config(model=reference))
     ours = vx.load_model(tmp_path)
     assert (ours.config.resize_mode, ours.config.crop_pct) == ("shortest", crop_pct)
-    for name in ("wide", "odd"):
+    for name in ("wide", "odd", "offset"):
         picture = Image.open(photos[name]).convert("RGB")
         with torch.no_grad():
             expected = reference(transform(picture)[None])[0]
@@ -123,20 +124,24 @@ def test_a_timm_classifiers_top5_equals_timms_pipeline(tmp_path, photos, crop_pc
         assert logits.topk(5).indices.tolist() == expected.topk(5).indices.tolist()
 
 
-@pytest.mark.parametrize("shortest_edge", [32, 36])
-def test_a_hugging_face_clip_folder_equals_its_image_processor(tmp_path, photos, shortest_edge):
-    from transformers import CLIPImageProcessor
+@pytest.mark.parametrize("processor, settings, mode", [
+    ("CLIPImageProcessor", {"size": {"shortest_edge": 32}, "crop_size": {"height": 32, "width": 32}}, "shortest"),
+    ("CLIPImageProcessor", {"size": {"shortest_edge": 36}, "crop_size": {"height": 32, "width": 32}}, "shortest"),
+    ("SiglipImageProcessor", {"size": {"height": 32, "width": 32}}, "squash"),
+])
+def test_a_hugging_face_folder_equals_its_image_processor(tmp_path, photos, processor, settings, mode):
+    import transformers
 
     from textmodels import HF_SMALL, hf_clip_folder
 
     hf_clip_folder(tmp_path, text=HF_SMALL, vision={**HF_SMALL, "patch_size": 8, "image_size": 32}, projection_dim=32,
                    tokenizer=False)
-    processor = CLIPImageProcessor(size={"shortest_edge": shortest_edge}, crop_size={"height": 32, "width": 32})
-    processor.save_pretrained(tmp_path)
+    reference = getattr(transformers, processor)(**settings)
+    reference.save_pretrained(tmp_path)
     config = vx.load_model(tmp_path).config
-    assert (config.resize_mode, config.transform_library) == ("shortest", "transformers")
+    assert (config.resize_mode, config.transform_library) == (mode, "transformers")
     for name, path in photos.items():
-        expected = processor(images=Image.open(path), return_tensors="pt")["pixel_values"][0]
+        expected = reference(images=Image.open(path), return_tensors="pt")["pixel_values"][0]
         torch.testing.assert_close(vx.preprocess(vx.load_image(path), config)[0], expected, atol=1e-5, rtol=0, msg=name)
 
 
