@@ -93,6 +93,20 @@ def test_open_clips_padded_input_is_the_publishers(tmp_path, photos):
         torch.testing.assert_close(vx.preprocess(vx.load_image(path), config)[0], preprocess(Image.open(path)), atol=1e-6, rtol=0)
 
 
+def test_an_open_clip_preprocess_cfg_we_do_not_reproduce_is_a_sentence(tmp_path):
+    open_clip_folder(tmp_path, SMALL_CLIP)
+    for preprocess_cfg, message in (
+        ({"resize_mode": "zoom"}, "resize_mode must be shortest, squash or longest"),
+        ({"interpolation": ["bicubic"]}, "interpolation must be bicubic or bilinear"),
+        ({"resize_mode": "longest", "fill_color": 256}, "fill_color must be a whole number from 0 to 255"),
+    ):
+        (tmp_path / "open_clip_config.json").write_text(json.dumps({
+            "model_cfg": SMALL_CLIP, "preprocess_cfg": preprocess_cfg,
+        }))
+        with pytest.raises(CheckpointError, match=message):
+            vx.load_model(tmp_path)
+
+
 def _timm_folder(folder: Path, crop_pct: float):
     import timm
     from timm.models import save_for_hf
@@ -124,6 +138,20 @@ def test_a_timm_classifiers_top5_equals_timms_pipeline(tmp_path, photos, crop_pc
         assert logits.topk(5).indices.tolist() == expected.topk(5).indices.tolist()
 
 
+@pytest.mark.parametrize("pretrained, message", [
+    ({"crop_pct": 5}, "crop_pct must be a number between 0.25 and 1"),
+    ({"crop_mode": ["center"]}, "crop_mode must be center, squash or border"),
+    ({"interpolation": "random"}, "interpolation must be bicubic, bilinear or nearest"),
+])
+def test_a_timm_pretrained_cfg_we_do_not_reproduce_is_a_sentence(tmp_path, pretrained, message):
+    _timm_folder(tmp_path, 0.9)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["pretrained_cfg"].update(pretrained)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=message):
+        vx.load_model(tmp_path)
+
+
 @pytest.mark.parametrize("processor, settings, mode", [
     ("CLIPImageProcessor", {"size": {"shortest_edge": 32}, "crop_size": {"height": 32, "width": 32}}, "shortest"),
     ("CLIPImageProcessor", {"size": {"shortest_edge": 36}, "crop_size": {"height": 32, "width": 32}}, "shortest"),
@@ -152,6 +180,10 @@ def test_a_hugging_face_folder_equals_its_image_processor(tmp_path, photos, proc
     ({"size": 32, "image_processor_type": "Siglip2ImageProcessor"}, "not one we reproduce"),
     ({"size": 32, "rescale_factor": 1.0}, "rescale_factor must be 1/255"),
     ({"size": {"shortest_edge": 16}, "crop_size": 32, "do_center_crop": True}, "must fit inside its size"),
+    ({"size": {"shortest_edge": 10**12}, "crop_size": 32, "do_center_crop": True}, "must fit inside its size"),
+    ({"size": 32, "image_processor_type": ["CLIPImageProcessor"]}, "not one we reproduce"),
+    ({"size": 32, "resample": [3]}, "resample must be 0, 2 or 3"),
+    ({"size": 32, "do_resize": "yes"}, "do_resize must be true or false"),
 ])
 def test_an_image_processor_we_do_not_reproduce_is_a_sentence(tmp_path, settings, message):
     from textmodels import HF_SMALL, hf_clip_folder

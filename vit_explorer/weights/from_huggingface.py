@@ -339,7 +339,7 @@ def transform(hf_config: dict) -> dict:
         return {}
     kind = hf_config.get("image_processor_type", "CLIPImageProcessor" if "crop_size" in hf_config else "ViTImageProcessor")
     kind = kind.removesuffix("Fast") if isinstance(kind, str) else kind
-    if kind not in _PROCESSORS:
+    if not isinstance(kind, str) or kind not in _PROCESSORS:
         raise CheckpointError(
             f"preprocessor_config.json's image processor {_brief(kind)} is not one we reproduce ({', '.join(_PROCESSORS)})"
         )
@@ -353,7 +353,7 @@ def transform(hf_config: dict) -> dict:
     if not _is_number(factor) or abs(factor * 255 - 1) > 1e-6:
         raise CheckpointError(f"preprocessor_config.json's rescale_factor must be 1/255, not {_brief(factor)}")
     resample = hf_config.get("resample", default_resample)
-    if resample not in _RESAMPLE or isinstance(resample, bool):
+    if not isinstance(resample, int) or isinstance(resample, bool) or resample not in _RESAMPLE:
         raise CheckpointError(f"preprocessor_config.json's resample must be 0, 2 or 3 (nearest, bilinear, bicubic), not {_brief(resample)}")
     size = _sides(hf_config["size"], "size")
     if "number" in size:

@@ -65,9 +65,9 @@ def transform(pretrained: dict, mean, name: str) -> dict:
     interpolation = pretrained.get("interpolation") or "bicubic"
     if not _is_number(crop_pct) or not 0.25 <= crop_pct <= 1:
         raise CheckpointError(f"{name}'s pretrained_cfg crop_pct must be a number between 0.25 and 1, not {_brief(crop_pct)}")
-    if crop_mode not in _CROP_MODES:
+    if not isinstance(crop_mode, str) or crop_mode not in _CROP_MODES:
         raise CheckpointError(f"{name}'s pretrained_cfg crop_mode must be center, squash or border, not {_brief(crop_mode)}")
-    if interpolation not in ("bicubic", "bilinear", "nearest"):
+    if not isinstance(interpolation, str) or interpolation not in ("bicubic", "bilinear", "nearest"):
         raise CheckpointError(f"{name}'s pretrained_cfg interpolation must be bicubic, bilinear or nearest, not {_brief(interpolation)}")
     fields = {"resize_mode": _CROP_MODES[crop_mode], "crop_pct": float(crop_pct), "interpolation": interpolation}
     if crop_mode == "border":  # padded with the mean colour, as timm pads
