@@ -49,11 +49,21 @@ def test_the_sidebars_choice_switches_between_the_crop_and_the_whole_picture(cro
         app.switch_page(page).run()
         assert not app.exception, (page, app.exception)
         assert widget(app.sidebar.radio, "Input").value is True  # kept across pages
+        if page == "views/images.py":  # Several images reads every picture whole too
+            keys = tuple(app.multiselect(key="image_set").value)
+            read = _shown(app, ((models.DEFAULT_MODEL, "whole picture"), 4, (32, 32), "image set", keys, "model input"))
+            index = keys.index("photo:chelsea.png")
+            np.testing.assert_array_equal(display_image(read[index:index + 1], config), whole)
 
     other = open_app("views/attention.py")  # another session: the publisher's crop
     assert widget(other.sidebar.radio, "Input").value is False
+    other.selectbox(key="image_picker").set_value("photo:chelsea.png").run()
     other.switch_page("views/images.py").run()
     assert not other.exception
+    keys = tuple(other.multiselect(key="image_set").value)
+    read = _shown(other, (models.DEFAULT_MODEL, 4, (32, 32), "image set", keys, "model input"))
+    index = keys.index("photo:chelsea.png")
+    np.testing.assert_array_equal(display_image(read[index:index + 1], config), cropped)
 
 
 def test_a_model_that_reads_the_whole_picture_offers_no_choice():
