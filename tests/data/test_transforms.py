@@ -136,6 +136,12 @@ def test_a_timm_classifiers_top5_equals_timms_pipeline(tmp_path, photos, crop_pc
         logits = vx.capture(ours, vx.preprocess(vx.load_image(photos[name]), ours.config), layers=()).logits[0]
         torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4, msg=name)
         assert logits.topk(5).indices.tolist() == expected.topk(5).indices.tolist()
+        # Another input size, not square (the sidebar's): timm keeps the ratio, then crops.
+        other = timm.data.create_transform(**{**timm.data.resolve_data_config(model=reference), "input_size": (3, 32, 48)})
+        torch.testing.assert_close(
+            vx.preprocess(vx.load_image(photos[name]), ours.config.replace(image_size=(32, 48)))[0], other(picture),
+            atol=1e-5, rtol=0, msg=name,
+        )
 
 
 @pytest.mark.parametrize("pretrained, message", [
