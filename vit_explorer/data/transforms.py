@@ -51,7 +51,7 @@ def _keep_ratio_size(width: int, height: int, target: tuple[int, int], longest: 
     longer) side to its target, rounded. ``target``: (height, width)."""
     ratios = (height / target[0], width / target[1])
     ratio = max(ratios) if longest else min(ratios)
-    return round(width / ratio), round(height / ratio)
+    return max(round(width / ratio), 1), max(round(height / ratio), 1)  # a thin strip keeps a pixel row
 
 
 def placement(size: tuple[int, int], config: ViTConfig, whole: bool = False) -> Placement:
