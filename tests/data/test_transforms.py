@@ -162,6 +162,8 @@ def test_a_timm_pretrained_cfg_we_do_not_reproduce_is_a_sentence(tmp_path, pretr
     ("CLIPImageProcessor", {"size": {"shortest_edge": 32}, "crop_size": {"height": 32, "width": 32}}, "shortest"),
     ("CLIPImageProcessor", {"size": {"shortest_edge": 36}, "crop_size": {"height": 32, "width": 32}}, "shortest"),
     ("SiglipImageProcessor", {"size": {"height": 32, "width": 32}}, "squash"),
+    ("DeiTImageProcessor", {"size": {"height": 36, "width": 36}, "crop_size": {"height": 32, "width": 32}}, "squash"),
+    ("DINOv3ViTImageProcessor", {"size": {"height": 32, "width": 32}}, "squash"),
 ])
 def test_a_hugging_face_folder_equals_its_image_processor(tmp_path, photos, processor, settings, mode):
     import transformers
@@ -173,7 +175,28 @@ def test_a_hugging_face_folder_equals_its_image_processor(tmp_path, photos, proc
     reference = getattr(transformers, processor)(**settings)
     reference.save_pretrained(tmp_path)
     config = vx.load_model(tmp_path).config
-    assert (config.resize_mode, config.transform_library) == (mode, "transformers")
+    assert (config.resize_mode, config.transform_library.partition("-")[0]) == (mode, "transformers")
+    for name, path in photos.items():
+        expected = reference(images=Image.open(path), return_tensors="pt")["pixel_values"][0]
+        torch.testing.assert_close(vx.preprocess(vx.load_image(path), config)[0], expected, atol=1e-5, rtol=0, msg=name)
+
+
+def test_an_older_folders_feature_extractor_is_read_with_its_class_defaults(tmp_path, photos):
+    """openai/clip-vit-base-patch32's kind: a CLIPFeatureExtractor, sizes as numbers, do_center_crop
+    left to the class (True), the size the shorter side's (default_to_square False)."""
+    from transformers import CLIPImageProcessor
+
+    from textmodels import HF_SMALL, hf_clip_folder
+
+    hf_clip_folder(tmp_path, text=HF_SMALL, vision={**HF_SMALL, "patch_size": 8, "image_size": 32}, projection_dim=32,
+                   tokenizer=False)
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({
+        "feature_extractor_type": "CLIPFeatureExtractor", "size": 36, "crop_size": 32, "resample": 3,
+        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+    }))
+    config = vx.load_model(tmp_path).config
+    reference = CLIPImageProcessor(size={"shortest_edge": 36}, crop_size={"height": 32, "width": 32},
+                                   image_mean=[0.5] * 3, image_std=[0.5] * 3)
     for name, path in photos.items():
         expected = reference(images=Image.open(path), return_tensors="pt")["pixel_values"][0]
         torch.testing.assert_close(vx.preprocess(vx.load_image(path), config)[0], expected, atol=1e-5, rtol=0, msg=name)

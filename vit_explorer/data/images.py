@@ -163,7 +163,7 @@ def preprocess(image: Image.Image, config: ViTConfig, whole: bool = False) -> to
     image = to_rgb(image)
     if config.in_chans == 1:
         image = image.convert("L")
-    pixels = input_pixels(image, config, whole).float() / 255.0  # (C, H, W)
+    pixels = input_pixels(image, config, whole)  # (C, H, W) on the 0..1 scale
     mean = rearrange(torch.tensor(config.mean), "c -> c 1 1")
     std = rearrange(torch.tensor(config.std), "c -> c 1 1")
     return ((pixels - mean) / std)[None]  # (1, C, H, W)

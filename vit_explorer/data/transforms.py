@@ -13,7 +13,8 @@ The numerics follow each publisher's own code, so that a prediction equals their
   the centre (timm's crop_mode "squash").
 - "transformers" (transformers 5's image processors, CLIPImageProcessor and SiglipImageProcessor:
   the torchvision backend): an antialiased resize of the uint8 tensor, the shorter side with the
-  longer truncated, and a centre crop whose offsets are truncated.
+  longer truncated, and a centre crop whose offsets are truncated; "transformers-float" (DINOv3's
+  processor) resizes the pixels rescaled to floats instead.
 """
 
 from __future__ import annotations
@@ -65,11 +66,11 @@ def placement(size: tuple[int, int], config: ViTConfig, whole: bool = False) -> 
         resized = (scale[1], scale[0])
     elif config.resize_mode == "longest":
         resized = _keep_ratio_size(width, height, scale, longest=True)
-    elif scale[0] == scale[1] or config.transform_library == "transformers":
+    elif scale[0] == scale[1] or config.transform_library != "torchvision":
         resized = _shortest_size(width, height, min(scale))
     else:
         resized = _keep_ratio_size(width, height, scale, longest=False)
-    if config.transform_library == "transformers":  # offsets truncated (transformers' center_crop)
+    if config.transform_library != "torchvision":  # offsets truncated (transformers' center_crop)
         offset = (int((resized[0] - target_w) / 2), int((resized[1] - target_h) / 2))
     else:
         offset = tuple(_centre_offset(side, target) for side, target in zip(resized, (target_w, target_h)))
@@ -126,22 +127,30 @@ _TORCHVISION_FILTERS = {
 
 
 def input_pixels(image: Image.Image, config: ViTConfig, whole: bool = False) -> torch.Tensor:
-    """(C, H, W) uint8: the picture as the model's input, before normalisation."""
+    """(C, H, W) float32 on the 0..1 scale: the picture as the model's input, before normalisation."""
     spot = placement(image.size, config, whole)
-    if config.transform_library == "transformers":
-        from torchvision.transforms import InterpolationMode
-        from torchvision.transforms.v2 import functional as tvF
-
-        modes = {"bicubic": InterpolationMode.BICUBIC, "bilinear": InterpolationMode.BILINEAR,
-                 "nearest": InterpolationMode.NEAREST_EXACT}
-        pixels = rearrange(torch.from_numpy(np.array(image)).reshape(image.height, image.width, -1), "h w c -> c h w")
-        if (pixels.shape[2], pixels.shape[1]) != spot.resized:
-            pixels = tvF.resize(pixels, [spot.resized[1], spot.resized[0]], interpolation=modes[config.interpolation], antialias=True)
-    else:
+    if config.transform_library == "torchvision":
         if image.size != spot.resized:
             image = image.resize(spot.resized, _TORCHVISION_FILTERS[config.interpolation])
-        pixels = rearrange(torch.from_numpy(np.array(image)).reshape(image.height, image.width, -1), "h w c -> c h w")
-    return _cut(pixels, spot, config)
+        return _cut(_tensor(image), spot, config).float() / 255
+    from torchvision.transforms import InterpolationMode
+    from torchvision.transforms.v2 import functional as tvF
+
+    modes = {"bicubic": InterpolationMode.BICUBIC, "bilinear": InterpolationMode.BILINEAR,
+             "nearest": InterpolationMode.NEAREST_EXACT}
+    pixels = _tensor(image)  # uint8, resized as such (transformers' default)
+    rescaled_first = config.transform_library == "transformers-float"
+    if rescaled_first:
+        pixels = pixels * (1 / 255)  # transformers' rescale, before DINOv3's resize
+    if (pixels.shape[2], pixels.shape[1]) != spot.resized:
+        pixels = tvF.resize(pixels, [spot.resized[1], spot.resized[0]], interpolation=modes[config.interpolation], antialias=True)
+    pixels = _cut(pixels, spot, config)
+    return pixels if rescaled_first else pixels.float() / 255
+
+
+def _tensor(image: Image.Image) -> torch.Tensor:
+    """(C, H, W) uint8 of a PIL image (RGB or L)."""
+    return rearrange(torch.from_numpy(np.array(image)).reshape(image.height, image.width, -1), "h w c -> c h w")
 
 
 def _cut(pixels: torch.Tensor, spot: Placement, config: ViTConfig) -> torch.Tensor:
@@ -151,7 +160,8 @@ def _cut(pixels: torch.Tensor, spot: Placement, config: ViTConfig) -> torch.Tens
     if left >= 0 and top >= 0 and left + target_w <= pixels.shape[2] and top + target_h <= pixels.shape[1]:
         return pixels[:, top:top + target_h, left:left + target_w]
     fill = config.fill_color if isinstance(config.fill_color, tuple) else (config.fill_color,) * pixels.shape[0]
-    canvas = torch.tensor(fill, dtype=torch.uint8)[:, None, None].repeat(1, target_h, target_w)
+    fill = torch.tensor(fill, dtype=torch.uint8).to(pixels.dtype) / (1 if pixels.dtype == torch.uint8 else 255)
+    canvas = fill.to(pixels.dtype)[:, None, None].repeat(1, target_h, target_w)
     source_top, source_left = max(top, 0), max(left, 0)
     bottom, right = min(top + target_h, pixels.shape[1]), min(left + target_w, pixels.shape[2])
     canvas[:, source_top - top:bottom - top, source_left - left:right - left] = pixels[:, source_top:bottom, source_left:right]

@@ -35,7 +35,7 @@ POS_EMBED_INTERPOLATIONS = ("bicubic", "bilinear_corners")  # ViTConfig.norm_lay
 ROPE_PERIODS_DTYPES = ("float32", "bfloat16")
 RESIZE_MODES = ("squash", "shortest", "longest")  # ViTConfig.resize_mode
 INTERPOLATIONS = ("bicubic", "bilinear", "nearest")  # ViTConfig.interpolation
-TRANSFORM_LIBRARIES = ("torchvision", "transformers")  # ViTConfig.transform_library
+TRANSFORM_LIBRARIES = ("torchvision", "transformers", "transformers-float")  # ViTConfig.transform_library
 
 
 def _pair(value: int | tuple[int, int] | list[int]) -> tuple[int, int]:
@@ -143,7 +143,8 @@ class ViTConfig(_JsonConfig):
     # crop_pct < 1), "shortest" (the shorter side to input / crop_pct, the centre cropped: timm's
     # crop_pct, open_clip's default, CLIP's image processor) or "longest" (the longer side fitted,
     # padded with fill_color: open_clip's); the filter; whose resampling and rounding:
-    # "torchvision" (PIL's filters: timm, open_clip, ours) or "transformers" (its image processors).
+    # "torchvision" (PIL's filters: timm, open_clip, ours) or "transformers" (its image processors;
+    # "transformers-float": DINOv3's, which resizes the pixels rescaled to floats).
     resize_mode: str = "squash"
     crop_pct: float = 1.0
     interpolation: str = "bicubic"

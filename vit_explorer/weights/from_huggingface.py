@@ -312,11 +312,13 @@ def _settings(hf_config: dict, converted: dict[str, torch.Tensor]) -> dict:
 # ----------------------------------------------------------------------------- the image processor
 
 # transformers' image processors whose resize and crop we reproduce (data/transforms.py: their
-# torchvision backend, transformers 5's default): the filter each resizes with where the file
-# gives none, and whether a size given as one number is the shorter side (default_to_square False).
+# torchvision backend, transformers 5's default), with their class defaults where the file gives
+# none: the filter, whether a size given as one number is the square's side (default_to_square),
+# whether they crop the centre, and the library (DINOv3's rescales to floats before resizing).
 _PROCESSORS = {
-    "CLIPImageProcessor": (3, False), "BitImageProcessor": (3, False), "SiglipImageProcessor": (3, True),
-    "ViTImageProcessor": (2, True),
+    "CLIPImageProcessor": (3, False, True, "transformers"), "BitImageProcessor": (3, False, True, "transformers"),
+    "DeiTImageProcessor": (3, True, True, "transformers"), "SiglipImageProcessor": (3, False, False, "transformers"),
+    "ViTImageProcessor": (2, True, False, "transformers"), "DINOv3ViTImageProcessor": (2, True, False, "transformers-float"),
 }
 _RESAMPLE = {0: "nearest", 2: "bilinear", 3: "bicubic"}  # PIL's codes, as preprocessor_config.json writes them
 
@@ -337,13 +339,14 @@ def transform(hf_config: dict) -> dict:
     we do not reproduce is refused in a sentence."""
     if "size" not in hf_config:
         return {}
-    kind = hf_config.get("image_processor_type", "CLIPImageProcessor" if "crop_size" in hf_config else "ViTImageProcessor")
-    kind = kind.removesuffix("Fast") if isinstance(kind, str) else kind
+    # Older folders name a feature extractor (openai/clip-vit-base-patch32's CLIPFeatureExtractor).
+    kind = hf_config.get("image_processor_type", hf_config.get("feature_extractor_type"))
+    kind = kind.removesuffix("Fast").replace("FeatureExtractor", "ImageProcessor") if isinstance(kind, str) else kind
     if not isinstance(kind, str) or kind not in _PROCESSORS:
         raise CheckpointError(
             f"preprocessor_config.json's image processor {_brief(kind)} is not one we reproduce ({', '.join(_PROCESSORS)})"
         )
-    default_resample, square = _PROCESSORS[kind]
+    default_resample, square, centre_crop, library = _PROCESSORS[kind]
     for flag in ("do_resize", "do_center_crop", "do_rescale", "do_normalize"):
         if flag in hf_config and not isinstance(hf_config[flag], bool):
             raise CheckpointError(f"preprocessor_config.json's {flag} must be true or false, not {_brief(hf_config[flag])}")
@@ -359,10 +362,10 @@ def transform(hf_config: dict) -> dict:
     if "number" in size:
         size = {"height": size["number"], "width": size["number"]} if square else {"shortest_edge": size["number"]}
     crop = None
-    if hf_config.get("do_center_crop", False):
+    if hf_config.get("do_center_crop", centre_crop):
         crop = _sides(hf_config.get("crop_size", 224), "crop_size")
         crop = (crop["number"],) * 2 if "number" in crop else (crop.get("height"), crop.get("width"))
-    fields = {"interpolation": _RESAMPLE[resample], "transform_library": "transformers"}
+    fields = {"interpolation": _RESAMPLE[resample], "transform_library": library}
     if set(size) == {"shortest_edge"} and crop is not None and crop[0] == crop[1]:
         fields.update(resize_mode="shortest", crop_pct=crop[0] / size["shortest_edge"])
         scale = size["shortest_edge"]
