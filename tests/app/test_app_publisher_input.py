@@ -45,7 +45,7 @@ def test_the_sidebars_choice_switches_between_the_crop_and_the_whole_picture(cro
     whole = display_image(vx.preprocess(picture, config, whole=True), config)
     np.testing.assert_array_equal(_shown(app, ((models.DEFAULT_MODEL, "whole picture"), *key[1:])), whole)
     assert np.abs(whole.astype(int) - cropped).max() > 50  # another picture indeed
-    for page in ("views/patches.py", "views/pipeline.py", "views/images.py", "views/attention.py"):
+    for page in ("views/patches.py", "views/pipeline.py", "views/lesson.py", "views/compare.py", "views/images.py", "views/attention.py"):
         app.switch_page(page).run()
         assert not app.exception, (page, app.exception)
         assert widget(app.sidebar.radio, "Input").value is True  # kept across pages
