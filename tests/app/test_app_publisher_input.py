@@ -86,3 +86,18 @@ def test_the_crop_is_drawn_on_the_sidebars_picture():
     # The sides left out are dimmed; the centre is the picture.
     assert drawn[:, : width // 10].mean() < 0.5 * plain[:, : width // 10].mean()
     assert abs(drawn[40:-40, width // 2 - 20: width // 2 + 20].mean() - plain[40:-40, width // 2 - 20: width // 2 + 20].mean()) < 3
+
+
+def test_a_job_on_the_whole_picture_is_another_job_and_carries_that_input(cropping_default):
+    from dataclasses import replace
+
+    from vit_explorer.app import jobs
+    from vit_explorer.app.selection import Selection
+
+    model = models.base_model(models.DEFAULT_MODEL)
+    cropped = Selection(models.DEFAULT_MODEL, 4, "photo:chelsea.png", model, vx.load_image(PHOTO))
+    whole = replace(cropped, whole=True)
+    assert jobs.job_spec(cropped, "rollout").key != jobs.job_spec(whole, "rollout").key
+    assert jobs.job_spec(whole, "rollout").model["whole picture"] is True
+    np.testing.assert_array_equal(whole.model_input(), vx.preprocess(whole.image, model.config, whole=True))
+    assert not np.array_equal(cropped.model_input(), whole.model_input())
