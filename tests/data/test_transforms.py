@@ -260,8 +260,9 @@ def test_the_catalogues_transforms_are_their_publishers():
                 expected.get("resize_mode", "shortest"), expected.get("interpolation", "bicubic"), 1.0), name
         elif entry.source.startswith("timm/"):
             expected = timm.models.get_pretrained_cfg(entry.source.removeprefix("timm/"))
+            mode = {"center": "shortest", "squash": "squash", "border": "longest"}[expected.crop_mode or "center"]
             assert (config.resize_mode, config.interpolation, config.crop_pct) == (
-                "shortest", expected.interpolation, expected.crop_pct), name
+                mode, expected.interpolation, expected.crop_pct), name
     from vit_explorer.weights.from_torchvision import _transform
 
     weights = torchvision.models.ViT_B_16_Weights.IMAGENET1K_V1
