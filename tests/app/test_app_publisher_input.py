@@ -101,3 +101,45 @@ def test_a_job_on_the_whole_picture_is_another_job_and_carries_that_input(croppi
     assert jobs.job_spec(whole, "rollout").model["whole picture"] is True
     np.testing.assert_array_equal(whole.model_input(), vx.preprocess(whole.image, model.config, whole=True))
     assert not np.array_equal(cropped.model_input(), whole.model_input())
+
+
+def test_segment_by_words_labels_the_whole_picture_of_a_cropping_clip(tmp_path, monkeypatch):
+    """open_clip's default crops the centre; the mask is still every pixel's of the whole picture."""
+    import io
+
+    import torch
+    from PIL import Image
+    from streamlit.delta_generator import DeltaGenerator
+
+    from vit_explorer.text import load_image_text_model, maps, zero_shot
+    from vit_explorer.text.segmentation import Protocol, label
+    from apptest import open_words_app
+    from textmodels import SMALL_CLIP, open_clip_folder
+
+    offered = {}
+    original = DeltaGenerator.download_button
+
+    def download_button(self, label, data, file_name=None, *args, **kwargs):
+        offered[label] = data
+        return original(self, label, data, file_name, *args, **kwargs)
+
+    monkeypatch.setattr(DeltaGenerator, "download_button", download_button)
+    open_clip_folder(tmp_path / "clip", SMALL_CLIP)
+    app = open_words_app(tmp_path / "clip", "views/attention.py")
+    app.selectbox(key="image_picker").set_value("photo:chelsea.png").run()
+    assert not app.exception and widget(app.sidebar.radio, "Input").value is False
+    with Image.open(io.BytesIO(offered["Download the mask"]())) as png:
+        mask = np.asarray(png)
+    model = load_image_text_model(tmp_path / "clip")
+    picture = vx.load_image(PHOTO)
+    captured = vx.capture(model.image, vx.preprocess(picture, model.image.config, whole=True), layers=())
+    texts = model.embed_texts(zero_shot.label_prompts(["a cat", "a dog", "a rocket"]))
+    cosines = maps.similarity_maps(maps.patch_embeddings(model, captured), texts, captured.grid_size)
+    expected = label(cosines, torch.empty((1, 0, picture.height, picture.width)), [1, 2, 3], Protocol(slide=False))
+    assert mask.shape == (300, 451) and np.array_equal(mask, expected)
+    # A tiny random CLIP gives every pixel one label, crop or whole: the segmentation's key says which it read.
+    from vit_explorer.app import word_maps, words
+
+    read = ((app.session_state["model_key"], "whole picture"), 8, (32, 32), "photo:chelsea.png", "words segmentation",
+            words.labels_id(("a cat", "a dog", "a rocket")), word_maps.DEFAULT_METHOD, None, 0.0, False)
+    assert memo.shared_results().get(read) is not None
