@@ -11,6 +11,7 @@ import streamlit as st
 
 from vit_explorer.app import images, lesson, models, runs, session, uploads, words
 from vit_explorer.app.selection import unreadable_photo_reason
+from vit_explorer.data import transforms
 from vit_explorer.training.pace import time_left
 
 # The icon is served by the app itself: a :material/...: or emoji icon is fetched from a font
@@ -201,10 +202,21 @@ with st.sidebar:
             )
             selection = session.selection()
             width, height = selection.image.size
+            reshaped = transforms.reshapes(selection.config)
+            shown = None if selection.whole or not reshaped else transforms.visible_box(selection.image.size, selection.config)
             st.image(
-                images.sidebar_image(selection.image_key, selection.image), caption=f"{width}x{height} px as given",
+                images.sidebar_image(selection.image_key, selection.image, shown), caption=f"{width}x{height} px as given",
                 width=160,
             )
+            st.caption(f"The model reads {selection.input_described()}.")
+            if reshaped:
+                st.radio(
+                    "Input", [False, True], horizontal=True,
+                    format_func={False: "Publisher's crop", True: "Whole picture"}.get,
+                    help="The publisher's crop is how the model was evaluated (its predictions are theirs);"
+                    " the whole picture squeezes all of it to the input size, nothing left out (for you only).",
+                    **session.keep(session.WHOLE_PICTURE_WIDGET, False, lambda value: isinstance(value, bool)),
+                )
             reason = unreadable_photo_reason(selection)
             if reason:
                 # Only models that can be had: downloaded, or their publisher answers.

@@ -113,7 +113,8 @@ def siglip_folder(folder: Path, image_size: int = 32, patch_size: int = 8, seed:
         "text_cfg": SMALL_SIGLIP_TEXT,
     }
     (folder / "open_clip_config.json").write_text(json.dumps({
-        "model_cfg": model_cfg, "preprocess_cfg": {"mean": [0.5] * 3, "std": [0.5] * 3},
+        # As the Hub's SigLIP folders say: the whole picture squashed (open_clip's default crops).
+        "model_cfg": model_cfg, "preprocess_cfg": {"mean": [0.5] * 3, "std": [0.5] * 3, "resize_mode": "squash", "interpolation": "bicubic"},
     }))
     return folder
 

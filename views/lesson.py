@@ -74,7 +74,7 @@ def photo() -> None:
     height, width = config.img_size
     resized = (
         f"is already the {width} x {height} pixels this model reads" if (given_width, given_height) == (width, height)
-        else f"is resized to the {width} x {height} pixels this model reads"
+        else f"becomes the {width} x {height} pixels this model reads ({selection.input_described()})"
     )
     st.write(
         f"A Vision Transformer does not read a picture pixel by pixel. Your picture, {given_width} x {given_height}"

@@ -67,9 +67,9 @@ st.dataframe(
 
 st.subheader("1. Resize and normalise")
 st.write(
-    f"The picture, {given_width} px wide and {given_height} px high, is resized to the {width} x"
-    f" {height} pixels (width x height) the model was built for and normalised with mean {config.mean} and std {config.std}, the statistics"
-    " it was trained with. This is exactly what the model sees:"
+    f"The picture is {given_width} px wide and {given_height} px high; the model reads {selection.input_described()}"
+    f" (the {width} x {height} pixels, width x height, it was built for), normalised with mean {config.mean} and std"
+    f" {config.std}, the statistics it was trained with. This is exactly what the model sees:"
 )
 st.code(f"({given_height}, {given_width}, 3) picture -> (1, {channels}, {height}, {width}) tensor")
 st.plotly_chart(selection.memo("input image", compute=lambda: figures.input_image(image, f"Model input: {width} px wide, {height} px high")))

@@ -62,9 +62,10 @@ def within_limit(size: tuple[int, int], patch_size: int) -> bool:
 def image_features(model: ViT, image: Image.Image) -> tuple[torch.Tensor, np.ndarray]:
     """(gh * gw, D) float32 patch tokens leaving the last block after the final norm, from one pass
     of ``image`` resized to the model's input size (no attention recorded), and (H, W, 3) uint8
-    the picture as the model saw it."""
+    the picture as the model saw it. The whole picture, never a publisher's crop: the size is the
+    picture's own aspect ratio (aspect_size), chosen to show all of it."""
     parameter = next(model.parameters())
-    x = preprocess(image, model.config)  # (1, C, H, W)
+    x = preprocess(image, model.config, whole=True)  # (1, C, H, W)
     tokens = model.forward_features(x.to(parameter.device, parameter.dtype))  # (1, N, D)
     return tokens[0, model.config.num_prefix_tokens:].float().cpu(), display_image(x, model.config)
 

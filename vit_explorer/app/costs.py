@@ -341,12 +341,13 @@ def patch_size_comparison_cost(config, held_out: bool = False, timed: bool = Tru
 
 
 def predictions_by_patch_size(
-    model: ViT, image: Image.Image, progress: Progress | None = None, forward_ms: dict[int, float] | None = None
+    model: ViT, image: Image.Image, progress: Progress | None = None, forward_ms: dict[int, float] | None = None,
+    whole: bool = False,
 ) -> list[dict]:
     """:func:`vit_explorer.analysis.patch_sizes.predictions` of ``image`` on the comparison's plan: per
     allowed patch size, grid, tokens, the forward time (or ``forward_ms``'s, measured before for
     this model and input size: then each size runs once, untimed) and the top-1 prediction."""
-    x = preprocess(image, model.config)
+    x = preprocess(image, model.config, whole=whole)  # as the page's selection reads it
     return patch_sizes.predictions(model, x, comparison_plan(model.config, timed=forward_ms is None), progress, forward_ms)
 
 
@@ -485,7 +486,9 @@ def compare_patch_sizes(selection: Selection, run: bool = True) -> list[dict] | 
     def report(start: float, share: float) -> Progress:
         return lambda done, text: slot.progress(min(start + share * done, 1.0), text=text)
 
-    rows = memo(key, lambda: predictions_by_patch_size(model, selection.image, report(0.0, image_share), forward_ms))
+    rows = memo(key, lambda: predictions_by_patch_size(
+        model, selection.image, report(0.0, image_share), forward_ms, selection.whole,
+    ))
     if forward_ms is None:  # these rows timed every size: the times of later images
         memo(forward_ms_key(selection), lambda: {row["patch size"]: row["forward ms"] for row in rows})
         for row in rows:  # plain passes at every size: what is quick at each (is_quick)

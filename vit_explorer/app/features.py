@@ -26,7 +26,6 @@ import torch
 
 from .. import resources
 from ..data.datasets import DEFAULT_DATA_ROOT, DatasetError
-from ..data.images import preprocess
 from ..weights import catalogue
 from ..features import effects
 from ..features.evaluation import Evaluation
@@ -447,7 +446,7 @@ def less_certain_sample(selection: Selection) -> str | None:
         for image_key, label in options.items():
             try:
                 cache_key, picture = images.resolve_image(image_key, selection.config.img_size)
-                inputs.append(preprocess(picture, selection.config))
+                inputs.append(selection.preprocess(picture))  # as the sidebar's choice reads it
             except (OSError, ValueError):  # a photo missing from this installation, or unreadable here
                 continue
             named.append((cache_key, label))

@@ -7,7 +7,7 @@ import io
 from pathlib import Path
 
 import streamlit as st
-from PIL import Image
+from PIL import Image, ImageDraw
 
 from .. import resources
 from ..data.datasets import SHAPE_CLASSES, shapes_sample
@@ -40,14 +40,17 @@ def photo(name: str) -> Image.Image:
 SIDEBAR_IMAGE_PX = 320
 
 
-def sidebar_image(image_key: str, image: Image.Image) -> bytes:
-    """``image`` as the sidebar shows it: encoded once per image for everybody. Given the PIL
-    image, st.image encodes it again as PNG on every run of every session (0.3-1 s for a
+def sidebar_image(image_key: str, image: Image.Image, shown: tuple[float, float, float, float] | None = None) -> bytes:
+    """``image`` as the sidebar shows it: encoded once per image (and crop) for everybody. Given
+    the PIL image, st.image encodes it again as PNG on every run of every session (0.3-1 s for a
     512 x 512 photo on a busy 2-core server); small pictures (the shapes) stay PNG, photos go as
-    JPEG, both shrunk to SIDEBAR_IMAGE_PX."""
+    JPEG, both shrunk to SIDEBAR_IMAGE_PX. ``shown``: the box (left, top, right, bottom, in the
+    picture's pixels) the model's input shows; what lies outside it is dimmed, the box outlined."""
     def encode() -> bytes:
         small = image.copy()
         small.thumbnail((SIDEBAR_IMAGE_PX, SIDEBAR_IMAGE_PX))
+        if shown is not None:
+            small = _with_crop(small, [value * small.width / image.width for value in shown])
         buffer = io.BytesIO()
         if small.width * small.height <= 128 * 128:
             small.save(buffer, format="PNG")
@@ -55,7 +58,18 @@ def sidebar_image(image_key: str, image: Image.Image) -> bytes:
             small.save(buffer, format="JPEG", quality=90)
         return buffer.getvalue()
 
-    return memo((image_key, image.size, "sidebar image"), encode)
+    box = None if shown is None else tuple(round(value, 1) for value in shown)
+    return memo((image_key, image.size, "sidebar image", box), encode)
+
+
+def _with_crop(picture: Image.Image, box: list[float]) -> Image.Image:
+    """``picture`` dimmed outside ``box`` (left, top, right, bottom), the box outlined in white."""
+    left, top, right, bottom = (round(value) for value in box)
+    dimmed = Image.eval(picture, lambda value: value * 35 // 100)
+    inside = (max(left, 0), max(top, 0), min(right, picture.width), min(bottom, picture.height))
+    dimmed.paste(picture.crop(inside), inside[:2])
+    ImageDraw.Draw(dimmed).rectangle((left, top, right - 1, bottom - 1), outline=(255, 255, 255), width=2)
+    return dimmed
 
 
 def uploaded_image(digest: str) -> Image.Image:

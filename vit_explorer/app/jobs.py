@@ -53,6 +53,8 @@ def _model_source(selection: Selection) -> dict:
         source = {"pretrained": reference} if kind == "pretrained" else {"path": reference}
     if selection.normalization is not None:
         source.update(mean=list(selection.config.mean), std=list(selection.config.std))
+    if selection.whole:  # another input than the publisher's: another job (the input travels with it)
+        source["whole picture"] = True
     return source
 
 

@@ -9,7 +9,6 @@ import torch
 
 from ..analysis import patching
 from ..analysis.patching import PairedRuns
-from ..data.images import preprocess
 from ..model.capture import Capture, capture
 from ..model.patching import Patch
 from ..model.patching import patching as patched
@@ -40,7 +39,7 @@ def corrupted_input(selection: Selection, corruption: Corruption) -> tuple[torch
         return patching.painted(selection.model_input(), corruption.cells, selection.patch_size), None
     _, picture = images.resolve_image(corruption.image_key, selection.config.img_size)
     note = patching.size_note(selection.image, picture, selection.config.img_size)
-    return preprocess(picture, selection.config), note
+    return selection.preprocess(picture), note
 
 
 def runs_bytes(config) -> int:

@@ -24,6 +24,7 @@ from ..analysis.image_set import MAX_IMAGES, MIN_IMAGES, first_component, last_l
 from ..analysis.test_time_registers import RegisterNeurons, TestTimeRegister, find_register_neurons, register_capture
 from ..data.datasets import SHAPE_CLASSES
 from ..data.images import preprocess
+from ..data.transforms import describe
 from ..model.capture import Capture, capture, layer_attention, layer_attentions, layer_internals
 from ..model.internals import LayerInternals
 from ..model.vit import ViT
@@ -45,15 +46,25 @@ class Selection:
     # A normalisation this person chose (models.normalization_choice) for a model whose own was
     # assumed: ``model`` says it, and every key says so (model_id), so no other session's results mix.
     normalization: str | None = None
+    # The whole picture squeezed to the input size, chosen in the sidebar (session.whole_picture)
+    # for a model whose publisher crops or pads it: every key says so (model_id).
+    whole: bool = False
 
     @property
     def config(self):
         return self.model.config
 
     @property
-    def model_id(self) -> str | tuple[str, str]:
-        """What the results are keyed by: the model key, with the normalisation chosen if any."""
-        return self.model_key if self.normalization is None else (self.model_key, self.normalization)
+    def model_id(self) -> str | tuple:
+        """What the results are keyed by: the model key, with the normalisation chosen if any, and
+        "whole picture" where the picture is read whole rather than as its publisher crops it."""
+        model_id = self.model_key if self.normalization is None else (self.model_key, self.normalization)
+        return (model_id, "whole picture") if self.whole else model_id
+
+    def preprocess(self, image: Image.Image) -> torch.Tensor:
+        """(1, C, H, W) ``image`` as this selection's model reads it: as its publisher crops (or
+        pads) it, or whole."""
+        return preprocess(image, self.config, whole=self.whole)
 
     @property
     def base_model(self) -> ViT:
@@ -186,8 +197,12 @@ class Selection:
             spinner=f"Reading the picture at {size[0]}x{size[1]} px ...",
         )
 
+    def input_described(self) -> str:
+        """What the model reads of the picture, in words (data/transforms.describe)."""
+        return describe(self.image.size, self.config, self.whole)
+
     def model_input(self) -> torch.Tensor:
-        return preprocess(self.image, self.config)  # (1, C, H, W)
+        return self.preprocess(self.image)  # (1, C, H, W)
 
     def display_image(self) -> np.ndarray:
         """(H, W, 3) uint8: the picture exactly as the model sees it (resized, 8-bit)."""
@@ -243,7 +258,7 @@ class Selection:
         input (once per model, sizes and image)."""
         others = [f"photo:{name}" for name in photo_names() if f"photo:{name}" != self.image_key]
         return self.memo("with photos", compute=lambda: torch.cat([self.model_input(), *(
-            preprocess(resolve_image(key, self.config.img_size)[1], self.config) for key in others
+            self.preprocess(resolve_image(key, self.config.img_size)[1]) for key in others
         )]))
 
     def register_capture(self, register: TestTimeRegister) -> Capture:
@@ -320,10 +335,11 @@ class ImageSet:
         return memo((*self.key, *key), compute, spinner)
 
     def model_input(self) -> torch.Tensor:
-        """(B, C, H, W): every image resized to the model's input size, whatever its own size;
+        """(B, C, H, W): every image at the model's input size as the selection reads it (cropped as
+        its publisher does, or whole), whatever its own size;
         once per set (the pass and the pictures shown both read it)."""
         return self.memo("model input", compute=lambda: torch.cat([
-            preprocess(image, self.selection.config) for image in self.images
+            self.selection.preprocess(image) for image in self.images
         ]))
 
     def image_tokens(self) -> list[torch.Tensor]:

@@ -10,6 +10,7 @@ from typing import Any
 
 import streamlit as st
 
+from ..data.transforms import reshapes
 from ..model.ablation import MODES, KnockOut
 from ..weights import catalogue, from_open_clip
 from . import images, models, runs, uploads, words
@@ -123,7 +124,16 @@ def selection() -> Selection:
     normalization = normalization_choice(state["model_key"])
     model = models.model_at(state["model_key"], patch, size, normalization)
     image_key, image = images.resolve_image(state["image_key"], model.config.img_size)
-    return Selection(state["model_key"], patch, image_key, model, image, normalization)
+    return Selection(state["model_key"], patch, image_key, model, image, normalization, whole_picture(model.config))
+
+
+WHOLE_PICTURE_WIDGET = "whole_picture"  # the sidebar's choice: the publisher's crop (False) or the whole picture
+
+
+def whole_picture(config) -> bool:
+    """Whether this person reads pictures whole (squeezed to the input size) rather than as the
+    model's publisher crops or pads them (a choice in the sidebar, for such a model only)."""
+    return reshapes(config) and kept(WHOLE_PICTURE_WIDGET, False, lambda value: isinstance(value, bool))
 
 
 NORMALIZATION_WIDGET = "normalization"  # the sidebar's choice for a model whose normalisation was assumed
@@ -264,7 +274,7 @@ def compared_selection(
     model_key: str, patch_size: int | None = None, image_size: tuple[int, int] | None = None
 ) -> Selection:
     """Model B of the Compare page on the session's image: ``model_key`` at ``patch_size`` and
-    ``image_size`` (None: the model's own), preprocessed for its own size, mean and std (the
+    ``image_size`` (None: the model's own), preprocessed for its own size, mean, std and crop (the
     sidebar's model: with the normalisation chosen there).
 
     Loaded and resized through the shared model cache, so B counts against the models' byte
@@ -275,4 +285,4 @@ def compared_selection(
     normalization = normalization_choice(model_key)  # the sidebar's model read as the sidebar reads it
     model = models.model_at(model_key, patch_size, image_size or config.img_size, normalization)
     image_key, image = images.resolve_image(st.session_state["image_key"], model.config.img_size)
-    return Selection(model_key, patch_size, image_key, model, image, normalization)
+    return Selection(model_key, patch_size, image_key, model, image, normalization, whole_picture(model.config))

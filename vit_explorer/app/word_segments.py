@@ -11,12 +11,14 @@ so that PAMR's neighbours stay a few hundred MB whatever was uploaded.
 from __future__ import annotations
 
 import io
+from dataclasses import replace
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image, PngImagePlugin
 
+from ..data.transforms import reshapes
 from ..text.segmentation import Protocol, label
 from . import word_maps, words
 from .selection import Selection
@@ -36,7 +38,11 @@ def segmentation(
     proxy_key: str | None = None,
 ) -> np.ndarray:
     """(H, W) uint8: 0 the background, k prompt k - 1, at the segmented size of the picture, from
-    ``method``'s maps (ProxyCLIP's with the proxy ``proxy_key``)."""
+    ``method``'s maps (ProxyCLIP's with the proxy ``proxy_key``). Of the whole picture, even where
+    the page reads its publisher's crop: every pixel gets a label (one pass more, then)."""
+    if reshapes(selection.config) and not selection.whole:
+        selection = replace(selection, whole=True)
+
     def compute() -> np.ndarray:
         cosines = torch.from_numpy(word_maps.similarities(selection, prompts, method, proxy_key))[None]  # (1, T, gh, gw)
         size = segmented_size(selection.image.height, selection.image.width)

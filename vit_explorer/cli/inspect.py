@@ -47,6 +47,10 @@ def add_inspect(subparsers) -> None:
     parser.add_argument("--tensors", nargs="?", const="", metavar="LAYERS",
                         help="also write capture.npz: logits, tokens, patches, rollout, ... and the"
                         " attention (float16) of --layer, of these layers (0,5,11) or of all")
+    parser.add_argument("--whole-image", action="store_true",
+                        help="read the whole picture squeezed to the model's input size, rather than as its"
+                        " publisher evaluates it (timm's crop_pct, open_clip's preprocess_cfg, a Hugging Face"
+                        " preprocessor_config.json: usually the shorter side resized and the centre cropped)")
     parser.add_argument("--head-types", nargs="*", metavar="MORE",
                         help="also write every head's type (local, global, positional, prefix or outlier"
                         " sink, content) over the image and these more images, if any (positional heads"
@@ -119,18 +123,20 @@ def _inspect(args: argparse.Namespace, texts: list[str] | None, writer) -> int:
 
     from ..analysis.head_types import classify_heads
     from ..data.images import load_image, preprocess
+    from ..data.transforms import describe
     from ..model.capture import capture
     from ..weights import load_model
 
     model = load_model(args.weights).to(_inspect_device(args.device))
     config = model.config
-    x = preprocess(load_image(args.image), config)  # (1, C, H, W)
+    picture = load_image(args.image)
+    x = preprocess(picture, config, whole=args.whole_image)  # (1, C, H, W): the publisher's input unless --whole-image
     layer = args.layer + config.depth if args.layer < 0 else args.layer
     if not 0 <= layer < config.depth:
         raise ValueError(f"--layer {args.layer} does not exist; the model has layers 0..{config.depth - 1}")
     saved_layers = None if args.tensors is None else _tensor_layers(args.tensors, layer, config.depth)
     inside = _inside_choice(args, config) if args.head is not None or args.query is not None else None
-    more = [preprocess(load_image(path), config) for path in args.head_types or ()]  # refused before any pass
+    more = [preprocess(load_image(path), config, whole=args.whole_image) for path in args.head_types or ()]  # refused before any pass
 
     # The layer's internals, when asked for, come from this same pass.
     captured = capture(model, x, layers=(), internals=None if inside is None else layer)
@@ -142,6 +148,7 @@ def _inspect(args: argparse.Namespace, texts: list[str] | None, writer) -> int:
         model, captured, args, keep={layer, *(saved_layers or ())}, whole_rollout=saved_layers is not None
     )
     summary, tested = _inspect_figures(figs, arrays, model, x, captured, streamed, layer, inside, args)
+    summary = f"{summary}; the model read {describe(picture.size, config, args.whole_image)}"
     score = None
     if texts is not None:
         word_figures, word_arrays, said, word_maps, score = _inspect_words(model, args.weights, x, captured, texts, args.method, args.proxy)
@@ -469,7 +476,7 @@ def _inspect_patching(model, x, args: argparse.Namespace) -> tuple[dict, dict, s
         raise AnalysisError("This model has no classes, so its metric is the pooled cosine: leave out --metric.")
     metric = patching.named_difference(args.metric, names) if args.metric else None
     clean, corrupted = load_image(args.image), load_image(args.patch)
-    runs = patching.paired_runs(model, x, preprocess(corrupted, config))
+    runs = patching.paired_runs(model, x, preprocess(corrupted, config, whole=args.whole_image))
     note = patching.size_note(clean, corrupted, config.img_size)
     if note:
         print(note, file=sys.stderr)

@@ -14,6 +14,7 @@ from einops import rearrange
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from ..model.config import ViTConfig
+from .transforms import input_pixels
 
 MAX_PIXELS = 40_000_000  # larger images are refused before decoding (decompression bombs)
 # Longer sides than this many times the shorter are refused before decoding: stitched panoramas
@@ -151,8 +152,10 @@ def load_image(source: bytes | str | os.PathLike | BinaryIO) -> Image.Image:
         ) from None
 
 
-def preprocess(image: Image.Image, config: ViTConfig) -> torch.Tensor:
-    """(1, C, H, W) model input: the whole image resized (no crop) and normalized like training."""
+def preprocess(image: Image.Image, config: ViTConfig, whole: bool = False) -> torch.Tensor:
+    """(1, C, H, W) model input: the picture as the model's publisher evaluates it (cropped or
+    padded as its config says: data/transforms.py), or with ``whole`` the whole picture squeezed
+    to the input size, normalized like training."""
     if config.in_chans not in (1, 3):
         raise ValueError(
             f"images can feed models with 1 or 3 input channels, not {config.in_chans}"
@@ -160,11 +163,7 @@ def preprocess(image: Image.Image, config: ViTConfig) -> torch.Tensor:
     image = to_rgb(image)
     if config.in_chans == 1:
         image = image.convert("L")
-    height, width = config.img_size
-    # PIL's bicubic filter widens with the scale factor, i.e. it antialiases when shrinking.
-    image = image.resize((width, height), Image.Resampling.BICUBIC)
-    pixels = torch.from_numpy(np.atleast_3d(np.asarray(image, dtype=np.float32) / 255.0))
-    pixels = rearrange(pixels, "h w c -> 1 c h w")
-    mean = rearrange(torch.tensor(config.mean), "c -> 1 c 1 1")
-    std = rearrange(torch.tensor(config.std), "c -> 1 c 1 1")
-    return (pixels - mean) / std  # (1, C, H, W)
+    pixels = input_pixels(image, config, whole)  # (C, H, W) on the 0..1 scale
+    mean = rearrange(torch.tensor(config.mean), "c -> c 1 1")
+    std = rearrange(torch.tensor(config.std), "c -> c 1 1")
+    return ((pixels - mean) / std)[None]  # (1, C, H, W)

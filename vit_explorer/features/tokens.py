@@ -125,7 +125,7 @@ def _stored_images(dataset: str, count: int, image_size: tuple[int, int], seed: 
 
 
 def _photos(image_size: tuple[int, int]) -> torch.Tensor:
-    """(n, 3, H, W) uint8: the bundled photos, each resized whole (no crop) as preprocess does."""
+    """(n, 3, H, W) uint8: the bundled photos, each resized whole (no crop) as preprocess(whole=True) does."""
     folder = resources.app_root() / "assets" / "samples"
     files = sorted(path for path in folder.glob("*") if path.suffix.lower() in PHOTO_SUFFIXES)
     if not files:

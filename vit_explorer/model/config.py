@@ -33,6 +33,9 @@ NORM_LAYERS = ("layernorm", "rmsnorm")
 # stretched corner to corner over each picture's).
 POS_EMBED_INTERPOLATIONS = ("bicubic", "bilinear_corners")  # ViTConfig.norm_layer: RMSNorm (no centring, no bias) for Qwen-VL
 ROPE_PERIODS_DTYPES = ("float32", "bfloat16")
+RESIZE_MODES = ("squash", "shortest", "longest")  # ViTConfig.resize_mode
+INTERPOLATIONS = ("bicubic", "bilinear", "nearest")  # ViTConfig.interpolation
+TRANSFORM_LIBRARIES = ("torchvision", "transformers", "transformers-float")  # ViTConfig.transform_library
 
 
 def _pair(value: int | tuple[int, int] | list[int]) -> tuple[int, int]:
@@ -137,6 +140,18 @@ class ViTConfig(_JsonConfig):
     # unambiguously by the tensors, weights/normalization.py) or "assumed" (nothing tells: timm's
     # default for such a ViT; the app says so and lets the person choose: "chosen").
     normalization_source: str = "given"
+    # How a picture becomes the input, as the publisher evaluates the model (data/transforms.py):
+    # resize_mode "squash" (the whole picture resized: ours; timm's crop_mode "squash" with
+    # crop_pct < 1), "shortest" (the shorter side to input / crop_pct, the centre cropped: timm's
+    # crop_pct, open_clip's default, CLIP's image processor) or "longest" (the longer side fitted,
+    # padded with fill_color: open_clip's); the filter; whose resampling and rounding:
+    # "torchvision" (PIL's filters: timm, open_clip, ours) or "transformers" (its image processors;
+    # "transformers-float": DINOv3's, which resizes the pixels rescaled to floats).
+    resize_mode: str = "squash"
+    crop_pct: float = 1.0
+    interpolation: str = "bicubic"
+    fill_color: int | tuple[int, ...] = 0
+    transform_library: str = "torchvision"
     # Positions. abs_pos_embed: the learned pos_embed added to the tokens (timm Eva's use_abs_pos_emb;
     # DINOv3 has none). rope_type: rotary positions on the patch tokens' queries and keys, None,
     # "dinov3" (centred coordinates in [-1, 1] per axis, rotate-half layout) or "cat" (EVA-02: patch
@@ -232,6 +247,25 @@ class ViTConfig(_JsonConfig):
         if self.merger_dim and (height % merge or width % merge):
             raise ValueError(
                 f"image size {height}x{width} is not a multiple of {merge} pixels, which the patch merger joins"
+            )
+        self._check_transform()
+
+    def _check_transform(self) -> None:
+        for name, choices in (
+            ("resize_mode", RESIZE_MODES), ("interpolation", INTERPOLATIONS), ("transform_library", TRANSFORM_LIBRARIES),
+        ):
+            if not isinstance(getattr(self, name), str) or getattr(self, name) not in choices:
+                raise ValueError(f"{name} must be one of {', '.join(choices)}, not {_brief(getattr(self, name))}")
+        if not _is_number(self.crop_pct) or not 0.25 <= self.crop_pct <= 1:
+            raise ValueError(f"crop_pct must be a number between 0.25 and 1, not {_brief(self.crop_pct)}")
+        fill = self.fill_color
+        if isinstance(fill, list):
+            fill = tuple(fill)
+            object.__setattr__(self, "fill_color", fill)
+        values = fill if isinstance(fill, tuple) and len(fill) == self.in_chans else (fill,)
+        if not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) and 0 <= v <= 255 for v in values):
+            raise ValueError(
+                f"fill_color must be a whole number from 0 to 255, or one per input channel, not {_brief(self.fill_color)}"
             )
 
     def _check_rope(self) -> None:

@@ -187,7 +187,8 @@ def segment(model: ImageTextModel, image: Image.Image, texts: torch.Tensor, name
         at_size = replace(model, image=resize_model(model.image, image_size=size, share_weights=True))
         cosines = patch_cosines(at_size, pixels, texts, protocol.method, proxy)
     else:
-        pixels = preprocess(image, config)  # as the app's pages see it
+        # The whole picture squeezed, never a publisher's crop: every pixel of it gets a label.
+        pixels = preprocess(image, config, whole=True)
         cosines = patch_cosines(model, pixels, texts, protocol.method, proxy)
     # PAMR follows the model's input brought to the picture's size, as the papers' predict does.
     picture = F.interpolate(pixels, size=(height, width), mode="bilinear", align_corners=False) if protocol.pamr else \

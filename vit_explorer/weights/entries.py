@@ -11,17 +11,22 @@ from ..model.config import IMAGENET_MEAN, IMAGENET_STD, OPENAI_CLIP_MEAN, OPENAI
 from . import from_open_clip
 
 _IMAGENET = dict(mean=IMAGENET_MEAN, std=IMAGENET_STD)
+# The publishers' eval transforms (timm's pretrained_cfg, open_clip's preprocess_cfg; compared with
+# them in tests/weights/test_transforms.py): the shorter side to input / crop_pct, the centre cropped.
+_CROP_90 = dict(resize_mode="shortest", crop_pct=0.9, interpolation="bicubic")
+_CROP_ALL = dict(resize_mode="shortest", crop_pct=1.0, interpolation="bicubic")
 _VIT_S = dict(embed_dim=384, depth=12, num_heads=6)
 _VIT_B = dict(embed_dim=768, depth=12, num_heads=12)
 # timm's DINOv3 (Eva): rotary positions only, 4 registers, LayerScale, no qkv bias, eps 1e-5; the
 # rotary periods rounded to bfloat16 as the original weights keep them (weights/from_eva.py).
 _DINOV3 = dict(
     patch_size=16, num_classes=0, reg_tokens=4, init_values=1e-5, qkv_bias=False, layer_norm_eps=1e-5,
-    rope_type="dinov3", abs_pos_embed=False, rope_periods_dtype="bfloat16", **_IMAGENET,
+    rope_type="dinov3", abs_pos_embed=False, rope_periods_dtype="bfloat16", **_IMAGENET, **_CROP_ALL,
 )
 # SigLIP and SigLIP 2: big_vision trains with JAX's gelu, the tanh approximation (as transformers runs it).
 _SIGLIP_B = dict(
     image_size=224, patch_size=16, num_classes=0, class_token=False, global_pool="map", act_layer="gelu_tanh", **_VIT_B,
+    resize_mode="squash", interpolation="bicubic",  # open_clip's preprocess_cfg: the whole picture
 )
 DINOV3_LICENCE = "DINOv3 License (Meta), not Apache: github.com/facebookresearch/dinov3/blob/main/LICENSE.md"
 
@@ -112,19 +117,19 @@ CATALOGUE: dict[str, CatalogueEntry] = {
         "ImageNet-1k images without labels (DINO self-distillation)",
         "Its class token finds the object without ever seeing a label: last-layer heads segment"
         " the foreground, some heads one part each.",
-        config=dict(image_size=224, patch_size=16, num_classes=0, **_VIT_S, **_IMAGENET),
+        config=dict(image_size=224, patch_size=16, num_classes=0, **_VIT_S, **_IMAGENET, **_CROP_90),
     ),
     "dino_vits8": CatalogueEntry(
         "DINO ViT-S/8", "timm/vit_small_patch8_224.dino", 86_681_088,
         "ImageNet-1k images without labels (DINO self-distillation)",
         "The sharpest DINO maps (784 patches): the class token's heads trace object outlines.",
-        config=dict(image_size=224, patch_size=8, num_classes=0, **_VIT_S, **_IMAGENET),
+        config=dict(image_size=224, patch_size=8, num_classes=0, **_VIT_S, **_IMAGENET, **_CROP_90),
     ),
     "dino_vitb16": CatalogueEntry(
         "DINO ViT-B/16", "timm/vit_base_patch16_224.dino", 343_194_624,
         "ImageNet-1k images without labels (DINO self-distillation)",
         "Like DINO ViT-S/16 with twice the heads: the class token segments the object.",
-        config=dict(image_size=224, patch_size=16, num_classes=0, **_VIT_B, **_IMAGENET),
+        config=dict(image_size=224, patch_size=16, num_classes=0, **_VIT_B, **_IMAGENET, **_CROP_90),
     ),
     "dinov2_vits14_reg": CatalogueEntry(
         "DINOv2 ViT-S/14 with registers", "timm/vit_small_patch14_reg4_dinov2.lvd142m", 88_229_376,
@@ -133,7 +138,7 @@ CATALOGUE: dict[str, CatalogueEntry] = {
         " high-norm artifact tokens that DINOv2 without registers puts on background patches.",
         config=dict(
             image_size=518, patch_size=14, num_classes=0, reg_tokens=4, no_embed_class=True,
-            init_values=1e-5, **_VIT_S, **_IMAGENET,
+            init_values=1e-5, **_VIT_S, **_IMAGENET, **_CROP_ALL,
         ),
     ),
     "deit_s": CatalogueEntry(
@@ -141,7 +146,7 @@ CATALOGUE: dict[str, CatalogueEntry] = {
         "ImageNet-1k, supervised with strong augmentation (DeiT)",
         "Supervised: the class token's attention covers the object but leaks onto context that"
         " predicts the class.",
-        config=dict(image_size=224, patch_size=16, num_classes=1000, **_VIT_S, **_IMAGENET),
+        config=dict(image_size=224, patch_size=16, num_classes=1000, **_VIT_S, **_IMAGENET, **_CROP_90),
         imagenet_classes=True,
     ),
     "deit3_s": CatalogueEntry(
@@ -151,7 +156,7 @@ CATALOGUE: dict[str, CatalogueEntry] = {
         " layers that grab attention.",
         config=dict(
             image_size=224, patch_size=16, num_classes=1000, no_embed_class=True, init_values=1e-6,
-            **_VIT_S, **_IMAGENET,
+            **_VIT_S, **_IMAGENET, **_CROP_90,
         ),
         imagenet_classes=True,
     ),
@@ -160,7 +165,7 @@ CATALOGUE: dict[str, CatalogueEntry] = {
         "ImageNet-21k, then fine-tuned on ImageNet-1k (AugReg, supervised)",
         "The original ViT recipe: early heads mix local and global, the class token's maps are"
         " diffuse; rollout shows the object.",
-        config=dict(image_size=224, patch_size=16, num_classes=1000, **_VIT_B),
+        config=dict(image_size=224, patch_size=16, num_classes=1000, **_VIT_B, **_CROP_90),
         imagenet_classes=True,
     ),
     # CLIP and SigLIP: open_clip's files of the repositories open_clip itself loads them from
@@ -174,7 +179,7 @@ CATALOGUE: dict[str, CatalogueEntry] = {
         config=dict(
             image_size=224, patch_size=16, num_classes=0, pre_norm=True, patch_bias=False,
             act_layer="quick_gelu", layer_norm_eps=1e-5, mean=OPENAI_CLIP_MEAN,
-            std=OPENAI_CLIP_STD, **_VIT_B,
+            std=OPENAI_CLIP_STD, **_VIT_B, **_CROP_ALL,
         ),
         open_clip="ViT-B-16-quickgelu",  # ViT-B-16 as OpenAI trained it, with QuickGELU
     ),

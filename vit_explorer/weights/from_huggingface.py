@@ -14,6 +14,7 @@ _refuse_unsupported.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -296,6 +297,7 @@ def _settings(hf_config: dict, converted: dict[str, torch.Tensor]) -> dict:
             known[ours] = tuple(value) if isinstance(value, list) else value
     if "mean" in known or "std" in known:
         known["normalization_source"] = "publisher: Hugging Face's preprocessor config"
+    known.update(transform(hf_config))
     labels = _hf_setting(hf_config, "id2label", {}) or {}
     num_classes = converted["head.weight"].shape[0] if "head.weight" in converted else 0
     names = [labels.get(str(index)) for index in range(num_classes)]
@@ -305,6 +307,79 @@ def _settings(hf_config: dict, converted: dict[str, torch.Tensor]) -> dict:
     if num_classes and all(names) and names != [f"LABEL_{index}" for index in range(num_classes)]:
         known["class_names"] = tuple(names)
     return known
+
+
+# ----------------------------------------------------------------------------- the image processor
+
+# transformers' image processors whose resize and crop we reproduce (data/transforms.py: their
+# torchvision backend, transformers 5's default), with their class defaults where the file gives
+# none: the filter, whether a size given as one number is the square's side (default_to_square),
+# whether they crop the centre, and the library (DINOv3's rescales to floats before resizing).
+_PROCESSORS = {
+    "CLIPImageProcessor": (3, False, True, "transformers"), "BitImageProcessor": (3, False, True, "transformers"),
+    "DeiTImageProcessor": (3, True, True, "transformers"), "SiglipImageProcessor": (3, False, False, "transformers"),
+    "ViTImageProcessor": (2, True, False, "transformers"), "DINOv3ViTImageProcessor": (2, True, False, "transformers-float"),
+}
+_RESAMPLE = {0: "nearest", 2: "bilinear", 3: "bicubic"}  # PIL's codes, as preprocessor_config.json writes them
+
+
+def _sides(value, what: str) -> dict:
+    if _whole(value):
+        return {"number": value}
+    if isinstance(value, dict) and value and set(value) <= {"height", "width", "shortest_edge"} \
+            and all(map(_whole, value.values())):
+        return value
+    raise CheckpointError(f"preprocessor_config.json's {what} must be a number of pixels or height and width, not {_brief(value)}")
+
+
+def transform(hf_config: dict) -> dict:
+    """The eval transform of a folder's image processor (preprocessor_config.json) as ViTConfig
+    fields: CLIP's (the shorter side resized, the centre cropped), SigLIP's and ViT's (resized to
+    a size: squashed); nothing where the file gives no size (the whole picture, ours). A setting
+    we do not reproduce is refused in a sentence."""
+    if "size" not in hf_config:
+        return {}
+    # Older folders name a feature extractor (openai/clip-vit-base-patch32's CLIPFeatureExtractor).
+    kind = hf_config.get("image_processor_type", hf_config.get("feature_extractor_type"))
+    kind = kind.removesuffix("Fast").replace("FeatureExtractor", "ImageProcessor") if isinstance(kind, str) else kind
+    if not isinstance(kind, str) or kind not in _PROCESSORS:
+        raise CheckpointError(
+            f"preprocessor_config.json's image processor {_brief(kind)} is not one we reproduce ({', '.join(_PROCESSORS)})"
+        )
+    default_resample, square, centre_crop, library = _PROCESSORS[kind]
+    for flag in ("do_resize", "do_center_crop", "do_rescale", "do_normalize"):
+        if flag in hf_config and not isinstance(hf_config[flag], bool):
+            raise CheckpointError(f"preprocessor_config.json's {flag} must be true or false, not {_brief(hf_config[flag])}")
+    if not hf_config.get("do_resize", True) or not hf_config.get("do_rescale", True) or not hf_config.get("do_normalize", True):
+        raise CheckpointError("preprocessor_config.json turns off resizing, rescaling or normalising, which we do not reproduce")
+    factor = hf_config.get("rescale_factor", 1 / 255)
+    if not _is_number(factor) or abs(factor * 255 - 1) > 1e-6:
+        raise CheckpointError(f"preprocessor_config.json's rescale_factor must be 1/255, not {_brief(factor)}")
+    resample = hf_config.get("resample", default_resample)
+    if not isinstance(resample, int) or isinstance(resample, bool) or resample not in _RESAMPLE:
+        raise CheckpointError(f"preprocessor_config.json's resample must be 0, 2 or 3 (nearest, bilinear, bicubic), not {_brief(resample)}")
+    size = _sides(hf_config["size"], "size")
+    if "number" in size:
+        size = {"height": size["number"], "width": size["number"]} if square else {"shortest_edge": size["number"]}
+    crop = None
+    if hf_config.get("do_center_crop", centre_crop):
+        crop = _sides(hf_config.get("crop_size", 224), "crop_size")
+        crop = (crop["number"],) * 2 if "number" in crop else (crop.get("height"), crop.get("width"))
+    fields = {"interpolation": _RESAMPLE[resample], "transform_library": library}
+    if set(size) == {"shortest_edge"} and crop is not None and crop[0] == crop[1]:
+        fields.update(resize_mode="shortest", crop_pct=crop[0] / size["shortest_edge"])
+        scale = size["shortest_edge"]
+    elif set(size) == {"height", "width"} and size["height"] == size["width"] and (crop is None or crop[0] == crop[1]):
+        fields.update(resize_mode="squash", crop_pct=1.0 if crop is None else crop[0] / size["height"])
+        scale = size["height"]
+    else:
+        raise CheckpointError(
+            f"preprocessor_config.json's size {_brief(hf_config['size'])} and crop_size {_brief(crop)} do not make a square"
+            " input we reproduce"
+        )
+    if not 0.25 <= fields["crop_pct"] <= 1 or math.floor(crop[0] / fields["crop_pct"] if crop else scale) != scale:
+        raise CheckpointError(f"preprocessor_config.json's crop_size {_brief(crop)} must fit inside its size {_brief(hf_config['size'])}")
+    return fields
 
 
 # ----------------------------------------------------------------------------- config.json and weights

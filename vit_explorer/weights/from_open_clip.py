@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from ..model.config import _brief
 from .checks import MAX_HEADER_BYTES, CheckpointError, folder_file, read_json
 
 CONFIG_FILE = "open_clip_config.json"
@@ -152,7 +153,7 @@ def convert(state: dict[str, torch.Tensor], config: dict, name: str) -> tuple[di
     """(our headless ViT's state dict, the config fields the shapes cannot tell) of an open_clip
     model's image tower."""
     tower, _ = image_tower(state, name)
-    known = {"num_classes": 0, **normalization(config)}
+    known = {"num_classes": 0, **normalization(config), **transform(config, name)}
     vision = config["model_cfg"]["vision_cfg"]
     if is_openai_layout(state):
         known["act_layer"] = "quick_gelu" if config["model_cfg"].get("quick_gelu") else "gelu"
@@ -210,3 +211,22 @@ def normalization(config: dict) -> dict:
     if len(fields) != 2:
         return {}
     return {**fields, "normalization_source": f"publisher: {CONFIG_FILE}"}
+
+
+def transform(config: dict, name: str) -> dict:
+    """The eval transform open_clip builds from preprocess_cfg (its PreprocessCfg's defaults where
+    a key is missing: the shorter side resized bicubic, the centre cropped), as ViTConfig fields;
+    a value open_clip would not build, or that we do not reproduce, is refused in a sentence."""
+    preprocess = config.get("preprocess_cfg") or {}
+    if not isinstance(preprocess, dict):
+        raise CheckpointError(f"{name}'s {CONFIG_FILE} has a preprocess_cfg that is not an object of settings")
+    mode = preprocess.get("resize_mode", "shortest")
+    interpolation = preprocess.get("interpolation", "bicubic")
+    fill = preprocess.get("fill_color", 0)
+    if mode not in ("shortest", "squash", "longest"):
+        raise CheckpointError(f"{name}'s preprocess_cfg resize_mode must be shortest, squash or longest, not {_brief(mode)}")
+    if interpolation not in ("bicubic", "bilinear"):
+        raise CheckpointError(f"{name}'s preprocess_cfg interpolation must be bicubic or bilinear, not {_brief(interpolation)}")
+    if not isinstance(fill, int) or isinstance(fill, bool) or not 0 <= fill <= 255:
+        raise CheckpointError(f"{name}'s preprocess_cfg fill_color must be a whole number from 0 to 255, not {_brief(fill)}")
+    return {"resize_mode": mode, "interpolation": interpolation, "fill_color": fill}

@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import torch
 
+from ..model.config import IMAGENET_MEAN, _brief, _is_number
 from . import from_eva
+from .checks import CheckpointError
+
+DEFAULT_CROP_PCT = 0.875  # timm's, where a pretrained_cfg gives none
 
 # What a timm folder's config.json says that the tensors cannot, or claims that they check.
 _FOLDER_ARGS = ("num_heads", "depth", "embed_dim")
@@ -44,4 +48,29 @@ def convert_folder(
     if isinstance(pretrained, dict) and ("mean" in pretrained or "std" in pretrained):
         known.update({field: pretrained[field] for field in ("mean", "std") if field in pretrained})
         known["normalization_source"] = "publisher: timm's pretrained_cfg"
+    if isinstance(pretrained, dict):
+        known.update(transform(pretrained, known.get("mean"), name))
     return converted, known
+
+
+_CROP_MODES = {"center": "shortest", "squash": "squash", "border": "longest"}
+
+
+def transform(pretrained: dict, mean, name: str) -> dict:
+    """timm's eval transform (resolve_data_config, then create_transform) from a pretrained_cfg,
+    timm's defaults where a key is missing (crop_pct 0.875, centre crop, bicubic), as ViTConfig
+    fields; a value timm would not build, or that we do not reproduce, is refused in a sentence."""
+    crop_pct = pretrained.get("crop_pct") or DEFAULT_CROP_PCT
+    crop_mode = pretrained.get("crop_mode") or "center"
+    interpolation = pretrained.get("interpolation") or "bicubic"
+    if not _is_number(crop_pct) or not 0.25 <= crop_pct <= 1:
+        raise CheckpointError(f"{name}'s pretrained_cfg crop_pct must be a number between 0.25 and 1, not {_brief(crop_pct)}")
+    if not isinstance(crop_mode, str) or crop_mode not in _CROP_MODES:
+        raise CheckpointError(f"{name}'s pretrained_cfg crop_mode must be center, squash or border, not {_brief(crop_mode)}")
+    if not isinstance(interpolation, str) or interpolation not in ("bicubic", "bilinear", "nearest"):
+        raise CheckpointError(f"{name}'s pretrained_cfg interpolation must be bicubic, bilinear or nearest, not {_brief(interpolation)}")
+    fields = {"resize_mode": _CROP_MODES[crop_mode], "crop_pct": float(crop_pct), "interpolation": interpolation}
+    if crop_mode == "border":  # padded with the mean colour, as timm pads
+        mean = mean if isinstance(mean, (list, tuple)) and all(map(_is_number, mean)) else IMAGENET_MEAN
+        fields["fill_color"] = tuple(min(max(round(255 * value), 0), 255) for value in mean)
+    return fields

@@ -3,6 +3,7 @@ and the ImageNet-pretrained ones downloaded into torchvision's own cache."""
 
 from __future__ import annotations
 
+import math
 import pickle
 import re
 
@@ -67,4 +68,13 @@ def read_pretrained(name: str, progress=None) -> tuple[dict[str, torch.Tensor], 
     known.update(
         image_size=weights.meta["min_size"][0], class_names=tuple(weights.meta["categories"])
     )
-    return converted, known
+    return converted, {**known, **_transform(weights.transforms())}
+
+
+def _transform(transform) -> dict:
+    """torchvision's ImageClassification on a picture (PIL's filters): the shorter side resized to
+    resize_size, the centre cropped to crop_size, as ViTConfig fields."""
+    crop, resize = transform.crop_size[0], transform.resize_size[0]
+    crop_pct = crop / resize
+    assert math.floor(crop / crop_pct) == resize, (crop, resize)  # the crop_pct arithmetic gives it back
+    return {"resize_mode": "shortest", "crop_pct": crop_pct, "interpolation": transform.interpolation.value}

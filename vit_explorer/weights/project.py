@@ -14,7 +14,9 @@ from ..model.config import ViTConfig
 from ..model.vit import ViT
 from .checks import CheckpointError, looks_like_safetensors, safetensors_header
 
-CONFIG_KEY = "vit_explorer.config"  # safetensors metadata entry that marks a project checkpoint
+CONFIG_KEY = "vit_explorer.config"
+# The publisher's transform (data/transforms.py), written only where it is not ours.
+TRANSFORM_FIELDS = ("resize_mode", "crop_pct", "interpolation", "fill_color", "transform_library")  # safetensors metadata entry that marks a project checkpoint
 
 
 def save_model(model: ViT, path: str | os.PathLike, metadata: dict[str, str] | None = None) -> None:
@@ -57,10 +59,12 @@ def save_model(model: ViT, path: str | os.PathLike, metadata: dict[str, str] | N
 def _config_json(config: ViTConfig) -> str:
     """The config as the file keeps it: normalization_source only where it is not "given" (the
     default, which the files written before it existed mean), so that those files' readers
-    read ours too."""
+    read ours too; likewise the input's transform where it is ours (the whole picture squeezed)."""
     fields = config.to_dict()
-    if fields["normalization_source"] == "given":
-        del fields["normalization_source"]
+    defaults = ViTConfig().to_dict()
+    for name in ("normalization_source", *TRANSFORM_FIELDS):
+        if fields[name] == defaults[name]:
+            del fields[name]
     return json.dumps(fields)
 
 
