@@ -19,6 +19,10 @@ import vit_explorer as vx
 from vit_explorer.text import load_image_text_model
 from vit_explorer.text import open_vocabulary
 from vit_explorer.text.open_vocabulary import METHODS, OpenVocabularyError, patch_embeddings
+
+# The methods that change the last block alone (CLIP Surgery and ProxyCLIP: tests/text/test_clip_surgery.py,
+# test_proxyclip.py)
+LAST_BLOCK = [method for method, entry in METHODS.items() if entry.from_tokens is not None]
 from vit_explorer.text.towers import ImageTextModel
 
 from helpers import counting_blocks
@@ -267,7 +271,7 @@ def test_a_map_runs_only_the_last_block_from_the_capture_and_changes_nothing(cli
     forwards = []
     handle = model.image.register_forward_hook(lambda *_: forwards.append(1))
     try:
-        first = {method: patch_embeddings(model, captured, method) for method in METHODS}
+        first = {method: patch_embeddings(model, captured, method) for method in LAST_BLOCK}
     finally:
         handle.remove()
     assert ran == [] and forwards == []  # no block's forward, no pass of the tower: the last block's arithmetic only
@@ -282,7 +286,7 @@ def test_several_images_tokens_give_each_image_its_capture_map(clip_pair):
     _, model = clip_pair
     x = torch.randn(2, 3, IMAGE, IMAGE, generator=torch.Generator().manual_seed(4))
     captured = vx.capture(model.image, x, layers=())
-    for method in METHODS:
+    for method in LAST_BLOCK:
         single = patch_embeddings(model, vx.capture(model.image, x[1:], layers=()), method)
         together = open_vocabulary.last_block_embeddings(model, captured.tokens[:, -2:], captured.num_prefix_tokens, captured.grid_size, method)
         torch.testing.assert_close(together[1:], single, atol=1e-5, rtol=0)
@@ -291,7 +295,7 @@ def test_several_images_tokens_give_each_image_its_capture_map(clip_pair):
 def test_a_method_there_is_not_is_refused_in_a_sentence(clip_pair):
     _, model = clip_pair
     captured = vx.capture(model.image, torch.zeros(1, 3, IMAGE, IMAGE), layers=())
-    with pytest.raises(OpenVocabularyError, match=r"^'gradcam' is not a map method; choose one of maskclip, sclip, clearclip, naclip$"):
+    with pytest.raises(OpenVocabularyError, match=r"^'gradcam' is not a map method; choose one of maskclip, sclip, clearclip, naclip, clip_surgery, proxyclip$"):
         patch_embeddings(model, captured, "gradcam")
 
 
@@ -358,7 +362,7 @@ def test_every_method_finds_the_planted_region(pool):
         score = lambda cells: float(model.project_image(model.image(_planted_image(cells)))[0] @ obj)
         assert score(PLANTED) > score(set(list(PLANTED)[:6])) > score(set())
     captured = vx.capture(model.image, image, layers=())
-    for method in METHODS:
+    for method in LAST_BLOCK:
         similarity = (patch_embeddings(model, captured, method)[0] @ obj).reshape(GRID, GRID)
         found = similarity > (similarity.max() + similarity.min()) / 2
         planted = torch.zeros(GRID, GRID, dtype=torch.bool)
@@ -398,7 +402,7 @@ def test_the_changed_block_with_the_models_own_attention_is_the_models_last_bloc
     torch.testing.assert_close(vanilla(model, captured), expected, atol=1e-5, rtol=0)
     if vit.config.global_pool != "cls":  # MaskCLIP reads a pool's (or the mean's) tokens leaving the last block alike
         torch.testing.assert_close(patch_embeddings(model, captured, "maskclip"), expected, atol=1e-5, rtol=0)
-    for method in METHODS:  # and each method's own attention changes it
+    for method in LAST_BLOCK:  # and each method's own attention changes it
         if method == "maskclip" and vit.config.global_pool != "cls":
             continue
         assert (patch_embeddings(model, captured, method) - expected).abs().max() > 1e-3, method
