@@ -24,7 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
-from dataclasses import dataclass
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -35,25 +35,10 @@ from vit_explorer.data.labelled_folder import LabelledFolder, read_classes, read
 from vit_explorer.model.vit import Block
 from vit_explorer.text import ImageTextModel, load_image_text_model
 from vit_explorer.text import open_vocabulary
-from vit_explorer.text.segmentation import Protocol, check_size, segment
+from vit_explorer.text import segmentation
+from vit_explorer.text.segmentation import TEMPLATES, Protocol, Result, templates
 from vit_explorer.text.zero_shot import class_embeddings
 from vit_explorer.weights import catalogue, load_model, load_pretrained
-
-TEMPLATES = {
-    "openai": "OpenAI's 80 ImageNet templates (the papers')",
-    "simple": "open_clip's 7 short ImageNet templates",
-    "plain": "'a photo of {}.'",
-}
-
-
-def templates(name: str) -> tuple[str, ...]:
-    if name == "plain":
-        return ("a photo of {}.",)
-    from open_clip.zero_shot_metadata import OPENAI_IMAGENET_TEMPLATES, SIMPLE_IMAGENET_TEMPLATES
-
-    chosen = OPENAI_IMAGENET_TEMPLATES if name == "openai" else SIMPLE_IMAGENET_TEMPLATES
-    return tuple(template("{}") for template in chosen)
-
 
 @contextlib.contextmanager
 def counted_blocks():
@@ -72,37 +57,23 @@ def counted_blocks():
         handle.remove()
 
 
-@dataclass(frozen=True)
-class Result:
-    protocol: Protocol
-    counts: np.ndarray  # (C, C) confusion over the folder
-    passes: float  # passes of the image tower a picture, on average
-
-    @property
-    def mean_iou(self) -> float:
-        return scores.mean_iou(self.counts)
-
-
 def measure(model: ImageTextModel, folder: LabelledFolder, texts: torch.Tensor, protocols: list[Protocol],
             progress: bool = True, proxy=None) -> list[Result]:
-    """Every picture of ``folder`` segmented by every protocol; ``texts`` (Q, E) the names' unit
-    embeddings; ``proxy``: ProxyCLIP's proxy ViT."""
-    classes = folder.classes
-    for height, width in folder.sizes:  # refused before any picture is read
-        check_size(height, width, len(classes.names), any(protocol.pamr for protocol in protocols))
-    counts = [np.zeros((len(classes), len(classes)), dtype=np.int64) for _ in protocols]
-    blocks = [0] * len(protocols)
+    """text.segmentation.measure with a progress bar, each protocol's passes counted (the blocks
+    run, a proxy's too, over the image tower's depth) rather than the windows planned."""
     depth = len(model.image.blocks)
-    with tqdm(total=len(folder) * len(protocols), disable=not progress, unit="segmentation", file=sys.stderr) as bar:
-        for index in range(len(folder)):
-            image, truth = folder.read(index)
-            for number, protocol in enumerate(protocols):
-                with counted_blocks() as ran:
-                    predicted = segment(model, image, texts, classes.name_classes, protocol, proxy)
-                blocks[number] += ran[0]
-                counts[number] += scores.confusion(predicted, truth, len(classes))
-                bar.update()
-    return [Result(protocol, count, ran / depth / len(folder)) for protocol, count, ran in zip(protocols, counts, blocks)]
+    blocks = [0] * len(protocols)
+    with tqdm(total=len(folder) * len(protocols), disable=not progress, unit="segmentation", file=sys.stderr) as bar, \
+            counted_blocks() as ran:
+        seen = [0]
+
+        def step(number: int) -> None:
+            blocks[number] += ran[0] - seen[0]
+            seen[0] = ran[0]
+            bar.update()
+
+        results = segmentation.measure(model, folder, texts, protocols, proxy, step)
+    return [replace(result, passes=count / depth / len(folder)) for result, count in zip(results, blocks)]
 
 
 def table(results: list[Result], classes) -> str:

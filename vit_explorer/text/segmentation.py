@@ -17,11 +17,15 @@ The protocol (:class:`Protocol`, written out by :meth:`Protocol.describe`):
   probability its best name's, class 0 (the background) below ``threshold`` (and, as SCLIP on
   VOC21, a class over too small a share of the foreground zeroed: ``area_threshold``).
 
+A labelled folder is measured by :func:`measure`: every picture segmented by every protocol, the
+confusions summed over the folder (mmseg's IoUMetric: analysis.segmentation), each name embedded
+with one of :data:`TEMPLATES` first (:func:`templates`).
+
 Nothing here changes the model: every pass is a capture of this call.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -33,6 +37,7 @@ from PIL import Image
 from ..analysis import pamr, segmentation
 from ..analysis.checks import AnalysisError
 from ..data.images import preprocess, to_rgb
+from ..data.labelled_folder import LabelledFolder
 from ..model.capture import capture
 from ..weights.resize import resize_model
 from . import open_vocabulary, proxyclip
@@ -42,6 +47,12 @@ WINDOW_BATCH = 8  # windows captured together
 # The cosines of every name at the picture's size are held at once (PAMR's neighbours a few
 # classes at a time on top): a picture and names past this are refused before anything is computed.
 MAX_SCORE_BYTES = 512 * 2**20
+# How each name of a class file is embedded: its templates' embeddings averaged (the papers: OpenAI's 80).
+TEMPLATES = {
+    "openai": "OpenAI's 80 ImageNet templates (the papers')",
+    "simple": "open_clip's 7 short ImageNet templates",
+    "plain": "'a photo of {}.'",
+}
 
 
 @dataclass(frozen=True)
@@ -202,3 +213,56 @@ def passes(height: int, width: int, protocol: Protocol, input_size: tuple[int, i
         return 1
     size = resized_size(height, width, protocol.short_side or min(input_size), input_size)
     return len(windows(*size, input_size, (max(input_size[0] // 2, 1), max(input_size[1] // 2, 1))))
+
+
+def templates(name: str) -> tuple[str, ...]:
+    """The templates of :data:`TEMPLATES` ``name``, each with one '{}' for the name."""
+    if name == "plain":
+        return ("a photo of {}.",)
+    from open_clip.zero_shot_metadata import OPENAI_IMAGENET_TEMPLATES, SIMPLE_IMAGENET_TEMPLATES
+
+    chosen = OPENAI_IMAGENET_TEMPLATES if name == "openai" else SIMPLE_IMAGENET_TEMPLATES
+    return tuple(template("{}") for template in chosen)
+
+
+@dataclass(frozen=True)
+class Result:
+    """A protocol measured on a folder."""
+
+    protocol: Protocol
+    counts: np.ndarray  # (C, C) confusion over the folder
+    passes: float  # passes of the image tower a picture, on average
+
+    @property
+    def mean_iou(self) -> float:
+        return segmentation.mean_iou(self.counts)
+
+    @property
+    def ious(self) -> np.ndarray:
+        """(C,) each class's IoU, NaN for a class in neither truth nor prediction."""
+        return segmentation.iou_per_class(self.counts)
+
+
+def measure(model: ImageTextModel, folder: LabelledFolder, texts: torch.Tensor, protocols: Sequence[Protocol],
+            proxy=None, step: Callable[[int], None] | None = None) -> list[Result]:
+    """Every picture of ``folder`` segmented by every protocol; ``texts`` (Q, E) the unit
+    embeddings of the class file's names (``folder.classes.names``); ``proxy``: ProxyCLIP's proxy
+    ViT. Each result's passes are the image tower's windows a picture (:func:`passes`; a proxy's
+    pass not counted); ``step(number)`` is called after each picture segmented by protocol
+    ``number``. Every picture's size is checked before any is read."""
+    classes = folder.classes
+    for height, width in folder.sizes:
+        check_size(height, width, len(classes.names), any(protocol.pamr for protocol in protocols))
+    input_size = tuple(model.image.config.img_size)
+    counts = [np.zeros((len(classes), len(classes)), dtype=np.int64) for _ in protocols]
+    for index in range(len(folder)):
+        image, truth = folder.read(index)
+        for number, protocol in enumerate(protocols):
+            predicted = segment(model, image, texts, classes.name_classes, protocol, proxy)
+            counts[number] += segmentation.confusion(predicted, truth, len(classes))
+            if step is not None:
+                step(number)
+    return [
+        Result(protocol, count, sum(passes(*size, protocol, input_size) for size in folder.sizes) / max(len(folder), 1))
+        for protocol, count in zip(protocols, counts)
+    ]
