@@ -230,3 +230,27 @@ def planted_picture(height: int, width: int, object_box: tuple[int, int, int, in
     top, bottom, left, right = object_box
     pixels[top:bottom, left:right] = (255, 0, 0)
     return Image.fromarray(pixels)
+
+
+def labelled_folder(root: Path) -> tuple[Path, Path, Path]:
+    """A labelled folder in ``root`` (images/, masks/, classes.txt) of three 32 x 32 planted
+    pictures, full-width bands of object so that the up-sampled patch map changes class exactly on
+    the band's edge: a (object rows 0-16, the truth claims 4 more), b (rows 8-24, 8-12 unlabelled),
+    c (no object). Classes: background (two names), object, cat (nowhere)."""
+    import numpy as np
+    from PIL import Image
+
+    images, masks = root / "images", root / "masks"
+    images.mkdir(parents=True)
+    masks.mkdir()
+    a = np.zeros((32, 32), dtype=np.uint8)
+    a[:20] = 1
+    b = np.zeros((32, 32), dtype=np.uint8)
+    b[8:24] = 1
+    b[8:12] = 255  # unlabelled
+    c = np.zeros((32, 32), dtype=np.uint8)
+    for name, rows, truth in (("a", (0, 16), a), ("b", (8, 24), b), ("c", (0, 0), c)):
+        planted_picture(32, 32, (*rows, 0, 32)).save(images / f"{name}.png")
+        Image.fromarray(truth).save(masks / f"{name}.png")
+    (root / "classes.txt").write_text("background, backdrop\nobject\ncat\n")
+    return images, masks, root / "classes.txt"

@@ -6,7 +6,7 @@ import streamlit as st
 from vit_explorer.analysis import dense_pca as dense
 from vit_explorer import figures
 from vit_explorer.analysis import image_set as sets
-from vit_explorer.app import costs, images, jobs, probe, session, word_maps
+from vit_explorer.app import costs, images, jobs, probe, segment_scores, session, word_maps
 from vit_explorer.app.selection import ImageSet
 from vit_explorer.text import LabelError
 
@@ -249,3 +249,65 @@ if in_words is not None:
             f"How each map is made: {word_maps.how(in_words, detail=True, method=method)}; the patches meet the"
             " prompt's text embedding in a cosine: one small product per picture once the set has been read."
         )
+
+    with st.expander("Score a labelled set (mIoU)"):
+        st.write(
+            "How well each method segments your own labelled pictures: name a folder on the server holding"
+            f" images/, masks/ (a PNG of class indices per picture, same name, 255 unlabelled) and"
+            f" {segment_scores.CLASS_FILE} (line i names class i, synonyms separated by commas, as the papers'"
+            " class files). Every pixel is labelled by its best class, and the IoU of each class is summed over the"
+            f" folder, as `python -m bench.segment` does; at most {segment_scores.MAX_PICTURES} pictures are scored"
+            " here (the whole folder: bench.segment)."
+        )
+        folder_text = st.text_input(
+            "Labelled folder", help="Inside the data folder, the app's weights folder or the runs folder;"
+            " a relative name is read in the data folder.", **session.keep("set_score_folder", ""),
+        )
+        scored_methods = st.multiselect(
+            "Methods", list(segment_scores.METHODS), format_func=word_maps.method_label,
+            help="Compared side by side. ProxyCLIP needs a second model: bench.segment --proxy measures it.",
+            **session.keep("set_score_methods", [word_maps.DEFAULT_METHOD],
+                           lambda chosen: all(method in segment_scores.METHODS for method in chosen)),
+        )
+        threshold_column, limit_column, templates_column = st.columns(3)
+        background = threshold_column.number_input(
+            "Background threshold", 0.0, 1.0, step=0.05,
+            help="Class 0 where the best class's probability is below this (the papers: 0.1 on VOC21).",
+            **session.keep("set_score_threshold", 0.0),
+        )
+        limit = limit_column.number_input(
+            "Pictures at most", 1, segment_scores.MAX_PICTURES, help="The folder's first pictures, by name.",
+            **session.keep("set_score_limit", segment_scores.MAX_PICTURES),
+        )
+        template_set = templates_column.selectbox(
+            "Templates", list(segment_scores.TEMPLATES), format_func=segment_scores.TEMPLATES.get,
+            help="Each name is embedded with these templates, averaged.",
+            **session.keep("set_score_templates", "openai", lambda option: option in segment_scores.TEMPLATES),
+        )
+        if st.button("Score the set", icon=":material/play_arrow:", disabled=not scored_methods):
+            try:
+                path, labelled = segment_scores.labelled_folder(folder_text, int(limit))
+                asked = (tuple(scored_methods), float(background), template_set)
+                key = segment_scores.scores_key(selection, path, labelled, *asked)
+                segment_scores.scores(key, in_words, labelled, *asked)
+            except ValueError as error:  # every refusal is a sentence (the folder's, a picture too large, a name)
+                st.error(f"That set cannot be scored: {error}.")
+            except OSError:  # its words would name the server's path
+                st.error("That set cannot be scored: a file of the folder could not be read (changed while it was read?).")
+            else:
+                state["set_scores_shown"] = (key, labelled.classes, len(labelled), asked)
+        shown = state.get("set_scores_shown")
+        if shown is not None and shown[0][:3] == (selection.model_id, selection.patch_size, config.img_size):
+            key, classes, pictures, (methods, background, template_set) = shown
+            results = segment_scores.kept(key)
+            if results is None:
+                st.info("These scores are no longer kept: score the set again.")
+            else:
+                st.dataframe(segment_scores.table(results, classes), hide_index=True)
+                protocols = "; ".join(result.protocol.describe(tuple(config.img_size)) for result in results)
+                st.caption(
+                    f"IoU (%) of each class over {pictures} pictures, {len(classes)} classes ({len(classes.names)} names),"
+                    f" each name embedded with {segment_scores.TEMPLATES[template_set]}; a class in neither truth nor"
+                    f" prediction left out of the mean (mmseg's IoUMetric). Passes: windows of the image tower a picture."
+                    f" Protocol: {protocols}."
+                )

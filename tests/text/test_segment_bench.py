@@ -9,35 +9,12 @@ from bench import segment as bench
 from vit_explorer.data.labelled_folder import read_classes, read_labelled_folder
 from vit_explorer.text.segmentation import Protocol
 
-from textmodels import planted_clip, planted_picture
-
-# (the object's rows in the picture, the truth's mask) for 32 x 32 pictures: full-width bands, so
-# that the up-sampled patch map changes class exactly on the band's edge.
-CLASSES = "background, backdrop\nobject\ncat\n"
-
-
-def _labelled(tmp_path):
-    images, masks = tmp_path / "images", tmp_path / "masks"
-    images.mkdir()
-    masks.mkdir()
-    truths = []
-    a = np.zeros((32, 32), dtype=np.uint8)
-    a[:20] = 1  # object rows 0-16 in the picture; the truth claims 4 more rows
-    b = np.zeros((32, 32), dtype=np.uint8)
-    b[8:24] = 1
-    b[8:12] = 255  # unlabelled
-    c = np.zeros((32, 32), dtype=np.uint8)  # no object at all
-    for name, rows, truth in (("a", (0, 16), a), ("b", (8, 24), b), ("c", (0, 0), c)):
-        planted_picture(32, 32, (*rows, 0, 32)).save(images / f"{name}.png")
-        Image.fromarray(truth).save(masks / f"{name}.png")
-        truths.append(truth)
-    (tmp_path / "classes.txt").write_text(CLASSES)
-    return images, masks, tmp_path / "classes.txt"
+from textmodels import labelled_folder, planted_clip
 
 
 def test_the_benchmarks_miou_is_the_one_counted_by_hand(tmp_path):
     model, obj, background = planted_clip()
-    images, masks, classes_file = _labelled(tmp_path)
+    images, masks, classes_file = labelled_folder(tmp_path)
     classes = read_classes(classes_file)
     folder = read_labelled_folder(images, masks, classes)
     cat = torch.nn.functional.normalize(torch.tensor([0.0, 0, 1, 0, 0, 0, 0, 0]), dim=0)  # like no patch
@@ -60,7 +37,7 @@ def _main(capsys, *arguments) -> tuple[int, str]:
 
 
 def test_bad_input_is_a_sentence_before_any_model_is_loaded(tmp_path, capsys):
-    images, masks, classes_file = _labelled(tmp_path)
+    images, masks, classes_file = labelled_folder(tmp_path)
     never = tmp_path / "no model here"
     common = ("--weights", never, "--folder", images, "--masks", masks)
     (tmp_path / "huge.txt").write_text("\n".join(f"class {index}" for index in range(100_000)))

@@ -86,6 +86,12 @@ def _inside(path: Path, folders: list[Path]) -> bool:
     return any(target.is_relative_to(os.path.realpath(folder)) for folder in folders)
 
 
+def image_folder_allowed(folder: Path) -> bool:
+    """Whether a page may read pictures from ``folder`` (links followed): inside the data folder or
+    the dictionaries' folders (weights/, the runs folder), as a dictionary's ``folder:`` image set."""
+    return _inside(folder, [DEFAULT_DATA_ROOT, *_folders()])
+
+
 def _card(path: Path, stamp: float) -> tuple[SAEConfig, dict] | str | None:
     """An SAE file's config and card from its header, once per file version: a sentence for a
     broken one, None for a file that is no dictionary (a model's checkpoint)."""
@@ -109,7 +115,7 @@ def _image_set(card: dict) -> ImageSource:
         raise SAEError("this SAE file's card lacks its image set, which every run writes")
     source = ImageSource.from_dict(card["images"])
     folder = source.folder()
-    if folder is not None and not _inside(folder, [DEFAULT_DATA_ROOT, *_folders()]):
+    if folder is not None and not image_folder_allowed(folder):
         raise SAEError("this SAE file's card names an image folder outside the data and dictionary folders, which is refused")
     return source
 
