@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from bench import segment as bench
 from vit_explorer.data.labelled_folder import read_classes, read_labelled_folder
 from vit_explorer.text import load_image_text_model, segmentation
 from vit_explorer.text.zero_shot import class_embeddings
@@ -45,7 +46,10 @@ def test_the_pages_table_is_the_measure_of_the_folder(model_folder, tmp_path):
     classes = read_classes(root / "classes.txt")
     folder = read_labelled_folder(root / "images", root / "masks", classes)
     texts = class_embeddings(model, classes.names, segmentation.templates("plain"))
-    results = segmentation.measure(model, folder, texts, [segmentation.Protocol(method, threshold=0.1) for method in METHODS])
+    protocols = [segmentation.Protocol(method, threshold=0.1) for method in METHODS]
+    results = segmentation.measure(model, folder, texts, protocols)
+    assert [result.mean_iou for result in bench.measure(model, folder, texts, protocols, progress=False)] == \
+        [result.mean_iou for result in results]
     for method, result in zip(METHODS, results):
         assert shown.loc["mIoU", method] == round(100 * result.mean_iou, 2)
         assert shown.loc["passes a picture", method] == 1.0  # a 32 px picture at a 32 px model: one window

@@ -81,19 +81,20 @@ def scores(key: tuple, model: ImageTextModel, folder: LabelledFolder, methods: t
     a progress bar while it runs."""
     def compute() -> list[Result]:
         bar = st.progress(0.0, text="Embedding the class names ...")
-        texts = class_embeddings(model, folder.classes.names, segmentation.templates(templates), progress=lambda done, total:
-                                 bar.progress(done / max(total, 1), text="Embedding the class names ..."))
-        protocols = [Protocol(method, threshold=threshold) for method in methods]
-        total, done = len(folder) * len(protocols), [0]
+        total, done = len(folder) * len(methods), [0]
 
         def step(number: int) -> None:
             done[0] += 1
             bar.progress(done[0] / total, text=f"Segmenting: {done[0]} of {total} ({methods[number]})")
 
-        with torch.no_grad():
-            results = segmentation.measure(model, folder, texts, protocols, step=step)
-        bar.empty()
-        return results
+        try:  # a refusal (a name the tokenizer cannot read, a method this tower lacks) is said where the bar was
+            with torch.no_grad():
+                texts = class_embeddings(model, folder.classes.names, segmentation.templates(templates), progress=lambda
+                                         done, total: bar.progress(done / max(total, 1), text="Embedding the class names ..."))
+                protocols = [Protocol(method, threshold=threshold) for method in methods]
+                return segmentation.measure(model, folder, texts, protocols, step=step)
+        finally:
+            bar.empty()
 
     return memo(key, compute)
 
