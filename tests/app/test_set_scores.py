@@ -41,6 +41,8 @@ def test_the_pages_table_is_the_measure_of_the_folder(model_folder, tmp_path):
     assert errors(app) == []
     (frame,) = app.dataframe
     shown = frame.value.set_index("class")
+    app.run()  # another run shows the kept scores without the button
+    assert not app.exception and app.dataframe[0].value.equals(frame.value)
 
     model = load_image_text_model(model_folder)
     classes = read_classes(root / "classes.txt")
