@@ -14,13 +14,14 @@ licence on its card. Whatever goes wrong is a DownloadError sentence.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -175,13 +176,6 @@ def download_open_clip(name: str, progress: Callable[[int, int | None], None] | 
     if is_downloaded(name):
         return folder
     known = entry(name)
-    seconds = download_timeout()
-    ends = time.monotonic() + seconds
-    cache = cache_dir()
-    cache.mkdir(parents=True, exist_ok=True)
-    remove_abandoned(folder, seconds)
-    staging = cache / f".{name}.{uuid.uuid4().hex}.tmp"
-    staging.mkdir(mode=0o700)
     *small, weights = known.files
     wanted = [(file_name, True) for file_name in small]
     wanted += [(file_name, False) for file_name in OPTIONAL_TOKENIZER_FILES if known.tokenizer]
@@ -196,7 +190,7 @@ def download_open_clip(name: str, progress: Callable[[int, int | None], None] | 
             base + file_done, base + file_total if is_weights and file_total is not None else None,
         )
 
-    try:
+    with _staging(name) as (staging, ends):
         for file_name, required in wanted:
             expected_bytes = known.size_bytes if file_name == weights else SMALL_FILE_BYTES.get(file_name, SMALL_FILE_DEFAULT_BYTES)
             try:
@@ -211,13 +205,9 @@ def download_open_clip(name: str, progress: Callable[[int, int | None], None] | 
                 raise
             done += path.stat().st_size
             fetched.append(file_name)
-        folder.mkdir(parents=True, exist_ok=True)
-        for file_name in fetched:  # the weights last
-            os.replace(staging / file_name, folder / file_name)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        _put_in_place(staging, folder, fetched)
     # The image tower alone, which the catalogue downloaded for this entry before it took both.
-    (cache / f"{name}.safetensors").unlink(missing_ok=True)
+    (cache_dir() / f"{name}.safetensors").unlink(missing_ok=True)
     return folder
 
 
@@ -240,21 +230,14 @@ def download_vlm_tower(name: str, progress: Callable[[int, int | None], None] | 
     if is_downloaded(name):
         return folder
     known = entry(name)
-    seconds = download_timeout()
-    ends = time.monotonic() + seconds
-    cache = cache_dir()
-    cache.mkdir(parents=True, exist_ok=True)
-    remove_abandoned(folder, seconds)
-    staging = cache / f".{name}.{uuid.uuid4().hex}.tmp"
-    staging.mkdir(mode=0o700)
+    with _staging(name) as (staging, ends):
 
-    def small(file_name: str, check: Callable[[Path], None]) -> Path:
-        return fetch(
-            known.title, file_url(name, file_name), staging / file_name, check, None,
-            expected_bytes=SMALL_FILE_DEFAULT_BYTES, mirror_variable=HUB_URL_VARIABLE, ends=ends,
-        )
+        def small(file_name: str, check: Callable[[Path], None]) -> Path:
+            return fetch(
+                known.title, file_url(name, file_name), staging / file_name, check, None,
+                expected_bytes=SMALL_FILE_DEFAULT_BYTES, mirror_variable=HUB_URL_VARIABLE, ends=ends,
+            )
 
-    try:
         hf_config = json.loads(small(VLM_CONFIG_FILE, lambda path: check_vlm_config(name, path)).read_bytes())
         kept = [VLM_CONFIG_FILE]
         try:
@@ -263,17 +246,39 @@ def download_vlm_tower(name: str, progress: Callable[[int, int | None], None] | 
         except DownloadError as error:
             if error.status != 404:
                 raise
-        wanted = _tower_sources(name, lambda file_name, check: small(file_name, check))
+        wanted = _tower_sources(name, small)
         fetch_tensors(
             known.title, wanted, staging / TIMM_FILE, lambda path: check_vlm_tower(name, path, hf_config), progress,
             limit_bytes=size_limit(known.size_bytes), mirror_variable=HUB_URL_VARIABLE, ends=ends,
         )
-        folder.mkdir(parents=True, exist_ok=True)
-        for file_name in [*kept, TIMM_FILE]:  # the weights last
-            os.replace(staging / file_name, folder / file_name)
+        _put_in_place(staging, folder, [*kept, TIMM_FILE])
+    return folder
+
+
+@contextlib.contextmanager
+def _staging(name: str) -> Iterator[tuple[Path, float]]:
+    """A private staging folder beside the cache's folder of entry ``name`` (the abandoned ones of
+    killed downloads removed first), and the time.monotonic() by which the whole download must
+    end; the folder is removed however the download ends."""
+    seconds = download_timeout()
+    ends = time.monotonic() + seconds
+    cache = cache_dir()
+    cache.mkdir(parents=True, exist_ok=True)
+    remove_abandoned(cached_path(name), seconds)
+    staging = cache / f".{name}.{uuid.uuid4().hex}.tmp"
+    staging.mkdir(mode=0o700)
+    try:
+        yield staging, ends
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return folder
+
+
+def _put_in_place(staging: Path, folder: Path, file_names: list[str]) -> None:
+    """The checked files moved from staging into the entry's folder in their order, the weights
+    last, so that is_downloaded never sees part of a download."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for file_name in file_names:
+        os.replace(staging / file_name, folder / file_name)
 
 
 def _read_json_file(name: str, path: Path):
