@@ -18,16 +18,14 @@ backward (3 forwards, bench.words' relevance goal).
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 import vit_explorer as vx
-from bench.words import MODELS, model_folder
+from bench.words import MODELS, medians, model_folder
 from vit_explorer.text import clip_surgery, load_image_text_model, proxyclip
 from vit_explorer.text.legrad import legrad
 
@@ -56,15 +54,7 @@ def measure(name: str, rounds: int) -> dict[str, float]:
             "proxyclip": lambda: proxyclip.patch_embeddings(model, captured, borrowed) @ texts.t(),
             "proxy capture": lambda: vx.capture(proxy, x, layers=()),
         }
-    for step in steps.values():  # warm-up
-        step()
-    times = {step: [] for step in steps}
-    for _ in range(rounds):
-        for step, run in steps.items():
-            start = time.perf_counter()
-            run()
-            times[step].append(time.perf_counter() - start)
-    return {step: statistics.median(seconds) for step, seconds in times.items()}
+    return medians(steps, rounds)
 
 
 def main() -> None:

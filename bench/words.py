@@ -98,6 +98,12 @@ def measure(name: str, rounds: int) -> tuple[dict[str, float], dict[str, tuple[i
         for method in open_vocabulary.METHODS
     }
     counts = {method: counted(steps[f"map {method}"]) for method in open_vocabulary.METHODS}
+    return medians(steps, rounds), counts
+
+
+def medians(steps: dict, rounds: int) -> dict[str, float]:
+    """Each step's median seconds over ``rounds``, after a warm-up, the steps interleaved round by
+    round so that load from other processes hits all alike."""
     for step in steps.values():  # warm-up
         step()
     times = {step: [] for step in steps}
@@ -106,7 +112,7 @@ def measure(name: str, rounds: int) -> tuple[dict[str, float], dict[str, tuple[i
             start = time.perf_counter()
             run()
             times[step].append(time.perf_counter() - start)
-    return {step: statistics.median(seconds) for step, seconds in times.items()}, counts
+    return {step: statistics.median(seconds) for step, seconds in times.items()}
 
 
 def main() -> None:
