@@ -122,8 +122,9 @@ def test_internvit_matches_timm(tmp_path):
     torch.testing.assert_close(vx.capture(model, x).logits, reference(x), atol=1e-5, rtol=1e-5)
 
 
-def test_a_gigantic_perception_encoder_is_refused(tmp_path):
-    reference = timm.create_model("vit_pe_spatial_gigantic_patch14_448", pretrained=False, depth=1, img_size=28)
+@pytest.mark.parametrize("name", ["vit_pe_spatial_gigantic_patch14_448", "vit_pe_core_gigantic_patch14_448"])
+def test_a_gigantic_perception_encoder_is_refused(tmp_path, name):
+    reference = timm.create_model(name, pretrained=False, depth=1, img_size=28)
     save_file({key: value.contiguous() for key, value in reference.state_dict().items()}, tmp_path / "g.safetensors")
     with pytest.raises(vx.CheckpointError, match="gigantic Perception Encoder"):
         vx.load_model(tmp_path / "g.safetensors")
@@ -327,14 +328,18 @@ def test_aimv2_matches_timm(tmp_path):
     torch.testing.assert_close(model.double()(x.double()), reference.double()(x.double()), atol=1e-10, rtol=1e-10)
 
 
-def test_aimv2_large_loads_at_full_size_on_the_meta_device():
-    """AIMv2-L/14's every tensor, as timm names them, is the shape our model infers for it."""
+@pytest.mark.parametrize("name", ["aimv2_large_patch14_224", "aimv2_huge_patch14_336", "aimv2_1b_patch14_224", "aimv2_3b_patch14_448"])
+def test_aimv2_loads_at_full_size_with_its_publishers_heads(name):
+    """Every AIMv2 tensor, as timm names them, is the shape our model infers for it, and the heads
+    are 128 channels wide at every width, which no tensor says: 64 a head loaded AIMv2-L with 16
+    heads instead of 8, and it differed from timm by 5e-2 without a word."""
     from vit_explorer.weights.infer import infer_config
 
     with torch.device("meta"):
-        reference = timm.create_model("aimv2_large_patch14_224", pretrained=False)
+        reference = timm.create_model(name, pretrained=False)
         state = reference.state_dict()
-        config = infer_config(state, {}, {"num_heads": 8}, "aimv2-L")
+        config = infer_config(state, {}, {}, name)
         ours = vx.ViT(config)
     assert {key: value.shape for key, value in ours.state_dict().items()} == {key: value.shape for key, value in state.items()}
-    assert (config.embed_dim, config.depth, config.img_size, config.mlp_hidden) == (1024, 24, (224, 224), 2816)
+    assert config.num_heads == reference.blocks[0].attn.num_heads
+    assert config.img_size == reference.patch_embed.img_size

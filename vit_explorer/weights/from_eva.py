@@ -83,12 +83,14 @@ def perception_encoder(state: dict[str, torch.Tensor], name: str) -> dict | None
     from 1, width first, on its own grid at any size; the core's pool has 8 heads and reads the
     class token too; spatial and lang pool the patches' mean, unnormed."""
     pool, final_norm = "attn_pool.latent" in state, "norm.weight" in state or "fc_norm.weight" in state
-    if "norm_pre.weight" not in state or "patch_embed.proj.bias" in state or not (pool and "cls_token" in state or not final_norm):
+    if "norm_pre.weight" not in state or "patch_embed.proj.bias" in state:
         return None
     positions, kernel = state.get("pos_embed"), state.get("patch_embed.proj.weight")
-    side = math.isqrt(positions.shape[1] - 1) if positions is not None and positions.dim() == 3 else 0
-    if kernel is not None and kernel.shape[0] == 1536:
+    if kernel is not None and kernel.shape[0] == 1536:  # core G has no class token and a wider pool
         raise CheckpointError(f"{name} looks like a gigantic Perception Encoder, whose heads and positions we do not load yet")
+    if not (pool and "cls_token" in state or not final_norm):
+        return None
+    side = math.isqrt(positions.shape[1] - 1) if positions is not None and positions.dim() == 3 else 0
     if "cls_token" not in state or side < 1 or side * side != positions.shape[1] - 1:
         raise CheckpointError(
             f"{name} has a pre-norm and {'an attention pool' if pool else 'no final norm'} as a Perception"

@@ -107,7 +107,8 @@ def _architecture(state: dict[str, torch.Tensor], name: str) -> dict:
         "embed_dim": embed_dim,
         "in_chans": in_chans,
         "depth": depth,
-        "num_heads": PUBLISHED_HEADS.get(embed_dim, max(1, embed_dim // 64)),
+        # AIMv2's heads are 128 channels wide at every width (8 at 1024, 24 at 3072): no tensor says.
+        "num_heads": embed_dim // 128 if is_aimv2(state) and embed_dim % 128 == 0 else PUBLISHED_HEADS.get(embed_dim, max(1, embed_dim // 64)),
         **_attention(state),
         **_mlp(state, embed_dim),
         "class_token": class_token,
