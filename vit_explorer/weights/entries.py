@@ -183,6 +183,18 @@ CATALOGUE: dict[str, CatalogueEntry] = {
         ),
         open_clip="ViT-B-16-quickgelu",  # ViT-B-16 as OpenAI trained it, with QuickGELU
     ),
+    "clip_vitl14_336": CatalogueEntry(
+        "CLIP ViT-L/14-336 (OpenAI)", "timm/vit_large_patch14_clip_336.openai", 1_711_776_772,
+        "400 million image-text pairs from the web (OpenAI CLIP, contrastive), its last epoch at 336x336",
+        "Its text tower comes with it (no classes: texts score the image). The tower LLaVA-1.5 reads"
+        " (576 patches); CLIP's attention: noisy, with a few background tokens that everyone reads.",
+        config=dict(
+            image_size=336, patch_size=14, num_classes=0, pre_norm=True, patch_bias=False,
+            act_layer="quick_gelu", layer_norm_eps=1e-5, mean=OPENAI_CLIP_MEAN, std=OPENAI_CLIP_STD,
+            embed_dim=1024, depth=24, num_heads=16, **_CROP_ALL,
+        ),
+        open_clip="ViT-L-14-336-quickgelu",
+    ),
     "siglip_vitb16": CatalogueEntry(
         "SigLIP ViT-B/16", "timm/ViT-B-16-SigLIP", 812_623_880,
         "WebLI image-text pairs (Google SigLIP, sigmoid contrastive loss)",
