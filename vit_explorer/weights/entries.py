@@ -195,6 +195,21 @@ CATALOGUE: dict[str, CatalogueEntry] = {
         ),
         open_clip="ViT-L-14-336-quickgelu",
     ),
+    "pe_core_l14_336": CatalogueEntry(
+        "Perception Encoder core L/14-336 (Meta)", "timm/PE-Core-L-14-336", 2_684_555_268,
+        "5.4 billion curated web image-text pairs (MetaCLIP's recipe), then videos with generated captions"
+        " (Meta's Perception Encoder, contrastive)",
+        "Its text tower comes with it (softmax scores, as CLIP's). Rotary positions beside learned"
+        " ones, and an attention pool whose probe reads the class token with the patches: its"
+        " attention is shown where a class token's would be.",
+        config=dict(
+            image_size=336, patch_size=14, num_classes=0, pre_norm=True, patch_bias=False, layer_norm_eps=1e-5,
+            global_pool="map", attn_pool_num_heads=8, pool_include_prefix=True, rope_type="cat",
+            rope_grid_indexing="xy", ref_feat_shape=(24, 24), rope_grid_offset=1.0, embed_dim=1024, depth=24,
+            num_heads=16, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5), resize_mode="squash", interpolation="bilinear",
+        ),
+        open_clip="PE-Core-L-14-336",
+    ),
     "siglip_vitb16": CatalogueEntry(
         "SigLIP ViT-B/16", "timm/ViT-B-16-SigLIP", 812_623_880,
         "WebLI image-text pairs (Google SigLIP, sigmoid contrastive loss)",
