@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 
 import vit_explorer as vx
-from vit_explorer.data.transforms import crops, visible_box
+from vit_explorer.data.transforms import crops, placement, visible_box
 from vit_explorer.text import load_image_text_model, zero_shot
 from vit_explorer.weights import CheckpointError, catalogue
 
@@ -267,3 +267,51 @@ def test_the_catalogues_transforms_are_their_publishers():
 
     weights = torchvision.models.ViT_B_16_Weights.IMAGENET1K_V1
     assert _transform(weights.transforms()) == {"resize_mode": "shortest", "crop_pct": 224 / 256, "interpolation": "bilinear"}
+
+
+def test_so400m_at_384_reads_the_top_left_378_as_timm_and_transformers_do(tmp_path, photos):
+    """SigLIP So400m/14's native 384 px is 27 patches of 14 and 6 pixels no patch reads: timm's and
+    transformers' convolutions drop them. Both publishers' pipelines from a file equal ours, every
+    layer's tokens; the input was refused before ("expects 378")."""
+    import timm.data
+    from timm.models import save_for_hf
+    from transformers import SiglipImageProcessor, SiglipVisionConfig, SiglipVisionModel
+
+    torch.manual_seed(0)
+    arguments = dict(img_size=384, embed_dim=32, depth=2, num_heads=2)
+    reference = timm.create_model("vit_so400m_patch14_siglip_384", pretrained=False, **arguments).eval()
+    save_for_hf(reference, tmp_path / "timm", model_args=arguments)
+    ours = vx.load_model(tmp_path / "timm")
+    assert (ours.config.image_size, ours.config.unread_margin, ours.config.grid_size) == (378, 6, (27, 27))
+    transform = timm.data.create_transform(**timm.data.resolve_data_config(model=reference))
+    picture = Image.open(photos["odd"]).convert("RGB")
+    x = vx.preprocess(vx.load_image(photos["odd"]), ours.config)
+    torch.testing.assert_close(x[0], transform(picture)[:, :378, :378], atol=1e-6, rtol=0)
+    with torch.no_grad():
+        expected = reference.forward_intermediates(transform(picture)[None], intermediates_only=True, output_fmt="NLC")
+    tokens = vx.capture(ours, x, layers=()).tokens[0, 1:]
+    torch.testing.assert_close(tokens, torch.cat(expected), atol=1e-4, rtol=1e-5)
+    left, _, right, _ = visible_box(picture.size, ours.config)  # what is read, the margin left out
+    assert right - left == pytest.approx(378 * 451 / placement(picture.size, ours.config).resized[0])
+    assert "its top-left 378x378 px read" in vx.data.transforms.describe(picture.size, ours.config)
+    vx.save_model(ours, tmp_path / "ours.safetensors")  # our files keep it
+    assert vx.load_model(tmp_path / "ours.safetensors").config.unread_margin == 6
+    # Another input size is read whole.
+    assert vx.resize_model(ours, image_size=28).config.unread_margin == 0
+
+    hf = SiglipVisionModel(SiglipVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=384, patch_size=14,
+    )).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    processor = SiglipImageProcessor(size={"height": 384, "width": 384}, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    processor.save_pretrained(tmp_path / "hf")
+    ours = vx.load_model(tmp_path / "hf")
+    x = vx.preprocess(vx.load_image(photos["odd"]), ours.config)
+    with torch.no_grad():
+        expected = hf(**processor(picture, return_tensors="pt"), output_hidden_states=True).hidden_states
+    torch.testing.assert_close(vx.capture(ours, x, layers=()).tokens[0], torch.cat(expected), atol=1e-4, rtol=1e-5)
+
+
+def test_an_unread_margin_is_less_than_a_patch():
+    with pytest.raises(ValueError, match="unread_margin must be a whole number of pixels below the patch size"):
+        vx.ViTConfig(image_size=28, patch_size=14, unread_margin=14)

@@ -61,6 +61,8 @@ def placement(size: tuple[int, int], config: ViTConfig, whole: bool = False) -> 
     target_h, target_w = config.img_size
     if whole:
         return Placement((target_w, target_h), (0, 0))
+    # The publisher's input, whose top-left img_size the model reads (the same offset).
+    target_h, target_w = target_h + config.unread_margin, target_w + config.unread_margin
     scale = (math.floor(target_h / config.crop_pct), math.floor(target_w / config.crop_pct))
     if config.resize_mode == "squash":
         resized = (scale[1], scale[0])
@@ -103,8 +105,9 @@ def crops(size: tuple[int, int], config: ViTConfig) -> bool:
 
 
 def reshapes(config: ViTConfig) -> bool:
-    """Whether the publisher's input is other than the whole picture squeezed (it crops or pads)."""
-    return config.resize_mode != "squash" or config.crop_pct != 1
+    """Whether the publisher's input is other than the whole picture squeezed (it crops or pads, or
+    its model leaves a margin unread)."""
+    return config.resize_mode != "squash" or config.crop_pct != 1 or config.unread_margin > 0
 
 
 def describe(size: tuple[int, int], config: ViTConfig, whole: bool = False) -> str:
@@ -116,6 +119,12 @@ def describe(size: tuple[int, int], config: ViTConfig, whole: bool = False) -> s
     resized = f"resized to {spot.resized[0]}x{spot.resized[1]} px"
     if config.resize_mode == "longest":
         return f"the whole picture {resized} and padded to {width}x{height} px, as its publisher does"
+    if config.unread_margin:
+        read = f"its top-left {width}x{height} px read (the last {config.unread_margin} px of each side make no whole patch)"
+        if not crops(size, config) or spot.resized == (width + config.unread_margin, height + config.unread_margin):
+            return f"the whole picture {resized}, {read}, as its publisher's model does"
+        kept = f"{width + config.unread_margin}x{height + config.unread_margin} px"
+        return f"the picture {resized}, its centre {kept} kept and {read}, as its publisher's model does"
     if not crops(size, config):
         return f"the whole picture {resized}, as its publisher does"
     return f"the picture {resized}, its centre {width}x{height} px kept, as its publisher crops it"

@@ -152,6 +152,10 @@ class ViTConfig(_JsonConfig):
     interpolation: str = "bicubic"
     fill_color: int | tuple[int, ...] = 0
     transform_library: str = "torchvision"
+    # Pixels at the right and bottom of the publisher's input that no patch reads: timm's and
+    # transformers' patch convolutions take SigLIP So400m/14's 384 px input as 27 x 27 patches, its
+    # top-left 378 px (image_size), so that model's transform makes image_size + unread_margin.
+    unread_margin: int = 0
     # Positions. abs_pos_embed: the learned pos_embed added to the tokens (timm Eva's use_abs_pos_emb;
     # DINOv3 has none). rope_type: rotary positions on the patch tokens' queries and keys, None,
     # "dinov3" (centred coordinates in [-1, 1] per axis, rotate-half layout) or "cat" (EVA-02: patch
@@ -266,6 +270,11 @@ class ViTConfig(_JsonConfig):
         if not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) and 0 <= v <= 255 for v in values):
             raise ValueError(
                 f"fill_color must be a whole number from 0 to 255, or one per input channel, not {_brief(self.fill_color)}"
+            )
+        margin = self.unread_margin
+        if not isinstance(margin, numbers.Integral) or isinstance(margin, bool) or not 0 <= margin < self.patch_size:
+            raise ValueError(
+                f"unread_margin must be a whole number of pixels below the patch size ({self.patch_size}), not {_brief(margin)}"
             )
 
     def _check_rope(self) -> None:

@@ -183,6 +183,8 @@ def convert(state: dict[str, torch.Tensor], config: dict, name: str) -> tuple[di
         known["num_heads"] = _openai_heads(vision, tower["patch_embed.proj.weight"].shape[0], name)
     else:  # a timm trunk is the timm model its vision_cfg names, heads and activation included
         known.update(_trunk_settings(vision.get("timm_model_name"), tower["patch_embed.proj.weight"].shape[0], name))
+    if isinstance(vision.get("image_size"), (int, list)):  # So400m/14's 384 px: 378 read (infer.py)
+        known["image_size"] = vision["image_size"] if isinstance(vision["image_size"], int) else tuple(vision["image_size"])
     return tower, known
 
 

@@ -50,7 +50,27 @@ def convert_folder(
         known["normalization_source"] = "publisher: timm's pretrained_cfg"
     if isinstance(pretrained, dict):
         known.update(transform(pretrained, known.get("mean"), name))
+    size = _input_size(arguments, pretrained, name)
+    if size is not None:
+        known["image_size"] = size
     return converted, known
+
+
+def _input_size(arguments, pretrained, name: str):
+    """The input timm builds the model for (model_args' img_size, else pretrained_cfg's
+    input_size): SigLIP So400m/14's 384 px, of which its convolution reads 378."""
+    size = arguments.get("img_size") if isinstance(arguments, dict) else None
+    if size is None and isinstance(pretrained, dict) and pretrained.get("input_size") is not None:
+        input_size = pretrained["input_size"]
+        if not (isinstance(input_size, list) and len(input_size) == 3):
+            raise CheckpointError(f"{name}'s pretrained_cfg input_size must be [channels, height, width], not {_brief(input_size)}")
+        size = input_size[1:]
+    if size is None:
+        return None
+    sides = [size, size] if isinstance(size, int) else size
+    if not (isinstance(sides, list) and len(sides) == 2 and all(isinstance(side, int) and not isinstance(side, bool) and 0 < side <= 8192 for side in sides)):
+        raise CheckpointError(f"{name}'s input size must be a height and width in pixels up to 8192, not {_brief(size)}")
+    return sides[0] if sides[0] == sides[1] else tuple(sides)
 
 
 _CROP_MODES = {"center": "shortest", "squash": "squash", "border": "longest"}

@@ -167,6 +167,7 @@ def _with_positions(
     fields: dict, num_prefix: int, state: dict[str, torch.Tensor], layout_given: bool, name: str
 ) -> ViTConfig:
     """The config whose patch grid (and image size, unless given) the position embeddings cover."""
+    _split_unread_margin(fields, name)
     if "pos_embed" not in state:
         # Rotary positions follow any grid: the image size is the reader's or the caller's.
         if fields.get("rope_type") is None:
@@ -198,6 +199,29 @@ def _with_positions(
         f"cannot tell the image size of {name} from its {num_positions} position embeddings; "
         "pass image_size=(height, width) to load_model"
     )
+
+
+def _split_unread_margin(fields: dict, name: str) -> None:
+    """A publisher's input size that is not a whole number of patches (SigLIP So400m/14 at 384 px)
+    is what its convolution reads, the top-left whole patches, plus an unread margin."""
+    image_size, patch_size = fields.get("image_size"), fields.get("patch_size")
+    if not isinstance(patch_size, int) or patch_size < 1 or fields.get("unread_margin"):
+        return
+    sides = (image_size, image_size) if isinstance(image_size, int) else image_size
+    if not (isinstance(sides, (tuple, list)) and len(sides) == 2 and all(isinstance(side, int) and not isinstance(side, bool) for side in sides)):
+        return  # left to ViTConfig's own sentence
+    margins = {side % patch_size for side in sides}
+    if margins == {0}:
+        return
+    if len(margins) > 1 or min(sides) < patch_size:
+        raise CheckpointError(
+            f"{name}'s input of {sides[1]}x{sides[0]} px is not a whole number of {patch_size}-pixel patches"
+            " by the same margin on both sides, which we do not reproduce"
+        )
+    margin = margins.pop()
+    read = tuple(side - margin for side in sides)
+    fields["image_size"] = read[0] if isinstance(image_size, int) else read
+    fields["unread_margin"] = margin
 
 
 def _config(fields: dict, state: dict[str, torch.Tensor], name: str) -> ViTConfig:

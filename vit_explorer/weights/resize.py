@@ -33,6 +33,8 @@ def resize_model(model: ViT, patch_size: int | None = None, image_size=None, *, 
         patch_size=patch_size if patch_size is not None else old.patch_size,
         image_size=image_size if image_size is not None else old.image_size,
     )
+    if new.img_size != old.img_size:  # a size the person chose is read whole
+        new = new.replace(unread_margin=0)
     state = {
         key: value.detach() if share_weights else value.detach().clone()
         for key, value in model.state_dict().items()
