@@ -49,6 +49,14 @@ def _smaller_text(model_cfg: dict) -> dict:
     return model_cfg
 
 
+def _smaller_siglip(model_cfg: dict) -> dict:
+    """SigLIP's image embedding is its trunk's pooled token (no projection): the space as wide as
+    the cut trunk, the text tower narrower and projected into it."""
+    model_cfg["embed_dim"] = 64
+    model_cfg["text_cfg"].update(width=32, heads=2, layers=2)
+    return model_cfg
+
+
 @dataclasses.dataclass(frozen=True)
 class Smaller:
     tag: str  # open_clip's pretrained tag of the entry: its preprocess_cfg
@@ -60,6 +68,7 @@ class Smaller:
 SMALLER = {
     "clip_vitl14_336": Smaller("openai", _smaller_clip, dict(embed_dim=64, depth=2, num_heads=2)),
     "pe_core_l14_336": Smaller("meta", _smaller_text, dict(embed_dim=128, depth=2, num_heads=2), dict(embed_dim=128, depth=2, num_heads=2)),
+    "siglip_so400m14_384": Smaller("webli", _smaller_siglip, dict(embed_dim=64, depth=2, num_heads=2), dict(embed_dim=64, depth=2, num_heads=2)),
 }
 
 

@@ -226,6 +226,20 @@ CATALOGUE: dict[str, CatalogueEntry] = {
         " features: its patch tokens and maps are cleaner than SigLIP's.",
         config=_SIGLIP_B, open_clip="ViT-B-16-SigLIP2", tokenizer=True,
     ),
+    "siglip_so400m14_384": CatalogueEntry(
+        "SigLIP So400m/14-384", "timm/ViT-SO400M-14-SigLIP-384", 3_511_841_992,
+        "WebLI image-text pairs (Google SigLIP, sigmoid contrastive loss; the shape-optimised 400M tower)",
+        "Its text tower comes with it. The tower PaliGemma and many VLMs read: no class token, an"
+        " attention-pool probe gathers the image (shown where a class token's would be). Its 384 px"
+        " input is 27 patches of 14 a side: the last 6 pixels' rows and columns are never read.",
+        config=dict(
+            # As open_clip runs it (timm's trunk: exact GELU); 4304 hidden units (timm's 3.7362 x 1152).
+            image_size=378, unread_margin=6, patch_size=14, num_classes=0, class_token=False, global_pool="map",
+            act_layer="gelu", embed_dim=1152, depth=27, num_heads=16, mlp_ratio=4304 / 1152,
+            resize_mode="squash", interpolation="bicubic",
+        ),
+        open_clip="ViT-SO400M-14-SigLIP-384", tokenizer=True,
+    ),
     # Only the vision tower of the 7B VLM's three shards is downloaded (its tensors' byte ranges).
     "llava15_7b_tower": CatalogueEntry(
         "LLaVA-1.5 7B's vision tower (CLIP ViT-L/14-336)", "llava-hf/llava-1.5-7b-hf", 607_014_912,
