@@ -52,7 +52,7 @@ def _smaller_text(model_cfg: dict) -> dict:
 def _smaller_siglip(model_cfg: dict) -> dict:
     """SigLIP's image embedding is its trunk's pooled token (no projection): the space as wide as
     the cut trunk, the text tower narrower and projected into it."""
-    model_cfg["embed_dim"] = 64
+    model_cfg["embed_dim"] = 128
     model_cfg["text_cfg"].update(width=32, heads=2, layers=2)
     return model_cfg
 
@@ -68,7 +68,7 @@ class Smaller:
 SMALLER = {
     "clip_vitl14_336": Smaller("openai", _smaller_clip, dict(embed_dim=64, depth=2, num_heads=2)),
     "pe_core_l14_336": Smaller("meta", _smaller_text, dict(embed_dim=128, depth=2, num_heads=2), dict(embed_dim=128, depth=2, num_heads=2)),
-    "siglip_so400m14_384": Smaller("webli", _smaller_siglip, dict(embed_dim=64, depth=2, num_heads=2), dict(embed_dim=64, depth=2, num_heads=2)),
+    "siglip_so400m14_384": Smaller("webli", _smaller_siglip, dict(embed_dim=128, depth=2, num_heads=2), dict(embed_dim=128, depth=2, num_heads=2)),
 }
 
 
@@ -173,6 +173,9 @@ def test_the_entry_downloads_and_matches_open_clips_pipeline(hub, monkeypatch, n
     torch.testing.assert_close(embedded, text, atol=1e-5, rtol=0)
     prediction = zero_shot.predict(words, captured.logits, tuple(LABELS), embedded)
     torch.testing.assert_close(prediction.scores, probabilities[0], atol=1e-5, rtol=0)
+    # The same files uploaded as a folder read alike (the cut trunk's config inferred from its tensors).
+    uploaded = load_image_text_model(served)
+    torch.testing.assert_close(uploaded.project_image(uploaded.image(vx.preprocess(picture, uploaded.image.config))), image, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("name", list(SMALLER))
