@@ -229,9 +229,9 @@ CATALOGUE: dict[str, CatalogueEntry] = {
     "siglip_so400m14_384": CatalogueEntry(
         "SigLIP So400m/14-384", "timm/ViT-SO400M-14-SigLIP-384", 3_511_841_992,
         "WebLI image-text pairs (Google SigLIP, sigmoid contrastive loss; the shape-optimised 400M tower)",
-        "Its text tower comes with it. The tower PaliGemma and many VLMs read: no class token, an"
-        " attention-pool probe gathers the image (shown where a class token's would be). Its 384 px"
-        " input is 27 patches of 14 a side: the last 6 pixels' rows and columns are never read.",
+        "Its text tower comes with it. The tower PaliGemma and many VLMs are built on: no class token,"
+        " an attention-pool probe gathers the image (shown where a class token's would be). Its 384 px"
+        " input is 27 patches of 14 a side: the last 6 rows and columns of pixels are never read.",
         config=dict(
             # As open_clip runs it (timm's trunk: exact GELU); 4304 hidden units (timm's 3.7362 x 1152).
             image_size=378, unread_margin=6, patch_size=14, num_classes=0, class_token=False, global_pool="map",
