@@ -254,7 +254,7 @@ def test_the_catalogues_transforms_are_their_publishers():
     for name, entry in catalogue.CATALOGUE.items():
         config = entry.config_without_names()
         if entry.open_clip is not None:
-            tag = {"clip_vitb16": "openai"}.get(name, "webli")
+            tag = {"clip_vitb16": "openai", "clip_vitl14_336": "openai", "pe_core_l14_336": "meta"}.get(name, "webli")
             expected = open_clip.get_pretrained_cfg(entry.open_clip, tag)
             assert (config.resize_mode, config.interpolation, config.crop_pct) == (
                 expected.get("resize_mode", "shortest"), expected.get("interpolation", "bicubic"), 1.0), name

@@ -53,6 +53,9 @@ def test_each_entry_has_the_shapes_of_timms_model(name):
 # The catalogue's CLIP and SigLIPs -> (open_clip's model name, its pretrained tag, the timm model of the image tower).
 OPEN_CLIP_ENTRIES = {
     "clip_vitb16": ("ViT-B-16", "openai", "vit_base_patch16_clip_224.openai"),
+    "clip_vitl14_336": ("ViT-L-14-336", "openai", "vit_large_patch14_clip_336.openai"),
+    "pe_core_l14_336": ("PE-Core-L-14-336", "meta", "vit_pe_core_large_patch14_336.fb"),
+    "siglip_so400m14_384": ("ViT-SO400M-14-SigLIP-384", "webli", "vit_so400m_patch14_siglip_384.webli"),
     "siglip_vitb16": ("ViT-B-16-SigLIP", "webli", "vit_base_patch16_siglip_224.webli"),
     "siglip2_vitb16": ("ViT-B-16-SigLIP2", "webli", "vit_base_patch16_siglip_224.v2_webli"),
 }

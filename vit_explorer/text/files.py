@@ -73,7 +73,7 @@ def _from_open_clip(folder: Path, image: ViT | None) -> ImageTextModel:
             _, projection = from_open_clip.image_tower(state, folder.name)
         else:  # the image tower is loaded (and its file checked): the rest of the file only
             state = from_open_clip.read_text_tensors(from_open_clip.weights_path(folder))
-            projection = from_open_clip.projection(state)
+            projection = from_open_clip.projection(state, folder.name)
         weights = from_open_clip.text_tower(state, bool(model_cfg.get("custom_text")))
         text = _text_tower(weights, text_cfg, model_cfg.get("embed_dim"), bool(model_cfg.get("quick_gelu")), folder.name)
         if check is not None:

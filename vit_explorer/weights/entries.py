@@ -183,6 +183,33 @@ CATALOGUE: dict[str, CatalogueEntry] = {
         ),
         open_clip="ViT-B-16-quickgelu",  # ViT-B-16 as OpenAI trained it, with QuickGELU
     ),
+    "clip_vitl14_336": CatalogueEntry(
+        "CLIP ViT-L/14-336 (OpenAI)", "timm/vit_large_patch14_clip_336.openai", 1_711_776_772,
+        "400 million image-text pairs from the web (OpenAI CLIP, contrastive), its last epoch at 336x336",
+        "Its text tower comes with it (no classes: texts score the image). The tower LLaVA-1.5 reads"
+        " (576 patches); CLIP's attention: noisy, with a few background tokens that everyone reads.",
+        config=dict(
+            image_size=336, patch_size=14, num_classes=0, pre_norm=True, patch_bias=False,
+            act_layer="quick_gelu", layer_norm_eps=1e-5, mean=OPENAI_CLIP_MEAN, std=OPENAI_CLIP_STD,
+            embed_dim=1024, depth=24, num_heads=16, **_CROP_ALL,
+        ),
+        open_clip="ViT-L-14-336-quickgelu",
+    ),
+    "pe_core_l14_336": CatalogueEntry(
+        "Perception Encoder core L/14-336 (Meta)", "timm/PE-Core-L-14-336", 2_684_555_268,
+        "5.4 billion curated web image-text pairs (MetaCLIP's recipe), then videos with generated captions"
+        " (Meta's Perception Encoder, contrastive)",
+        "Its text tower comes with it (softmax scores, as CLIP's). Rotary positions beside learned"
+        " ones, and an attention pool whose probe reads the class token with the patches: its"
+        " attention is shown where a class token's would be.",
+        config=dict(
+            image_size=336, patch_size=14, num_classes=0, pre_norm=True, patch_bias=False, layer_norm_eps=1e-5,
+            global_pool="map", attn_pool_num_heads=8, pool_include_prefix=True, rope_type="cat",
+            rope_grid_indexing="xy", ref_feat_shape=(24, 24), rope_grid_offset=1.0, embed_dim=1024, depth=24,
+            num_heads=16, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5), resize_mode="squash", interpolation="bilinear",
+        ),
+        open_clip="PE-Core-L-14-336",
+    ),
     "siglip_vitb16": CatalogueEntry(
         "SigLIP ViT-B/16", "timm/ViT-B-16-SigLIP", 812_623_880,
         "WebLI image-text pairs (Google SigLIP, sigmoid contrastive loss)",
@@ -198,6 +225,20 @@ CATALOGUE: dict[str, CatalogueEntry] = {
         " SigLIP's architecture (an attention-pool probe, no class token), trained also for dense"
         " features: its patch tokens and maps are cleaner than SigLIP's.",
         config=_SIGLIP_B, open_clip="ViT-B-16-SigLIP2", tokenizer=True,
+    ),
+    "siglip_so400m14_384": CatalogueEntry(
+        "SigLIP So400m/14-384", "timm/ViT-SO400M-14-SigLIP-384", 3_511_841_992,
+        "WebLI image-text pairs (Google SigLIP, sigmoid contrastive loss; the shape-optimised 400M tower)",
+        "Its text tower comes with it. The tower PaliGemma and many VLMs are built on: no class token,"
+        " an attention-pool probe gathers the image (shown where a class token's would be). Its 384 px"
+        " input is 27 patches of 14 a side: the last 6 rows and columns of pixels are never read.",
+        config=dict(
+            # As open_clip runs it (timm's trunk: exact GELU); 4304 hidden units (timm's 3.7362 x 1152).
+            image_size=378, unread_margin=6, patch_size=14, num_classes=0, class_token=False, global_pool="map",
+            act_layer="gelu", embed_dim=1152, depth=27, num_heads=16, mlp_ratio=4304 / 1152,
+            resize_mode="squash", interpolation="bicubic",
+        ),
+        open_clip="ViT-SO400M-14-SigLIP-384", tokenizer=True,
     ),
     # Only the vision tower of the 7B VLM's three shards is downloaded (its tensors' byte ranges).
     "llava15_7b_tower": CatalogueEntry(

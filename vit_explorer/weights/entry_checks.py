@@ -92,17 +92,19 @@ def _differences(expected: dict[str, tuple[int, ...]], found: dict[str, tuple[in
 class OpenClipShapes:
     """The tensors an open_clip entry's weights file holds, from the entry's own configs: its image
     tower under our names (the entry's ViT), the projection into the shared space as
-    (embed_dim, width) or None, the text tower under open_clip's names, and the one-number scores
-    (logit_scale; SigLIP's logit_bias)."""
+    (embed_dim, width) or None, the projection's bias where it is a timm trunk's own head (the
+    Perception Encoder's, zeros), the text tower under open_clip's names, and the one-number
+    scores (logit_scale; SigLIP's logit_bias)."""
 
     image: dict[str, tuple[int, ...]]
     projection: tuple[int, int] | None
     text: dict[str, tuple[int, ...]]
     scalars: tuple[str, ...]
+    projection_bias: tuple[int] | None = None
 
     @property
     def numel(self) -> int:
-        shapes = [*self.image.values(), *self.text.values(), *([self.projection] if self.projection else [])]
+        shapes = [*self.image.values(), *self.text.values(), *(shape for shape in (self.projection, self.projection_bias) if shape)]
         return sum(math.prod(shape) for shape in shapes) + len(self.scalars)
 
 
@@ -125,14 +127,28 @@ def open_clip_shapes(name: str) -> OpenClipShapes:
     width = known.config_without_names().embed_dim
     # A timm trunk's projection is its head ("none": the trunk's own output, SigLIP's); open_clip's
     # own ViT (CLIP) projects with visual.proj.
+    # timm_proj null: the trunk's own classifier of embed_dim outputs (open_clip's TimmModel).
     timm_unprojected = vision.get("timm_model_name") and vision.get("timm_proj", "linear") == "none"
+    trunk_head = vision.get("timm_model_name") and not vision.get("timm_proj", "linear")
     scalars = ("logit_scale", "logit_bias") if model_cfg.get("init_logit_bias") is not None else ("logit_scale",)
     return OpenClipShapes(
         image=expected_shapes(name),
         projection=None if timm_unprojected else (model_cfg["embed_dim"], width),
         text=_text_tower_shapes(model_cfg),
         scalars=scalars,
+        projection_bias=(model_cfg["embed_dim"],) if trunk_head else None,
     )
+
+
+def _read_tensor(path: Path, key: str, name: str) -> torch.Tensor:
+    """One tensor of a file whose header was checked (safetensors reads only its bytes)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as file:
+            return file.get_tensor(key)
+    except (OSError, SafetensorError):
+        raise DownloadError(f"the downloaded {name} file could not be read") from None
 
 
 def check_open_clip_weights(name: str, path: Path) -> None:
@@ -157,6 +173,14 @@ def check_open_clip_weights(name: str, path: Path) -> None:
         projection = None if projection is None else tuple(projection.shape)
         if projection != expected.projection:
             problems.append(f"image projection: {projection or 'none'} where {expected.projection or 'none'} is expected")
+        bias = found.get("visual.trunk.head.bias")
+        if bias != expected.projection_bias:
+            problems.append(f"image projection bias: {bias or 'none'} where {expected.projection_bias or 'none'} is expected")
+        elif bias is not None:  # its few numbers read now, so that a download that could never load is not kept
+            try:
+                from_open_clip.no_bias(_read_tensor(path, "visual.trunk.head.bias", name), name)
+            except CheckpointError:
+                problems.append("its image projection has a bias that is not zero")
     text = {key: tuple(value.shape) for key, value in from_open_clip.text_tower(state, custom_text).items()}
     if detail := _differences(expected.text, text):
         problems.append(f"text tower {detail}")

@@ -7,9 +7,11 @@ tokenizer other than CLIP's BPE (which ships inside open_clip), the Hugging Face
 
 The image tower comes in two layouts: OpenAI's (``visual.conv1``, ``visual.transformer.resblocks``;
 open_clip's own VisionTransformer, CLIP) or a timm trunk (``visual.trunk.*``, timm's names, which
-are ours; SigLIP). Here it is renamed to our ViT's names, and its projection into the shared
-embedding space (CLIP's ``visual.proj``) is set apart: the ViT stays headless, so that every page
-treats it as the image tower it is, and the words (vit_explorer.text) apply the projection.
+are ours; SigLIP, the Perception Encoder). Here it is renamed to our ViT's names, and its
+projection into the shared embedding space (CLIP's ``visual.proj``, a timm trunk's
+``visual.head.proj`` or, where the vision_cfg's timm_proj is null, the trunk's own classifier:
+the Perception Encoder's) is set apart: the ViT stays headless, so that every page treats it as
+the image tower it is, and the words (vit_explorer.text) apply the projection.
 """
 from __future__ import annotations
 
@@ -78,8 +80,25 @@ def image_tower(state: dict[str, torch.Tensor], name: str) -> tuple[dict[str, to
     heads = sorted(key for key in state if key.startswith("visual.head."))
     if heads and heads != ["visual.head.proj.weight"]:
         raise CheckpointError(f"{name}'s image tower ends in a head we do not read ({', '.join(heads[:3])})")
-    projection = state.get("visual.head.proj.weight")  # a Linear's (embed_dim, width)
+    if "head.weight" not in trunk:
+        return trunk, state.get("visual.head.proj.weight")  # a Linear's (embed_dim, width)
+    if heads:
+        raise CheckpointError(f"{name}'s image tower has two projections (its trunk's head and visual.head.proj)")
+    # timm_proj null: open_clip made the trunk's classifier with embed_dim outputs, the projection.
+    projection = trunk.pop("head.weight")
+    no_bias(trunk.pop("head.bias", None), name)
     return trunk, projection
+
+
+def no_bias(bias: torch.Tensor | None, name: str) -> None:
+    """A trunk's head is a projection without a bias (the Perception Encoder's proj, which timm
+    writes with a zero bias): one that moves the embedding is refused, since the words project
+    linearly (a sum of parts to the sum of their projections). On the meta device (a download's
+    check) only its presence is known."""
+    if bias is not None and not bias.is_meta and bool(bias.any()):
+        raise CheckpointError(
+            f"{name}'s image projection (its timm trunk's head) has a bias that is not zero, which we do not apply"
+        )
 
 
 def _openai_tower(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
@@ -114,7 +133,8 @@ def read_image_tensors(path: Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{path.parent.name}'s {path.name} could not be read ({error})") from None
 
 
-PROJECTIONS = ("visual.proj", "visual.head.proj.weight")  # OpenAI's (width, E); a timm trunk's Linear (E, width)
+# OpenAI's (width, E); a timm trunk's Linear (E, width); a trunk's own head (E, width) and its bias.
+PROJECTIONS = ("visual.proj", "visual.head.proj.weight", "visual.trunk.head.weight", "visual.trunk.head.bias")
 
 
 def read_text_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -131,10 +151,13 @@ def read_text_tensors(path: Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{path.parent.name}'s {path.name} could not be read ({error})") from None
 
 
-def projection(state: dict[str, torch.Tensor]) -> torch.Tensor | None:
+def projection(state: dict[str, torch.Tensor], name: str) -> torch.Tensor | None:
     """The image tower's projection into the shared space as (E, width), or None."""
     if "visual.proj" in state:
         return state["visual.proj"].t()
+    if "visual.trunk.head.weight" in state:
+        no_bias(state.get("visual.trunk.head.bias"), name)
+        return state["visual.trunk.head.weight"]
     return state.get("visual.head.proj.weight")
 
 
