@@ -21,7 +21,9 @@ from ..model.config import NORMALIZATIONS
 from ..model.vit import ViT
 from ..serving.cache import ByteBoundedCache, nbytes
 from ..training import train
+from ..training.admission import admit_model
 from ..weights import catalogue, from_open_clip, from_qwen_vl
+from ..weights.footprint import Footprint, config_footprint, model_footprint
 from ..weights import load_model, load_pretrained, resize_model
 from ..weights.normalization import renormalized
 from . import runs
@@ -74,14 +76,38 @@ def base_model(model_key: str) -> ViT:
                     "the default model (VIT_EXPLORER_DEFAULT_MODEL) is missing; train it with"
                     " `python -m vit_explorer train` or upload a checkpoint"
                 )
+            admit(model_key)
             model = load_model(weights)
         elif kind == "pretrained":
+            admit(model_key)
             model = load_pretrained(reference)
         else:
+            admit(model_key)
             model = load_model(reference)
         return model.to(DEVICE).eval()
 
     return shared_models().get_or_compute(("base", model_key), lambda: with_spinner("Loading the model ...", load))
+
+
+def footprint(model_key: str) -> Footprint | None:
+    """The memory the model behind a key takes to load, from its files' headers (a catalogue
+    entry's from its architecture, before any download); None where its loader refuses it."""
+    kind, _, reference = model_key.partition(":")
+    if kind == "pretrained":
+        return config_footprint(catalogue.entry(reference).config_without_names()) if reference in catalogue.CATALOGUE else None
+    return model_footprint(default_weights() if kind == DEFAULT_MODEL else reference)
+
+
+def admit(model_key: str) -> None:
+    """Refuse in a sentence (CheckpointError) a model that would not fit the shared models' budget,
+    the machine's available memory or the GPU's, before anything of it is downloaded or allocated."""
+    admit_model(footprint(model_key), MODELS_BYTES, DEVICE)
+
+
+def memory_note(name: str) -> str:
+    """What a catalogue model holds once loaded, for the sentences that say its download's size."""
+    weights = config_footprint(catalogue.entry(name).config_without_names()).weights
+    return f"about {weights / 1e6:,.0f} MB in memory once loaded"
 
 
 def model_at(model_key: str, patch_size: int, image_size: tuple[int, int], normalization: str | None = None) -> ViT:
@@ -457,7 +483,7 @@ def licence_to_accept(model_key: str) -> str | None:
         return None
     return (
         f"{entry.title}'s weights are published under the {entry.licence}. Downloading them"
-        f" ({entry.size_bytes / 1e6:.0f} MB) means accepting its terms."
+        f" ({entry.size_bytes / 1e6:.0f} MB; {memory_note(name)}) means accepting its terms."
     )
 
 
@@ -473,6 +499,7 @@ def select_model(model_key: str) -> str | None:
     kind, _, name = model_key.partition(":")
     try:
         if kind == "pretrained" and name in catalogue.CATALOGUE:
+            admit(model_key)  # before its download
             download_with_progress(name)
         base_model(model_key)
     except (ValueError, OSError) as error:
@@ -503,7 +530,7 @@ def download_with_progress(name: str) -> None:
         return
     entry = catalogue.entry(name)
     label = (
-        f"Downloading {entry.title} ({entry.size_bytes / 1e6:.0f} MB) from {catalogue.url(name)};"
+        f"Downloading {entry.title} ({entry.size_bytes / 1e6:.0f} MB; {memory_note(name)}) from {catalogue.url(name)};"
         f" licence: {entry.licence}"
     )
     bar = st.progress(0.0, text=label)

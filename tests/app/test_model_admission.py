@@ -1,0 +1,40 @@
+"""A model that would not fit the shared models' budget is refused in a sentence before it is
+loaded or downloaded, and the model in use stays."""
+
+from apptest import errors, open_app, tiny_default, tiny_model, uploader  # noqa: F401 (tiny_default: autouse)
+
+import vit_explorer as vx
+from vit_explorer.app import models, uploads
+
+
+def test_an_upload_over_the_budget_is_refused_before_it_loads(monkeypatch, tmp_path):
+    app = open_app()
+    model_key = app.session_state["model_key"]
+    path = tmp_path / "wide.safetensors"
+    vx.save_model(tiny_model(embed_dim=128), path)  # 3.2 MB in float32
+    monkeypatch.setattr(models, "MODELS_BYTES", 2**20)
+    monkeypatch.setattr(models, "load_model", lambda *args, **kwargs: loaded.append(args))
+    loaded = []
+    uploader(app, "checkpoint_upload").set_value((path.name, path.read_bytes(), "application/octet-stream")).run()
+    assert not app.exception
+    assert errors(app) == [
+        "Could not load that model: This model holds 3 MB of weights in float32, more than the 1 MB this server"
+        " keeps for its shared models; choose a smaller model, or raise VIT_EXPLORER_MODELS_MB where the machine"
+        " has the memory."
+    ]
+    assert loaded == [] and app.session_state["model_key"] == model_key
+    assert [path for path in uploads.UPLOADS_DIR.iterdir()] == []  # nothing of it kept
+
+
+def test_a_catalogue_model_over_the_budget_is_refused_before_its_download(monkeypatch):
+    downloads = []
+    monkeypatch.setattr(models, "MODELS_BYTES", 64 * 2**20)
+    monkeypatch.setattr(models.catalogue, "is_downloaded", lambda name: False)
+    monkeypatch.setattr(models.catalogue, "download", lambda *args: downloads.append(args))
+    assert models.select_model("pretrained:dino_vitb16") == (
+        "Could not load that model: This model holds 327 MB of weights in float32, more than the 64 MB this server"
+        " keeps for its shared models; choose a smaller model, or raise VIT_EXPLORER_MODELS_MB where the machine"
+        " has the memory"
+    )
+    assert downloads == []
+    assert models.memory_note("dino_vitb16") == "about 343 MB in memory once loaded"
