@@ -81,7 +81,8 @@ def language_model_reads(hf_config: dict, name: str) -> dict:
     vision_feature_layer (-2, the penultimate block's output) without the class token
     ("default"); PaliGemma's, Gemma 3's, Idefics3's and SmolVLM's the tokens after the final norm,
     Gemma 3's projector averaging them down to mm_tokens_per_image, Idefics3's connector joining
-    scale_factor x scale_factor squares (pixel shuffle)."""
+    scale_factor x scale_factor squares (pixel shuffle); and the depth that layer is counted in,
+    which the tower's tensors must have (a config claiming other layers is refused, not read)."""
     vision = hf_config["vision_config"]
     depth = vision.get("num_hidden_layers")
     if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
@@ -91,10 +92,11 @@ def language_model_reads(hf_config: dict, name: str) -> dict:
         if not isinstance(layer, int) or isinstance(layer, bool) or not -depth - 1 <= layer <= depth:
             raise CheckpointError(f"{name}'s vision_feature_layer {layer!r} is not one layer of its {depth}")
         return {
+            "depth": depth,
             "language_model_layer": layer % (depth + 1),
             "language_model_drops_class_token": hf_config.get("vision_feature_select_strategy", "default") == "default",
         }
-    fields = {"language_model_layer": depth + 1}
+    fields = {"language_model_layer": depth + 1, "depth": depth}
     if hf_config["model_type"] in ("idefics3", "smolvlm"):  # the connector's pixel shuffle
         scale = hf_config.get("scale_factor", 2)
         side = vision.get("image_size", 0) // max(vision.get("patch_size", 1), 1)
