@@ -38,3 +38,20 @@ def test_a_catalogue_model_over_the_budget_is_refused_before_its_download(monkey
     )
     assert downloads == []
     assert models.memory_note("dino_vitb16") == "about 343 MB in memory once loaded"
+
+
+def test_model_b_over_the_budget_is_refused_before_its_download_and_a_stays(monkeypatch):
+    downloads = []
+    monkeypatch.setattr(models.catalogue, "is_downloaded", lambda name: False)
+    monkeypatch.setattr(models.catalogue, "download", lambda *args: downloads.append(args))
+    app = open_app("views/compare.py")
+    app.selectbox(key="compare_model").set_value("pretrained:dino_vits16").run()
+    monkeypatch.setattr(models, "MODELS_BYTES", 64 * 2**20)
+    next(button for button in app.button if button.label.startswith("Download DINO")).click().run()
+    assert not app.exception and downloads == []
+    assert errors(app) == [
+        "Could not load model B, model A stays as it is: This model holds 83 MB of weights in float32, more than the"
+        " 64 MB this server keeps for its shared models; choose a smaller model, or raise VIT_EXPLORER_MODELS_MB"
+        " where the machine has the memory"
+    ]
+    assert app.session_state["model_key"] == "default"

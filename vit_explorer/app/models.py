@@ -499,7 +499,6 @@ def select_model(model_key: str) -> str | None:
     kind, _, name = model_key.partition(":")
     try:
         if kind == "pretrained" and name in catalogue.CATALOGUE:
-            admit(model_key)  # before its download
             download_with_progress(name)
         base_model(model_key)
     except (ValueError, OSError) as error:
@@ -525,9 +524,11 @@ def model_card(model_key: str) -> str | None:
 
 
 def download_with_progress(name: str) -> None:
-    """Download a catalogue entry (if not cached yet) under a progress bar."""
+    """Download a catalogue entry (if not cached yet) under a progress bar, once it is admitted
+    (CheckpointError: it would not fit, said before anything is fetched)."""
     if catalogue.is_downloaded(name):
         return
+    admit(f"pretrained:{name}")
     entry = catalogue.entry(name)
     label = (
         f"Downloading {entry.title} ({entry.size_bytes / 1e6:.0f} MB; {memory_note(name)}) from {catalogue.url(name)};"
