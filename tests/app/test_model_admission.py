@@ -2,6 +2,7 @@
 loaded or downloaded, and the model in use stays."""
 
 from apptest import errors, open_app, tiny_default, tiny_model, uploader  # noqa: F401 (tiny_default: autouse)
+from textmodels import SMALL_CLIP, open_clip_folder
 
 import vit_explorer as vx
 from vit_explorer.app import models, uploads
@@ -18,7 +19,7 @@ def test_an_upload_over_the_budget_is_refused_before_it_loads(monkeypatch, tmp_p
     uploader(app, "checkpoint_upload").set_value((path.name, path.read_bytes(), "application/octet-stream")).run()
     assert not app.exception
     assert errors(app) == [
-        "Could not load that model: This model holds 3 MB of weights in float32, more than the 1 MB this server"
+        "Could not load that model: this model holds 3 MB of weights in float32, more than the 1 MB this server"
         " keeps for its shared models; choose a smaller model, or raise VIT_EXPLORER_MODELS_MB where the machine"
         " has the memory."
     ]
@@ -32,7 +33,7 @@ def test_a_catalogue_model_over_the_budget_is_refused_before_its_download(monkey
     monkeypatch.setattr(models.catalogue, "is_downloaded", lambda name: False)
     monkeypatch.setattr(models.catalogue, "download", lambda *args: downloads.append(args))
     assert models.select_model("pretrained:dino_vitb16") == (
-        "Could not load that model: This model holds 327 MB of weights in float32, more than the 64 MB this server"
+        "Could not load that model: this model holds 327 MB of weights in float32, more than the 64 MB this server"
         " keeps for its shared models; choose a smaller model, or raise VIT_EXPLORER_MODELS_MB where the machine"
         " has the memory"
     )
@@ -50,8 +51,27 @@ def test_model_b_over_the_budget_is_refused_before_its_download_and_a_stays(monk
     next(button for button in app.button if button.label.startswith("Download DINO")).click().run()
     assert not app.exception and downloads == []
     assert errors(app) == [
-        "Could not load model B, model A stays as it is: This model holds 83 MB of weights in float32, more than the"
+        "Could not load model B, model A stays as it is: this model holds 83 MB of weights in float32, more than the"
         " 64 MB this server keeps for its shared models; choose a smaller model, or raise VIT_EXPLORER_MODELS_MB"
         " where the machine has the memory"
     ]
     assert app.session_state["model_key"] == "default"
+
+
+def test_a_text_tower_that_would_not_fit_beside_its_image_tower_is_refused_before_it_is_read(monkeypatch, tmp_path):
+    """SMALL_CLIP's text tower is mostly its 49,408 x 32 token embedding: 6 MB; its image tower 0.4 MB."""
+    open_clip_folder(tmp_path / "clip", SMALL_CLIP)
+    app = open_app()
+    model_key = app.session_state["model_key"]
+    monkeypatch.setattr(models, "MODELS_BYTES", 4 * 2**20)
+    read = []
+    monkeypatch.setattr(uploads, "load_image_text_model", lambda *args, **kwargs: read.append(args))
+    files = [(path.name, path.read_bytes(), "application/octet-stream") for path in sorted((tmp_path / "clip").iterdir())]
+    uploader(app, "checkpoint_upload").set_value(files).run()
+    assert not app.exception and read == []
+    assert errors(app) == [
+        "Could not load that model: its text tower holds 6 MB of weights in float32 (7 MB with the image tower it"
+        " goes with), more than the 4 MB this server keeps for its shared models; choose a smaller model, or raise"
+        " VIT_EXPLORER_MODELS_MB where the machine has the memory."
+    ]
+    assert app.session_state["model_key"] == model_key and list(uploads.UPLOADS_DIR.iterdir()) == []

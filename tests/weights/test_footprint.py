@@ -66,7 +66,7 @@ def test_a_so400m_is_refused_in_a_sentence_before_its_loader_runs(tmp_path, monk
     with pytest.raises(vx.CheckpointError) as refused:
         admission.admit_model(estimate, models_bytes=2**30)
     assert str(refused.value) == (
-        "This model holds 1.6 GB of weights in float32, more than the 1.0 GB this server keeps for its shared"
+        "this model holds 1.6 GB of weights in float32, more than the 1.0 GB this server keeps for its shared"
         " models; choose a smaller model, or raise VIT_EXPLORER_MODELS_MB where the machine has the memory"
     )
     monkeypatch.setattr(admission, "available_memory", lambda: 7 * 2**28)
@@ -157,3 +157,23 @@ def test_the_estimate_is_within_1_3x_of_the_measured_peak(tmp_path):
     estimate, measured = json.loads(result.stdout.strip().splitlines()[-1])
     print(f"estimate {estimate / 2**20:.1f} MiB, measured {measured / 2**20:.1f} MiB")
     assert measured / 1.05 <= estimate <= 1.3 * measured, (estimate, measured)
+
+
+def test_a_clip_folder_is_sized_as_its_two_towers(tmp_path):
+    """A Hugging Face CLIP folder: the image tower (load_model) and the text tower
+    (vit_explorer.text), each its own tensors, in float16 as converted."""
+    from textmodels import hf_clip_folder
+
+    small = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2}
+    model = hf_clip_folder(tmp_path, text={**small, "vocab_size": 1000}, vision={**small, "image_size": 32, "patch_size": 8},
+                           projection_dim=16, tokenizer=False)
+    model.half().save_pretrained(str(tmp_path))
+    state = model.state_dict()
+
+    def counted(*prefixes):
+        values = sum(value.numel() for key, value in state.items() if key.startswith(prefixes) and value.is_floating_point())
+        return Footprint(weights=4 * values, converted=2 * values)
+
+    assert model_footprint(tmp_path) == counted("vision_model.")
+    assert footprints.text_footprint(tmp_path) == counted("text_model.", "text_projection")
+    assert footprints.text_footprint(tmp_path / "model.safetensors") is None

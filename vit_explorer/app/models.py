@@ -23,7 +23,7 @@ from ..serving.cache import ByteBoundedCache, nbytes
 from ..training import train
 from ..training.admission import admit_model
 from ..weights import catalogue, from_open_clip, from_qwen_vl
-from ..weights.footprint import Footprint, config_footprint, model_footprint
+from ..weights.footprint import Footprint, config_footprint, model_footprint, text_footprint
 from ..weights import load_model, load_pretrained, resize_model
 from ..weights.normalization import renormalized
 from . import runs
@@ -102,6 +102,13 @@ def admit(model_key: str) -> None:
     """Refuse in a sentence (CheckpointError) a model that would not fit the shared models' budget,
     the machine's available memory or the GPU's, before anything of it is downloaded or allocated."""
     admit_model(footprint(model_key), MODELS_BYTES, DEVICE)
+
+
+def admit_text(folder: Path, image: ViT) -> None:
+    """Refuse in a sentence (CheckpointError), before it is read, the text tower of ``folder`` that
+    would not fit beside its image tower ``image`` in the shared models' budget, the machine's
+    memory or the GPU's (app.words keeps it in the shared models too)."""
+    admit_model(text_footprint(folder), MODELS_BYTES, DEVICE, what="its text tower", beside=nbytes(image))
 
 
 def memory_note(name: str) -> str:

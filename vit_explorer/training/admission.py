@@ -276,20 +276,22 @@ def _size(size: int) -> str:
 
 def admit_model(
     footprint: Footprint | None, models_bytes: int | None = None, device: torch.device | None = None,
-    what: str = "This model",
+    what: str = "this model", beside: int = 0,
 ) -> None:
     """Refuse in a sentence (CheckpointError), before its loader allocates anything, a model whose
-    ``footprint`` (weights.footprint, from its headers) would not fit: its float32 weights in the
-    shared models' budget ``models_bytes`` (the app's VIT_EXPLORER_MODELS_MB; None: no such
-    budget, as in the command line), its loading peak in the machine's available memory, its
-    weights in a CUDA ``device``'s free memory. None: nothing to size (the loader refuses it)."""
+    ``footprint`` (weights.footprint, from its headers) would not fit: its float32 weights, with
+    the ``beside`` bytes of the model it goes with (a text tower's image tower), in the shared
+    models' budget ``models_bytes`` (the app's VIT_EXPLORER_MODELS_MB; None: no such budget, as
+    in the command line), its loading peak in the machine's available memory, its weights in a
+    CUDA ``device``'s free memory. None: nothing to size (the loader refuses it)."""
     if footprint is None:
         return
     weights, peak = footprint.weights, footprint.peak
-    if models_bytes is not None and weights > models_bytes:
+    if models_bytes is not None and weights + beside > models_bytes:
+        together = f" ({_size(weights + beside)} with the image tower it goes with)" if beside else ""
         raise CheckpointError(
-            f"{what} holds {_size(weights)} of weights in float32, more than the {_size(models_bytes)} this"
-            " server keeps for its shared models; choose a smaller model, or raise VIT_EXPLORER_MODELS_MB"
+            f"{what} holds {_size(weights)} of weights in float32{together}, more than the {_size(models_bytes)}"
+            " this server keeps for its shared models; choose a smaller model, or raise VIT_EXPLORER_MODELS_MB"
             " where the machine has the memory"
         )
     available = available_memory()

@@ -21,7 +21,7 @@ from safetensors import SafetensorError, safe_open
 
 from ..model.config import ViTConfig
 from ..model.vit import ViT
-from . import from_huggingface, from_internvl, from_open_clip, from_qwen_vl, from_vlm
+from . import from_huggingface, from_huggingface_text, from_internvl, from_open_clip, from_qwen_vl, from_vlm
 from .checks import DTYPE_BYTES, CheckpointError, check_archive, looks_like_safetensors, safetensors_header
 
 _FLOATS = {"F64", "F32", "F16", "BF16"}
@@ -68,11 +68,24 @@ def model_footprint(path: str | os.PathLike) -> Footprint | None:
             return Footprint(weights=sum(part.weights for part in parts), converted=max(part.converted for part in parts))
         if from_vlm.is_vlm(hf_config):  # a VLM we do not read: its loader says so
             return None
-        parts = [_file_footprint(file) for file in from_huggingface.weight_files(path)]
-        if any(part is None for part in parts):
-            return None
-        return Footprint(weights=sum(part.weights for part in parts), converted=sum(part.converted for part in parts))
+        # A whole CLIP or SigLIP: its text tower's tensors are read too, but stay as stored, untouched.
+        whole = hf_config.get("model_type") in ("clip", "siglip", "siglip2")
+        return _files_footprint(from_huggingface.weight_files(path), path.name, ("vision_model.",) if whole else ("",))
     return _file_footprint(path) if path.is_file() else None
+
+
+def text_footprint(path: str | os.PathLike) -> Footprint | None:
+    """The memory of the text tower that vit_explorer.text reads beside an image tower already
+    loaded: an open_clip folder's tensors outside ``visual.``, a Hugging Face CLIP or SigLIP
+    folder's ``text_model.`` ones and its projection (a PyTorch file's whole, its tensors unnamed
+    in any header); None for a folder with no text tower."""
+    path = Path(path)
+    if from_open_clip.is_folder(path):
+        sizes = _safetensors_sizes(from_open_clip.weights_path(path), path.name)
+        return _footprint([size for size in sizes if not size[0].startswith("visual.")])
+    if not path.is_dir() or not from_huggingface_text.is_folder(path):
+        return None
+    return _files_footprint(from_huggingface.weight_files(path), path.name, ("text_model.", "text_projection"))
 
 
 @functools.lru_cache(maxsize=64)  # building even on the meta device takes ~20 ms for a ViT-B
@@ -96,6 +109,20 @@ def _tower(hf_config: dict) -> tuple | None:
     return None
 
 
+def _files_footprint(files: list[Path], name: str, prefixes: tuple[str, ...]) -> Footprint | None:
+    """The footprint of the tensors under ``prefixes`` in a folder's weights files (a PyTorch
+    file's whole: its tensors are named in no header); None if one is no checkpoint."""
+    parts = []
+    for file in files:
+        if looks_like_safetensors(file):
+            parts.append(_footprint([size for size in _safetensors_sizes(file, name) if size[0].startswith(prefixes)]))
+        else:
+            parts.append(_file_footprint(file))
+    if any(part is None for part in parts):
+        return None
+    return Footprint(weights=sum(part.weights for part in parts), converted=sum(part.converted for part in parts))
+
+
 def _file_footprint(path: Path) -> Footprint | None:
     if looks_like_safetensors(path):
         return _footprint(_safetensors_sizes(path, path.name))
@@ -106,7 +133,7 @@ def _file_footprint(path: Path) -> Footprint | None:
     return None  # a pickle or no checkpoint at all: refused by the loader, unread
 
 
-def _footprint(sizes: list[tuple[str, int, int]], prefix: str = "") -> Footprint:
+def _footprint(sizes: list[tuple[str, int, int]], prefix: str | tuple[str, ...] = "") -> Footprint:
     """The footprint of the tensors under ``prefix`` among a file's (name, stored, float32) sizes."""
     kept = [(stored, as_float) for key, stored, as_float in sizes if key.startswith(prefix)]
     converted = sum(stored for stored, as_float in kept if stored != as_float)
