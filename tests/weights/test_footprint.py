@@ -83,7 +83,7 @@ def test_the_cli_refuses_it_before_reading_it(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(vx.weights, "load_model", lambda *args: pytest.fail("the loader ran"))
     assert main(["inspect", str(ROOT / "assets/samples/chelsea.png"), "--weights", str(path), "--out", str(tmp_path / "out"), "--format", "html"]) == 2
     error = capsys.readouterr().err
-    assert error.startswith("error: The model of --weights would need about 2.0 GB of memory to load") and error.count("\n") == 1
+    assert error.startswith("error: the model of --weights would need about 2.0 GB of memory to load") and error.count("\n") == 1
     assert not (tmp_path / "out").exists()
 
 

@@ -69,6 +69,7 @@ def base_model(model_key: str) -> ViT:
     """The model behind a key at its own patch size, in eval mode on the app's device."""
     def load() -> ViT:
         kind, _, reference = model_key.partition(":")
+        admit(model_key)  # before anything of it is read
         if kind == DEFAULT_MODEL:
             weights = default_weights()
             if not weights.exists():
@@ -76,13 +77,10 @@ def base_model(model_key: str) -> ViT:
                     "the default model (VIT_EXPLORER_DEFAULT_MODEL) is missing; train it with"
                     " `python -m vit_explorer train` or upload a checkpoint"
                 )
-            admit(model_key)
             model = load_model(weights)
         elif kind == "pretrained":
-            admit(model_key)
             model = load_pretrained(reference)
         else:
-            admit(model_key)
             model = load_model(reference)
         return model.to(DEVICE).eval()
 

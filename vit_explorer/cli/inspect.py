@@ -130,7 +130,7 @@ def _inspect(args: argparse.Namespace, texts: list[str] | None, writer) -> int:
     from ..weights.footprint import model_footprint
 
     device = _inspect_device(args.device)
-    admit_model(model_footprint(args.weights), device=device, what="The model of --weights")  # before it is read
+    admit_model(model_footprint(args.weights), device=device, what="the model of --weights")  # before it is read
     model = load_model(args.weights).to(device)
     config = model.config
     picture = load_image(args.image)
