@@ -32,7 +32,7 @@ class Footprint:
     """A model's memory, in bytes, before it is loaded."""
 
     weights: int  # what the loaded model holds: its tensors in float32
-    converted: int  # tensors read in another dtype (float16, bfloat16), as stored, beside their float32 copies
+    converted: int  # bytes held beside the float32 copies of tensors read in another dtype (float16, bfloat16)
 
     @property
     def peak(self) -> int:
@@ -43,8 +43,9 @@ class Footprint:
         Measured (VmHWM once every weight was read, over the imports' own) on ViT-S/16-sized
         models (87 MB in float32), estimate in brackets: timm's float32 file 1.02x the weights
         (1.25x), its float16 file 1.50x (1.75x), torch.save's file 1.02x (1.25x), a Hugging Face
-        folder 1.27x (1.25x), a LLaVA folder's CLIP tower 1.27x (1.25x), in bfloat16 shards of
-        20 MB 1.27x (1.47x)."""
+        folder 1.27x (1.25x), a LLaVA folder's CLIP tower 1.27x (1.25x), in bfloat16 1.27x
+        (1.50x); bench.vlm_tower's LLaVA-1.5-shaped folder in float16 (CLIP ViT-L/14-336): 1.40x
+        (1.50x)."""
         return self.weights + self.converted + self.weights // 4
 
 
@@ -63,9 +64,11 @@ def model_footprint(path: str | os.PathLike) -> Footprint | None:
         tower = _tower(hf_config)
         if tower is not None:
             _, shards = from_vlm.tower_shards(path, path.name, *tower)
-            parts = [_footprint(_safetensors_sizes(shard, path.name, keys)) for shard, keys in shards.items()]
-            # One shard at a time is open (its pages mapped) while its tensors become float32.
-            return Footprint(weights=sum(part.weights for part in parts), converted=max(part.converted for part in parts))
+            sizes = [size for shard, keys in shards.items() for size in _safetensors_sizes(shard, path.name, keys)]
+            # Each tensor becomes float32 as it is read, its copy freed at once; yet the allocator
+            # keeps some of what was freed (bench.vlm_tower: 0.3x the float16 tower's bytes): half counted.
+            converted = sum(stored for _, stored, as_float in sizes if stored != as_float) // 2
+            return Footprint(weights=sum(as_float for *_, as_float in sizes), converted=converted)
         if from_vlm.is_vlm(hf_config):  # a VLM we do not read: its loader says so
             return None
         # A whole CLIP or SigLIP: its text tower's tensors are read too, but stay as stored, untouched.
