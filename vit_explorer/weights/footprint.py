@@ -38,7 +38,8 @@ class Footprint:
     def peak(self) -> int:
         """The most the model holds while it is loaded and first used: its float32 weights (a
         float32 safetensors file's own pages, mapped, once read), the tensors converted from another
-        dtype beside their copies, and a quarter of the weights for the copies a reader makes when
+        dtype beside their copies (a VLM tower's: half of them, each widened and freed as it is read,
+        see model_footprint), and a quarter of the weights for the copies a reader makes when
         it joins q, k and v (a quarter of a ViT block's weights; transformers' names, InternViT's).
         Measured (VmHWM once every weight was read, over the imports' own) on ViT-S/16-sized
         models (87 MB in float32), estimate in brackets: timm's float32 file 1.02x the weights
@@ -54,8 +55,7 @@ def model_footprint(path: str | os.PathLike) -> Footprint | None:
     in its own words (no model folder, no file, a format it does not read). CheckpointError: a
     header that is not what it claims, a shard outside the folder (the loader's own sentences)."""
     path = Path(path)
-    if from_open_clip.is_folder(path):  # the whole file is read; the image tower kept
-        # the text tower's tensors are read too, but stay as stored, mapped and never touched
+    if from_open_clip.is_folder(path):  # the text tower's tensors are read too, but stay mapped, untouched
         return _footprint(_safetensors_sizes(from_open_clip.weights_path(path), path.name), "visual.")
     if path.is_dir():
         if not os.path.lexists(path / "config.json"):
