@@ -38,7 +38,7 @@ if pending is not None:
     name, entry = pending
     st.info(
         f"{entry.title} is not on this server yet: it downloads once ({entry.size_bytes / 1e6:.0f} MB)"
-        f" and then serves everybody. Its weights' licence: {entry.licence}."
+        f" and then serves everybody ({models.memory_note(name)}). Its weights' licence: {entry.licence}."
     )
     accepting = " and accept its licence" if entry.terms_to_accept else ""
     if not st.button(f"Download {entry.title}{accepting}", help="Fetch the model from its publisher, under a progress bar."):

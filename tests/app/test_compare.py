@@ -139,7 +139,7 @@ def test_a_catalogue_model_waits_to_be_asked_and_a_failed_download_keeps_a(monke
     app = open_app(PAGE)
     app.selectbox(key="compare_model").set_value("pretrained:dino_vits16").run()
     assert not app.exception and errors(app) == []  # nothing fetched unasked
-    assert any("downloads once (" in info.value and "MB)" in info.value for info in app.info)
+    assert any("downloads once (87 MB)" in info.value and "(about 87 MB in memory once loaded)" in info.value for info in app.info)
     download = next(button for button in app.button if button.label.startswith("Download DINO"))
     download.click().run()
     assert not app.exception

@@ -32,9 +32,13 @@ from hostile import GROWTH_LIMIT_KB, run_capped
 # The child's own part: each case loaded with vx.load_model (tests/hostile.py caps and records it).
 CHILD = r"""
 import vit_explorer as vx
+from vit_explorer.weights.footprint import model_footprint
 
 cap()
 for name, path in json.load(open(sys.argv[1])):
+    # Its memory first, as the app's admission sizes it before the loader runs.
+    sized = outcome(lambda path: {"sized": model_footprint(path) is not None}, vx.CheckpointError, path)
+    print(json.dumps({"name": f"footprint: {name}", **sized}), flush=True)
     print(json.dumps({"name": name, **outcome(vx.load_model, vx.CheckpointError, path)}), flush=True)
 """
 
@@ -451,6 +455,25 @@ def test_hostile_upload_is_refused_in_one_sentence_cheaply(outcomes, name):
     ]
     assert not read_outside, f"opened outside the upload's folder: {read_outside}"
     assert not (root / "pwned").exists(), "a pickle ran its code"
+
+
+@pytest.mark.parametrize("name", CASE_NAMES)
+def test_a_hostile_uploads_memory_is_sized_from_its_headers_or_refused_in_one_sentence(outcomes, name):
+    """weights.footprint reads what the loader would read, headers only: sized (the loader refuses
+    it then), left to the loader (None), or refused in the loader's own kind of sentence."""
+    root, cases, results, stderr = outcomes
+    result = results.get(f"footprint: {name}")
+    assert result is not None, f"the child died or hung before or during this case:\n{stderr}"
+    folder = cases[name][0] if cases[name][0].is_dir() else cases[name][0].parent
+    assert result["error"] is None or result["expected_error"], f"{result['error']}: {result['message']}"
+    assert result["error"] is None or "\n" not in result["message"] and str(root) not in result["message"]
+    assert result["growth_kb"] < 64 * 1024, f"the process grew by {result['growth_kb'] // 1024} MB"
+    read_outside = [
+        path for path in result["opened"]
+        if Path(os.path.realpath(path)).is_relative_to(root)
+        and not Path(os.path.realpath(path)).is_relative_to(os.path.realpath(folder))
+    ]
+    assert not read_outside, f"opened outside the upload's folder: {read_outside}"
 
 
 @pytest.mark.parametrize("existing, missing", SAME_MESSAGE)

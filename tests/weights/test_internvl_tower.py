@@ -11,6 +11,7 @@ import torch
 
 import vit_explorer as vx
 from vit_explorer.app.models import language_model_reads
+from vit_explorer.weights.footprint import model_footprint
 
 transformers = pytest.importorskip("transformers")
 
@@ -43,6 +44,8 @@ def test_the_internvl_tower_matches_its_own(tmp_path):
     for shard in set(index.values()) - {shard for key, shard in index.items() if "vision_tower" in key}:
         (tmp_path / "internvl" / shard).write_bytes(b"not the language model")  # never opened
     model = vx.load_model(tmp_path / "internvl")
+    # The admission's estimate: the tower's tensors from their headers, the language model's never opened.
+    assert model_footprint(tmp_path / "internvl").weights == 4 * sum(p.numel() for p in reference.model.vision_tower.parameters())
     images = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected = reference.model.vision_tower(pixel_values=images, output_hidden_states=True)

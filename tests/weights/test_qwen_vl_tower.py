@@ -16,6 +16,7 @@ from vit_explorer.analysis.faithfulness import kept_outputs
 from vit_explorer.model.internals import rescaled_attention
 from vit_explorer.model.windows import window_ids
 from vit_explorer.weights import from_qwen_vl
+from vit_explorer.weights.footprint import model_footprint
 
 transformers = pytest.importorskip("transformers")
 
@@ -78,6 +79,8 @@ def test_the_qwen_tower_matches_transformers_token_by_token(qwen):
     for shard in language_shards:  # never opened: their bytes are no safetensors at all
         (folder / shard).write_bytes(b"not the language model")
     model = vx.load_model(folder, image_size=(HEIGHT, WIDTH))
+    # The admission's estimate: the tower's tensors from their headers, the language model's never opened.
+    assert model_footprint(folder).weights == 4 * sum(p.numel() for p in reference.model.visual.parameters())
     x = _image(pixel_values, grid_thw)
     with torch.no_grad():
         expected = reference.model.visual(pixel_values, grid_thw=grid_thw, output_hidden_states=True)

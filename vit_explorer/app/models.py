@@ -21,7 +21,9 @@ from ..model.config import NORMALIZATIONS
 from ..model.vit import ViT
 from ..serving.cache import ByteBoundedCache, nbytes
 from ..training import train
+from ..training.admission import admit_model
 from ..weights import catalogue, from_open_clip, from_qwen_vl
+from ..weights.footprint import Footprint, config_footprint, model_footprint, text_footprint
 from ..weights import load_model, load_pretrained, resize_model
 from ..weights.normalization import renormalized
 from . import runs
@@ -67,6 +69,7 @@ def base_model(model_key: str) -> ViT:
     """The model behind a key at its own patch size, in eval mode on the app's device."""
     def load() -> ViT:
         kind, _, reference = model_key.partition(":")
+        admit(model_key)  # before anything of it is read
         if kind == DEFAULT_MODEL:
             weights = default_weights()
             if not weights.exists():
@@ -82,6 +85,34 @@ def base_model(model_key: str) -> ViT:
         return model.to(DEVICE).eval()
 
     return shared_models().get_or_compute(("base", model_key), lambda: with_spinner("Loading the model ...", load))
+
+
+def footprint(model_key: str) -> Footprint | None:
+    """The memory the model behind a key takes to load, from its files' headers (a catalogue
+    entry's from its architecture, before any download); None where its loader refuses it."""
+    kind, _, reference = model_key.partition(":")
+    if kind == "pretrained":
+        return config_footprint(catalogue.entry(reference).config_without_names()) if reference in catalogue.CATALOGUE else None
+    return model_footprint(default_weights() if kind == DEFAULT_MODEL else reference)
+
+
+def admit(model_key: str) -> None:
+    """Refuse in a sentence (CheckpointError) a model that would not fit the shared models' budget,
+    the machine's available memory or the GPU's, before anything of it is downloaded or allocated."""
+    admit_model(footprint(model_key), MODELS_BYTES, DEVICE)
+
+
+def admit_text(folder: Path, image: ViT) -> None:
+    """Refuse in a sentence (CheckpointError), before it is read, the text tower of ``folder`` that
+    would not fit beside its image tower ``image`` in the shared models' budget, the machine's
+    memory or the GPU's (app.words keeps it in the shared models too)."""
+    admit_model(text_footprint(folder), MODELS_BYTES, DEVICE, what="its text tower", beside=nbytes(image))
+
+
+def memory_note(name: str) -> str:
+    """What a catalogue model holds once loaded, for the sentences that say its download's size."""
+    weights = config_footprint(catalogue.entry(name).config_without_names()).weights
+    return f"about {weights / 1e6:,.0f} MB in memory once loaded"
 
 
 def model_at(model_key: str, patch_size: int, image_size: tuple[int, int], normalization: str | None = None) -> ViT:
@@ -457,7 +488,7 @@ def licence_to_accept(model_key: str) -> str | None:
         return None
     return (
         f"{entry.title}'s weights are published under the {entry.licence}. Downloading them"
-        f" ({entry.size_bytes / 1e6:.0f} MB) means accepting its terms."
+        f" ({entry.size_bytes / 1e6:.0f} MB; {memory_note(name)}) means accepting its terms."
     )
 
 
@@ -498,12 +529,14 @@ def model_card(model_key: str) -> str | None:
 
 
 def download_with_progress(name: str) -> None:
-    """Download a catalogue entry (if not cached yet) under a progress bar."""
+    """Download a catalogue entry (if not cached yet) under a progress bar, once it is admitted
+    (CheckpointError: it would not fit, said before anything is fetched)."""
     if catalogue.is_downloaded(name):
         return
+    admit(f"pretrained:{name}")
     entry = catalogue.entry(name)
     label = (
-        f"Downloading {entry.title} ({entry.size_bytes / 1e6:.0f} MB) from {catalogue.url(name)};"
+        f"Downloading {entry.title} ({entry.size_bytes / 1e6:.0f} MB; {memory_note(name)}) from {catalogue.url(name)};"
         f" licence: {entry.licence}"
     )
     bar = st.progress(0.0, text=label)

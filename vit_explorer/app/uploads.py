@@ -172,6 +172,7 @@ def _loading_problem(model_key: str, names: Sequence[str], text: bool = False) -
     try:
         image = models.base_model(model_key)
         if text:
+            models.admit_text(Path(model_key.removeprefix("file:")), image)
             load_image_text_model(model_key.removeprefix("file:"), image=image)
     except (ValueError, OSError) as error:
         if text:  # the loaders name a folder by its name: here the upload's digest, which says nothing

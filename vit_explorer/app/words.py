@@ -85,6 +85,7 @@ def _loaded(model_key: str) -> _Loaded | None:
 
     def load() -> _Loaded:
         try:
+            models.admit_text(folder, image)
             model = load_image_text_model(folder, image=image)
         except (ValueError, OSError) as error:
             return _Loaded(None, f"This model's text tower could not be loaded, so it predicts nothing in words: {error}.")

@@ -125,9 +125,13 @@ def _inspect(args: argparse.Namespace, texts: list[str] | None, writer) -> int:
     from ..data.images import load_image, preprocess
     from ..data.transforms import describe
     from ..model.capture import capture
+    from ..training.admission import admit_model
     from ..weights import load_model
+    from ..weights.footprint import model_footprint
 
-    model = load_model(args.weights).to(_inspect_device(args.device))
+    device = _inspect_device(args.device)
+    admit_model(model_footprint(args.weights), device=device, what="the model of --weights")  # before it is read
+    model = load_model(args.weights).to(device)
     config = model.config
     picture = load_image(args.image)
     x = preprocess(picture, config, whole=args.whole_image)  # (1, C, H, W): the publisher's input unless --whole-image

@@ -23,6 +23,7 @@ from ..model.config import TrainConfig, ViTConfig
 from ..model.devices import resolve_device
 from ..model.vit import ViT
 from ..weights import CheckpointError, catalogue, load_metadata, load_model
+from ..weights.footprint import Footprint
 from ..weights.project import saved_config
 from .train import EVAL_BATCH, model_config, smallest_patch_config
 
@@ -267,6 +268,46 @@ def admit(config: TrainConfig | SAETrainConfig, limits: Limits) -> MemoryEstimat
                 f" {_gb(free)} free now; {lower}."
             )
     return estimate
+
+
+def _size(size: int) -> str:
+    return _gb(size) if size >= GB else f"{size / 2**20:,.0f} MB"
+
+
+def admit_model(
+    footprint: Footprint | None, models_bytes: int | None = None, device: torch.device | None = None,
+    what: str = "this model", beside: int = 0,
+) -> None:
+    """Refuse in a sentence (CheckpointError), before its loader allocates anything, a model whose
+    ``footprint`` (weights.footprint, from its headers) would not fit: its float32 weights, with
+    the ``beside`` bytes of the model it goes with (a text tower's image tower), in the shared
+    models' budget ``models_bytes`` (the app's VIT_EXPLORER_MODELS_MB; None: no such budget, as
+    in the command line), its loading peak in the machine's available memory, its weights in a
+    CUDA ``device``'s free memory. None: nothing to size (the loader refuses it)."""
+    if footprint is None:
+        return
+    weights, peak = footprint.weights, footprint.peak
+    if models_bytes is not None and weights + beside > models_bytes:
+        together = f" ({_size(weights + beside)} with the image tower it goes with)" if beside else ""
+        raise CheckpointError(
+            f"{what} holds {_size(weights)} of weights in float32{together}, more than the {_size(models_bytes)}"
+            " this server keeps for its shared models; choose a smaller model, or raise VIT_EXPLORER_MODELS_MB"
+            " where the machine has the memory"
+        )
+    available = available_memory()
+    if peak > available:
+        raise CheckpointError(
+            f"{what} would need about {_size(peak)} of memory to load ({_size(weights)} of weights in"
+            f" float32), more than the {_size(available)} this machine has available now; choose a smaller"
+            " model, or try again when the machine has more memory free"
+        )
+    if device is not None and device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        if weights > free:
+            raise CheckpointError(
+                f"{what} holds {_size(weights)} of weights in float32, more than the {_size(free)} free on"
+                " the GPU now; choose a smaller model"
+            )
 
 
 def memory_status(field: str, pid: int | str = "self") -> int:

@@ -20,6 +20,7 @@ is read.
     infer.py             the ViTConfig from the tensors (where a family is recognised by its keys)
     normalization.py     the mean and std: the publisher's, the structure's, or assumed (and said)
     build.py             the tensors checked against that config, then the model built
+    footprint.py         the memory a model (or its text tower) takes to load, from its headers alone
     resize.py            resize_model: another patch size and/or image size
     catalogue.py         the pretrained models: where each lives once downloaded, its download;
                          entries.py (what each is), entry_checks.py (a download against its entry),

@@ -32,6 +32,8 @@ MAX_REGISTERS = 64  # register tokens (DINOv2 and DINOv3 have 4): each one joins
 MAX_TENSORS = 10_000
 MAX_CHECKPOINT_BYTES = 4 * 2**30
 MAX_HEADER_BYTES = 2**20  # a safetensors header, a pickle or a JSON file: names and shapes only
+# Bytes per value of each safetensors dtype.
+DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 
 
 class CheckpointError(ValueError):
@@ -86,9 +88,10 @@ def _describe(start: bytes) -> str:
     return "a text file"
 
 
-def _check_archive(path: Path) -> None:
+def check_archive(path: Path) -> int:
     """Refuse a zip whose members would unpack to far more than the file holds, before torch.load
-    allocates and inflates them: its central directory declares each member's size."""
+    allocates and inflates them: its central directory declares each member's size. Returns the
+    bytes its members unpack to (weights/footprint.py's size of a PyTorch file)."""
     size = path.stat().st_size
     with open(path, "rb") as file:
         file.seek(max(0, size - 2**16 - 22))
@@ -119,6 +122,7 @@ def _check_archive(path: Path) -> None:
             f"{path.name} has a pickle of over {MAX_HEADER_BYTES // 2**20} MB, far more than the"
             " names and shapes of a ViT's tensors need"
         )
+    return declared
 
 
 def _refuse_raw_pickle(path: Path) -> None:
@@ -214,7 +218,7 @@ def read_tensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
             f"{path.name} is not a PyTorch/safetensors checkpoint "
             f"(it looks like {_describe(start)})"
         )
-    _check_archive(path)
+    check_archive(path)
     try:
         # weights_only: a pickle may only rebuild tensors and containers, never call code.
         loaded = torch.load(path, map_location="cpu", weights_only=True)

@@ -449,9 +449,22 @@ def read_config(folder: Path, name: str) -> dict:
 
 def read_weights(folder: Path) -> dict[str, torch.Tensor]:
     """The weights of a Hugging Face model folder: one file (safetensors first) or shards."""
+    state: dict[str, torch.Tensor] = {}
+    for path in weight_files(folder):
+        state.update(read_tensors(path)[0])
+        if len(state) > MAX_TENSORS:
+            raise CheckpointError(
+                f"{folder.name}'s shards hold over {MAX_TENSORS} tensors; a ViT has fewer"
+            )
+    return state
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The files :func:`read_weights` reads, each checked to lie inside the folder before any is
+    read: the one weights file (safetensors first), or every shard its index names."""
     single = next((name for name in HF_WEIGHT_FILES if os.path.lexists(folder / name)), None)
     if single is not None:
-        return read_tensors(folder_file(folder, single, single))[0]
+        return [folder_file(folder, single, single)]
     index_name = next((name for name in HF_SHARD_INDEXES if os.path.lexists(folder / name)), None)
     if index_name is None:
         raise CheckpointError(f"{folder.name} has no {' or '.join(HF_WEIGHT_FILES)}")
@@ -465,14 +478,5 @@ def read_weights(folder: Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(
             f"{index_name} in {folder.name} has no weight_map from tensor names to shard files"
         )
-    # Every shard is checked before any is read.
     what = f"a shard named in {index_name}"
-    shards = {folder_file(folder, shard, what) for shard in set(weight_map.values())}
-    state: dict[str, torch.Tensor] = {}
-    for shard in sorted(shards):
-        state.update(read_tensors(shard)[0])
-        if len(state) > MAX_TENSORS:
-            raise CheckpointError(
-                f"{folder.name}'s shards hold over {MAX_TENSORS} tensors; a ViT has fewer"
-            )
-    return state
+    return sorted({folder_file(folder, shard, what) for shard in set(weight_map.values())})

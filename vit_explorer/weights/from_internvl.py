@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ..model.config import IMAGENET_MEAN, IMAGENET_STD
+from ..model.config import IMAGENET_MEAN, IMAGENET_STD, _brief
 from . import from_vlm
 from .checks import MAX_BLOCKS, CheckpointError
 
@@ -112,7 +112,7 @@ def convert(state: dict[str, torch.Tensor], depth: int, name: str) -> dict[str, 
 def _pair(value, what: str, name: str) -> tuple[int, int]:
     pair = (value, value) if isinstance(value, int) else tuple(value) if isinstance(value, (list, tuple)) else ()
     if len(pair) != 2 or not all(_whole(side, 1, 8192) for side in pair):
-        raise CheckpointError(f"{name}'s vision_config {what} is not a size")
+        raise CheckpointError(f"{name}'s vision_config {what} {_brief(value)} is not a size from 1 to 8,192 px")
     return pair
 
 

@@ -149,7 +149,7 @@ def _settings(folder: Path, hf_config: dict, name: str) -> dict:
         "num_heads": heads, "patch_size": patch, "class_token": False, "global_pool": "mean", "rope_type": "axial",
         "rope_temperature": float(theta), "layer_norm_eps": 1e-6, "spatial_merge_size": merge,
         "merger_dim": _whole(vision, "out_hidden_size", name, high=2**16), "pixel_budget": (min_pixels, max_pixels),
-        "language_model_layer": depth, "mean": mean, "std": std, "normalization_source": source,
+        "depth": depth, "language_model_layer": depth, "mean": mean, "std": std, "normalization_source": source,
     }
     if qwen3:
         positions = _whole(vision, "num_position_embeddings", name, 2304, high=256 * 256)

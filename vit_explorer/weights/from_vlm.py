@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from .checks import MAX_CHECKPOINT_BYTES, MAX_TENSORS, CheckpointError, folder_file, looks_like_safetensors
+from .checks import DTYPE_BYTES, MAX_CHECKPOINT_BYTES, MAX_TENSORS, CheckpointError, folder_file, looks_like_safetensors
 from .checks import read_json, safetensors_header
 
 # The VLMs whose towers we read, and the vision_config model types their towers may be.
@@ -81,7 +81,8 @@ def language_model_reads(hf_config: dict, name: str) -> dict:
     vision_feature_layer (-2, the penultimate block's output) without the class token
     ("default"); PaliGemma's, Gemma 3's, Idefics3's and SmolVLM's the tokens after the final norm,
     Gemma 3's projector averaging them down to mm_tokens_per_image, Idefics3's connector joining
-    scale_factor x scale_factor squares (pixel shuffle)."""
+    scale_factor x scale_factor squares (pixel shuffle); and the depth that layer is counted in,
+    which the tower's tensors must have (a config claiming other layers is refused, not read)."""
     vision = hf_config["vision_config"]
     depth = vision.get("num_hidden_layers")
     if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
@@ -91,10 +92,11 @@ def language_model_reads(hf_config: dict, name: str) -> dict:
         if not isinstance(layer, int) or isinstance(layer, bool) or not -depth - 1 <= layer <= depth:
             raise CheckpointError(f"{name}'s vision_feature_layer {layer!r} is not one layer of its {depth}")
         return {
+            "depth": depth,
             "language_model_layer": layer % (depth + 1),
             "language_model_drops_class_token": hf_config.get("vision_feature_select_strategy", "default") == "default",
         }
-    fields = {"language_model_layer": depth + 1}
+    fields = {"language_model_layer": depth + 1, "depth": depth}
     if hf_config["model_type"] in ("idefics3", "smolvlm"):  # the connector's pixel shuffle
         scale = hf_config.get("scale_factor", 2)
         side = vision.get("image_size", 0) // max(vision.get("patch_size", 1), 1)
@@ -118,6 +120,22 @@ def read_tower(
     shards its index names, each checked to lie inside the folder before any is opened): those
     under the first of ``prefixes`` that holds ``patch_key`` (another VLM's names: Qwen-VL's
     ``visual.``)."""
+    prefix, shards = tower_shards(folder, name, prefixes, patch_key)
+    state: dict[str, torch.Tensor] = {}
+    budget = MAX_CHECKPOINT_BYTES
+    for path, shard_keys in shards.items():
+        tensors = _read_keys(path, shard_keys, budget, name)
+        budget -= sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
+        state.update({key.removeprefix(prefix): tensor for key, tensor in tensors.items()})
+    return state
+
+
+def tower_shards(
+    folder: Path, name: str, prefixes: tuple[str, ...] = _PREFIXES, patch_key: str = _PATCH_KEY
+) -> tuple[str, dict[Path, list[str]]]:
+    """(the tower's prefix, each shard that holds its tensors -> their names): what
+    :func:`read_tower` reads (weights/footprint.py sizes it from the same headers), every shard
+    checked to lie inside the folder; nothing but the index or the one file's header is read."""
     if os.path.lexists(folder / INDEX_FILE):
         index = read_json(folder_file(folder, INDEX_FILE, INDEX_FILE), INDEX_FILE, name)
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
@@ -135,13 +153,7 @@ def read_tower(
     for key in wanted:
         shard = WEIGHTS_FILE if weight_map is None else weight_map[key]
         shards.setdefault(folder_file(folder, shard, f"a shard named in {INDEX_FILE}"), []).append(key)
-    state: dict[str, torch.Tensor] = {}
-    budget = MAX_CHECKPOINT_BYTES
-    for path, shard_keys in shards.items():
-        tensors = _read_keys(path, shard_keys, budget, name)
-        budget -= sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
-        state.update({key.removeprefix(prefix): tensor for key, tensor in tensors.items()})
-    return state
+    return prefix, shards
 
 
 def tower_keys(
@@ -194,12 +206,9 @@ def _float(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.float() if tensor.is_floating_point() else tensor
 
 
-_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
-
-
 def _bytes(piece) -> int:
     """What a tensor will hold once read: float32 for any floating dtype."""
     count = 1
     for side in piece.get_shape():
         count *= side
-    return count * max(4, _DTYPE_BYTES.get(piece.get_dtype(), 8))
+    return count * max(4, DTYPE_BYTES.get(piece.get_dtype(), 8))

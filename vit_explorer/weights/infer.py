@@ -196,6 +196,12 @@ def _with_positions(
         raise
     except ValueError as error:  # an image size the caller gave is not a valid one
         raise CheckpointError(f"{name} has an invalid config: {error}") from None
+    if image_size is not None:  # its config's size (or the caller's): no grid the positions cover
+        grid = ViTConfig(image_size=image_size, patch_size=patch_size, num_classes=0).grid_size
+        raise CheckpointError(
+            f"{name}'s config says {grid[1] * patch_size} x {grid[0] * patch_size} px images, {grid[0] * grid[1]:,}"
+            f" patches of {patch_size} px, but it holds {num_positions:,} position embeddings"
+        )
     raise CheckpointError(
         f"cannot tell the image size of {name} from its {num_positions} position embeddings; "
         "pass image_size=(height, width) to load_model"
