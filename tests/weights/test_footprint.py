@@ -3,6 +3,7 @@ refuses one that would not fit before anything is allocated (training/admission.
 from __future__ import annotations
 
 import json
+import os
 import struct
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from safetensors.torch import save_file
 
 import vit_explorer as vx
 from vit_explorer.cli import main
+from vit_explorer.resources import child_python_path
 from vit_explorer.training import admission
 from vit_explorer.weights import footprint as footprints
 from vit_explorer.weights.footprint import Footprint, model_footprint
@@ -153,6 +155,7 @@ def test_the_estimate_is_within_1_3x_of_the_measured_peak(tmp_path):
     result = subprocess.run(
         [sys.executable, str(script), str(tmp_path / "model.safetensors"), str(tmp_path / "tiny.safetensors")],
         capture_output=True, text=True, cwd=ROOT, timeout=120, check=True,
+        env={**os.environ, "PYTHONPATH": child_python_path()},
     )
     estimate, measured = json.loads(result.stdout.strip().splitlines()[-1])
     print(f"estimate {estimate / 2**20:.1f} MiB, measured {measured / 2**20:.1f} MiB")
