@@ -3,7 +3,8 @@ and preprocessor_config.json as published, transformers' tower at those sizes on
 device); downloaded from a loopback Hub serving a Qwen2.5-VL folder as transformers writes it
 (bfloat16, sharded, with its index and preprocessor), only the tower's byte ranges come, and the
 result equals transformers' tower on the same weights; a range cut short and a tampered header
-are sentences that keep nothing."""
+are sentences that keep nothing; in the app its licence is named before anything downloads and
+the Pipeline ends in what its language model reads."""
 from __future__ import annotations
 
 import copy
@@ -22,6 +23,7 @@ import vit_explorer as vx
 from vit_explorer.weights import catalogue, entry_checks, from_qwen_vl
 from vit_explorer.weights.infer import infer_config
 
+from apptest import errors, open_app, tiny_default, widget  # noqa: F401 (the app's fixture)
 from test_qwen_vl_tower import HEIGHT, PIXELS, TEXT, VISION, WIDTH, _image, _row_major
 from test_vlm_catalogue import RangeHandler, nothing_kept
 
@@ -47,15 +49,17 @@ PUBLISHED_PREPROCESSOR = {
 TINY = dataclasses.replace(
     catalogue.entry(NAME), source="test/tiny-qwen2.5-vl", size_bytes=0,
     config={
-        **catalogue.entry(NAME).config, "embed_dim": 32, "depth": 3, "num_heads": 2, "mlp_ratio": 1.5, "swiglu_align_to": 8, "attn_window": 4,
-        "full_attention_blocks": (1,), "merger_dim": 24, "language_model_layer": 3, "image_size": (224, 224),
-        "pixel_budget": (PIXELS["min_pixels"], PIXELS["max_pixels"]),
+        **catalogue.entry(NAME).config, "embed_dim": 32, "depth": 3, "num_heads": 2, "mlp_ratio": 1.5, "swiglu_align_to": 8,
+        "attn_window": 4, "full_attention_blocks": (1,), "merger_dim": 24, "language_model_layer": 3,
+        "image_size": (224, 224), "pixel_budget": (PIXELS["min_pixels"], PIXELS["max_pixels"]),
     },
 )
 
 
 def _published(folder, vision_changes=None, preprocessor=True):
-    (folder / "config.json").write_text(json.dumps({**PUBLISHED, "vision_config": {**PUBLISHED_VISION, **(vision_changes or {})}}))
+    """The published config.json (its vision_config changed) and preprocessor_config.json (or none) in ``folder``."""
+    vision = {**PUBLISHED_VISION, **(vision_changes or {})}
+    (folder / "config.json").write_text(json.dumps({**PUBLISHED, "vision_config": vision}))
     (folder / "preprocessor_config.json").unlink(missing_ok=True)
     if preprocessor:
         (folder / "preprocessor_config.json").write_text(json.dumps(PUBLISHED_PREPROCESSOR))
@@ -206,3 +210,19 @@ def test_a_tampered_qwen_header_is_a_sentence_and_nothing_is_kept(hub, side, off
     with pytest.raises(vx.CheckpointError, match=re.escape(words)):
         vx.load_pretrained("tiny_qwen")
     assert nothing_kept()
+
+
+def test_the_app_names_the_qwen_licence_then_downloads_the_tower_and_marks_what_its_llm_reads(hub):
+    app = open_app("views/pipeline.py")
+    picker = app.selectbox(key="model_picker")
+    assert picker.format_func(f"pretrained:{NAME}").startswith("1337 MB download: Qwen2.5")
+    picker.set_value("pretrained:tiny_qwen").run()
+    assert not app.exception and errors(app) == [] and app.session_state["model_key"] == "default"
+    (notice,) = [warning.value for warning in app.warning if "Qwen RESEARCH LICENSE" in warning.value]
+    assert notice.startswith(f"{TINY.title}'s weights are published under the Qwen RESEARCH LICENSE AGREEMENT")
+    assert not catalogue.is_downloaded("tiny_qwen")  # nothing comes before the terms are accepted
+    widget(app.button, "Accept and download").click().run()
+    assert not app.exception and errors(app) == [] and app.session_state["model_key"] == "pretrained:tiny_qwen"
+    assert catalogue.is_downloaded("tiny_qwen")
+    # The Pipeline ends in what the language model reads: the merger's 8 x 8 tokens at 224 x 224 px.
+    assert any("through its patch merger" in text.value and "8 x 8 = 64 image tokens" in text.value for text in app.markdown)
