@@ -39,7 +39,7 @@ from .entries import (  # noqa: F401
 )
 from .entry_checks import (  # noqa: F401
     check_file, check_open_clip_config, check_open_clip_weights, check_tokenizer_file, check_vlm_config,
-    check_vlm_tower, expected_shapes, open_clip_shapes, our_names,
+    check_vlm_tower, expected_shapes, open_clip_shapes, our_names, vlm_tower_keys,
 )
 from .range_downloads import fetch_tensors
 
@@ -218,8 +218,10 @@ _SHARD_NAME = re.compile(r"[A-Za-z0-9_.-]{1,200}\.safetensors")
 
 def download_vlm_tower(name: str, progress: Callable[[int, int | None], None] | None = None) -> Path:
     """A VLM entry's folder in the cache: the repository's config.json (and its
-    preprocessor_config.json where it has one) and one model.safetensors of the vision tower's
-    tensors alone, downloaded first if it is not there yet.
+    preprocessor_config.json where it has one, fetched first: a Qwen-VL's config is checked
+    against the entry as its folder reads it, pixel budget included) and one model.safetensors
+    of the vision tower's tensors alone (a Qwen-VL's merger with them), downloaded first if it is
+    not there yet.
 
     The shards' index (or the one weights file's header) says which files hold the tower; of
     those only the tower's byte ranges are asked for (range_downloads.fetch_tensors), so a 7B
@@ -238,15 +240,16 @@ def download_vlm_tower(name: str, progress: Callable[[int, int | None], None] | 
                 expected_bytes=SMALL_FILE_DEFAULT_BYTES, mirror_variable=HUB_URL_VARIABLE, ends=ends,
             )
 
-        hf_config = json.loads(small(VLM_CONFIG_FILE, lambda path: check_vlm_config(name, path)).read_bytes())
-        kept = [VLM_CONFIG_FILE]
-        try:
+        kept = []
+        try:  # first: a Qwen-VL's config is checked as its folder reads it, with its pixel budget
             small(VLM_PREPROCESSOR_FILE, lambda path: _read_json_file(name, path))
             kept.append(VLM_PREPROCESSOR_FILE)
         except DownloadError as error:
             if error.status != 404:
                 raise
-        wanted = _tower_sources(name, small)
+        hf_config = json.loads(small(VLM_CONFIG_FILE, lambda path: check_vlm_config(name, path)).read_bytes())
+        kept.append(VLM_CONFIG_FILE)
+        wanted = _tower_sources(name, small, hf_config)
         fetch_tensors(
             known.title, wanted, staging / TIMM_FILE, lambda path: check_vlm_tower(name, path, hf_config), progress,
             limit_bytes=size_limit(known.size_bytes), mirror_variable=HUB_URL_VARIABLE, ends=ends,
@@ -288,7 +291,7 @@ def _read_json_file(name: str, path: Path):
         raise DownloadError(f"the downloaded {name} {error}") from None
 
 
-def _tower_sources(name: str, small: Callable) -> dict[str, Callable[[list[str]], list[str]]]:
+def _tower_sources(name: str, small: Callable, hf_config: dict) -> dict[str, Callable[[list[str]], list[str]]]:
     """{the URL of each file holding part of the tower: which of its tensors to take}: from the
     shards' index, or from the one weights file's header where the repository has no index."""
     try:
@@ -296,12 +299,12 @@ def _tower_sources(name: str, small: Callable) -> dict[str, Callable[[list[str]]
     except DownloadError as error:
         if error.status != 404:
             raise
-        return {file_url(name, TIMM_FILE): lambda names: _tower_keys(name, names)}
+        return {file_url(name, TIMM_FILE): lambda names: _tower_keys(name, names, hf_config)}
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(value, str) for value in weight_map.values()):
         raise DownloadError(f"the downloaded {name} {from_vlm.INDEX_FILE} has no weight_map from tensor names to shard files")
     by_shard: dict[str, list[str]] = {}
-    for key in _tower_keys(name, list(weight_map)):
+    for key in _tower_keys(name, list(weight_map), hf_config):
         shard = weight_map[key]
         if not _SHARD_NAME.fullmatch(shard) or shard.startswith("."):
             raise DownloadError(f"{name}'s {from_vlm.INDEX_FILE} names a shard outside its repository ({shard[:80]!r})")
@@ -313,9 +316,9 @@ def _tower_sources(name: str, small: Callable) -> dict[str, Callable[[list[str]]
     return {file_url(name, shard): take(keys) for shard, keys in by_shard.items()}
 
 
-def _tower_keys(name: str, names: list[str]) -> list[str]:
+def _tower_keys(name: str, names: list[str], hf_config: dict) -> list[str]:
     try:
-        return from_vlm.tower_keys(names, name)[1]
+        return vlm_tower_keys(names, name, hf_config)[1]
     except CheckpointError as error:
         raise DownloadError(f"could not download {name}: {error}") from None
 

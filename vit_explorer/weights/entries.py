@@ -29,6 +29,10 @@ _SIGLIP_B = dict(
     resize_mode="squash", interpolation="bicubic",  # open_clip's preprocess_cfg: the whole picture
 )
 DINOV3_LICENCE = "DINOv3 License (Meta), not Apache: github.com/facebookresearch/dinov3/blob/main/LICENSE.md"
+QWEN_RESEARCH_LICENCE = (
+    "Qwen RESEARCH LICENSE AGREEMENT (Alibaba Cloud; research and non-commercial use), not Apache:"
+    " huggingface.co/Qwen/Qwen2.5-VL-3B-Instruct/blob/main/LICENSE"
+)
 
 # A timm repository's image tower.
 TIMM_FILE = "model.safetensors"
@@ -65,8 +69,9 @@ class CatalogueEntry:
     open_clip: str | dict | None = None
     tokenizer: bool = False  # its text tower reads the Hugging Face tokenizer of its repository
     # A vision-language model's repository (transformers' files) of which only the vision tower is
-    # downloaded: its config and its tensors' byte ranges (weights/range_downloads.py), kept as a
-    # VLM folder of one weights file that weights/from_vlm.py reads. size_bytes: the tower's.
+    # downloaded: its config (and preprocessor_config.json) and its tensors' byte ranges
+    # (weights/range_downloads.py), kept as a VLM folder of one weights file that weights/from_vlm.py
+    # (Qwen-VL's: from_qwen_vl.py) reads. size_bytes: the tower's.
     vlm: bool = False
 
     @property
@@ -255,6 +260,28 @@ CATALOGUE: dict[str, CatalogueEntry] = {
         ),
         licence="MIT (OpenAI's CLIP tower; the repository's language model, under the Llama 2 licence, is not downloaded)",
         vlm=True,
+    ),
+    # Qwen2.5-VL-3B's windowed tower and its merger (transformers' Qwen2_5_VLVisionConfig at the
+    # published 3B values, out_hidden_size its language model's width), read as its whole folder is
+    # (weights/from_qwen_vl.py) with the repository's preprocessor_config.json: its pixel budget.
+    # size_bytes: the tower's bfloat16 parameters (668,684,288, counted on the meta device).
+    "qwen25_vl_3b_tower": CatalogueEntry(
+        "Qwen2.5-VL 3B's vision tower (window attention, 2x2 merger)", "Qwen/Qwen2.5-VL-3B-Instruct", 1_337_368_576,
+        "Qwen2.5-VL's pre-training data (image-text pairs, documents, OCR, grounding and video), with its"
+        " language model, each picture at its own resolution",
+        "What Qwen2.5-VL-3B sees: its language model reads the patch merger's output, each 2 x 2 of"
+        " patches one token of 2048 numbers, (H/28) x (W/28) tokens (marked on every page). No class"
+        " token, 2D rotary positions; windows of 8 x 8 patches (112 px) except in blocks 7, 15, 23 and"
+        " 31, which attend everywhere; a picture is resized to multiples of 28 within its pixel budget.",
+        config=dict(
+            image_size=(448, 448), patch_size=14, num_classes=0, embed_dim=1280, depth=32, num_heads=16,
+            mlp_ratio=3420 / 1280, swiglu_mlp=True, swiglu_align_to=4, norm_layer="rmsnorm", global_pool="mean",
+            class_token=False, fc_norm=False, final_norm=False, patch_bias=False, abs_pos_embed=False, rope_type="axial",
+            rope_temperature=10000.0, attn_window=8, full_attention_blocks=(7, 15, 23, 31), spatial_merge_size=2,
+            merger_dim=2048, language_model_layer=32, pixel_budget=(56 * 56, 16384 * 28 * 28), mean=OPENAI_CLIP_MEAN,
+            std=OPENAI_CLIP_STD, normalization_source="publisher: preprocessor_config.json",
+        ),
+        licence=QWEN_RESEARCH_LICENCE, terms_to_accept=True, vlm=True,
     ),
     "dinov3_vits16": CatalogueEntry(
         "DINOv3 ViT-S/16", "timm/vit_small_patch16_dinov3.lvd1689m", 86_347_776,

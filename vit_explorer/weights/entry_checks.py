@@ -13,8 +13,9 @@ from pathlib import Path
 
 import torch
 
+from ..model.config import _brief
 from ..model.vit import ViT, from_timm_eva
-from . import from_huggingface, from_open_clip, from_vlm
+from . import from_huggingface, from_open_clip, from_qwen_vl, from_vlm
 from .checks import CheckpointError, read_json
 from .downloads import DownloadError
 from .entries import entry
@@ -252,9 +253,13 @@ def check_tokenizer_file(name: str, file_name: str, path: Path) -> None:
 
 def check_vlm_config(name: str, path: Path) -> None:
     """Raise DownloadError unless ``path`` is the config of a VLM whose tower we read, its language
-    model reading the layer the entry says."""
+    model reading the layer the entry says; a Qwen-VL's every setting, as its folder reads them
+    (with the preprocessor_config.json beside ``path``, fetched first), the entry's."""
     try:
         hf_config = read_json(path, "config.json", name)
+        if isinstance(hf_config, dict) and from_qwen_vl.recognises(hf_config):
+            _check_settings(name, from_qwen_vl.settings(path.parent, hf_config, name))
+            return
         if not isinstance(hf_config, dict) or not from_vlm.is_vlm(hf_config):
             raise CheckpointError("not a vision-language model's config")
         from_vlm.tower_config(hf_config, name)
@@ -266,13 +271,40 @@ def check_vlm_config(name: str, path: Path) -> None:
         raise DownloadError(f"the downloaded {name} config.json is not the expected model's (its language model reads {reads})")
 
 
+def _check_settings(name: str, settings: dict) -> None:
+    """Raise DownloadError unless the config fields a VLM folder gives are the entry's (compared
+    as configs: lists and tuples alike)."""
+    expected = entry(name).config_without_names()
+    try:
+        found = expected.replace(**settings)
+    except ValueError as error:
+        raise DownloadError(f"the downloaded {name} config.json is not the expected model's ({error})") from None
+    for key in settings:
+        if getattr(found, key) != getattr(expected, key):
+            raise DownloadError(
+                f"the downloaded {name} config.json and preprocessor_config.json are not the expected model's"
+                f" (its {key} is {_brief(getattr(found, key))}, not {_brief(getattr(expected, key))})"
+            )
+
+
+def vlm_tower_keys(keys: list[str], name: str, hf_config: dict) -> tuple[str, list[str]]:
+    """(the tower's prefix, the names of its tensors, a merger's with them) among a VLM's tensor
+    names, under the names its family gives them (Qwen-VL's ``visual.``)."""
+    if from_qwen_vl.recognises(hf_config):
+        return from_vlm.tower_keys(keys, name, from_qwen_vl.PREFIXES, from_qwen_vl.PATCH_KEY)
+    return from_vlm.tower_keys(keys, name)
+
+
 def tower_shapes(name: str, shapes: dict[str, tuple[int, ...]], hf_config: dict) -> dict[str, tuple[int, ...]]:
     """A VLM file's tower under our names and shapes, as the VLM's ``hf_config`` names it
     (converted on the meta device, nothing allocated); a CheckpointError if it holds none."""
-    prefix, keys = from_vlm.tower_keys(list(shapes), name)
-    tower = from_vlm.tower_config(hf_config, name)
+    prefix, keys = vlm_tower_keys(list(shapes), name, hf_config)
     with torch.device("meta"):
-        converted, _ = from_huggingface.convert({key.removeprefix(prefix): torch.empty(shapes[key]) for key in keys}, tower, name)
+        state = {key.removeprefix(prefix): torch.empty(shapes[key]) for key in keys}
+        if from_qwen_vl.recognises(hf_config):
+            converted = from_qwen_vl.convert(state, name)
+        else:
+            converted, _ = from_huggingface.convert(state, from_vlm.tower_config(hf_config, name), name)
     return {key: tuple(value.shape) for key, value in converted.items()}
 
 

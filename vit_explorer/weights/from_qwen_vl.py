@@ -88,7 +88,7 @@ def _whole(vision: dict, key: str, name: str, default=None, low: int = 1, high: 
 def read(folder: Path, hf_config: dict, name: str) -> tuple[dict[str, torch.Tensor], dict]:
     """(our state dict, the config fields its tensors do not tell) of the folder's tower, every
     setting checked before a tensor is read."""
-    known = _settings(folder, hf_config, name)
+    known = settings(folder, hf_config, name)
     state = convert(from_vlm.read_tower(folder, name, PREFIXES, PATCH_KEY), name)
     if hf_config["model_type"] == "qwen3_vl":
         positions = state.get("pos_embed.weight")
@@ -123,7 +123,9 @@ def _blocks(vision: dict, key: str, depth: int, name: str, default: tuple) -> tu
     return tuple(blocks)
 
 
-def _settings(folder: Path, hf_config: dict, name: str) -> dict:
+def settings(folder: Path, hf_config: dict, name: str) -> dict:
+    """The config fields of the folder's tower that its tensors do not tell (from its config.json
+    and preprocessor_config.json), each checked; the catalogue checks a download's against its entry's."""
     qwen3 = hf_config["model_type"] == "qwen3_vl"
     family = "Qwen3-VL" if qwen3 else "Qwen2.5-VL"
     vision = hf_config.get("vision_config")
