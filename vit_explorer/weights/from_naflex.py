@@ -33,13 +33,11 @@ from .checks import CheckpointError
 # timm's create_transform(naflex=True) default max_seq_len, the sequence timm's in1k NaFlexViTs were
 # evaluated at ("s576": 24 x 24 patches of 16).
 DEFAULT_MAX_PATCHES = 576
-# The most patches a picture may be given (the sidebar's views refuse what they cannot hold).
-MAX_PATCHES = 16_384
 # model_args a timm folder may give that we reproduce; any other NaFlexVitCfg setting is refused.
-_FOLDER_ARGS = {"pos_embed_ar_preserving", "max_seq_len"}
+_FOLDER_ARGS = {"pos_embed_ar_preserving"}
 # model_args that change nothing at inference or that the tensors check.
 _HARMLESS_ARGS = {
-    "num_classes", "global_pool", "embed_dim", "depth", "num_heads", "mlp_ratio", "init_values", "reg_tokens",
+    "num_classes", "embed_dim", "depth", "num_heads", "mlp_ratio", "init_values", "reg_tokens",
     "qkv_bias", "fc_norm", "drop_rate", "drop_path_rate", "proj_drop_rate", "attn_drop_rate", "pos_drop_rate",
     "patch_size", "img_size", "in_chans",
 }
@@ -89,7 +87,7 @@ def convert(state: dict[str, torch.Tensor], name: str, model_args: dict | None =
         "act_layer": "gelu_tanh" if siglip else "gelu",
         "pos_embed_interpolation": interpolation,
         "pos_embed_ar_preserving": arguments.get("pos_embed_ar_preserving", factorized or _par_named(name)),
-        "max_patches": arguments.get("max_seq_len", DEFAULT_MAX_PATCHES),
+        "max_patches": DEFAULT_MAX_PATCHES,
         "mean": INCEPTION_MEAN, "std": INCEPTION_STD, "normalization_source": f"structure: {family} (timm's 0.5)",
         # timm's eval transform for it: the whole picture resized (ResizeToSequence), bicubic
         "resize_mode": "squash", "crop_pct": 1.0, "interpolation": "bicubic",
@@ -130,11 +128,6 @@ def _folder_arguments(model_args: dict, name: str) -> dict:
         if not isinstance(model_args["pos_embed_ar_preserving"], bool):
             raise CheckpointError(f"{name}'s pos_embed_ar_preserving must be true or false, not {_brief(model_args['pos_embed_ar_preserving'])}")
         arguments["pos_embed_ar_preserving"] = model_args["pos_embed_ar_preserving"]
-    if "max_seq_len" in model_args:
-        value = model_args["max_seq_len"]
-        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_PATCHES:
-            raise CheckpointError(f"{name}'s max_seq_len must be a whole number from 1 to {MAX_PATCHES:,}, not {_brief(value)}")
-        arguments["max_seq_len"] = value
     return arguments
 
 
