@@ -147,6 +147,10 @@ def test_naflex_truths(tmp_path):
     resumed = vx.capture(model, x, knock_out=knock_out, intact=intact)
     torch.testing.assert_close(resumed.tokens, whole.tokens, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(whole.logits, intact.logits)
+    vx.save_model(model, tmp_path / "ours.safetensors")  # our own file keeps the NaFlex settings
+    reloaded = vx.load_model(tmp_path / "ours.safetensors")
+    assert reloaded.config == model.config and reloaded.config.max_patches == 576
+    torch.testing.assert_close(vx.capture(reloaded, x).tokens, intact.tokens, atol=0, rtol=0)
     rollout = analysis.attention_rollout(attentions, num_prefix_tokens=1)
     torch.testing.assert_close(rollout.sum(-1), torch.ones(rollout.shape[:-1]), atol=1e-4, rtol=0)
     assert analysis.pool_maps(intact).shape == (2, 3, 5)  # the probe (register excluded, as timm's) over the grid
@@ -205,7 +209,11 @@ def test_naflex_variants_we_do_not_read_are_a_sentence(tmp_path):
     config = {"architecture": "naflexvit_base_patch16_par_gap", "num_classes": 0, "model_args": {"num_heads": 2, "depth": 1}}
     (folder / "config.json").write_text(json.dumps(config))
     assert vx.load_model(folder).config.pos_embed_ar_preserving
-    config["model_args"]["pos_embed_use_grid_sample"] = True
-    (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(vx.CheckpointError, match="pos_embed_use_grid_sample, a setting we have not compared"):
-        vx.load_model(folder)
+    for changes, refused in [
+        ({"pos_embed_use_grid_sample": True}, "pos_embed_use_grid_sample, a setting we have not compared"),
+        ({"pos_embed_interp_mode": "nearest"}, "pos_embed_interp_mode must be one of bicubic, bilinear"),
+        ({"global_pool": "max"}, "global_pool, a setting"),
+    ]:
+        (folder / "config.json").write_text(json.dumps({**config, "model_args": {**config["model_args"], **changes}}))
+        with pytest.raises(vx.CheckpointError, match=refused):
+            vx.load_model(folder)

@@ -33,13 +33,16 @@ from .checks import CheckpointError
 # timm's create_transform(naflex=True) default max_seq_len, the sequence timm's in1k NaFlexViTs were
 # evaluated at ("s576": 24 x 24 patches of 16).
 DEFAULT_MAX_PATCHES = 576
-# model_args a timm folder may give that we reproduce; any other NaFlexVitCfg setting is refused.
-_FOLDER_ARGS = {"pos_embed_ar_preserving"}
+# model_args a timm folder may give that we reproduce, and the values we have compared with timm
+# (its antialiased bicubic or bilinear resampling); any other NaFlexVitCfg setting is refused.
+_FOLDER_ARGS = {
+    "pos_embed_ar_preserving": (True, False), "act_layer": ("gelu", "gelu_tanh"), "pos_embed_interp_mode": ("bicubic", "bilinear"),
+}
 # model_args that change nothing at inference or that the tensors check.
 _HARMLESS_ARGS = {
     "num_classes", "embed_dim", "depth", "num_heads", "mlp_ratio", "init_values", "reg_tokens",
     "qkv_bias", "fc_norm", "drop_rate", "drop_path_rate", "proj_drop_rate", "attn_drop_rate", "pos_drop_rate",
-    "patch_size", "img_size", "in_chans",
+    "patch_size", "img_size", "in_chans", "pos_embed_grid_size", "pos_embed",
 }
 _EMBEDS = {
     "embeds.proj.weight", "embeds.proj.bias", "embeds.pos_embed", "embeds.pos_embed_y", "embeds.pos_embed_x",
@@ -74,17 +77,17 @@ def convert(state: dict[str, torch.Tensor], name: str, model_args: dict | None =
     converted["pos_embed"] = pos_embed.reshape(1, grid_h * grid_w, -1)
     converted.update({key: value for key, value in state.items() if not key.startswith("embeds.")})
 
-    siglip = "attn_pool.latent" in state and "blocks.0.ls1.gamma" not in state and "embeds.reg_token" not in state
+    siglip = _siglip(state, name)
     if factorized:
         interpolation = "bilinear_no_antialias"
     else:
-        interpolation = "bilinear" if siglip else "bicubic"
+        interpolation = arguments.get("pos_embed_interp_mode", "bilinear" if siglip else "bicubic")
     family = "SigLIP 2's NaFlex encoder" if siglip else "timm's NaFlexViT"
     known = {
         "image_size": (grid_h * patch, grid_w * patch),
         "no_embed_class": True,
         "class_token": False,
-        "act_layer": "gelu_tanh" if siglip else "gelu",
+        "act_layer": arguments.get("act_layer", "gelu_tanh" if siglip else "gelu"),
         "pos_embed_interpolation": interpolation,
         "pos_embed_ar_preserving": arguments.get("pos_embed_ar_preserving", factorized or _par_named(name)),
         "max_patches": DEFAULT_MAX_PATCHES,
@@ -93,6 +96,14 @@ def convert(state: dict[str, torch.Tensor], name: str, model_args: dict | None =
         "resize_mode": "squash", "crop_pct": 1.0, "interpolation": "bicubic",
     }
     return converted, known
+
+
+def _siglip(state: dict[str, torch.Tensor], name: str) -> bool:
+    """Whether this is SigLIP 2's NaFlex encoder: its architecture's name says, else the structure
+    (an attention pool without LayerScale and registers, as only timm's ``_siglip`` ones have)."""
+    if "naflexvit_" in name:
+        return "_siglip" in name
+    return "attn_pool.latent" in state and "blocks.0.ls1.gamma" not in state and "embeds.reg_token" not in state
 
 
 def _par_named(name: str) -> bool:
@@ -120,14 +131,18 @@ def _refuse_others(state: dict[str, torch.Tensor], name: str) -> None:
 
 def _folder_arguments(model_args: dict, name: str) -> dict:
     """The NaFlex settings of a timm folder's model_args; any other setting we do not reproduce is refused."""
-    other = sorted(key for key in model_args if key not in _FOLDER_ARGS | _HARMLESS_ARGS)
+    other = sorted(key for key in model_args if key not in set(_FOLDER_ARGS) | _HARMLESS_ARGS)
     if other:
         raise CheckpointError(f"{name} is a NaFlexViT built with {_brief(other[0])[1:-1]}, a setting we have not compared with timm")
     arguments = {}
-    if "pos_embed_ar_preserving" in model_args:
-        if not isinstance(model_args["pos_embed_ar_preserving"], bool):
-            raise CheckpointError(f"{name}'s pos_embed_ar_preserving must be true or false, not {_brief(model_args['pos_embed_ar_preserving'])}")
-        arguments["pos_embed_ar_preserving"] = model_args["pos_embed_ar_preserving"]
+    for key, choices in _FOLDER_ARGS.items():
+        if key in model_args:
+            if not any(type(model_args[key]) is type(choice) and model_args[key] == choice for choice in choices):
+                raise CheckpointError(
+                    f"{name}'s {key} must be one of {', '.join(map(str, choices))} (those we have compared with timm),"
+                    f" not {_brief(model_args[key])}"
+                )
+            arguments[key] = model_args[key]
     return arguments
 
 
