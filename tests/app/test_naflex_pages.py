@@ -1,5 +1,6 @@
 """A NaFlexViT in the app: its file as timm saves it uploaded through the sidebar, a non-square picture
-read at its own aspect ratio as timm's NaFlex transform sizes it, and the pages that read it render."""
+read at its own aspect ratio as timm's NaFlex transform sizes it, the pages that read it render, and
+the Several images page reads pictures of different grids each at its own."""
 import io
 
 import numpy as np
@@ -32,6 +33,14 @@ def test_a_naflex_model_reads_a_wide_picture_at_its_own_aspect_ratio(tmp_path, m
     assert from_naflex.sequence_size(300, 451, 8, 24) == (32, 48)
     assert any("NaFlexViT's preprocessing" in caption.value and "This picture: 32x48 px" in caption.value for caption in app.caption)
     assert any("4x6 grid" in caption.value for caption in app.caption)
-    for page in ("views/attention.py", "views/images.py", "views/patches.py"):
+    for page in ("views/attention.py", "views/patches.py", "views/images.py"):
         app.switch_page(page).run()
         assert not app.exception and errors(app) == [], page
+    # Several images: the wide upload (4 x 6 patches) and a square photo (4 x 4) each read alone at its own grid.
+    upload = app.multiselect(key="image_set").value[0]  # the sidebar's picture first
+    assert upload.startswith("upload:")
+    app.multiselect(key="image_set").set_value([upload, "photo:astronaut.png"]).run()
+    assert "each picture as the model's preprocessing sizes it (its own grid)" in app.radio(key="dense_resolution").options
+    app.radio(key="dense_resolution").set_value("own").run()
+    assert not app.exception and errors(app) == []
+    assert any("of the 40 patches are foreground" in caption.value for caption in app.caption)
