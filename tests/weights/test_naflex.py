@@ -206,9 +206,13 @@ def test_naflex_variants_we_do_not_read_are_a_sentence(tmp_path):
     folder = tmp_path / "folder"
     folder.mkdir()
     saved(reference, folder / "model.safetensors")
-    config = {"architecture": "naflexvit_base_patch16_par_gap", "num_classes": 0, "model_args": {"num_heads": 2, "depth": 1}}
+    config = {
+        "architecture": "naflexvit_base_patch16_par_gap", "num_classes": 0, "model_args": {"num_heads": 2, "depth": 1},
+        "pretrained_cfg": {**reference.pretrained_cfg, "input_size": [3, 384, 384], "crop_pct": 1.0, "mean": [0.5] * 3, "std": [0.5] * 3},
+    }
     (folder / "config.json").write_text(json.dumps(config))
-    assert vx.load_model(folder).config.pos_embed_ar_preserving
+    read = vx.load_model(folder).config  # its grid is its table's (384 px is timm's eval, any aspect within 576 patches)
+    assert read.pos_embed_ar_preserving and read.grid_size == (6, 6) and read.resize_mode == "squash"
     for changes, refused in [
         ({"pos_embed_use_grid_sample": True}, "pos_embed_use_grid_sample, a setting we have not compared"),
         ({"pos_embed_interp_mode": "nearest"}, "pos_embed_interp_mode must be one of bicubic, bilinear"),

@@ -54,7 +54,9 @@ def convert_folder(
     if isinstance(pretrained, dict) and ("mean" in pretrained or "std" in pretrained):
         known.update({field: pretrained[field] for field in ("mean", "std") if field in pretrained})
         known["normalization_source"] = "publisher: timm's pretrained_cfg"
-    if isinstance(pretrained, dict) and not naflex:  # a NaFlexViT's is timm's ResizeToSequence (from_naflex)
+    if naflex:  # its transform is timm's ResizeToSequence, its grid its table's (from_naflex): no input size
+        return converted, known
+    if isinstance(pretrained, dict):
         known.update(transform(pretrained, known.get("mean"), name))
     size = _input_size(arguments, pretrained, name)
     if size is not None:
