@@ -221,3 +221,26 @@ def test_naflex_variants_we_do_not_read_are_a_sentence(tmp_path):
         (folder / "config.json").write_text(json.dumps({**config, "model_args": {**config["model_args"], **changes}}))
         with pytest.raises(vx.CheckpointError, match=refused):
             vx.load_model(folder)
+
+
+def test_inspect_reads_a_naflex_picture_at_its_own_aspect_ratio(tmp_path, monkeypatch, capsys):
+    """python -m vit_explorer inspect sizes the picture as timm's NaFlex transform does: chelsea's
+    451 x 300 px in at most 24 patches of 8 -> 48 x 32 px, 6 x 4 patches; its output is timm's."""
+    import numpy as np
+    from PIL import Image
+
+    from vit_explorer import cli, figures
+
+    monkeypatch.setattr(figures, "find_browser", lambda: None)
+    monkeypatch.setattr(from_naflex, "DEFAULT_MAX_PATCHES", 24)
+    reference = timm_naflex("naflexvit_base_patch16_gap", 5, depth=1, num_heads=1)  # 64 channels a head: no file says its heads
+    path = saved(reference, tmp_path / "gap.safetensors")
+    photo = tmp_path / "wide.png"
+    Image.fromarray((torch.rand(300, 451, 3, generator=torch.Generator().manual_seed(3)) * 255).to(torch.uint8).numpy()).save(photo)
+    out = tmp_path / "out"
+    assert cli.main(["inspect", str(photo), "--weights", str(path), "--out", str(out), "--format", "html", "--tensors"]) == 0
+    assert "the whole picture squeezed to 48x32 px" in capsys.readouterr().out
+    config = vx.load_model(path).config.replace(image_size=(32, 48))
+    x = vx.preprocess(Image.open(photo).convert("RGB"), config)
+    with np.load(out / "capture.npz") as data:
+        np.testing.assert_allclose(data["logits"], reference(x).numpy(), atol=1e-4, rtol=1e-4)
