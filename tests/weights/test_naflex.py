@@ -245,3 +245,29 @@ def test_inspect_reads_a_naflex_picture_at_its_own_aspect_ratio(tmp_path, monkey
     x = vx.preprocess(Image.open(photo).convert("RGB"), config)
     with np.load(out / "capture.npz") as data:
         np.testing.assert_allclose(data["logits"], reference(x).numpy(), atol=1e-4, rtol=1e-4)
+
+
+def test_transformers_siglip2_naflex_tower_at_its_aspect_ratios(tmp_path):
+    """transformers' SigLIP 2 NaFlex tower resizes its 4 x 4 grid of positions to each picture's
+    bilinearly (antialiased); it was read bicubic and differed off its square grid. Its processor's
+    size rule (max_num_patches) is timm's."""
+    import transformers as T
+    from transformers.models.siglip2.image_processing_siglip2 import convert_image_to_patches, get_image_size_for_max_num_patches
+
+    settings = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, patch_size=PATCH, intermediate_size=128, num_patches=16)
+    reference = randomize(T.Siglip2VisionModel(T.Siglip2VisionConfig(**settings)))
+    reference.save_pretrained(tmp_path)
+    for grid in GRIDS:
+        model = vx.load_model(tmp_path, image_size=(grid[0] * PATCH, grid[1] * PATCH))
+        assert model.config.pos_embed_interpolation == "bilinear"
+        x = images(grid)
+        patches = torch.stack([convert_image_to_patches(image, PATCH) for image in x])
+        expected = reference(
+            pixel_values=patches, pixel_attention_mask=torch.ones(2, grid[0] * grid[1], dtype=torch.long),
+            spatial_shapes=torch.tensor([grid] * 2), output_hidden_states=True,
+        )
+        captured = vx.capture(model, x)
+        torch.testing.assert_close(captured.tokens, torch.stack(expected.hidden_states, 1), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(captured.logits, expected.pooler_output, atol=1e-4, rtol=1e-4)
+    for height, width in [(300, 451), (1000, 37), (16, 16)]:
+        assert from_naflex.sequence_size(height, width, 16, 256) == get_image_size_for_max_num_patches(height, width, 16, 256)

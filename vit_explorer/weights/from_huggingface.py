@@ -4,7 +4,8 @@ registers), DINOv3 (rotary positions, gated MLP) and the image towers of CLIP, S
 SigLIP 2 are converted to our names. SigLIP 2's own model type (NaFlex) embeds flattened patches
 of any aspect ratio with a Linear and resizes its square grid of positions to each image's; at
 that grid (a square image of sqrt(num_patches) patches a side) it is our ViT with that Linear
-as the patch convolution, and another size resamples the grid as any of ours.
+as the patch convolution, and another size resamples the grid as transformers does (bilinear,
+antialiased).
 
 A folder is untrusted like any upload: each config.json setting read is checked (_HF_SETTINGS)
 and every file the folder names must lie inside it (checks.folder_file). Another model type is
@@ -148,6 +149,8 @@ def _convert(
             converted["pos_embed"] = converted.pop("embeddings.position_embedding.weight")[None]
         if model_type.startswith("siglip2"):
             _siglip2_patches(converted, hf_config)
+            # Siglip2VisionEmbeddings resizes its grid to each picture's bilinearly, antialiased (not bicubic)
+            known["pos_embed_interpolation"] = "bilinear"
     if model_type == "dinov2_with_registers" and "cls_token" in converted and "pos_embed" in converted:
         _fold_class_position(converted)
         known["no_embed_class"] = True
