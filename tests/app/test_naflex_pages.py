@@ -31,7 +31,7 @@ def test_a_naflex_model_reads_a_wide_picture_at_its_own_aspect_ratio(tmp_path, m
     assert not app.exception and errors(app) == []
     # timm's ResizeToSequence: 451 x 300 px in at most 24 patches of 8 -> 32 x 48 px, a 4 x 6 grid.
     assert from_naflex.sequence_size(300, 451, 8, 24) == (32, 48)
-    assert any("NaFlexViT's preprocessing" in caption.value and "This picture: 32x48 px" in caption.value for caption in app.caption)
+    assert any("NaFlex preprocessing" in caption.value and "resized (bicubic)" in caption.value and "This picture: 32x48 px" in caption.value for caption in app.caption)
     assert any("4x6 grid" in caption.value for caption in app.caption)
     for page in ("views/attention.py", "views/patches.py", "views/images.py"):
         app.switch_page(page).run()

@@ -271,3 +271,29 @@ def test_transformers_siglip2_naflex_tower_at_its_aspect_ratios(tmp_path):
         torch.testing.assert_close(captured.logits, expected.pooler_output, atol=1e-4, rtol=1e-4)
     for height, width in [(300, 451), (1000, 37), (16, 16)]:
         assert from_naflex.sequence_size(height, width, 16, 256) == get_image_size_for_max_num_patches(height, width, 16, 256)
+
+
+def test_transformers_siglip2_processor_is_read_at_its_aspect_ratio(tmp_path):
+    """A SigLIP 2 NaFlex folder's Siglip2ImageProcessor (max_num_patches, bilinear): a wide photo read
+    at the size it chooses, as the processor's patches, and the tower's output on them."""
+    import transformers as T
+    from einops import rearrange
+    from PIL import Image
+
+    settings = dict(hidden_size=64, num_hidden_layers=1, num_attention_heads=2, patch_size=PATCH, intermediate_size=128, num_patches=16)
+    reference = randomize(T.Siglip2VisionModel(T.Siglip2VisionConfig(**settings)))
+    reference.save_pretrained(tmp_path)
+    processor = T.Siglip2ImageProcessor(patch_size=PATCH, max_num_patches=24)
+    processor.save_pretrained(tmp_path)
+    config = vx.load_model(tmp_path).config
+    assert (config.max_patches, config.interpolation, config.transform_library) == (24, "bilinear", "transformers")
+    picture = Image.fromarray((torch.rand(300, 451, 3, generator=torch.Generator().manual_seed(4)) * 255).to(torch.uint8).numpy())
+    prepared = processor(images=picture, return_tensors="pt")
+    size = from_naflex.sequence_size(300, 451, PATCH, 24)
+    assert size == (32, 48) and prepared["spatial_shapes"].tolist() == [[4, 6]]
+    model = vx.load_model(tmp_path, image_size=size)
+    x = vx.preprocess(picture, model.config)
+    patches = rearrange(x[0], "c (h p1) (w p2) -> (h w) (p1 p2 c)", p1=PATCH, p2=PATCH)
+    torch.testing.assert_close(patches, prepared["pixel_values"][0, :24], atol=1e-5, rtol=0)
+    expected = reference(**prepared).pooler_output
+    torch.testing.assert_close(model(x), expected, atol=1e-4, rtol=1e-4)

@@ -307,7 +307,7 @@ def preprocessing_note(config) -> str | None:
     """How the model's own preprocessing sizes a picture, for the sidebar; None for one input size."""
     if config.max_patches is not None:
         return (
-            f"NaFlexViT's preprocessing (timm's): each picture is resized (bicubic), its aspect ratio kept, to"
+            f"NaFlex preprocessing (SigLIP 2's, timm's NaFlexViT): each picture is resized ({config.interpolation}), its aspect ratio kept, to"
             f" multiples of {config.patch_size} px on both sides with at most {config.max_patches:,} patches,"
             " then normalised; a size typed here replaces it."
         )

@@ -339,7 +339,12 @@ def transform(hf_config: dict) -> dict:
     """The eval transform of a folder's image processor (preprocessor_config.json) as ViTConfig
     fields: CLIP's (the shorter side resized, the centre cropped), SigLIP's and ViT's (resized to
     a size: squashed); nothing where the file gives no size (the whole picture, ours). A setting
-    we do not reproduce is refused in a sentence."""
+    we do not reproduce is refused in a sentence. SigLIP 2's NaFlex processor, beside its tower,
+    sizes each picture (its aspect ratio kept, at most max_num_patches patches: ViTConfig.max_patches,
+    timm's rule)."""
+    siglip2 = str(hf_config.get("model_type", "")).startswith("siglip2")
+    if siglip2 and hf_config.get("image_processor_type") in ("Siglip2ImageProcessor", "Siglip2ImageProcessorFast"):
+        return _siglip2_transform(hf_config)  # compared with transformers for SigLIP 2's towers only
     if "size" not in hf_config:
         return {}
     # Older folders name a feature extractor (openai/clip-vit-base-patch32's CLIPFeatureExtractor).
@@ -383,6 +388,28 @@ def transform(hf_config: dict) -> dict:
     if not 0.25 <= fields["crop_pct"] <= 1 or math.floor(crop[0] / fields["crop_pct"] if crop else scale) != scale:
         raise CheckpointError(f"preprocessor_config.json's crop_size {_brief(crop)} must fit inside its size {_brief(hf_config['size'])}")
     return fields
+
+
+def _siglip2_transform(hf_config: dict) -> dict:
+    """Siglip2ImageProcessor as ViTConfig fields: the whole picture resized (bilinear unless told)
+    to at most max_num_patches patches of the model's size, as transformers resizes (read_config
+    lets config.json's patch_size win over the processor's)."""
+    patches = hf_config.get("max_num_patches", 256)
+    if not _whole(patches) or patches > 2**16:
+        raise CheckpointError(f"preprocessor_config.json's max_num_patches must be a whole number up to 65,536, not {_brief(patches)}")
+    resample = hf_config.get("resample", 2)
+    if not isinstance(resample, int) or isinstance(resample, bool) or resample not in _RESAMPLE:
+        raise CheckpointError(f"preprocessor_config.json's resample must be 0, 2 or 3 (nearest, bilinear, bicubic), not {_brief(resample)}")
+    for flag in ("do_resize", "do_rescale", "do_normalize"):
+        if hf_config.get(flag, True) is not True:
+            raise CheckpointError("preprocessor_config.json turns off resizing, rescaling or normalising, which we do not reproduce")
+    factor = hf_config.get("rescale_factor", 1 / 255)
+    if not _is_number(factor) or abs(factor * 255 - 1) > 1e-6:
+        raise CheckpointError(f"preprocessor_config.json's rescale_factor must be 1/255, not {_brief(factor)}")
+    return {
+        "max_patches": patches, "resize_mode": "squash", "crop_pct": 1.0, "interpolation": _RESAMPLE[resample],
+        "transform_library": "transformers",
+    }
 
 
 # ----------------------------------------------------------------------------- config.json and weights
