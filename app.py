@@ -159,7 +159,7 @@ with st.sidebar:
                     resampled = "interpolates the position embeddings; the rotary positions follow the new grid"
                 else:
                     resampled = "needs nothing resampled: the rotary positions follow the new grid"
-                follows = models.preprocessing_note(native)  # Qwen-VL: the size follows the picture
+                follows = models.preprocessing_note(native)  # Qwen-VL, NaFlexViT: the size follows the picture
                 in_use = selection.config.img_size if follows else native.img_size
                 if follows:
                     st.caption(f"{follows} This picture: {in_use[0]}x{in_use[1]} px (height x width).")

@@ -6,7 +6,7 @@ import streamlit as st
 from vit_explorer.analysis import dense_pca as dense
 from vit_explorer import figures
 from vit_explorer.analysis import image_set as sets
-from vit_explorer.app import costs, images, jobs, probe, segment_scores, session, word_maps
+from vit_explorer.app import costs, images, jobs, models, probe, segment_scores, session, word_maps
 from vit_explorer.app.selection import ImageSet
 from vit_explorer.text import LabelError
 
@@ -88,6 +88,11 @@ probed = probe.current(image_set)  # this session's probe of these pictures, or 
 patch_size = config.patch_size
 sizes = [dense.aspect_size(image.size, patch_size) for image in image_set.images]
 resolutions = {"input": f"the model's input ({config.img_size[0]}x{config.img_size[1]} px)"}
+# A model whose preprocessing sizes each picture (NaFlexViT, Qwen-VL): each read alone at its own grid,
+# as timm's padded batch with patch_valid reads it (tests/weights/test_naflex.py).
+own_sizes = [models.picture_input_size(config, image.size) for image in image_set.images]
+if models.follows_picture(config) and all(size is not None and dense.within_limit(size, patch_size) for size in own_sizes):
+    resolutions["own"] = "each picture as the model's preprocessing sizes it (its own grid)"
 if all(dense.within_limit(size, patch_size) for size in sizes):
     resolutions["768"] = "768 px high, each picture at its aspect ratio"
 else:
@@ -109,10 +114,14 @@ read = None  # (features, pictures, grids) at the chosen resolution, once comput
 if resolution == "input":
     read = (list(image_set.last_layer_features()), display, [grid_size] * count)
 else:
+    if resolution == "own":
+        sizes, at = own_sizes, "at their own sizes"
+    else:
+        at = "at 768 px high"
     passes = costs.dense_forwards(config, sizes)
     # A real-size model at 768 px costs dozens of passes per picture: asked for, not unasked.
     if costs.is_quick(config, forwards=passes) or st.toggle(
-        f"Read the {count} pictures at 768 px high (about {passes:.0f} forward passes)",
+        f"Read the {count} pictures {at} (about {passes:.0f} forward passes)",
         help="One forward pass of the model per picture at its size, learned position embeddings resampled to its grid.",
         **session.keep("set_dense_high_on", False),
     ):
@@ -124,7 +133,7 @@ else:
                 [(height // patch_size, width // patch_size) for height, width in sizes])
     else:
         st.caption(
-            f"At 768 px high the {count} pictures cost about {passes:.0f} passes of this model at its input"
+            f"{at.capitalize()} the {count} pictures cost about {passes:.0f} passes of this model at its input"
             " size, so they are read when you ask: switch it on above."
         )
 if read is not None:
@@ -134,7 +143,7 @@ if read is not None:
             dense.foreground_masks(features, grids, dense_flip) if probed is None else probe.foreground_masks(probed.probe, grids)
         ))
     ))
-    where = "at the model's input" if resolution == "input" else "768 px high"
+    where = {"input": "at the model's input", "own": "each at its own size"}.get(resolution, "768 px high")
     probe_key = None if probed is None else probed.key
     st.plotly_chart(image_set.memo("dense pca figure", resolution, dense_flip, probe_key, compute=lambda: figures.dense_pca_grid(
         pictures, parts.colours, labels, f"of {count} images {where}: 3 whitened components of their foreground, sigmoid(2x)",

@@ -22,7 +22,7 @@ from ..model.vit import ViT
 from ..serving.cache import ByteBoundedCache, nbytes
 from ..training import train
 from ..training.admission import admit_model
-from ..weights import catalogue, from_open_clip, from_qwen_vl
+from ..weights import catalogue, from_naflex, from_open_clip, from_qwen_vl
 from ..weights.footprint import Footprint, config_footprint, model_footprint, text_footprint
 from ..weights import load_model, load_pretrained, resize_model
 from ..weights.normalization import renormalized
@@ -282,21 +282,35 @@ def pooled_output(config) -> str:
     }[config.global_pool]
 
 
+def follows_picture(config) -> bool:
+    """Whether the model's own preprocessing sizes its input from each picture (Qwen-VL, NaFlexViT)."""
+    return config.pixel_budget is not None or config.max_patches is not None
+
+
 def picture_input_size(config, picture_size: tuple[int, int]) -> tuple[int, int] | None:
     """(height, width) a model's own preprocessing resizes a picture of ``picture_size`` (width,
-    height, as PIL gives it) to: Qwen-VL's, multiples of patch x merge within its pixel budget,
-    the aspect ratio kept; None for a model with one input size (or a picture Qwen refuses)."""
-    if config.pixel_budget is None:
-        return None
+    height, as PIL gives it) to, the aspect ratio kept: Qwen-VL's, multiples of patch x merge
+    within its pixel budget; NaFlexViT's, multiples of the patch with at most max_patches patches
+    (timm's ResizeToSequence); None for a model with one input size (or a picture it refuses)."""
     width, height = picture_size
     try:
-        return from_qwen_vl.smart_resize(height, width, config.patch_size * config.spatial_merge_size, *config.pixel_budget)
-    except ValueError:  # more than 200 times longer than wide
+        if config.max_patches is not None:
+            return from_naflex.sequence_size(height, width, config.patch_size, config.max_patches)
+        if config.pixel_budget is not None:
+            return from_qwen_vl.smart_resize(height, width, config.patch_size * config.spatial_merge_size, *config.pixel_budget)
+    except ValueError:  # Qwen: more than 200 times longer than wide; NaFlex: no scale fits
         return None
+    return None
 
 
 def preprocessing_note(config) -> str | None:
     """How the model's own preprocessing sizes a picture, for the sidebar; None for one input size."""
+    if config.max_patches is not None:
+        return (
+            f"NaFlex preprocessing (SigLIP 2's, timm's NaFlexViT): each picture is resized ({config.interpolation}), its aspect ratio kept, to"
+            f" multiples of {config.patch_size} px on both sides with at most {config.max_patches:,} patches,"
+            " then normalised; a size typed here replaces it."
+        )
     if config.pixel_budget is None:
         return None
     low, high = config.pixel_budget

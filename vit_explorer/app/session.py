@@ -117,8 +117,8 @@ def selection() -> Selection:
         state["image_key"] = images.DEFAULT_IMAGE
         state["image_notice"] = "Your uploaded image was removed to make room for newer uploads; upload it again."
     base = models.base_model(state["model_key"]).config
-    # A model whose preprocessing follows the picture (Qwen-VL) sizes its input from it.
-    picture = images.resolve_image(state["image_key"], base.img_size)[1].size if base.pixel_budget else None
+    # A model whose preprocessing follows the picture (Qwen-VL, NaFlexViT) sizes its input from it.
+    picture = images.resolve_image(state["image_key"], base.img_size)[1].size if models.follows_picture(base) else None
     size = image_size(picture)
     patch = patch_size(size)
     normalization = normalization_choice(state["model_key"])
@@ -150,7 +150,7 @@ def normalization_choice(model_key: str) -> str | None:
 
 def image_size(picture_size: tuple[int, int] | None = None) -> tuple[int, int]:
     """The input size chosen in the sidebar, if valid for the current model, else its own: for
-    a model whose preprocessing follows the picture (Qwen-VL), the size it gives the picture of
+    a model whose preprocessing follows the picture (Qwen-VL, NaFlexViT), the size it gives the picture of
     ``picture_size`` (width, height)."""
     config = models.base_model(st.session_state["model_key"]).config
     own = config.img_size

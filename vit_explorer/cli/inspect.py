@@ -126,14 +126,18 @@ def _inspect(args: argparse.Namespace, texts: list[str] | None, writer) -> int:
     from ..data.transforms import describe
     from ..model.capture import capture
     from ..training.admission import admit_model
-    from ..weights import load_model
+    from ..weights import load_model, resize_model
     from ..weights.footprint import model_footprint
+    from ..weights.from_naflex import sequence_size
 
     device = _inspect_device(args.device)
     admit_model(model_footprint(args.weights), device=device, what="the model of --weights")  # before it is read
     model = load_model(args.weights).to(device)
-    config = model.config
     picture = load_image(args.image)
+    if model.config.max_patches is not None:  # NaFlexViT: the picture at its own aspect ratio, as timm's transform sizes it
+        size = sequence_size(picture.height, picture.width, model.config.patch_size, model.config.max_patches)
+        model = resize_model(model, image_size=size, share_weights=True).eval()
+    config = model.config
     x = preprocess(picture, config, whole=args.whole_image)  # (1, C, H, W): the publisher's input unless --whole-image
     layer = args.layer + config.depth if args.layer < 0 else args.layer
     if not 0 <= layer < config.depth:

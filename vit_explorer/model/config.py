@@ -29,9 +29,11 @@ ACTIVATIONS = ("gelu", "gelu_tanh", "quick_gelu")  # the MLP activations ViTConf
 ROPE_TEMPERATURES = {"dinov3": 100.0, "cat": 10000.0, "axial": 10000.0}
 NORM_LAYERS = ("layernorm", "rmsnorm")
 # How position embeddings are resampled to another grid (ViTConfig.pos_embed_interpolation): timm's
-# bicubic with antialiasing, or Qwen3-VL's bilinear with align_corners (its learned 48 x 48 grid
-# stretched corner to corner over each picture's).
-POS_EMBED_INTERPOLATIONS = ("bicubic", "bilinear_corners")  # ViTConfig.norm_layer: RMSNorm (no centring, no bias) for Qwen-VL
+# bicubic with antialiasing, Qwen3-VL's bilinear with align_corners (its learned 48 x 48 grid
+# stretched corner to corner over each picture's), timm NaFlexViT SigLIP's bilinear with
+# antialiasing, or bilinear without it (NaFlexViT's factorized positions: its row and column tables
+# each resized linearly and summed are their sum resized so).
+POS_EMBED_INTERPOLATIONS = ("bicubic", "bilinear_corners", "bilinear", "bilinear_no_antialias")  # ViTConfig.norm_layer: RMSNorm (no centring, no bias) for Qwen-VL
 ROPE_PERIODS_DTYPES = ("float32", "bfloat16")
 RESIZE_MODES = ("squash", "shortest", "longest")  # ViTConfig.resize_mode
 INTERPOLATIONS = ("bicubic", "bilinear", "nearest")  # ViTConfig.interpolation
@@ -198,6 +200,13 @@ class ViTConfig(_JsonConfig):
     # patch_size * spatial_merge_size and its aspect ratio kept; None: resized to image_size.
     pixel_budget: tuple[int, int] | None = None
     pos_embed_interpolation: str = "bicubic"  # one of POS_EMBED_INTERPOLATIONS
+    # timm NaFlexViT's aspect-preserving positions ("par"): the table resampled to a square of the
+    # grid's longer side, then its top-left gh x gw kept.
+    pos_embed_ar_preserving: bool = False
+    # NaFlexViT's preprocessing (timm's ResizeToSequence): each picture resized, its aspect ratio
+    # kept, to multiples of patch_size on both sides with at most this many patches; None: resized
+    # to image_size.
+    max_patches: int | None = None
     # Qwen3-VL's DeepStack: the tokens leaving these blocks each go through a merger of their own
     # (its norm after the join), and the language model adds them into its first layers.
     deepstack_layers: tuple[int, ...] = ()
@@ -312,7 +321,7 @@ class ViTConfig(_JsonConfig):
         flags = (
             "qkv_bias", "class_token", "dist_token", "no_embed_class", "pre_norm", "patch_bias", "abs_pos_embed",
             "qkv_fused", "scale_attn_inner", "swiglu_mlp", "scale_mlp", "pool_include_prefix", "final_norm",
-            "language_model_drops_class_token", "patch_norm", "linear_bias",
+            "language_model_drops_class_token", "patch_norm", "linear_bias", "pos_embed_ar_preserving",
         )
         for name in flags:
             if not isinstance(getattr(self, name), bool):
@@ -339,6 +348,10 @@ class ViTConfig(_JsonConfig):
             raise ValueError(
                 f"pos_embed_interpolation must be one of {', '.join(POS_EMBED_INTERPOLATIONS)}, not {_brief(self.pos_embed_interpolation)}"
             )
+        if self.max_patches is not None:
+            _check_whole("max_patches", self.max_patches, 1)
+            if self.pixel_budget is not None:
+                raise ValueError("max_patches (NaFlexViT's) and pixel_budget (Qwen-VL's) are two preprocessings: give one")
         budget = self.pixel_budget
         if budget is not None:
             if not isinstance(budget, (list, tuple)) or len(budget) != 2:

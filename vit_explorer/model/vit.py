@@ -103,9 +103,13 @@ def resample_pos_embed(
     new_grid: tuple[int, int],
     num_prefix_tokens: int,
     mode: str = "bicubic",
+    ar_preserving: bool = False,
 ) -> torch.Tensor:
     """Resample (1, prefix + gh*gw, D) position embeddings to a new grid; differentiable. ``mode``
-    "bicubic" (timm's, antialiased) or "bilinear_corners" (Qwen3-VL's: bilinear, align_corners).
+    one of config.POS_EMBED_INTERPOLATIONS: "bicubic" (timm's, antialiased), "bilinear_corners"
+    (Qwen3-VL's: bilinear, align_corners), "bilinear" (antialiased) or "bilinear_no_antialias"
+    (timm NaFlexViT's). ``ar_preserving`` (NaFlexViT's "par"): resampled to a square of the new
+    grid's longer side, of which the top-left gh x gw is kept, as timm's NaFlexEmbeds does.
 
     The prefix tokens' embeddings are kept as they are; an unchanged grid returns the input.
     """
@@ -113,10 +117,15 @@ def resample_pos_embed(
         return pos_embed
     prefix, grid = pos_embed[:, :num_prefix_tokens], pos_embed[:, num_prefix_tokens:]
     grid = rearrange(grid.float(), "1 (gh gw) d -> 1 d gh gw", gh=old_grid[0])
+    size = (max(new_grid),) * 2 if ar_preserving else tuple(new_grid)
     if mode == "bilinear_corners":
-        grid = F.interpolate(grid, size=tuple(new_grid), mode="bilinear", align_corners=True)
+        grid = F.interpolate(grid, size=size, mode="bilinear", align_corners=True)
     else:
-        grid = F.interpolate(grid, size=tuple(new_grid), mode="bicubic", align_corners=False, antialias=True)
+        grid = F.interpolate(
+            grid, size=size, mode="bicubic" if mode == "bicubic" else "bilinear", align_corners=False,
+            antialias=mode != "bilinear_no_antialias",
+        )
+    grid = grid[:, :, : new_grid[0], : new_grid[1]]
     grid = rearrange(grid, "1 d gh gw -> 1 (gh gw) d").to(pos_embed.dtype)
     return torch.cat([prefix, grid], dim=1)
 
@@ -482,8 +491,10 @@ class AttentionPool(nn.Module):
         self.num_heads = config.attn_pool_num_heads or config.num_heads
         self.scale = (dim // self.num_heads) ** -0.5
         self.latent = nn.Parameter(torch.zeros(1, 1, dim))  # the probe query
-        self.q = nn.Linear(dim, dim, bias=config.qkv_bias)
-        self.kv = nn.Linear(dim, dim * 2, bias=config.qkv_bias)
+        # Biased whatever the blocks' qkv (timm's AttentionPoolLatent, transformers' MultiheadAttention):
+        # NaFlexViT So150M2's blocks have none, its pool has them.
+        self.q = nn.Linear(dim, dim)
+        self.kv = nn.Linear(dim, dim * 2)
         self.proj = nn.Linear(dim, dim)
         self.norm = nn.LayerNorm(dim, eps=config.layer_norm_eps)
         self.mlp = Mlp(config)
@@ -631,13 +642,14 @@ class ViT(nn.Module):
         ]
         if self.pos_embed is not None and self.config.no_embed_class:
             x = x + resample_pos_embed(
-                self.pos_embed, self.config.grid_size, self.grid_size(patch_size), 0, self.config.pos_embed_interpolation
+                self.pos_embed, self.config.grid_size, self.grid_size(patch_size), 0, self.config.pos_embed_interpolation,
+                self.config.pos_embed_ar_preserving,
             )
         x = torch.cat(prefix + [x], dim=1) if prefix else x
         if self.pos_embed is not None and not self.config.no_embed_class:
             x = x + resample_pos_embed(
                 self.pos_embed, self.config.grid_size, self.grid_size(patch_size), self.num_prefix_tokens,
-                self.config.pos_embed_interpolation,
+                self.config.pos_embed_interpolation, self.config.pos_embed_ar_preserving,
             )
         return self.pos_drop(x)  # (B, N, D)
 

@@ -17,6 +17,7 @@ is read.
                          a Hugging Face CLIP / SigLIP folder's text tower under open_clip's names,
                          its text_cfg from config.json, the image projection (vit_explorer.text)
     from_eva.py          timm's Eva family (DINOv3, EVA-02) and Meta's DINOv3 files: rotary positions
+    from_naflex.py       timm's NaFlexViT (SigLIP 2's NaFlex encoders): any aspect ratio, its preprocessing
     infer.py             the ViTConfig from the tensors (where a family is recognised by its keys)
     normalization.py     the mean and std: the publisher's, the structure's, or assumed (and said)
     build.py             the tensors checked against that config, then the model built
@@ -40,7 +41,10 @@ import torch
 
 from ..model.config import ViTConfig
 from ..model.vit import ViT, from_timm_eva
-from . import catalogue, from_eva, from_huggingface, from_internvl, from_open_clip, from_qwen_vl, from_timm, from_torchvision, from_vlm
+from . import (
+    catalogue, from_eva, from_huggingface, from_internvl, from_naflex, from_open_clip, from_qwen_vl, from_timm,
+    from_torchvision, from_vlm,
+)
 from .build import build
 from .checks import CheckpointError, read_tensors
 from .from_torchvision import TORCHVISION_VITS
@@ -119,6 +123,8 @@ def _convert(
         return from_huggingface.convert(state, hf_config, path.name)
     if from_torchvision.recognises(state):
         return from_torchvision.convert(state)
+    if from_naflex.recognises(state):  # its embeds.* are its own; a rotary one has Eva's blocks too
+        return from_naflex.convert(state, path.name)
     if from_eva.recognises(state):
         return from_eva.convert(state, path.name)
     return from_timm.convert(state, path.name)

@@ -4,7 +4,8 @@ registers), DINOv3 (rotary positions, gated MLP) and the image towers of CLIP, S
 SigLIP 2 are converted to our names. SigLIP 2's own model type (NaFlex) embeds flattened patches
 of any aspect ratio with a Linear and resizes its square grid of positions to each image's; at
 that grid (a square image of sqrt(num_patches) patches a side) it is our ViT with that Linear
-as the patch convolution, and another size resamples the grid as any of ours.
+as the patch convolution, and another size resamples the grid as transformers does (bilinear,
+antialiased).
 
 A folder is untrusted like any upload: each config.json setting read is checked (_HF_SETTINGS)
 and every file the folder names must lie inside it (checks.folder_file). Another model type is
@@ -148,6 +149,8 @@ def _convert(
             converted["pos_embed"] = converted.pop("embeddings.position_embedding.weight")[None]
         if model_type.startswith("siglip2"):
             _siglip2_patches(converted, hf_config)
+            # Siglip2VisionEmbeddings resizes its grid to each picture's bilinearly, antialiased (not bicubic)
+            known["pos_embed_interpolation"] = "bilinear"
     if model_type == "dinov2_with_registers" and "cls_token" in converted and "pos_embed" in converted:
         _fold_class_position(converted)
         known["no_embed_class"] = True
@@ -336,7 +339,12 @@ def transform(hf_config: dict) -> dict:
     """The eval transform of a folder's image processor (preprocessor_config.json) as ViTConfig
     fields: CLIP's (the shorter side resized, the centre cropped), SigLIP's and ViT's (resized to
     a size: squashed); nothing where the file gives no size (the whole picture, ours). A setting
-    we do not reproduce is refused in a sentence."""
+    we do not reproduce is refused in a sentence. SigLIP 2's NaFlex processor, beside its tower,
+    sizes each picture (its aspect ratio kept, at most max_num_patches patches: ViTConfig.max_patches,
+    timm's rule)."""
+    siglip2 = str(hf_config.get("model_type", "")).startswith("siglip2")
+    if siglip2 and hf_config.get("image_processor_type") in ("Siglip2ImageProcessor", "Siglip2ImageProcessorFast"):
+        return _siglip2_transform(hf_config)  # compared with transformers for SigLIP 2's towers only
     if "size" not in hf_config:
         return {}
     # Older folders name a feature extractor (openai/clip-vit-base-patch32's CLIPFeatureExtractor).
@@ -380,6 +388,28 @@ def transform(hf_config: dict) -> dict:
     if not 0.25 <= fields["crop_pct"] <= 1 or math.floor(crop[0] / fields["crop_pct"] if crop else scale) != scale:
         raise CheckpointError(f"preprocessor_config.json's crop_size {_brief(crop)} must fit inside its size {_brief(hf_config['size'])}")
     return fields
+
+
+def _siglip2_transform(hf_config: dict) -> dict:
+    """Siglip2ImageProcessor as ViTConfig fields: the whole picture resized (bilinear unless told)
+    to at most max_num_patches patches of the model's size, as transformers resizes (read_config
+    lets config.json's patch_size win over the processor's)."""
+    patches = hf_config.get("max_num_patches", 256)
+    if not _whole(patches) or patches > 2**16:
+        raise CheckpointError(f"preprocessor_config.json's max_num_patches must be a whole number up to 65,536, not {_brief(patches)}")
+    resample = hf_config.get("resample", 2)
+    if not isinstance(resample, int) or isinstance(resample, bool) or resample not in _RESAMPLE:
+        raise CheckpointError(f"preprocessor_config.json's resample must be 0, 2 or 3 (nearest, bilinear, bicubic), not {_brief(resample)}")
+    for flag in ("do_resize", "do_rescale", "do_normalize"):
+        if hf_config.get(flag, True) is not True:
+            raise CheckpointError("preprocessor_config.json turns off resizing, rescaling or normalising, which we do not reproduce")
+    factor = hf_config.get("rescale_factor", 1 / 255)
+    if not _is_number(factor) or abs(factor * 255 - 1) > 1e-6:
+        raise CheckpointError(f"preprocessor_config.json's rescale_factor must be 1/255, not {_brief(factor)}")
+    return {
+        "max_patches": patches, "resize_mode": "squash", "crop_pct": 1.0, "interpolation": _RESAMPLE[resample],
+        "transform_library": "transformers",
+    }
 
 
 # ----------------------------------------------------------------------------- config.json and weights

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..model.config import IMAGENET_MEAN, _brief, _is_number
-from . import from_eva
+from . import from_eva, from_naflex
 from .checks import CheckpointError
 
 DEFAULT_CROP_PCT = 0.875  # timm's, where a pretrained_cfg gives none
@@ -41,13 +41,21 @@ def convert_folder(
     model_args and pretrained_cfg the heads and mean/std; every value is checked as a ViTConfig
     field, and depth and width against the tensors (infer.py)."""
     name = f"{folder_name} ({timm_config['architecture'][:60]})"
-    converted, known = from_eva.convert(state, name) if from_eva.recognises(state) else convert(state, name)
     arguments, pretrained = timm_config.get("model_args"), timm_config.get("pretrained_cfg")
+    naflex = from_naflex.recognises(state)
+    if naflex:
+        converted, known = from_naflex.convert(state, name, arguments if isinstance(arguments, dict) else None)
+    elif from_eva.recognises(state):
+        converted, known = from_eva.convert(state, name)
+    else:
+        converted, known = convert(state, name)
     if isinstance(arguments, dict):
         known.update({field: arguments[field] for field in _FOLDER_ARGS if field in arguments})
     if isinstance(pretrained, dict) and ("mean" in pretrained or "std" in pretrained):
         known.update({field: pretrained[field] for field in ("mean", "std") if field in pretrained})
         known["normalization_source"] = "publisher: timm's pretrained_cfg"
+    if naflex:  # its transform is timm's ResizeToSequence, its grid its table's (from_naflex): no input size
+        return converted, known
     if isinstance(pretrained, dict):
         known.update(transform(pretrained, known.get("mean"), name))
     size = _input_size(arguments, pretrained, name)

@@ -46,7 +46,8 @@ def resize_model(model: ViT, patch_size: int | None = None, image_size=None, *, 
     if "pos_embed" in state:  # a model with rotary positions only (DINOv3) has none
         prefix = 0 if old.no_embed_class else old.num_prefix_tokens
         state["pos_embed"] = resample_pos_embed(
-            state["pos_embed"], old.grid_size, new.grid_size, prefix, old.pos_embed_interpolation
+            state["pos_embed"], old.grid_size, new.grid_size, prefix, old.pos_embed_interpolation,
+            old.pos_embed_ar_preserving,
         )
 
     resized, result = adopt(new, state)  # the cloned tensors keep the model's device and dtype
