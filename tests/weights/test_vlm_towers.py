@@ -132,3 +132,26 @@ def test_the_siglip_tower_of_idefics3_and_smolvlm_matches_its_own(tmp_path, kind
         torch.testing.assert_close(model.norm(captured.tokens[:, -1]), expected.last_hidden_state, atol=1e-4, rtol=1e-4)
     config = model.config
     assert (config.language_model_layer, config.language_model_shuffle, config.class_token) == (3, 2, False)
+
+
+def test_a_llava_folder_reads_the_picture_as_its_processor_does(tmp_path):
+    """LLaVA's own preprocessing from its folder: CLIP's (the shorter side resized, the centre
+    cropped) or, with do_pad, the picture pasted on a square of the mean colour first (the
+    original LLaVA-1.5's); both were squeezed before."""
+    import numpy as np
+    from PIL import Image
+
+    from vit_explorer.data.transforms import describe
+
+    _saved("llava", tmp_path)
+    pictures = [Image.fromarray(np.random.default_rng(side).integers(0, 255, (side, 90 - side, 3), dtype=np.uint8))
+                for side in (40, 59)]  # wide and tall
+    for pad, mode in ((False, "shortest"), (True, "pad_square")):
+        processor = transformers.LlavaImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}, do_pad=pad)
+        processor.save_pretrained(tmp_path)
+        config = vx.load_model(tmp_path).config
+        assert config.resize_mode == mode
+        for picture in pictures:
+            expected = processor(picture, return_tensors="pt")["pixel_values"]
+            torch.testing.assert_close(vx.preprocess(picture, config), expected, atol=1e-6, rtol=0)
+    assert describe(pictures[0].size, config).startswith("the whole picture padded to a square with the training images' mean colour")

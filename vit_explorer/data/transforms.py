@@ -9,7 +9,8 @@ The numerics follow each publisher's own code, so that a prediction equals their
   shorter side alone for a square input (torchvision's ``Resize(int)``: the longer side truncated)
   else keeping the ratio (timm's ``ResizeKeepRatio``: rounded), then crops the centre (offsets
   rounded); "longest" fits the longer side (ResizeKeepRatio, longest=1) and pads with fill_color
-  (open_clip's ``CenterCropOrPad``); "squash" resizes to floor(input / crop_pct) whole, then crops
+  (open_clip's ``CenterCropOrPad``); "pad_square" first pastes the picture in the middle of a
+  square of fill_color (LLaVA's ``pad_to_square``), then resizes it as "shortest"; "squash" resizes to floor(input / crop_pct) whole, then crops
   the centre (timm's crop_mode "squash").
 - "transformers" (transformers 5's image processors, CLIPImageProcessor and SiglipImageProcessor:
   the torchvision backend): an antialiased resize of the uint8 tensor, the shorter side with the
@@ -37,6 +38,9 @@ class Placement:
 
     resized: tuple[int, int]
     offset: tuple[int, int]
+    # "pad_square": the picture first pasted at (left, top) of a square of its longer side, the
+    # rest fill_color (LLaVA's pad_to_square); what is resized is that square.
+    padding: tuple[int, int] = (0, 0)
 
 
 def _shortest_size(width: int, height: int, short: int) -> tuple[int, int]:
@@ -64,6 +68,10 @@ def placement(size: tuple[int, int], config: ViTConfig, whole: bool = False) -> 
     # The publisher's input, whose top-left img_size the model reads (the same offset).
     target_h, target_w = target_h + config.unread_margin, target_w + config.unread_margin
     scale = (math.floor(target_h / config.crop_pct), math.floor(target_w / config.crop_pct))
+    padding = (0, 0)
+    if config.resize_mode == "pad_square":  # the smaller half of the padding before, as LLaVA's
+        side = max(width, height)
+        padding, width, height = ((side - width) // 2, (side - height) // 2), side, side
     if config.resize_mode == "squash":
         resized = (scale[1], scale[0])
     elif config.resize_mode == "longest":
@@ -76,7 +84,7 @@ def placement(size: tuple[int, int], config: ViTConfig, whole: bool = False) -> 
         offset = (int((resized[0] - target_w) / 2), int((resized[1] - target_h) / 2))
     else:
         offset = tuple(_centre_offset(side, target) for side, target in zip(resized, (target_w, target_h)))
-    return Placement(resized, offset)
+    return Placement(resized, offset, padding)
 
 
 def _centre_offset(side: int, target: int) -> int:
@@ -91,10 +99,13 @@ def visible_box(size: tuple[int, int], config: ViTConfig, whole: bool = False) -
     """(left, top, right, bottom) in the picture's pixels of what the input shows (beyond the
     picture where it is padded)."""
     spot = placement(size, config, whole)
-    scale_x, scale_y = size[0] / spot.resized[0], size[1] / spot.resized[1]
+    pad_left, pad_top = spot.padding
+    width, height = (max(size),) * 2 if config.resize_mode == "pad_square" and not whole else size
+    scale_x, scale_y = width / spot.resized[0], height / spot.resized[1]
     target_h, target_w = config.img_size
     left, top = spot.offset
-    return (left * scale_x, top * scale_y, (left + target_w) * scale_x, (top + target_h) * scale_y)
+    return (left * scale_x - pad_left, top * scale_y - pad_top,
+            (left + target_w) * scale_x - pad_left, (top + target_h) * scale_y - pad_top)
 
 
 def crops(size: tuple[int, int], config: ViTConfig) -> bool:
@@ -119,6 +130,9 @@ def describe(size: tuple[int, int], config: ViTConfig, whole: bool = False) -> s
     resized = f"resized to {spot.resized[0]}x{spot.resized[1]} px"
     if config.resize_mode == "longest":
         return f"the whole picture {resized} and padded to {width}x{height} px, as its publisher does"
+    if config.resize_mode == "pad_square":
+        padded = "" if size[0] == size[1] else "padded to a square with the training images' mean colour, "
+        return f"the whole picture {padded}{resized}, as its publisher does"
     if config.unread_margin:
         read = f"its top-left {width}x{height} px read (the last {config.unread_margin} px of each side make no whole patch)"
         if not crops(size, config) or spot.resized == (width + config.unread_margin, height + config.unread_margin):
@@ -138,6 +152,11 @@ _TORCHVISION_FILTERS = {
 def input_pixels(image: Image.Image, config: ViTConfig, whole: bool = False) -> torch.Tensor:
     """(C, H, W) float32 on the 0..1 scale: the picture as the model's input, before normalisation."""
     spot = placement(image.size, config, whole)
+    if config.resize_mode == "pad_square" and not whole and image.width != image.height:
+        fill = config.fill_color if isinstance(config.fill_color, tuple) else (config.fill_color,) * len(image.getbands())
+        square = Image.new(image.mode, (max(image.size),) * 2, fill if len(fill) > 1 else fill[0])
+        square.paste(image, spot.padding)
+        image = square
     if config.transform_library == "torchvision":
         if image.size != spot.resized:
             image = image.resize(spot.resized, _TORCHVISION_FILTERS[config.interpolation])

@@ -35,7 +35,7 @@ NORM_LAYERS = ("layernorm", "rmsnorm")
 # each resized linearly and summed are their sum resized so).
 POS_EMBED_INTERPOLATIONS = ("bicubic", "bilinear_corners", "bilinear", "bilinear_no_antialias")  # ViTConfig.norm_layer: RMSNorm (no centring, no bias) for Qwen-VL
 ROPE_PERIODS_DTYPES = ("float32", "bfloat16")
-RESIZE_MODES = ("squash", "shortest", "longest")  # ViTConfig.resize_mode
+RESIZE_MODES = ("squash", "shortest", "longest", "pad_square")  # ViTConfig.resize_mode
 INTERPOLATIONS = ("bicubic", "bilinear", "nearest")  # ViTConfig.interpolation
 TRANSFORM_LIBRARIES = ("torchvision", "transformers", "transformers-float")  # ViTConfig.transform_library
 
@@ -146,7 +146,8 @@ class ViTConfig(_JsonConfig):
     # resize_mode "squash" (the whole picture resized: ours; timm's crop_mode "squash" with
     # crop_pct < 1), "shortest" (the shorter side to input / crop_pct, the centre cropped: timm's
     # crop_pct, open_clip's default, CLIP's image processor) or "longest" (the longer side fitted,
-    # padded with fill_color: open_clip's); the filter; whose resampling and rounding:
+    # padded with fill_color: open_clip's), "pad_square" (padded to a square with fill_color, then
+    # as "shortest": LLaVA's image processor with do_pad); the filter; whose resampling and rounding:
     # "torchvision" (PIL's filters: timm, open_clip, ours) or "transformers" (its image processors;
     # "transformers-float": DINOv3's, which resizes the pixels rescaled to floats).
     resize_mode: str = "squash"

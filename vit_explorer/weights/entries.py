@@ -257,6 +257,8 @@ CATALOGUE: dict[str, CatalogueEntry] = {
             image_size=336, patch_size=14, num_classes=0, pre_norm=True, patch_bias=False, act_layer="quick_gelu",
             layer_norm_eps=1e-5, mean=OPENAI_CLIP_MEAN, std=OPENAI_CLIP_STD, embed_dim=1024, depth=24, num_heads=16,
             language_model_layer=23, language_model_drops_class_token=True,
+            # its preprocessor_config.json's CLIPImageProcessor: the shorter side to 336, the centre kept
+            resize_mode="shortest", transform_library="transformers",
         ),
         licence="MIT (OpenAI's CLIP tower; the repository's language model, under the Llama 2 licence, is not downloaded)",
         vlm=True,

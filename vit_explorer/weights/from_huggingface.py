@@ -322,6 +322,7 @@ _PROCESSORS = {
     "CLIPImageProcessor": (3, False, True, "transformers"), "BitImageProcessor": (3, False, True, "transformers"),
     "DeiTImageProcessor": (3, True, True, "transformers"), "SiglipImageProcessor": (3, False, False, "transformers"),
     "ViTImageProcessor": (2, True, False, "transformers"), "DINOv3ViTImageProcessor": (2, True, False, "transformers-float"),
+    "LlavaImageProcessor": (3, False, True, "transformers"),  # CLIP's, with do_pad: LLaVA's pad to square
 }
 _RESAMPLE = {0: "nearest", 2: "bilinear", 3: "bicubic"}  # PIL's codes, as preprocessor_config.json writes them
 
@@ -387,6 +388,13 @@ def transform(hf_config: dict) -> dict:
         )
     if not 0.25 <= fields["crop_pct"] <= 1 or math.floor(crop[0] / fields["crop_pct"] if crop else scale) != scale:
         raise CheckpointError(f"preprocessor_config.json's crop_size {_brief(crop)} must fit inside its size {_brief(hf_config['size'])}")
+    if kind == "LlavaImageProcessor" and hf_config.get("do_pad", False) is not False:
+        mean = hf_config.get("image_mean")
+        if hf_config["do_pad"] is not True or fields["resize_mode"] != "shortest" or not (
+                isinstance(mean, list) and len(mean) == 3 and all(_is_number(value) and 0 <= value <= 1 for value in mean)):
+            raise CheckpointError("preprocessor_config.json's do_pad must be true or false, with the shorter side resized and three image_mean values")
+        # Pasted on the mean colour truncated to bytes, as LlavaImageProcessor pads.
+        fields.update(resize_mode="pad_square", fill_color=tuple(int(value * 255) for value in mean))
     return fields
 
 

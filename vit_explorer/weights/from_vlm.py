@@ -35,6 +35,13 @@ VLM_TOWERS = {
     "idefics3": ("idefics3_vision",), "smolvlm": ("smolvlm_vision",),
 }
 _SIGLIP_LIKE = {"idefics3_vision", "smolvlm_vision"}
+# What from_huggingface.transform reads of a LLaVA folder's preprocessor_config.json. The other
+# VLMs' processors add tiles (OneVision's anyres, Idefics3's, InternVL's) to a whole-picture view
+# squashed to the tower's size, which is what the tower is shown here.
+_LLAVA_PROCESSOR_KEYS = (
+    "image_processor_type", "feature_extractor_type", "size", "crop_size", "do_resize", "do_center_crop",
+    "do_rescale", "do_normalize", "rescale_factor", "resample", "do_pad",
+)
 # VLMs whose towers need pieces our ViT does not have yet: each refused in a sentence that says why.
 VLM_UNSUPPORTED = {
     "qwen2_vl": "LayerNorm blocks with a QuickGELU MLP (Qwen2.5-VL's we read)",
@@ -71,6 +78,8 @@ def tower_config(hf_config: dict, name: str) -> dict:
             f" ({', '.join(VLM_TOWERS[model_type])})"
         )
     preprocessing = {key: hf_config[key] for key in ("image_mean", "image_std") if key in hf_config}
+    if model_type == "llava":  # its processor (CLIP's, or LLaVA's padding to a square) as a folder's
+        preprocessing.update({key: hf_config[key] for key in _LLAVA_PROCESSOR_KEYS if key in hf_config})
     if tower_type in _SIGLIP_LIKE:  # SigLIP's vision transformer without its pool, as PaliGemma's
         return {**preprocessing, **vision, "model_type": "siglip_vision_model", "vision_use_head": False}
     return {**preprocessing, **vision}
