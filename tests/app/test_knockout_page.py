@@ -64,7 +64,7 @@ def test_a_view_costs_one_knocked_out_pass_and_its_widgets_reuse_it(monkeypatch)
 
     monkeypatch.setattr(selection, "capture", counting_capture)
     monkeypatch.setattr(selection, "head_sweep", counting_sweep)
-    app = open_app(PAGE)
+    app = open_app().switch_page(PAGE).run()  # Pipeline's intact capture, then the page
     assert (captures, sweeps) == ([None], ["zero"])
     choose(app, "Layer 2", [3])
     assert captures == [None, vx.KnockOut(heads={2: (3,)})]
@@ -79,7 +79,7 @@ def test_a_view_costs_one_knocked_out_pass_and_its_widgets_reuse_it(monkeypatch)
 
 
 def test_a_knock_out_view_runs_only_the_layers_from_the_knocked_out_one_on(monkeypatch):
-    app = open_app(PAGE)
+    app = open_app().switch_page(PAGE).run()  # Pipeline's intact capture, then the page
     ran = counting_blocks(monkeypatch, models.base_model(models.DEFAULT_MODEL))
     choose(app, "Layer 2", [3])
     assert ran == [2, 3]  # the intact capture is the page's first view's; layers 0 and 1 are its
