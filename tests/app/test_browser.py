@@ -21,9 +21,8 @@ sync_api = pytest.importorskip("playwright.sync_api")
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no system Chromium (apt-get install chromium)")
 
 
-@pytest.fixture
-def server(tmp_path):
-    """The app on a free port with a tiny default model, stopped again afterwards."""
+def tiny_server(tmp_path):
+    """The app on a free port with a tiny default model in ``tmp_path``, stopped again afterwards."""
     torch.manual_seed(0)
     weights = tmp_path / "tiny.safetensors"
     vx.save_model(
@@ -39,6 +38,19 @@ def server(tmp_path):
     }
     with serve_app(env, log=tmp_path / "streamlit.log") as url:
         yield url
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """One server for the tests that each open their own sessions and launch at most the one run
+    that says "run 1": a server's start and its first page (importing torch) are most of a short test."""
+    yield from tiny_server(tmp_path_factory.mktemp("server"))
+
+
+@pytest.fixture
+def own_server(tmp_path):
+    """A server of its own, for a test that numbers its run "run 1" too."""
+    yield from tiny_server(tmp_path)
 
 
 @pytest.fixture
@@ -132,8 +144,9 @@ def test_the_app_in_chromium(server, shots):
         browser.close()
 
 
-def test_moving_between_pages_keeps_the_control_of_a_run(server, shots):
+def test_moving_between_pages_keeps_the_control_of_a_run(own_server, shots):
     """Streamlit's page links drop the address's parameters: the owner token must come back."""
+    server = own_server
     expect = sync_api.expect
     expect.set_options(timeout=60_000)
     with sync_api.sync_playwright() as playwright:
