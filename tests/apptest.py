@@ -1,10 +1,12 @@
 """What the page tests share: the app (AppTest) with a tiny default model, and reading what a page
 shows (figure titles, widgets, errors, charts' numbers)."""
 import base64
+import contextlib
 import io
 import json
 import re
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -63,6 +65,22 @@ def opening(app: AppTest, page: str | None) -> AppTest:
     if page in RENAMED_PAGES:
         app.switch_page(page).run()
     return app
+
+
+@contextlib.contextmanager
+def tiny_app_server(folder: Path) -> Iterator[str]:
+    """`streamlit run app.py` with tiny_model() as its default model and its files in ``folder``;
+    yields its URL."""
+    from bench.browser import serve_app
+
+    weights = folder / "tiny.safetensors"
+    vx.save_model(tiny_model(), weights)
+    env = {
+        "VIT_EXPLORER_DEFAULT_MODEL": str(weights), "VIT_EXPLORER_RUNS_DIR": str(folder / "runs"),
+        "VIT_EXPLORER_UPLOADS_DIR": str(folder / "uploads"),
+    }
+    with serve_app(env, log=folder / "streamlit.log") as url:
+        yield url
 
 
 def open_app(page: str | None = None) -> AppTest:

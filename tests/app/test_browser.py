@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import vit_explorer as vx
+from apptest import tiny_app_server
 from bench.browser import CHROMIUM, CHROMIUM_LAUNCH, ROOT, serve_app, settle
 from vit_explorer.data.datasets import SHAPE_CLASSES
 from vit_explorer.serving.jobs import JobBoard, JobLimits, JobSpec
@@ -21,36 +22,12 @@ sync_api = pytest.importorskip("playwright.sync_api")
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no system Chromium (apt-get install chromium)")
 
 
-def tiny_server(tmp_path):
-    """The app on a free port with a tiny default model in ``tmp_path``, stopped again afterwards."""
-    torch.manual_seed(0)
-    weights = tmp_path / "tiny.safetensors"
-    vx.save_model(
-        vx.ViT(vx.ViTConfig(
-            image_size=32, patch_size=4, embed_dim=32, depth=4, num_heads=4,
-            num_classes=len(SHAPE_CLASSES), class_names=SHAPE_CLASSES, mean=(0.5,) * 3, std=(0.25,) * 3,
-        )),
-        weights,
-    )
-    env = {
-        "VIT_EXPLORER_DEFAULT_MODEL": str(weights), "VIT_EXPLORER_RUNS_DIR": str(tmp_path / "runs"),
-        "VIT_EXPLORER_UPLOADS_DIR": str(tmp_path / "uploads"),
-    }
-    with serve_app(env, log=tmp_path / "streamlit.log") as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """One server for the tests that each open their own sessions and launch at most the one run
-    that says "run 1": a server's start and its first page (importing torch) are most of a short test."""
-    yield from tiny_server(tmp_path_factory.mktemp("server"))
-
-
 @pytest.fixture
 def own_server(tmp_path):
-    """A server of its own, for a test that numbers its run "run 1" too."""
-    yield from tiny_server(tmp_path)
+    """A server of its own (the shared one is conftest's ``server``), for a test that numbers its run
+    "run 1" too."""
+    with tiny_app_server(tmp_path) as url:
+        yield url
 
 
 @pytest.fixture
