@@ -70,7 +70,8 @@ def open_clip_folder(folder: Path, model_cfg: dict | str, seed: int = 0, preproc
     if model_cfg["text_cfg"].get("hf_tokenizer_name"):
         make_tokenizer(folder)
     arguments = {key: value for key, value in model_cfg.items() if key != "custom_text"}
-    model = open_clip.CustomTextCLIP(**arguments) if model_cfg.get("custom_text") else open_clip.CLIP(**arguments)
+    with no_init_weights():  # randomize sets every parameter (torch's initialisers: seconds for a B/16)
+        model = open_clip.CustomTextCLIP(**arguments) if model_cfg.get("custom_text") else open_clip.CLIP(**arguments)
     randomize(model, seed)
     state = {key: value.detach().clone().contiguous() for key, value in model.state_dict().items()}
     save_file(state, str(folder / "open_clip_model.safetensors"))

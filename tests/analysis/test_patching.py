@@ -118,21 +118,29 @@ def test_path_patching_follows_the_head_through_the_head_or_the_mlp_that_reads_i
         patching.path_patching(model, runs, metric, (1, 1), (0, 1))
 
 
-def nnsight_patched(twin, clean, corrupted, site: str, layer: int, unit: int, heads: int):
-    """The timm twin's output on ``corrupted`` with one cell of ``site`` from ``clean``, through nnsight."""
+def _site(block, site: str):
+    return {"resid": lambda: block.input, "attn": lambda: block.attn.output, "mlp": lambda: block.mlp.output,
+            "head": lambda: block.attn.proj.input}[site]()
+
+
+def nnsight_clean(twin, clean, site: str):
+    """The timm twin through nnsight, and every layer's ``site`` on ``clean`` (traced once)."""
     nnsight = pytest.importorskip("nnsight")
     model = nnsight.NNsight(twin)
-    block = model.blocks[layer]
-    where = {"resid": lambda: block.input, "attn": lambda: block.attn.output, "mlp": lambda: block.mlp.output,
-             "head": lambda: block.attn.proj.input}[site]
     with model.trace(clean):
-        saved = where().save()
+        saved = nnsight.save([_site(block, site) for block in model.blocks])
+    return model, saved
+
+
+def nnsight_patched(model, saved, corrupted, site: str, layer: int, unit: int, heads: int):
+    """The twin's output on ``corrupted`` with one cell of ``site`` from the clean run's ``saved``."""
     with model.trace(corrupted):
+        where = _site(model.blocks[layer], site)
         if site == "head":
-            width = saved.shape[-1] // heads
-            where()[:, :, unit * width:(unit + 1) * width] = saved[:, :, unit * width:(unit + 1) * width]
+            width = saved[layer].shape[-1] // heads
+            where[:, :, unit * width:(unit + 1) * width] = saved[layer][:, :, unit * width:(unit + 1) * width]
         else:
-            where()[:, unit] = saved[:, unit]
+            where[:, unit] = saved[layer][:, unit]
         out = model.output.save()
     return out.detach()
 
@@ -149,9 +157,10 @@ def test_exact_patching_matches_nnsight_interventions_on_timm(site):
     metric = patching.class_difference(1, 3, [str(c) for c in range(5)])
     mine = patching.exact_patching(ours, runs, metric, site)
     normalise = runs.normaliser(metric)
+    traced, saved = nnsight_clean(twin, clean, site)
     for layer in range(config.depth):
         for unit in range(mine.shape[1]):
-            out = nnsight_patched(twin, clean, corrupted, site, layer, unit, config.num_heads)
+            out = nnsight_patched(traced, saved, corrupted, site, layer, unit, config.num_heads)
             assert float(mine[layer, unit]) == pytest.approx(float(normalise(metric.score(out))[0]), abs=1e-4), (layer, unit)
 
 
@@ -238,9 +247,10 @@ def test_a_mean_pooled_model_runs_its_last_block_whole_and_matches_nnsight(site)
     metric = patching.class_difference(0, 4, [str(c) for c in range(5)])
     mine, normalise = patching.exact_patching(ours, runs, metric, site), runs.normaliser(metric)
     assert patching.exact_passes(ours, runs, site) == pytest.approx(mine.numel() * 1.5 / 2)  # whole blocks
+    traced, saved = nnsight_clean(twin, clean, site)
     for layer in range(config.depth):
         for unit in range(mine.shape[1]):
-            out = nnsight_patched(twin, clean, corrupted, site, layer, unit, config.num_heads)
+            out = nnsight_patched(traced, saved, corrupted, site, layer, unit, config.num_heads)
             assert float(mine[layer, unit]) == pytest.approx(float(normalise(metric.score(out))[0]), abs=1e-4)
 
 

@@ -114,6 +114,6 @@ def test_the_rollout_is_a_job_too_where_the_view_is_heavy_without_the_measures(p
 
 def test_measures_another_page_made_are_drawn_without_a_job(patch_2, monkeypatch):
     monkeypatch.setattr(costs, "QUICK_COST", 1.0)
-    app = open_app(PAGE)  # through the Pipeline page, whose caveat measures every head
-    assert errors(app) == [] and job_buttons(app) == [ROLLOUT_BUTTON] and len(statistics_charts(app)) == 2
+    app = open_app().switch_page(PAGE).run()  # through the Pipeline page, whose caveat measures every head
+    assert not app.exception and errors(app) == [] and job_buttons(app) == [ROLLOUT_BUTTON] and len(statistics_charts(app)) == 2
     assert not any("With every head measured" in markdown.value for markdown in app.markdown)

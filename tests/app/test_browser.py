@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import vit_explorer as vx
+from apptest import tiny_app_server
 from bench.browser import CHROMIUM, CHROMIUM_LAUNCH, ROOT, serve_app, settle
 from vit_explorer.data.datasets import SHAPE_CLASSES
 from vit_explorer.serving.jobs import JobBoard, JobLimits, JobSpec
@@ -22,22 +23,10 @@ pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no system Chromium (ap
 
 
 @pytest.fixture
-def server(tmp_path):
-    """The app on a free port with a tiny default model, stopped again afterwards."""
-    torch.manual_seed(0)
-    weights = tmp_path / "tiny.safetensors"
-    vx.save_model(
-        vx.ViT(vx.ViTConfig(
-            image_size=32, patch_size=4, embed_dim=32, depth=4, num_heads=4,
-            num_classes=len(SHAPE_CLASSES), class_names=SHAPE_CLASSES, mean=(0.5,) * 3, std=(0.25,) * 3,
-        )),
-        weights,
-    )
-    env = {
-        "VIT_EXPLORER_DEFAULT_MODEL": str(weights), "VIT_EXPLORER_RUNS_DIR": str(tmp_path / "runs"),
-        "VIT_EXPLORER_UPLOADS_DIR": str(tmp_path / "uploads"),
-    }
-    with serve_app(env, log=tmp_path / "streamlit.log") as url:
+def own_server(tmp_path):
+    """A server of its own (the shared one is conftest's ``server``), for a test that numbers its run
+    "run 1" too."""
+    with tiny_app_server(tmp_path) as url:
         yield url
 
 
@@ -132,8 +121,9 @@ def test_the_app_in_chromium(server, shots):
         browser.close()
 
 
-def test_moving_between_pages_keeps_the_control_of_a_run(server, shots):
+def test_moving_between_pages_keeps_the_control_of_a_run(own_server, shots):
     """Streamlit's page links drop the address's parameters: the owner token must come back."""
+    server = own_server
     expect = sync_api.expect
     expect.set_options(timeout=60_000)
     with sync_api.sync_playwright() as playwright:

@@ -200,17 +200,16 @@ def test_the_page_reads_the_shipped_model(monkeypatch):
     assert any(caption.value.startswith("High-norm patches found among the 4 pictures' 256 patches") for caption in app.caption)
 
 
-def test_clicking_a_cell_in_chromium_shows_that_heads_maps(tmp_path):
-    """The click itself, through a real browser: AppTest cannot play a plotly selection."""
+def test_clicking_a_cell_in_chromium_shows_that_heads_maps(server):
+    """The click itself, through a real browser: AppTest cannot play a plotly selection. The
+    server's default model is tiny_model(): 4 layers of 4 heads."""
     sync_api = pytest.importorskip("playwright.sync_api")
-    from bench.browser import CHROMIUM, CHROMIUM_LAUNCH, STATUS_WIDGET, serve_app
+    from bench.browser import CHROMIUM, CHROMIUM_LAUNCH, STATUS_WIDGET
 
     if CHROMIUM is None:
         pytest.skip("no system Chromium (apt-get install chromium)")
-    weights = tmp_path / "tiny.safetensors"
-    vx.save_model(tiny_model(), weights)  # 4 layers of 4 heads
-    env = {"VIT_EXPLORER_DEFAULT_MODEL": str(weights), "VIT_EXPLORER_RUNS_DIR": str(tmp_path / "runs")}
-    with serve_app(env, log=tmp_path / "streamlit.log") as url, sync_api.sync_playwright() as playwright:
+    url = server
+    with sync_api.sync_playwright() as playwright:
         browser = playwright.chromium.launch(**CHROMIUM_LAUNCH)
         page = browser.new_page(viewport={"width": 1400, "height": 2400})
         page.set_default_timeout(120_000)

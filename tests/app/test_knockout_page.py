@@ -64,7 +64,7 @@ def test_a_view_costs_one_knocked_out_pass_and_its_widgets_reuse_it(monkeypatch)
 
     monkeypatch.setattr(selection, "capture", counting_capture)
     monkeypatch.setattr(selection, "head_sweep", counting_sweep)
-    app = open_app(PAGE)
+    app = open_app().switch_page(PAGE).run()  # Pipeline's intact capture, then the page
     assert (captures, sweeps) == ([None], ["zero"])
     choose(app, "Layer 2", [3])
     assert captures == [None, vx.KnockOut(heads={2: (3,)})]
@@ -79,7 +79,7 @@ def test_a_view_costs_one_knocked_out_pass_and_its_widgets_reuse_it(monkeypatch)
 
 
 def test_a_knock_out_view_runs_only_the_layers_from_the_knocked_out_one_on(monkeypatch):
-    app = open_app(PAGE)
+    app = open_app().switch_page(PAGE).run()  # Pipeline's intact capture, then the page
     ran = counting_blocks(monkeypatch, models.base_model(models.DEFAULT_MODEL))
     choose(app, "Layer 2", [3])
     assert ran == [2, 3]  # the intact capture is the page's first view's; layers 0 and 1 are its
@@ -176,17 +176,16 @@ def test_a_sweep_cell_reports_its_layer_and_head_when_clicked():
     assert (outline.x0, outline.y0) == (0.5, 1.5)
 
 
-def test_clicking_a_sweep_cell_in_chromium_knocks_that_head_out(tmp_path):
-    """Plotly selections cannot be played in AppTest: the click goes through a real browser."""
+def test_clicking_a_sweep_cell_in_chromium_knocks_that_head_out(tmp_path, server):
+    """Plotly selections cannot be played in AppTest: the click goes through a real browser. The
+    server's default model is tiny_model(): 4 layers of 4 heads, its sweep runs unasked."""
     sync_api = pytest.importorskip("playwright.sync_api")
-    from bench.browser import CHROMIUM, CHROMIUM_LAUNCH, STATUS_WIDGET, serve_app
+    from bench.browser import CHROMIUM, CHROMIUM_LAUNCH, STATUS_WIDGET
 
     if CHROMIUM is None:
         pytest.skip("no system Chromium (apt-get install chromium)")
-    weights = tmp_path / "tiny.safetensors"
-    vx.save_model(tiny_model(), weights)  # 4 layers of 4 heads: its sweep runs unasked
-    env = {"VIT_EXPLORER_DEFAULT_MODEL": str(weights), "VIT_EXPLORER_RUNS_DIR": str(tmp_path / "runs")}
-    with serve_app(env, log=tmp_path / "streamlit.log") as url, sync_api.sync_playwright() as playwright:
+    url = server
+    with sync_api.sync_playwright() as playwright:
         browser = playwright.chromium.launch(**CHROMIUM_LAUNCH)
         page = browser.new_page(viewport={"width": 1400, "height": 2400})
         page.set_default_timeout(120_000)
