@@ -10,8 +10,6 @@ sweep all record through it.
 """
 from __future__ import annotations
 
-import math
-import mmap
 from collections.abc import Iterable
 from contextlib import contextmanager
 
@@ -27,31 +25,6 @@ def to_cpu(tensor: torch.Tensor) -> torch.Tensor:
 def own_cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
     """A CPU float32 copy that shares no storage (a view would keep its whole base alive)."""
     return tensor.detach().to("cpu", torch.float32, copy=True)
-
-
-HUGE_PAGE = 2 * 2**20
-
-
-def empty_in_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialized CPU tensor in memory that Linux may back with 2 MB pages (transparent huge
-    pages, asked for with madvise: what this machine's kernel allows), elsewhere ``torch.empty``.
-    Memory is faulted in as it is first written: a So400m/14-378's every-layer float32 attention
-    (918 MB, new for each capture) costs 224k faults in 4 KB pages, 438 in 2 MB ones (a 272 MB
-    buffer filled here: 123 ms -> 50 ms of CPU, 27 ms once faulted in). Freed with the tensor."""
-    nbytes = math.prod(shape) * dtype.itemsize
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if nbytes < HUGE_PAGE or advice is None:
-        return torch.empty(shape, dtype=dtype)
-    try:
-        memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    except OSError:  # out of memory (a job's limit): torch's own allocation and its own error
-        return torch.empty(shape, dtype=dtype)
-    try:
-        memory.madvise(advice)
-    except OSError:  # a kernel without transparent huge pages: 4 KB pages, as torch.empty's
-        pass
-    # The tensor holds the mapping (the buffer protocol) until its storage is freed.
-    return torch.frombuffer(memory, dtype=dtype).view(shape)
 
 
 class Recorder:
@@ -152,7 +125,7 @@ class Recorder:
         slot = self._slot_of[index]
         shape = (shape[0], len(self._slot_of), *shape[1:])
         if self._buffer is None or self._buffer.shape != shape or slot in self._filled:
-            self._buffer = empty_in_huge_pages(shape, self.attention_dtype)
+            self._buffer = torch.empty(shape, dtype=self.attention_dtype)
             self._filled = set()
         return self._buffer[:, slot]
 
