@@ -4,11 +4,14 @@ Prints, for ViT-B/16, ViT-Ti/16 and DINOv3 ViT-B/16 (rotary positions, registers
 224 px (and, asked for with --model, the VLM towers SigLIP So400m/14 at 378 px and CLIP ViT-L/14
 at 336), batch 1, on the CPU (or --device):
   forward ratio  = our plain forward / timm's forward          (goal <= 1.05)
-  capture ratio  = vx.capture (every layer and head) / timm's   (goal <= 1.15)
-Timings are interleaved round by round so that load from other processes hits all three alike;
+  capture ratio  = vx.capture (every layer and head, float32) / timm's   (goal <= 1.15)
+  view ratio     = the capture a page's view runs / timm's               (goal <= 1.15)
+                   (app.selection: every layer's float16 attention where that is small,
+                   models.KEEP_EVERY_LAYER_BYTES, else the tokens only)
+Timings are interleaved round by round so that load from other processes hits all four alike;
 the ratio of medians is reported.
 
-    python -m bench.inference [--rounds 15] [--device cpu] [--model DINOv3-B/16 ...]
+    python -m bench.inference [--rounds 15] [--device cpu] [--model DINOv3-B/16 ...] [--threads 1 --clock cpu]
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import timm
 import torch
 
 import vit_explorer as vx
+from vit_explorer.app import models
 from vit_explorer.weights.catalogue import CATALOGUE
 from vit_explorer.model.vit import from_timm_eva
 
@@ -44,17 +48,17 @@ MODELS = {
 OPTIONAL = ("So400m/14-378", "CLIP-L/14-336")
 
 
-def seconds(fn, device: torch.device) -> float:
+def seconds(fn, device: torch.device, clock=time.perf_counter) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize()
-    start = time.perf_counter()
+    start = clock()
     fn()
     if device.type == "cuda":
         torch.cuda.synchronize()
-    return time.perf_counter() - start
+    return clock() - start
 
 
-def bench(name: str, rounds: int, device: torch.device) -> dict[str, float]:
+def bench(name: str, rounds: int, device: torch.device, clock=time.perf_counter) -> dict[str, float]:
     timm_name, timm_arguments, fields = MODELS[name]
     reference = timm.create_model(timm_name, pretrained=False, **timm_arguments).eval().to(device)
     ours = vx.ViT(vx.ViTConfig(**fields))
@@ -73,13 +77,18 @@ def bench(name: str, rounds: int, device: torch.device) -> dict[str, float]:
     def our_capture():
         vx.capture(ours, x)
 
-    candidates = {"timm": timm_forward, "forward": our_forward, "capture": our_capture}
+    kept = None if models.keeps_every_layer(ours.config) else ()
+
+    def view_capture():  # as app.selection.Selection.capture runs it
+        vx.capture(ours, x, layers=kept, attention_dtype=torch.float16)
+
+    candidates = {"timm": timm_forward, "forward": our_forward, "capture": our_capture, "view": view_capture}
     for fn in candidates.values():  # warm-up: allocator, kernels, lazy init
         fn(), fn()
     times = {key: [] for key in candidates}
     for _ in range(rounds):
         for key, fn in candidates.items():
-            times[key].append(seconds(fn, device))
+            times[key].append(seconds(fn, device, clock))
     return {key: statistics.median(values) for key, values in times.items()}
 
 
@@ -88,15 +97,27 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--model", action="append", choices=list(MODELS), help="only these (default: all)")
+    parser.add_argument("--threads", type=int, help="torch's CPU threads (default: torch's choice)")
+    # On a machine shared with other work the wall clock of a few rounds swings by 2x (CLIP-L's
+    # forward ratio 0.46x-1.48x within an hour under load 5-12): CPU seconds of one thread are
+    # steadier, though not free of other processes (they share the caches and memory).
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="wall: elapsed seconds; cpu: this process's CPU seconds (with --threads 1)")
     args = parser.parse_args()
     device = torch.device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     print(f"torch {torch.__version__}, timm {timm.__version__}, device {device}, "
-          f"{torch.get_num_threads()} threads, batch 1, each model's size, median of {args.rounds} rounds")
-    print(f"{'model':<14} {'timm ms':>8} {'ours ms':>8} {'capture ms':>10} {'forward ratio':>14} {'capture ratio':>14}")
+          f"{torch.get_num_threads()} threads, batch 1, each model's size, median of {args.rounds} rounds, "
+          f"{args.clock} clock")
+    print(f"{'model':<14} {'timm ms':>8} {'ours ms':>8} {'capture ms':>10} {'view ms':>8} "
+          f"{'forward ratio':>14} {'capture ratio':>14} {'view ratio':>11}")
     for name in args.model or [name for name in MODELS if name not in OPTIONAL]:
-        t = bench(name, args.rounds, device)
+        t = bench(name, args.rounds, device, clock)
         print(f"{name:<14} {t['timm'] * 1e3:8.1f} {t['forward'] * 1e3:8.1f} {t['capture'] * 1e3:10.1f} "
-              f"{t['forward'] / t['timm']:13.3f}x {t['capture'] / t['timm']:13.3f}x")
+              f"{t['view'] * 1e3:8.1f} {t['forward'] / t['timm']:13.3f}x {t['capture'] / t['timm']:13.3f}x "
+              f"{t['view'] / t['timm']:10.3f}x")
 
 
 if __name__ == "__main__":

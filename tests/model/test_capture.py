@@ -67,13 +67,14 @@ def test_capture_of_some_layers_matches_the_full_capture():
 
 
 def test_a_half_precision_capture_keeps_the_same_attention_in_half_the_memory():
-    model = randomize(vx.ViT(tiny_config()))
+    model = randomize(vx.ViT(tiny_config(depth=3)))
     x = torch.randn(2, 3, 16, 16)
     full = vx.capture(model, x)
     half = vx.capture(model, x, attention_dtype=torch.float16)
     assert half.attentions.dtype == torch.float16
     assert half.attentions.element_size() * 2 == full.attentions.element_size()
-    torch.testing.assert_close(half.attentions.float(), full.attentions, atol=1e-3, rtol=1e-3)
+    # The same float32 weights rounded once: each layer's own, though they pass through one scratch.
+    assert torch.equal(half.attentions, full.attentions.half())
     assert torch.equal(half.tokens, full.tokens) and torch.equal(half.logits, full.logits)
 
 

@@ -58,6 +58,7 @@ class Recorder:
         # at 785 tokens), slower than the attention itself. A new pass gets a new buffer.
         self._buffer: torch.Tensor | None = None
         self._filled: set[int] = set()
+        self._scratch: torch.Tensor | None = None  # see attention_out
         self.pool_attention: torch.Tensor | None = None
         self.token_states: list[torch.Tensor] = []
         self.patch_embedding_states: list[torch.Tensor] = []
@@ -89,22 +90,35 @@ class Recorder:
             self.attentions[index] = weights
             return
         stored = self._slot(index, weights.shape)
-        if stored.data_ptr() != weights.data_ptr():  # not written in place by attention_out
+        if stored.data_ptr() != weights.data_ptr():  # not computed in its slot (attention_out)
             stored.copy_(weights.detach())
         self._filled.add(self._slot_of[index])
         self.attentions[index] = stored
 
-    def attention_out(self, module: torch.nn.Module, scores: torch.Tensor) -> torch.Tensor | None:
-        """Where ``module``'s softmax may write its weights directly: their slot in this pass's
-        buffer when they are to be kept detached and already have its dtype, on the CPU; else None."""
+    def attention_out(self, module: torch.nn.Module, shape: torch.Size, scaled_queries: torch.Tensor) -> torch.Tensor | None:
+        """Where ``module`` may compute its (B, nh, N, N) scores (``shape``) and then its softmax in
+        place, when the weights are to be kept detached on the CPU: their slot in this pass's buffer
+        where they are kept in the model's dtype, else a scratch of this pass, reused by every layer
+        (recorder.attention then converts it into the slot). None where the scores must survive the
+        softmax (the layer whose internals are kept) or have a gradient: the module allocates them.
+
+        A fresh (B, nh, N, N) tensor costs its page faults as it is first written (a So400m layer's
+        is 34 MB, more than the C allocator reuses: new memory every layer). Scores and weights
+        apart cost two per layer; here only the kept slot is new (a depth-4 So400m: 47k page faults
+        a capture instead of 85k)."""
         index = self._layer_of.get(module)
-        if self.keep_graph or index is None:
+        if self.keep_graph or index is None or module in self._internal_modules:
             return None
-        if scores.dtype != self.attention_dtype or scores.device.type != "cpu":
+        if scaled_queries.device.type != "cpu":
             return None
-        if scores.requires_grad and torch.is_grad_enabled():
+        if scaled_queries.requires_grad and torch.is_grad_enabled():
             return None  # a softmax with out= cannot be differentiated
-        return self._slot(index, scores.shape)
+        if scaled_queries.dtype == self.attention_dtype:
+            return self._slot(index, shape)
+        scratch = self._scratch
+        if scratch is None or scratch.shape != shape or scratch.dtype != scaled_queries.dtype:
+            self._scratch = scratch = torch.empty(shape, dtype=scaled_queries.dtype)
+        return scratch
 
     def _slot(self, index: int, shape: torch.Size) -> torch.Tensor:
         """(B, nh, N, N) view of layer ``index`` in the buffer of the pass under way."""

@@ -298,10 +298,18 @@ class Attention(nn.Module):
             x = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
         else:
             # Scale before the softmax (scaling after it, as some tutorials do, is a bug).
-            scores = (q * self.scale) @ k.transpose(-2, -1)  # (B, nh, N, N)
-            out = None if recorder is None else recorder.attention_out(self, scores)
-            masked = scores if mask is None else scores.masked_fill(~mask, float("-inf"))
-            attn = self.attend(masked) if out is None else self.attend(masked, out=out)
+            scaled = q * self.scale
+            shape = (*q.shape[:-1], k.shape[2])  # (B, nh, N, N)
+            out = None if recorder is None else recorder.attention_out(self, shape, scaled)
+            if out is None:
+                scores = scaled @ k.transpose(-2, -1)
+                masked = scores if mask is None else scores.masked_fill(~mask, float("-inf"))
+                attn = self.attend(masked)
+            else:  # computed where the recorder wants them (no fresh (B, nh, N, N) temporary), softmax in place
+                scores = torch.matmul(scaled, k.transpose(-2, -1), out=out)
+                if mask is not None:
+                    scores.masked_fill_(~mask, float("-inf"))
+                attn = self.attend(scores, out=out)
             if recorder is not None:
                 recorder.attention(self, attn)
             x = self.attn_drop(attn) @ v  # (B, nh, N, hd)
