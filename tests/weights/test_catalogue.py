@@ -3,6 +3,7 @@ against a real HTTP server on loopback serving random-weight files of the same l
 from __future__ import annotations
 
 import dataclasses
+import contextlib
 import functools
 import http.server
 import json
@@ -182,9 +183,9 @@ class QuietHandler(http.server.SimpleHTTPRequestHandler):
         pass
 
 
-@pytest.fixture
-def hub(tmp_path, monkeypatch):
-    """A Hub on 127.0.0.1 serving tmp_path/hub; the cache in tmp_path/cache."""
+@contextlib.contextmanager
+def serve_hub(tmp_path, monkeypatch):
+    """(root, server): a Hub on 127.0.0.1 serving tmp_path/hub; the cache in tmp_path/cache."""
     root = tmp_path / "hub"
     root.mkdir()
     server = http.server.ThreadingHTTPServer(
@@ -194,11 +195,20 @@ def hub(tmp_path, monkeypatch):
     thread.start()
     monkeypatch.setenv(catalogue.HUB_URL_VARIABLE, f"http://127.0.0.1:{server.server_address[1]}")
     monkeypatch.setenv(catalogue.CACHE_VARIABLE, str(tmp_path / "cache"))
-    for name, (_, entry) in LAYOUTS.items():
-        monkeypatch.setitem(catalogue.CATALOGUE, name, entry)
-    yield root, server
-    server.shutdown()
-    server.server_close()
+    try:
+        yield root, server
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture
+def hub(tmp_path, monkeypatch):
+    """serve_hub's, the LAYOUTS' entries in the catalogue."""
+    with serve_hub(tmp_path, monkeypatch) as served:
+        for name, (_, entry) in LAYOUTS.items():
+            monkeypatch.setitem(catalogue.CATALOGUE, name, entry)
+        yield served
 
 
 def publish(root, name: str, **changes) -> torch.nn.Module:

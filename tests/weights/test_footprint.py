@@ -3,8 +3,8 @@ refuses one that would not fit before anything is allocated (training/admission.
 from __future__ import annotations
 
 import json
+import math
 import os
-import struct
 import subprocess
 import sys
 import textwrap
@@ -21,6 +21,8 @@ from vit_explorer.training import admission
 from vit_explorer.weights import footprint as footprints
 from vit_explorer.weights.footprint import Footprint, model_footprint
 
+from test_catalogue import sparse_safetensors as sparse_file
+
 ROOT = Path(__file__).resolve().parents[2]
 # SigLIP So400m/14 at 378 px: timm's vit_so400m_patch14_siglip_378 (num_classes=0)
 SO400M = vx.ViTConfig(
@@ -33,18 +35,9 @@ def sparse_safetensors(path: Path, config: vx.ViTConfig) -> int:
     """A safetensors file of ``config``'s float32 tensors whose data is a hole (nothing on disk,
     zeros if read), as a So400m's header would claim them; returns its parameters' count."""
     with torch.device("meta"):
-        shapes = {key: list(value.shape) for key, value in vx.ViT(config).state_dict().items()}
-    header, offset = {}, 0
-    for key, shape in shapes.items():
-        size = 4 * torch.Size(shape).numel()
-        header[key] = {"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + size]}
-        offset += size
-    encoded = json.dumps(header).encode()
-    encoded += b" " * (-len(encoded) % 8)
-    with open(path, "wb") as file:
-        file.write(struct.pack("<Q", len(encoded)) + encoded)
-        file.truncate(8 + len(encoded) + offset)
-    return offset // 4
+        shapes = {key: tuple(value.shape) for key, value in vx.ViT(config).state_dict().items()}
+    sparse_file(path, shapes)
+    return sum(math.prod(shape) for shape in shapes.values())
 
 
 def status(field: str) -> int:

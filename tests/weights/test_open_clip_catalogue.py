@@ -9,10 +9,6 @@ on the meta device in tests/weights/test_catalogue.py."""
 from __future__ import annotations
 
 import dataclasses
-import functools
-import http.server
-import json
-import threading
 import types
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +22,7 @@ import vit_explorer as vx
 from vit_explorer.text import load_image_text_model, zero_shot
 from vit_explorer.weights import catalogue
 
+from test_catalogue import serve_hub
 from textmodels import open_clip, open_clip_folder
 
 SAMPLE = Path(__file__).resolve().parents[2] / "assets" / "samples" / "chelsea.png"
@@ -72,23 +69,11 @@ SMALLER = {
 }
 
 
-class QuietHandler(http.server.SimpleHTTPRequestHandler):
-    def log_message(self, *args):
-        pass
-
-
 @pytest.fixture
 def hub(tmp_path, monkeypatch):
     """A Hub on 127.0.0.1 serving tmp_path/hub; the cache in tmp_path/cache."""
-    root = tmp_path / "hub"
-    root.mkdir()
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(QuietHandler, directory=str(root)))
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    monkeypatch.setenv(catalogue.HUB_URL_VARIABLE, f"http://127.0.0.1:{server.server_address[1]}")
-    monkeypatch.setenv(catalogue.CACHE_VARIABLE, str(tmp_path / "cache"))
-    yield root
-    server.shutdown()
-    server.server_close()
+    with serve_hub(tmp_path, monkeypatch) as (root, _):
+        yield root
 
 
 def smaller_entry(name: str, monkeypatch) -> tuple[str, catalogue.CatalogueEntry]:

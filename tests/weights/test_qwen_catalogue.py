@@ -24,7 +24,7 @@ from vit_explorer.weights import catalogue, entry_checks, from_qwen_vl
 from vit_explorer.weights.infer import infer_config
 
 from apptest import errors, open_app, tiny_default, widget  # noqa: F401 (the app's fixture)
-from test_qwen_vl_tower import HEIGHT, PIXELS, TEXT, VISION, WIDTH, _image, _row_major
+from test_qwen_vl_tower import HEIGHT, PIXELS, TEXT, WIDTH, _image, _row_major, qwen_model
 from test_vlm_catalogue import RangeHandler, nothing_kept
 
 transformers = pytest.importorskip("transformers")
@@ -100,16 +100,8 @@ def published(tmp_path_factory):
     """(a Qwen2.5-VL folder as transformers writes it, bfloat16 and sharded, with its processor's
     settings; transformers' model with the same, bfloat16-rounded, weights in float32)."""
     t = transformers
-    config = t.Qwen2_5_VLConfig(vision_config=VISION, text_config={**TEXT, "vocab_size": 4000}, image_token_id=999,
-                                video_token_id=998, vision_start_token_id=997)
-    torch.manual_seed(0)
-    model = t.Qwen2_5_VLForConditionalGeneration(config).eval()
-    with torch.no_grad():  # scores large enough that a wrong window, position or order shows; norms not all ones
-        for name, parameter in model.model.visual.named_parameters():
-            if name.endswith("qkv.weight"):
-                parameter.mul_(6)
-            if "norm" in name or "ln_q" in name:
-                parameter.copy_(1 + 0.5 * torch.randn_like(parameter))
+    model = qwen_model({**TEXT, "vocab_size": 4000})
+    with torch.no_grad():
         for parameter in model.parameters():  # the values bfloat16 keeps (its rotary buffer stays float32)
             parameter.copy_(parameter.bfloat16())
     folder = tmp_path_factory.mktemp("published")

@@ -29,20 +29,27 @@ PIXELS = dict(min_pixels=56 * 56, max_pixels=28 * 28 * 64)
 HEIGHT, WIDTH = 28 * 4, 28 * 6  # an 8 x 12 grid of patches: 2 x 3 windows, 4 x 6 merged tokens
 
 
-@pytest.fixture(scope="module")
-def qwen(tmp_path_factory):
-    """(the folder, transformers' model, its processor's pixel values and grid of one picture)."""
-    t = transformers
-    config = t.Qwen2_5_VLConfig(vision_config=VISION, text_config=TEXT, image_token_id=999, video_token_id=998,
-                                vision_start_token_id=997)
+def qwen_model(text: dict):
+    """transformers' Qwen2.5-VL at VISION's sizes, its tower's weights made telling: scores large
+    enough that a wrong window, position or order shows, norms not all ones."""
+    config = transformers.Qwen2_5_VLConfig(vision_config=VISION, text_config=text, image_token_id=999, video_token_id=998,
+                                           vision_start_token_id=997)
     torch.manual_seed(0)
-    model = t.Qwen2_5_VLForConditionalGeneration(config).eval()
-    with torch.no_grad():  # scores large enough that a wrong window, position or order shows; norms not all ones
+    model = transformers.Qwen2_5_VLForConditionalGeneration(config).eval()
+    with torch.no_grad():
         for name, parameter in model.model.visual.named_parameters():
             if name.endswith("qkv.weight"):
                 parameter.mul_(6)
             if "norm" in name or "ln_q" in name:
                 parameter.copy_(1 + 0.5 * torch.randn_like(parameter))
+    return model
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    """(the folder, transformers' model, its processor's pixel values and grid of one picture)."""
+    t = transformers
+    model = qwen_model(TEXT)
     folder = tmp_path_factory.mktemp("qwen") / "qwen2_5_vl"
     model.save_pretrained(folder, max_shard_size="20KB")
     processor = t.Qwen2VLImageProcessor(**PIXELS)
